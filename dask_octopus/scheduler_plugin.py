@@ -1,0 +1,170 @@
+"""The scheduler plugin: worker profiles, online speed refinement, and block placement.
+
+Modelled on distributed's ``ShuffleSchedulerPlugin`` and ``ActiveMemoryManagerExtension``: it
+registers RPC handlers on the scheduler, pushes its worker plugin from :meth:`start`, and is
+idempotent (registering it again is a no-op). Errors inside its hooks are logged once per hook
+and never reach Dask: the computation then runs with Dask's own placement.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import dask.config
+from dask.utils import parse_timedelta
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from dask_octopus.placement import Placement
+from dask_octopus.speedmodel import SpeedModel, check_resource
+from dask_octopus.worker_plugin import OctopusWorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guarded(func: F) -> F:
+    """Run a hook; on error log it once per hook and carry on as if the plugin were absent."""
+
+    @functools.wraps(func)
+    def wrapper(self: OctopusScheduler, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(self, *args, **kwargs)
+        except Exception:
+            if func.__name__ not in self.failed_hooks:
+                self.failed_hooks.add(func.__name__)
+                logger.exception("dask_octopus: %s failed; Dask's default placement applies", func.__name__)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class OctopusScheduler(SchedulerPlugin):
+    """Profiles workers, refines their speeds from task timings and pins planned blocks."""
+
+    name = "octopus"
+    idempotent = True
+
+    def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
+                 device: str | None = None):
+        self.calibrate = calibrate
+        self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device)
+        self.model = SpeedModel(alpha=dask.config.get("octopus.refine.alpha"),
+                                confidence_samples=dask.config.get("octopus.refine.confidence-samples"))
+        self.min_duration = parse_timedelta(dask.config.get("octopus.refine.min-duration"))
+        self.placement = Placement(dask.config.get("octopus.max-plans"))
+        self.profiles: dict[str, dict[str, Any]] = {}
+        self.failed_hooks: set[str] = set()
+        self.bad_timings: set[str] = set()
+        self.scheduler: Scheduler | None = None
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update({
+            "octopus_report": self.report,
+            "octopus_speeds": self.speeds,
+            "octopus_profiles": self.get_profiles,
+            "octopus_add_plan": self.add_plan,
+        })
+        if self.calibrate:
+            await scheduler.register_worker_plugin(
+                None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
+            )
+
+    # -- RPC handlers -------------------------------------------------------------------------
+
+    def report(self, worker: str, profile: dict[str, Any]) -> None:
+        """Store a worker's calibration; called by :class:`OctopusWorkerPlugin`."""
+        if worker not in self.scheduler.workers:
+            return  # it left while calibrating
+        self.profiles[worker] = profile
+        if profile.get("error"):
+            logger.warning("dask_octopus: worker %s has no calibration (%s); it gets the mean weight "
+                           "until task timings refine it", worker, profile["error"])
+            return
+        try:
+            self.model.set_prior(worker, {r: profile[r] for r in ("compute", "memory")})
+        except (KeyError, ValueError) as e:
+            profile["error"] = f"invalid calibration: {e}"
+            logger.warning("dask_octopus: ignoring calibration of %s: %s", worker, e)
+
+    def speeds(self, resource: str = "compute") -> dict[str, float]:
+        """Relative weights of the live workers for ``resource``, summing to 1."""
+        check_resource(resource)
+        if not self.scheduler.workers:
+            raise ValueError("the cluster has no workers")
+        return self.model.weights(self.scheduler.workers, resource)
+
+    def get_profiles(self, resource: str = "compute") -> dict[str, dict[str, Any]]:
+        """Per live worker: calibration figures, memory, current weight and refining samples."""
+        weights = self.speeds(resource)
+        out = {}
+        for addr, ws in self.scheduler.workers.items():
+            profile = dict(self.profiles.get(addr, {"error": "not calibrated"}))
+            if profile.get("device") != "gpu" and ws.memory_limit:
+                profile["memory_total"] = profile["memory_free"] = ws.memory_limit
+            profile.update(name_on_scheduler=str(ws.name), weight=weights[addr],
+                           samples=self.model.samples(addr))
+            out[addr] = profile
+        return out
+
+    def add_plan(self, name: str, workers: list[str], axis: int = 0) -> None:
+        """Remember a balance plan: block ``i`` of collection ``name`` goes to ``workers[i]``."""
+        unknown = sorted(set(workers) - set(self.scheduler.workers))
+        if unknown:
+            raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
+        self.placement.add_plan(name, workers, axis)
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    @_guarded
+    def update_graph(self, scheduler: Scheduler, *, tasks: list, **kwargs: Any) -> None:
+        self.placement.update_graph(scheduler, tasks)
+
+    @_guarded
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "forgotten":
+            self.placement.forget(key)
+        elif finish == "memory" and start == "processing" and "startstops" in kwargs:
+            self._observe(key, kwargs["worker"], kwargs["startstops"], kwargs.get("nbytes"))
+
+    def _observe(self, key: Any, worker: str, startstops: list[dict], nbytes: Any) -> None:
+        seconds = sum(s["stop"] - s["start"] for s in startstops if s.get("action") == "compute")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            if worker not in self.bad_timings:
+                self.bad_timings.add(worker)
+                logger.warning("dask_octopus: ignoring task timings of %s that are not finite and > 0 "
+                               "(got %r for %s)", worker, seconds, key)
+            return
+        if seconds < self.min_duration:
+            return
+        ts = self.scheduler.tasks.get(key)
+        if ts is None:
+            return
+        units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+        units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+        self.model.observe(worker, ts.prefix.name, max(units, 1), seconds)
+
+    @_guarded
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self._rehome("add-worker")
+
+    @_guarded
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        self.profiles.pop(worker, None)
+        self.model.remove(worker)
+        self.bad_timings.discard(worker)
+        self._rehome(stimulus_id)
+
+    def _rehome(self, stimulus_id: str) -> None:
+        if self.scheduler.workers:
+            n = self.placement.rehome(self.scheduler, self.speeds(), stimulus_id)
+            if n:
+                logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left", n)

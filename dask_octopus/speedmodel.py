@@ -1,0 +1,115 @@
+"""Pure speed model: calibration priors refined by observed task timings.
+
+No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
+``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
+prefix): an exponentially weighted average of the task's rate (work units per second, units being
+the bytes it read and wrote). For a prefix seen on several workers, each worker's rate relative to
+the geometric mean of the others is its observed relative speed; with enough samples it replaces
+the prior, so a worker that slows down mid-run loses weight within a few tasks of each prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+RESOURCES = ("compute", "memory")
+
+
+def check_resource(resource: str) -> str:
+    """Return ``resource`` if it is a known resource class, else raise ``ValueError``."""
+    if resource not in RESOURCES:
+        raise ValueError(f"unknown resource {resource!r}: expected one of {', '.join(RESOURCES)}")
+    return resource
+
+
+@dataclass
+class _Rate:
+    value: float
+    count: int = 1
+
+
+@dataclass
+class SpeedModel:
+    """Per-worker speed estimates; see the module docstring for the model.
+
+    ``alpha`` is the weight of a new observation in the moving average; a worker's observed
+    speed fully replaces its prior after ``confidence_samples`` comparable observations.
+    """
+
+    alpha: float = 0.5
+    confidence_samples: int = 3
+    priors: dict[str, dict[str, float]] = field(default_factory=dict)
+    rates: defaultdict[str, dict[str, _Rate]] = field(default_factory=lambda: defaultdict(dict))
+
+    def set_prior(self, worker: str, speeds: dict[str, float]) -> None:
+        """Record the calibrated speeds of ``worker``; non-finite or non-positive ones are refused."""
+        for resource, value in speeds.items():
+            check_resource(resource)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{resource} speed of {worker} must be finite and > 0, got {value!r}")
+        self.priors[worker] = dict(speeds)
+
+    def remove(self, worker: str) -> None:
+        """Forget everything about ``worker``."""
+        self.priors.pop(worker, None)
+        for per_worker in self.rates.values():
+            per_worker.pop(worker, None)
+
+    def observe(self, worker: str, prefix: str, units: float, seconds: float) -> None:
+        """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"task duration must be finite and > 0, got {seconds!r}")
+        if not (math.isfinite(units) and units > 0):
+            raise ValueError(f"task work units must be finite and > 0, got {units!r}")
+        rate = units / seconds
+        current = self.rates[prefix].get(worker)
+        if current is None:
+            self.rates[prefix][worker] = _Rate(rate)
+        else:
+            current.value = self.alpha * rate + (1 - self.alpha) * current.value
+            current.count += 1
+
+    def _observed(self, workers: list[str]) -> tuple[dict[str, float], dict[str, int]]:
+        """Observed relative speed (geometric mean 1 per prefix) and sample count per worker."""
+        logsum: dict[str, float] = defaultdict(float)
+        wsum: dict[str, float] = defaultdict(float)
+        samples: dict[str, int] = defaultdict(int)
+        for per_worker in self.rates.values():
+            seen = {w: r for w, r in per_worker.items() if w in workers}
+            if len(seen) < 2:
+                continue
+            mean = sum(math.log(r.value) for r in seen.values()) / len(seen)
+            for w, r in seen.items():
+                weight = min(r.count, self.confidence_samples)
+                logsum[w] += weight * (math.log(r.value) - mean)
+                wsum[w] += weight
+                samples[w] += r.count
+        return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
+
+    def samples(self, worker: str) -> int:
+        """Number of task timings of ``worker`` that count (prefixes seen on two workers or more)."""
+        return self._observed(list({w for r in self.rates.values() for w in r}))[1].get(worker, 0)
+
+    def weights(self, workers: Iterable[str], resource: str = "compute") -> dict[str, float]:
+        """Relative weights of ``workers`` for ``resource``, summing to 1."""
+        check_resource(resource)
+        workers = sorted(workers)
+        if not workers:
+            raise ValueError("no workers to weigh")
+        prior = {w: self.priors.get(w, {}).get(resource) for w in workers}
+        known = [math.log(v) for v in prior.values() if v]
+        mean = sum(known) / len(known) if known else 0.0
+        observed, samples = self._observed(workers)
+        speed = {}
+        for w in workers:
+            log_prior = math.log(prior[w]) - mean if prior[w] else 0.0
+            if w in observed:
+                c = min(1.0, samples[w] / self.confidence_samples)
+                speed[w] = math.exp((1 - c) * log_prior + c * math.log(observed[w]))
+            else:
+                speed[w] = math.exp(log_prior)
+        total = sum(speed.values())
+        return {w: s / total for w, s in speed.items()}

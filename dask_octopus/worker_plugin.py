@@ -1,0 +1,45 @@
+"""Worker plugin: calibrate the worker when it starts and report the figures to the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import dask.config
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_octopus.probes import run_probes
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class OctopusWorkerPlugin(WorkerPlugin):
+    """Runs the calibration probes once per worker (also on workers that join later).
+
+    Figures, or the probe's error, go to the scheduler plugin through its ``octopus_report``
+    handler before :meth:`setup` returns, so registration waits for the calibration.
+    """
+
+    name = "octopus-worker"
+    idempotent = True
+
+    def __init__(self, seconds: float | None = None, device: str | None = None):
+        self.seconds = seconds if seconds is not None else dask.config.get("octopus.calibration.seconds")
+        self.device = device or dask.config.get("octopus.calibration.device")
+
+    async def setup(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            profile = await loop.run_in_executor(None, run_probes, self.seconds, self.device)
+            profile["error"] = None
+            limit = worker.memory_manager.memory_limit
+            if profile["device"] == "cpu" and limit:
+                profile["memory_total"] = profile["memory_free"] = int(limit)
+        except Exception as e:  # reported to the scheduler, the worker keeps working
+            logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
+            profile = {"error": f"{type(e).__name__}: {e}"}
+        await worker.scheduler.octopus_report(worker=worker.address, profile=profile)
