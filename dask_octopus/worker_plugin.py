@@ -32,14 +32,10 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self.device = device or dask.config.get("octopus.calibration.device")
 
     async def setup(self, worker: Worker) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            profile = await loop.run_in_executor(None, run_probes, self.seconds, self.device)
+            profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, self.device)
             profile["error"] = None
-            limit = worker.memory_manager.memory_limit
-            if profile["device"] == "cpu" and limit:
-                profile["memory_total"] = profile["memory_free"] = int(limit)
-        except Exception as e:  # reported to the scheduler, the worker keeps working
+        except Exception as e:  # reported to the scheduler; the worker keeps working
             logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
             profile = {"error": f"{type(e).__name__}: {e}"}
         await worker.scheduler.octopus_report(worker=worker.address, profile=profile)

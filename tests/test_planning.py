@@ -1,0 +1,125 @@
+"""Properties of the pure planning math (hypothesis) and its errors."""
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from dask_octopus.planning import PlanningError, block_sizes, proportional_split, reassign, row_segments
+
+weights_st = st.lists(st.floats(0.01, 100.0), min_size=1, max_size=8)
+
+
+@given(total=st.integers(0, 10_000), weights=weights_st)
+def test_split_sums_exactly_and_is_near_proportional(total, weights):
+    sizes = proportional_split(total, weights)
+    assert sum(sizes) == total
+    assert all(s >= 0 for s in sizes)
+    quotas = [total * w / sum(weights) for w in weights]
+    assert all(abs(s - q) < 1 for s, q in zip(sizes, quotas))  # largest remainder: within one unit
+
+
+@given(total=st.integers(0, 10_000), weights=weights_st)
+def test_larger_weight_never_gets_less(total, weights):
+    sizes = proportional_split(total, weights)
+    for i in range(len(weights)):
+        for j in range(len(weights)):
+            if weights[i] > weights[j]:
+                assert sizes[i] >= sizes[j]
+
+
+@given(total=st.integers(1, 10_000), weights=weights_st, i=st.integers(0, 7), factor=st.floats(1.0, 10.0))
+def test_monotone_when_one_weight_grows(total, weights, i, factor):
+    assume(i < len(weights))
+    before = proportional_split(total, weights)[i]
+    grown = list(weights)
+    grown[i] *= factor
+    assert proportional_split(total, grown)[i] >= before
+
+
+@given(total=st.integers(0, 10_000), weights=weights_st, data=st.data())
+def test_caps_and_minimum_are_respected(total, weights, data):
+    caps = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 5_000)), min_size=len(weights), max_size=len(weights)))
+    fits = any(c is None for c in caps) or sum(caps) >= total
+    if not fits:
+        with pytest.raises(PlanningError, match="does not fit"):
+            proportional_split(total, weights, caps=caps)
+        return
+    sizes = proportional_split(total, weights, caps=caps)
+    assert sum(sizes) == total
+    assert all(c is None or s <= c for s, c in zip(sizes, caps))
+
+
+@given(weights=weights_st, per_worker=st.integers(1, 4), align=st.integers(1, 16), extra=st.integers(0, 50_000))
+def test_block_sizes(weights, per_worker, align, extra):
+    total = len(weights) * per_worker * align * 4 + extra
+    share = total * min(weights) / sum(weights) / per_worker
+    if align > share:
+        with pytest.raises(PlanningError, match="align"):
+            block_sizes(total, weights, per_worker=per_worker, align=align)
+        return
+    plan = block_sizes(total, weights, per_worker=per_worker, align=align)
+    flat = [s for blocks in plan for s in blocks]
+    assert len(plan) == len(weights) and all(len(b) == per_worker for b in plan)
+    assert sum(flat) == total
+    assert all(s > 0 for s in flat)
+    assert all(s % align == 0 for s in flat[:-1])
+    assert flat[-1] % align == total % align
+
+
+def test_block_sizes_follow_weights_exactly():
+    assert block_sizes(100, [1, 3]) == [[25], [75]]
+    assert block_sizes(100, [1, 3], per_worker=2) == [[13, 12], [38, 37]]
+    assert block_sizes(105, [1, 1], align=10) == [[50], [55]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(total=3, weights=[1, 1], per_worker=2), "cannot make 4 blocks"),
+        (dict(total=100, weights=[1, 1], per_worker=0), "per_worker"),
+        (dict(total=100, weights=[1, 1], align=0), "align"),
+        (dict(total=100, weights=[1, 99], align=10), "align=10 is larger"),
+        (dict(total=100, weights=[]), "no weights"),
+        (dict(total=100, weights=[1, math.nan]), "finite"),
+        (dict(total=100, weights=[1, -1]), "finite"),
+        (dict(total=100, weights=[1, 0]), "finite"),
+        (dict(total=100, weights=[1, 1], caps=[10, 10]), "does not fit"),
+    ],
+)
+def test_block_sizes_errors(kwargs, match):
+    with pytest.raises(PlanningError, match=match):
+        block_sizes(**kwargs)
+
+
+@given(old=st.lists(st.integers(0, 50), min_size=1, max_size=10), weights=weights_st)
+@settings(max_examples=200)
+def test_row_segments_cover_every_row_once_in_order(old, weights):
+    total = sum(old)
+    new = proportional_split(total, weights)
+    segments = row_segments(old, new)
+    assert [sum(b - a for _, a, b in seg) for seg in segments] == new
+    rows = [(i, r) for seg in segments for i, a, b in seg for r in range(a, b)]
+    assert rows == [(i, r) for i, n in enumerate(old) for r in range(n)]
+
+
+def test_row_segments_rejects_other_totals():
+    with pytest.raises(PlanningError, match="different row counts"):
+        row_segments([10], [5, 4])
+
+
+@given(owners=st.lists(st.sampled_from("abcd"), min_size=1, max_size=30), alive=st.sets(st.sampled_from("abcd"), min_size=1))
+def test_reassign_moves_only_orphans_proportionally(owners, alive):
+    weights = {w: 1.0 for w in alive}
+    new = reassign(owners, weights)
+    assert all(w in alive for w in new)
+    assert all(a == b for a, b in zip(owners, new) if a in alive)
+    moved = [b for a, b in zip(owners, new) if a not in alive]
+    counts = [moved.count(w) for w in sorted(alive)]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_reassign_without_survivors():
+    with pytest.raises(PlanningError, match="no surviving worker"):
+        reassign(["a"], {})

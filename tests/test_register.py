@@ -1,0 +1,145 @@
+"""Registration, calibration, speeds/profiles, join/leave and bad input (in-process clusters)."""
+
+import asyncio
+import logging
+import math
+
+import pytest
+from distributed import Client, Worker
+from distributed.utils_test import captured_logger, cluster, gen_cluster
+
+import dask_octopus
+from dask_octopus import NotRegisteredError
+from dask_octopus.scheduler_plugin import OctopusScheduler
+
+FAST = {"octopus.calibration.seconds": 0.1}
+
+
+def plugin(s) -> OctopusScheduler:
+    return s.plugins["octopus"]
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_register_twice_is_harmless(c, s, a, b):
+    await c.register_plugin(OctopusScheduler())
+    first = plugin(s)
+    await c.register_plugin(OctopusScheduler())
+    assert plugin(s) is first
+    assert set(first.profiles) == {a.address, b.address}
+    assert [n for n in s.plugins if n.startswith("octopus")] == ["octopus"]
+    assert [n for n in s.worker_plugins if "octopus" in n] == ["octopus-worker"]
+    assert [n for n in a.plugins if "octopus" in n] == ["octopus-worker"]
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_calibration_figures_per_worker(c, s, a, b):
+    await c.register_plugin(OctopusScheduler())
+    for w in (a, b):
+        p = plugin(s).profiles[w.address]
+        assert p["error"] is None and p["device"] == "cpu"
+        assert p["compute"] > 1e8 and p["memory"] > 1e8  # FLOP/s and bytes/s of a real CPU
+        assert 0 < p["probe_seconds"] < 2
+    profiles = await c.scheduler.octopus_profiles(resource="memory")
+    assert profiles[a.address]["memory_total"] == a.memory_manager.memory_limit
+    assert sum(p["weight"] for p in profiles.values()) == pytest.approx(1)
+
+
+def test_speeds_and_profiles_from_a_sync_client(loop):
+    with cluster(nworkers=2, worker_kwargs={"nthreads": 1}) as (s, _), Client(s["address"], loop=loop) as c:
+        dask_octopus.register(c, calibration_seconds=0.1)
+        for resource in ("compute", "memory"):
+            w = dask_octopus.speeds(c, resource)
+            assert len(w) == 2 and sum(w.values()) == pytest.approx(1)
+            assert all(0 < v < 1 for v in w.values())
+        assert set(dask_octopus.profiles(c)) == set(w)
+
+
+def test_preload_installs_the_plugin_in_a_separate_scheduler_process(loop):
+    kwargs = {"preload": ["dask_octopus"]}
+    with cluster(nworkers=2, scheduler_kwargs=kwargs, worker_kwargs=kwargs) as (s, _), \
+            Client(s["address"], loop=loop) as c:
+        w = dask_octopus.speeds(c)  # no register(): the preload did it
+        assert len(w) == 2 and sum(w.values()) == pytest.approx(1)
+        assert all(p["error"] is None for p in dask_octopus.profiles(c).values())
+        dask_octopus.register(c)  # harmless on a preloaded scheduler
+        assert c.run_on_scheduler(lambda dask_scheduler: len([n for n in dask_scheduler.plugins if "octopus" in n])) == 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
+async def test_workers_that_join_are_calibrated_and_those_that_leave_drop_out(c, s, a):
+    await c.register_plugin(OctopusScheduler())
+    async with Worker(s.address, nthreads=1) as b:
+        await c.wait_for_workers(2)
+        assert plugin(s).profiles[b.address]["error"] is None  # calibrated while joining
+        assert set(await c.scheduler.octopus_speeds()) == {a.address, b.address}
+    while b.address in s.workers:
+        await asyncio.sleep(0.01)
+    assert set(await c.scheduler.octopus_speeds()) == {a.address}
+    assert b.address not in plugin(s).profiles and b.address not in plugin(s).model.priors
+
+
+@gen_cluster(client=True, nthreads=[], config=FAST)
+async def test_no_workers(c, s):
+    await c.register_plugin(OctopusScheduler())
+    with pytest.raises(ValueError, match="no workers"):
+        await c.scheduler.octopus_speeds()
+
+
+def test_speeds_before_register_and_unknown_resource(loop):
+    with cluster(nworkers=1) as (s, _), Client(s["address"], loop=loop) as c:
+        with pytest.raises(NotRegisteredError, match=r"dask_octopus.register\(client\)"):
+            dask_octopus.speeds(c)
+        with pytest.raises(ValueError, match="unknown resource 'gpu'"):
+            dask_octopus.speeds(c, "gpu")
+        with pytest.raises(TypeError, match="unknown register options"):
+            dask_octopus.register(c, calibrate_seconds=1)
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_probe_failure_on_one_worker_is_reported_and_others_unaffected(c, s, a, b, monkeypatch):
+    from dask_octopus import probes, worker_plugin
+
+    calls = []
+
+    def flaky(seconds, device):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no device here")
+        return probes.run_probes(seconds, device)
+
+    monkeypatch.setattr(worker_plugin, "run_probes", flaky)
+    with captured_logger("dask_octopus.scheduler_plugin", level=logging.WARNING) as log:
+        await c.register_plugin(OctopusScheduler())
+    errors = {w: p["error"] for w, p in plugin(s).profiles.items()}
+    failed = [w for w, e in errors.items() if e]
+    assert len(failed) == 1 and "RuntimeError: no device here" in errors[failed[0]]
+    assert "has no calibration" in log.getvalue() and failed[0] in log.getvalue()
+    ok = ({a.address, b.address} - set(failed)).pop()
+    assert plugin(s).profiles[ok]["compute"] > 0
+    w = await c.scheduler.octopus_speeds()
+    assert w[failed[0]] == pytest.approx(0.5)  # the mean weight until timings refine it
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_invalid_calibration_figures_are_excluded_with_a_warning(c, s, a, b):
+    await c.register_plugin(OctopusScheduler())
+    with captured_logger("dask_octopus.scheduler_plugin", level=logging.WARNING) as log:
+        plugin(s).report(worker=a.address, profile={"error": None, "compute": math.nan, "memory": 1.0})
+    assert "ignoring calibration" in log.getvalue()
+    assert "invalid calibration" in plugin(s).profiles[a.address]["error"]
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_bad_task_timings_are_ignored_and_warned_once(c, s, a, b):
+    await c.register_plugin(OctopusScheduler())
+    p = plugin(s)
+    fut = c.submit(sum, [1, 2], key="t")
+    await fut
+    before = dict(p.model.rates)
+    with captured_logger("dask_octopus.scheduler_plugin", level=logging.WARNING) as log:
+        for start, stop in [(1.0, 1.0), (2.0, 1.0), (math.nan, 1.0), (0.0, math.inf)]:
+            p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",
+                         startstops=[{"action": "compute", "start": start, "stop": stop}])
+    assert log.getvalue().count("ignoring task timings") == 1
+    assert dict(p.model.rates) == before
+    assert not p.failed_hooks

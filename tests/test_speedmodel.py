@@ -1,0 +1,89 @@
+"""The speed model: priors, online refinement, and refused inputs."""
+
+import math
+
+import pytest
+
+from dask_octopus.speedmodel import SpeedModel
+
+
+def test_priors_give_weights_per_resource():
+    m = SpeedModel()
+    m.set_prior("a", {"compute": 3e12, "memory": 1e9})
+    m.set_prior("b", {"compute": 1e12, "memory": 1e9})
+    assert m.weights(["a", "b"], "compute") == pytest.approx({"a": 0.75, "b": 0.25})
+    assert m.weights(["a", "b"], "memory") == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+def test_uncalibrated_worker_gets_the_mean():
+    m = SpeedModel()
+    m.set_prior("a", {"compute": 4.0, "memory": 1.0})
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    w = m.weights(["a", "b", "c"])
+    assert w["c"] == pytest.approx(w["b"] * 2)  # geometric mean of 4 and 1 is 2
+
+
+def test_a_worker_that_slows_down_loses_weight_within_a_few_tasks():
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m.set_prior("a", {"compute": 1.0, "memory": 1.0})
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    for _ in range(3):
+        m.observe("a", "mul", 100, 1.0)
+        m.observe("b", "mul", 100, 1.0)
+    assert m.weights(["a", "b"])["a"] == pytest.approx(0.5)
+    for _ in range(4):  # a becomes twice as slow
+        m.observe("a", "mul", 100, 2.0)
+        m.observe("b", "mul", 100, 1.0)
+    w = m.weights(["a", "b"])
+    assert w["a"] / w["b"] == pytest.approx(0.5, rel=0.1)
+    assert m.samples("a") == 7
+
+
+def test_units_normalise_block_size():
+    m = SpeedModel(confidence_samples=1)
+    m.observe("a", "mul", 300, 3.0)  # three times the rows in three times the time: same speed
+    m.observe("b", "mul", 100, 1.0)
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+def test_prefix_seen_on_one_worker_does_not_count():
+    m = SpeedModel(confidence_samples=1)
+    m.set_prior("a", {"compute": 1.0, "memory": 1.0})
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    m.observe("a", "only-a", 1, 100.0)
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 0.5, "b": 0.5})
+    assert m.samples("a") == 0
+
+
+def test_remove_forgets_a_worker():
+    m = SpeedModel(confidence_samples=1)
+    m.set_prior("a", {"compute": 1.0, "memory": 1.0})
+    m.observe("a", "p", 1, 1.0)
+    m.observe("b", "p", 1, 1.0)
+    m.remove("a")
+    assert "a" not in m.priors and "a" not in m.rates["p"]
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, math.nan, math.inf])
+def test_bad_durations_are_refused(seconds):
+    with pytest.raises(ValueError, match="duration"):
+        SpeedModel().observe("a", "p", 1, seconds)
+
+
+@pytest.mark.parametrize("units", [0, -5, math.nan])
+def test_bad_units_are_refused(units):
+    with pytest.raises(ValueError, match="units"):
+        SpeedModel().observe("a", "p", units, 1.0)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, "fast"])
+def test_bad_priors_are_refused(value):
+    with pytest.raises(ValueError, match="compute speed"):
+        SpeedModel().set_prior("a", {"compute": value})
+
+
+def test_unknown_resource_and_no_workers():
+    with pytest.raises(ValueError, match="unknown resource 'disk'"):
+        SpeedModel().weights(["a"], "disk")
+    with pytest.raises(ValueError, match="no workers"):
+        SpeedModel().weights([])
