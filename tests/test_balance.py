@@ -1,0 +1,191 @@
+"""balance(): sizes from the weights, exact values, placement from the scheduler's records, faults, bad input."""
+
+import asyncio
+import time
+
+import dask
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from dask.utils import key_split
+from distributed import Nanny, wait
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.utils_test import gen_cluster
+
+import dask_octopus
+from dask_octopus import NotRegisteredError, PlanningError
+from dask_octopus.scheduler_plugin import OctopusScheduler
+
+
+class WhereRan(SchedulerPlugin):
+    """Records the worker that computed each key, and every restriction the scheduler saw."""
+
+    name = "where-ran"
+
+    def __init__(self):
+        self.worker = {}
+        self.restricted = set()
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "memory" and "worker" in kwargs:
+            self.worker[key] = kwargs["worker"]
+
+    def update_graph(self, scheduler, *, tasks, **kwargs):
+        self.restricted |= {k for k in tasks if scheduler.tasks[k].worker_restrictions}
+
+
+async def setup(c, s, speeds):
+    """Register without calibration and give the workers known speeds (3:1 by default)."""
+    await c.register_plugin(OctopusScheduler(calibrate=False))
+    for w, v in zip(sorted(s.workers), speeds):
+        s.plugins["octopus"].model.set_prior(w, {"compute": v, "memory": v})
+    rec = WhereRan()
+    s.add_plugin(rec)
+    return rec
+
+
+def run_balance(c, x, **kwargs):
+    return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.balance(x, client=c, **kwargs))
+
+
+def per_block_tasks(rec, skip=("random", "rechunk-split", "finalize")):
+    return {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and not key_split(k).startswith(skip)}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_array_blocks_and_their_consumers_run_where_planned(c, s, a, b, fuse):
+    rec = await setup(c, s, [3.0, 1.0])
+    x = da.random.default_rng(1).random((800, 30), chunks=(100, 15))
+    with dask.config.set({"optimization.fuse.active": fuse}):
+        y = await run_balance(c, x, per_worker=2)
+        assert y.chunks == ((300, 300, 100, 100), (15, 15))
+        fast, slow = sorted(s.workers)
+        planned = s.plugins["octopus"].placement.plans[y.name].workers
+        assert planned == [fast, fast, slow, slow]
+        reference = await c.compute((x * 2 + 1).sum(axis=1))
+        rec.worker.clear()
+        result = await c.compute((y * 2 + 1).sum(axis=1))
+    np.testing.assert_array_equal(result, reference)
+    blocks = per_block_tasks(rec)
+    assert len(blocks) >= 8
+    assert all(w == planned[k[1]] for k, w in blocks.items()), blocks
+    assert not any("p2p" in key_split(k) for k in rec.worker)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_persisted_balance_pins_downstream_passes(c, s, a, b):
+    rec = await setup(c, s, [1.0, 3.0])
+    x = da.ones((400, 8), chunks=(50, 8))
+    y = c.persist(await run_balance(c, x))
+    await wait(y)
+    slow, fast = sorted(s.workers)
+    assert {key[1]: rec.worker[key] for key in y.__dask_keys__() for key in key} == {0: slow, 1: fast}
+    assert y.chunks[0] == (100, 300)
+    z = c.compute((y @ np.ones((8, 2))).sum())
+    assert await z == 400 * 8 * 2
+    mm = [k for k in rec.worker if isinstance(k, tuple) and "matmul" in key_split(k)]
+    assert mm and all(rec.worker[k] == (slow, fast)[k[1]] for k in mm)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_dataframe_partitions_run_where_planned(c, s, a, b):
+    rec = await setup(c, s, [3.0, 1.0])
+    pdf = pd.DataFrame({"a": np.arange(800), "b": np.arange(800) * 0.5})
+    df = dd.from_pandas(pdf, npartitions=7)
+    bdf = await run_balance(c, df)
+    assert bdf.npartitions == 2 and bdf.known_divisions and bdf.divisions == (0, 600, 799)
+    lengths, total = await c.gather(c.compute([bdf.map_partitions(len), (bdf.a * 2 + bdf.b).sum()]))
+    assert list(lengths) == [600, 200]
+    assert total == (pdf.a * 2 + pdf.b).sum()
+    fast, slow = sorted(s.workers)
+    blocks = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and key_split(k) in ("mul", "add", "getitem", "octopus-rows")}
+    assert len(blocks) >= 8 and all(w == (fast, slow)[k[1]] for k, w in blocks.items()), blocks
+    pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_series_with_duplicate_index_values_keeps_values(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    ser = pd.Series(np.arange(10.0), index=[0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+    bs = await run_balance(c, dd.from_pandas(ser, npartitions=2, sort=True))
+    pd.testing.assert_series_equal(await c.compute(bs), ser)
+    assert bs.npartitions == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_unbalanced_compute_is_not_touched(c, s, a, b):
+    rec = await setup(c, s, [3.0, 1.0])
+    await run_balance(c, da.ones((100, 2), chunks=10))  # a plan exists, for another collection
+    x = da.ones((100, 2), chunks=10) * 3
+    assert await c.compute(x.sum()) == 600
+    assert rec.restricted == set()
+
+
+def slow_copy(block, delay):
+    time.sleep(delay)
+    return block.copy()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_killed_worker_blocks_move_to_survivors(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((50, 10))
+    y = await run_balance(c, x, per_worker=4)
+    z = y.map_blocks(slow_copy, 0.3, dtype=y.dtype).sum(axis=1)
+    fut = c.compute(z)
+    await asyncio.sleep(1.0)  # 16 blocks of 0.3 s on 2 workers: about a third done
+    assert not fut.done()
+    victim = sorted(s.workers)[0]
+    nanny = a if a.worker_address == victim else b
+    await nanny.kill()
+    result = await fut
+    np.testing.assert_array_equal(result, np.arange(4000).reshape(400, 10).sum(axis=1))
+    assert not s.unrunnable
+    plan = s.plugins["octopus"].placement.plans[y.name].workers
+    assert victim not in plan
+
+
+def call(c, x, **kwargs):
+    return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.balance(x, client=c, **kwargs))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_bad_input(c, s, a, b):
+    x = da.ones((100, 4), chunks=10)
+    with pytest.raises(NotRegisteredError, match="not registered"):
+        await call(c, x)
+    await setup(c, s, [1.0, 1.0])
+    cases = [
+        (np.ones(10), {}, TypeError, "expects a dask array or dataframe"),
+        (dask.delayed(1), {}, TypeError, "supports dask arrays, dataframes"),
+        (x, {"axis": 2}, ValueError, "axis 2 is out of range for a 2-d array"),
+        (x[x[:, 0] > 0], {}, ValueError, "compute_chunk_sizes"),
+        (da.ones(3, chunks=1), {"per_worker": 2}, PlanningError, "fewer than the 2 workers"),
+        (x, {"per_worker": 0}, ValueError, "per_worker must be an integer >= 1"),
+        (x, {"align": 60}, PlanningError, "align=60 is larger"),
+        (x, {"resource": "disk"}, ValueError, "unknown resource 'disk'"),
+        (dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2), {"axis": 1}, ValueError, "axis must be 0"),
+    ]
+    for coll, kwargs, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            await call(c, coll, **kwargs)
+    with dask.config.set({"octopus.balance.memory-fraction": 1e-12}):
+        with pytest.raises(PlanningError, match="does not fit in the workers' memory"):
+            await call(c, x)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_worker_that_joins_is_used_by_the_next_balance(c, s, a):
+    await c.register_plugin(OctopusScheduler(calibrate=False))
+    x = da.ones((100, 2), chunks=10)
+    assert len((await call(c, x)).chunks[0]) == 1
+    from distributed import Worker
+
+    async with Worker(s.address, nthreads=1):
+        await c.wait_for_workers(2)
+        y = await call(c, x)
+        assert y.chunks[0] == (50, 50)
+        assert (await c.compute(y.sum())) == 200

@@ -1,0 +1,61 @@
+"""Real heterogeneity on CPU: a co-tenant shares one worker's core; calibration and task timings see it."""
+
+import os
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+import dask_octopus
+from dask_octopus.cotenant import CoTenant, pin_workers
+from dask_octopus.workloads import gemm_repeat
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
+
+
+@pytest.fixture
+def pinned_client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cl, \
+            Client(cl) as c:
+        yield c, pin_workers(c)
+
+
+def test_pin_workers_sets_each_worker_process_to_its_core(pinned_client):
+    c, plan = pinned_client
+    seen = c.run(lambda: sorted(os.sched_getaffinity(0)))
+    assert {w: cores for w, cores in seen.items()} == {w: [core] for w, core in plan.items()}
+
+
+def test_calibration_sees_a_cotenant(pinned_client):
+    c, plan = pinned_client
+    slow = min(plan)
+    with CoTenant(cores=[plan[slow]], procs=2):
+        dask_octopus.register(c)
+        w = dask_octopus.speeds(c)
+    assert w[slow] < 0.4, w
+
+
+def test_online_refinement_after_a_real_slowdown(pinned_client):
+    c, plan = pinned_client
+    dask_octopus.register(c)
+    slow = min(plan)
+    assert dask_octopus.speeds(c)[slow] > 0.4  # equal workers before the co-tenant arrives
+    data = {w: c.scatter(np.ones((512, 512), dtype=np.float64), workers=[w]) for w in plan}
+    with CoTenant(cores=[plan[slow]], procs=2):
+        futs = [c.submit(gemm_repeat, data[w], 20, workers=[w], pure=False) for _ in range(6) for w in plan]
+        wait(futs)
+        w = dask_octopus.speeds(c)
+    assert w[slow] < 0.4, w
+    assert dask_octopus.profiles(c)[slow]["samples"] >= 3
+
+
+def test_cotenant_bad_input_and_cleanup():
+    with pytest.raises(ValueError, match="procs must be >= 1"):
+        CoTenant(cores=[0], procs=0)
+    with pytest.raises(ValueError, match="not available"):
+        CoTenant(cores=[10_000])
+    load = CoTenant(cores=[0]).start()
+    children = list(load.children)
+    assert all(ch.poll() is None for ch in children)
+    load.stop()
+    assert all(ch.poll() is not None for ch in children)
