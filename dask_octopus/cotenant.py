@@ -66,13 +66,13 @@ class CoTenant:
                 self.children.append(subprocess.Popen(
                     [sys.executable, "-m", "dask_octopus.cotenant", kind, target,
                      "--parent", str(os.getpid()), "--max-seconds", str(self.max_seconds)],
-                    env=env, stdin=subprocess.DEVNULL,
+                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                 ))
-        time.sleep(3.0 if any(k == "gpu" for k, _ in self.targets) else 0.5)  # let the load start
-        for child in self.children:
-            if child.poll() is not None:
+        for child in self.children:  # each child prints one line once its load runs
+            if child.stdout.readline().strip() != "ready":
+                code = child.wait()
                 self.stop()
-                raise RuntimeError(f"co-tenant process exited at start with code {child.returncode}")
+                raise RuntimeError(f"co-tenant process exited at start with code {code}")
         return self
 
     def stop(self) -> None:
@@ -94,9 +94,14 @@ class CoTenant:
         self.stop()
 
 
+def _ready() -> None:
+    print("ready", flush=True)
+
+
 def _cpu_loop(core: int, alive) -> None:
     os.sched_setaffinity(0, {core})
     x = 1.0
+    _ready()
     while alive():
         for _ in range(100_000):
             x = x * 1.0000001 + 1e-9
@@ -107,6 +112,9 @@ def _gpu_loop(alive) -> None:
 
     a = cupy.ones((8192, 8192), dtype=cupy.float32)
     out = cupy.empty_like(a)
+    cupy.matmul(a, a, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    _ready()
     while alive():
         for _ in range(4):
             cupy.matmul(a, a, out=out)

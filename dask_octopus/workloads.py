@@ -9,7 +9,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 from dask.utils import key_split
-from distributed import Client, wait
+from distributed import Client, get_task_stream, wait
 
 
 def array_module(gpu: bool) -> Any:
@@ -78,7 +78,7 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
     for _ in range(passes):
         wd = da.from_array(w, chunks=w.shape, asarray=False)
         g = x.T @ (x @ wd)
-        with client.get_task_stream() as ts:
+        with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()
             g = client.compute(g).result()

@@ -1,0 +1,3 @@
+from dask_octopus.cli import main
+
+main()

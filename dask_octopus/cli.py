@@ -1,0 +1,66 @@
+"""The ``dask-octopus`` command line (``python -m dask_octopus`` too)."""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from dask_octopus.probes import gpu_available
+
+
+@click.group()
+@click.version_option(package_name="dask-octopus")
+def main() -> None:
+    """Speed-weighted placement for heterogeneous Dask clusters."""
+
+
+@main.command()
+@click.option("--type", "kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="gpu: LocalCUDACluster on all GPUs; cpu: 2-worker LocalCluster; auto: gpu when CuPy sees one")
+@click.option("--rows", type=int, default=None, help="rows of the array [default: 400000 cpu, 2000000 gpu]")
+@click.option("--cols", type=int, default=256, show_default=True)
+@click.option("--width", type=int, default=None, help="subspace width [default: 128 cpu, 4096 gpu]")
+@click.option("--passes", type=int, default=5, show_default=True)
+@click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="slow one worker down")
+@click.option("--out", default="octopus-demo", show_default=True, help="folder for the timeline PNG")
+def demo(kind: str, rows: int | None, cols: int, width: int | None, passes: int, cotenant: bool, out: str) -> None:
+    """Iterative workload on a local cluster with one slowed worker: Dask defaults vs balance."""
+    from dask_octopus.demo import run_demo
+
+    gpu = kind == "gpu" or (kind == "auto" and gpu_available())
+    rows = rows or (2_000_000 if gpu else 400_000)
+    width = width or (4096 if gpu else 128)
+    run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant)
+
+
+def _si(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if value >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+@main.command()
+@click.option("--scheduler-address", required=True, help="address of a scheduler running dask_octopus")
+def profile(scheduler_address: str) -> None:
+    """Print each worker's device, calibration figures, current weights and refining samples."""
+    from distributed import Client
+
+    import dask_octopus
+
+    with Client(scheduler_address, timeout="10s") as client:
+        by_compute = dask_octopus.profiles(client, "compute")
+        by_memory = dask_octopus.speeds(client, "memory")
+    table = Table(title=f"dask_octopus profiles at {scheduler_address}")
+    for col in ("worker", "name", "device", "memory", "GEMM", "stream", "weight compute", "weight memory",
+                "task timings", "note"):
+        table.add_column(col)
+    for addr, p in sorted(by_compute.items()):
+        device = p.get("name", "?") if p.get("device") == "gpu" else p.get("device", "?")
+        table.add_row(addr, p["name_on_scheduler"], device, _si(p.get("memory_total"), "B"),
+                      _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
+                      f"{by_memory[addr]:.3f}", str(p["samples"]), p.get("error") or "")
+    Console().print(table)

@@ -1,0 +1,126 @@
+"""The iterative experiment behind the demo and the matmul benchmark.
+
+Variants of the same persisted-array workload (:func:`~dask_octopus.workloads.subspace_iteration`):
+``equal`` (Dask's default: one equal row block per worker), ``over-K`` (K equal blocks per worker,
+work stealing on, generated with Dask's root-task queuing), and ``balance`` (speed-weighted blocks
+pinned by dask_octopus). The ideal is the total rows over the sum of the workers' speeds, each
+measured as rows per busy second in a variant where no task moves (``balance``: every block and its
+consumers are pinned, so a worker's busy time is spent on its own rows, with the others running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import dask.array as da
+from distributed import Client, LocalCluster
+
+import dask_octopus
+from dask_octopus.cotenant import CoTenant, pin_workers
+from dask_octopus.workloads import PassRecord, persist_on_workers, random_matrix, subspace_iteration
+
+
+@dataclass
+class Variant:
+    """Results of one variant: timed passes, persist time and rows held by each worker."""
+
+    name: str
+    passes: list[PassRecord] = field(default_factory=list)
+    persist_seconds: list[float] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)
+    blocks: int = 0
+
+    def median(self) -> PassRecord:
+        """The pass of median duration."""
+        ordered = sorted(self.passes, key=lambda r: r.seconds)
+        return ordered[len(ordered) // 2]
+
+    def seconds(self) -> float:
+        return statistics.median(r.seconds for r in self.passes)
+
+    def speeds(self) -> dict[str, float]:
+        """Rows per busy second of each worker (over all passes)."""
+        busy: dict[str, float] = {}
+        for rec in self.passes:
+            for w, iv in rec.intervals.items():
+                busy[w] = busy.get(w, 0.0) + sum(b - a for a, b in iv)
+        return {w: self.rows[w] * len(self.passes) / busy[w] for w in self.rows if busy.get(w)}
+
+
+@contextlib.contextmanager
+def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2) -> Iterator[Client]:
+    """``LocalCUDACluster`` on ``devs`` (all GPUs when None) or a pinned ``LocalCluster``."""
+    if gpu:
+        from dask_cuda import LocalCUDACluster
+
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0")
+    else:
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0")
+    with cluster, Client(cluster) as client:
+        client.wait_for_workers(len(cluster.workers))
+        if not gpu:
+            pin_workers(client)
+        yield client
+
+
+def slowest_target(client: Client, gpu: bool) -> tuple[str, dict]:
+    """The worker to slow down (first by name) and the ``CoTenant`` arguments that do it."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    worker = min(info, key=lambda w: str(info[w]["name"]))
+    if gpu:
+        return worker, {"gpus": [info[worker]["name"]]}
+    core = client.run(lambda: min(__import__("os").sched_getaffinity(0)), workers=[worker])[worker]
+    return worker, {"cores": [core]}
+
+
+def _rows_per_worker(client: Client, x: da.Array) -> dict[str, int]:
+    who = client.who_has(x)
+    rows: dict[str, int] = {}
+    for i, size in enumerate(x.chunks[0]):
+        key = (x.name, i) + (0,) * (x.ndim - 1)
+        for w in who[key][:1]:
+            rows[w] = rows.get(w, 0) + size
+    return rows
+
+
+def make_input(client: Client, variant: str, rows: int, cols: int, gpu: bool) -> da.Array:
+    """The persisted input of ``variant``: ``equal``, ``over-K`` or ``balance[-K]`` (K blocks per worker)."""
+    n = len(client.scheduler_info(n_workers=-1)["workers"])
+    kind, _, k = variant.partition("-")
+    if kind not in ("equal", "over", "balance") or (kind == "over") != bool(k) or (k and not k.isdigit()):
+        raise ValueError(f"unknown variant {variant!r}: expected equal, over-K, balance or balance-K")
+    per_worker = int(k or 1)
+    if kind == "balance":
+        x = random_matrix(rows, cols, chunks=(-(-rows // n), cols), gpu=gpu)
+        x = dask_octopus.balance(x, client=client, per_worker=per_worker)
+    else:
+        x = random_matrix(rows, cols, chunks=(-(-rows // (n * per_worker)), cols), gpu=gpu)
+    return persist_on_workers(client, x)
+
+
+def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, width: int, passes: int,
+                 runs: int = 1, warmup: int = 1, gpu: bool = False) -> dict[str, Variant]:
+    """Run each variant ``runs`` times, interleaved (A B A B) so drift hits all alike."""
+    out = {v: Variant(v) for v in variants}
+    for _ in range(runs):
+        for v in variants:
+            t0 = time.perf_counter()
+            x = make_input(client, v, rows, cols, gpu)
+            out[v].persist_seconds.append(time.perf_counter() - t0)
+            out[v].rows, out[v].blocks = _rows_per_worker(client, x), len(x.chunks[0])
+            records = subspace_iteration(client, x, width, warmup + passes, gpu)
+            out[v].passes.extend(records[warmup:])
+            del x
+    return out
+
+
+def ideal_seconds(results: dict[str, Variant], rows: int) -> float:
+    """Total rows over the sum of the workers' speeds measured in the pinned (``balance``) variant,
+    or in ``equal`` when no balance variant ran (stolen tasks then blur the figure)."""
+    pinned = [v for name, v in results.items() if name.startswith("balance")]
+    reference = pinned[0] if pinned else results["equal"]
+    return rows / sum(reference.speeds().values())
