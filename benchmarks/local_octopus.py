@@ -20,9 +20,9 @@ import sys
 from typing import Any
 
 import click
-from rich.console import Console
 
 import dask_octopus
+from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.demo import summary_table
 from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, run_variants
@@ -97,7 +97,7 @@ def main(operation: str, kind: str, size: int, cols: int, width: int, passes: in
          devs: str | None, n_workers: int, cotenant: str, cotenant_procs: int, variants: str, out: str,
          tag: str) -> None:
     """Run the variants and report."""
-    console = Console()
+    console = make_console()
     gpu = kind == "gpu"
     os.makedirs(out, exist_ok=True)
     targets = [t for t in cotenant.split(",") if t]

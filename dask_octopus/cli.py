@@ -9,6 +9,12 @@ from rich.table import Table
 from dask_octopus.probes import gpu_available
 
 
+def console() -> Console:
+    """A console that keeps tables readable in logs (160 columns when not on a terminal)."""
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
 @click.group()
 @click.version_option(package_name="dask-octopus")
 def main() -> None:
@@ -43,6 +49,20 @@ def _si(value: float | None, unit: str) -> str:
     return f"{value:.0f} {unit}"
 
 
+def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], title: str) -> Table:
+    """A table of :func:`dask_octopus.profiles` with the memory weights beside the compute ones."""
+    table = Table(title=title)
+    for col in ("worker", "name", "device", "memory", "GEMM", "stream", "weight compute", "weight memory",
+                "task timings", "note"):
+        table.add_column(col)
+    for addr, p in sorted(profiles.items()):
+        device = p.get("name", "?") if p.get("device") == "gpu" else p.get("device", "?")
+        table.add_row(addr, p["name_on_scheduler"], device, _si(p.get("memory_total"), "B"),
+                      _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
+                      f"{memory_weights[addr]:.3f}", str(p["samples"]), p.get("error") or "")
+    return table
+
+
 @main.command()
 @click.option("--scheduler-address", required=True, help="address of a scheduler running dask_octopus")
 def profile(scheduler_address: str) -> None:
@@ -52,15 +72,6 @@ def profile(scheduler_address: str) -> None:
     import dask_octopus
 
     with Client(scheduler_address, timeout="10s") as client:
-        by_compute = dask_octopus.profiles(client, "compute")
-        by_memory = dask_octopus.speeds(client, "memory")
-    table = Table(title=f"dask_octopus profiles at {scheduler_address}")
-    for col in ("worker", "name", "device", "memory", "GEMM", "stream", "weight compute", "weight memory",
-                "task timings", "note"):
-        table.add_column(col)
-    for addr, p in sorted(by_compute.items()):
-        device = p.get("name", "?") if p.get("device") == "gpu" else p.get("device", "?")
-        table.add_row(addr, p["name_on_scheduler"], device, _si(p.get("memory_total"), "B"),
-                      _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
-                      f"{by_memory[addr]:.3f}", str(p["samples"]), p.get("error") or "")
-    Console().print(table)
+        table = profile_table(dask_octopus.profiles(client, "compute"), dask_octopus.speeds(client, "memory"),
+                              f"dask_octopus profiles at {scheduler_address}")
+    console().print(table)

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 import dask_octopus
+from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, run_variants, slowest_target
 from dask_octopus.timeline import plot_timelines
@@ -32,7 +33,7 @@ def summary_table(results: dict[str, Variant], ideal: float, reference: str = "e
 def run_demo(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out: str,
              cotenant: bool = True, console: Console | None = None) -> dict[str, Any]:
     """Run the demo and write its timeline PNG under ``out``; returns the figures."""
-    console = console or Console()
+    console = console or make_console()
     os.makedirs(out, exist_ok=True)
     with local_cluster(gpu) as client:
         slow, load = slowest_target(client, gpu)

@@ -1,0 +1,49 @@
+"""Calibration figures of a local cluster with and without a co-tenant on its first worker.
+
+    python benchmarks/calibration.py --type gpu --devs 0,1 --out benchmarks/results/gpu
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import click
+
+import dask_octopus
+from dask_octopus.cli import console as make_console
+from dask_octopus.cli import profile_table
+from dask_octopus.cotenant import CoTenant
+from dask_octopus.experiment import local_cluster, slowest_target
+
+
+@click.command()
+@click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@click.option("--devs", default=None, help="GPUs for LocalCUDACluster")
+@click.option("--out", default="benchmark-results", show_default=True)
+def main(kind: str, devs: str | None, out: str) -> None:
+    gpu = kind == "gpu"
+    os.makedirs(out, exist_ok=True)
+    console = make_console()
+    record: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "command": " ".join(sys.argv)}
+    for case in ("alone", "cotenant"):
+        with local_cluster(gpu, devs) as client:
+            slow, load = slowest_target(client, gpu)
+            with CoTenant(**load) if case == "cotenant" else CoTenant():
+                dask_octopus.register(client)
+                profiles = dask_octopus.profiles(client)
+                memory = dask_octopus.speeds(client, "memory")
+            console.print(profile_table(profiles, memory, f"{case}: co-tenant {load if case == 'cotenant' else 'none'}"))
+            record[case] = {"cotenant_worker": slow if case == "cotenant" else None, "profiles": profiles,
+                            "memory_weights": memory}
+    path = os.path.join(out, f"calibration-{kind}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

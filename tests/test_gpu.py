@@ -1,0 +1,77 @@
+"""GPU tests (marked ``gpu``; skipped without CuPy and a CUDA device). Run on the GPU machine."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def n_gpus():
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def test_gpu_probe_figures_and_memory_is_freed():
+    import cupy
+
+    from dask_octopus.probes import run_probes
+
+    pool = cupy.get_default_memory_pool()
+    before = pool.total_bytes()
+    p = run_probes(0.6)
+    assert p["device"] == "gpu" and p["memory_total"] > 2**30
+    assert p["compute"] > 1e12 and p["memory"] > 1e11  # FLOP/s and bytes/s of a real GPU
+    assert p["probe_seconds"] < 3
+    assert pool.total_bytes() == before
+
+
+@pytest.fixture
+def cuda_client():
+    if n_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", dashboard_address=":0") as cluster, Client(cluster) as c:
+        c.wait_for_workers(2)
+        yield c
+
+
+def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):
+    import dask_octopus
+    from dask_octopus.cotenant import CoTenant
+
+    info = cuda_client.scheduler_info(n_workers=-1)["workers"]
+    shared = next(w for w, v in info.items() if str(v["name"]) == "0")
+    with CoTenant(gpus=[0]):
+        dask_octopus.register(cuda_client)
+        weights = dask_octopus.speeds(cuda_client)
+        profiles = dask_octopus.profiles(cuda_client)
+    print("weights", weights)
+    print("profiles", profiles)
+    assert weights[shared] < 0.4
+    assert all(p["device"] == "gpu" and p["error"] is None for p in profiles.values())
+
+
+def test_balance_cupy_array_exact_and_pinned(cuda_client):
+    import cupy
+    import dask.array as da
+    from dask.utils import key_split
+    from distributed import get_task_stream
+
+    import dask_octopus
+
+    dask_octopus.register(cuda_client)
+    rng = da.random.default_rng(cupy.random.default_rng(0))
+    x = rng.random((100_000, 256), chunks=(10_000, 256), dtype=np.float32)
+    y = dask_octopus.balance(x, per_worker=2)
+    plan = cuda_client.run_on_scheduler(lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
+    reference = cuda_client.compute((x * 2 + 1).sum(axis=1)).result()
+    with get_task_stream(cuda_client) as ts:
+        result = cuda_client.compute((y * 2 + 1).sum(axis=1)).result()
+    assert isinstance(result, cupy.ndarray)
+    cupy.testing.assert_array_equal(result, reference)
+    blocks = [(r["key"], r["worker"]) for r in ts.data
+              if isinstance(r["key"], tuple) and not key_split(r["key"]).startswith(("random", "rechunk-split"))]
+    assert len(blocks) >= 4 and all(w == plan[k[1]] for k, w in blocks)
