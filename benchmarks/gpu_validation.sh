@@ -13,23 +13,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-step() {  # step NAME COMMAND...: run, log to $run/NAME.log, note the exit code
-  local name=$1; shift
+step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
+  local limit=$1 name=$2; shift 2
   echo "== $name: $*" | tee -a "$run/steps.txt"
   local t0=$SECONDS
-  timeout 420 "$@" > "$run/$name.log" 2>&1
+  timeout "$limit" "$@" > "$run/$name.log" 2>&1
   echo "   exit $? after $((SECONDS - t0)) s" | tee -a "$run/steps.txt"
+  tar czf "$out/results.tar.gz" -C "$out" run  # what ran so far survives a later time-out
 }
 
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; } > "$run/env.txt" 2>&1
 
-step gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py
-step calibration python3 benchmarks/calibration.py --type gpu --devs 0,1 --out "$run"
-step demo python3 -m dask_octopus demo --type gpu --out "$run"
+step 150 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py
+step 90 calibration python3 benchmarks/calibration.py --type gpu --devs 0,1 --out "$run"
+step 90 demo python3 -m dask_octopus demo --type gpu --out "$run"
 common=(--type gpu --devs 0,1 --size 500000 --cols 4096 --width 4096 --passes 3 --runs 2 --warmup-runs 1)
-step bench-cotenant python3 benchmarks/local_octopus.py "${common[@]}" --cotenant 0 --out "$run"
-step bench-even python3 benchmarks/local_octopus.py "${common[@]}" --variants equal,balance --runs 3 --out "$run"
+step 150 bench-cotenant python3 benchmarks/local_octopus.py "${common[@]}" --cotenant 0 --out "$run"
+step 90 bench-even python3 benchmarks/local_octopus.py "${common[@]}" --variants equal,balance --runs 3 --out "$run"
 
-tar czf "$out/results.tar.gz" -C "$out" run
 cp "$run/steps.txt" "$out/steps.txt"
 tail -n 40 "$run"/*.log | tail -c 11000
