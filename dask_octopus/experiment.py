@@ -91,7 +91,8 @@ def make_input(client: Client, variant: str, rows: int, cols: int, gpu: bool) ->
     """The persisted input of ``variant``: ``equal``, ``over-K`` or ``balance[-K]`` (K blocks per worker)."""
     n = len(client.scheduler_info(n_workers=-1)["workers"])
     kind, _, k = variant.partition("-")
-    if kind not in ("equal", "over", "balance") or (kind == "over") != bool(k) or (k and not k.isdigit()):
+    valid = {"equal": not k, "over": k.isdigit(), "balance": not k or k.isdigit()}
+    if not valid.get(kind, False):
         raise ValueError(f"unknown variant {variant!r}: expected equal, over-K, balance or balance-K")
     per_worker = int(k or 1)
     if kind == "balance":

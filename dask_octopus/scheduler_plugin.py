@@ -19,6 +19,7 @@ from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from dask_octopus.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.placement import Placement
 from dask_octopus.speedmodel import SpeedModel, check_resource
 from dask_octopus.worker_plugin import OctopusWorkerPlugin
@@ -133,24 +134,33 @@ class OctopusScheduler(SchedulerPlugin):
         if finish == "forgotten":
             self.placement.forget(key)
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
-            self._observe(key, kwargs["worker"], kwargs["startstops"], kwargs.get("nbytes"))
+            worker = kwargs["worker"]
+            if self.profiles.get(worker, {}).get("event_timing"):
+                return  # CuPy tasks return at launch: this worker reports CUDA-event timings instead
+            ts = self.scheduler.tasks.get(key)
+            if ts is None:
+                return
+            seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
+            nbytes = kwargs.get("nbytes")
+            units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+            units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+            self._observe(worker, ts.prefix.name, units, seconds)
 
-    def _observe(self, key: Any, worker: str, startstops: list[dict], nbytes: Any) -> None:
-        seconds = sum(s["stop"] - s["start"] for s in startstops if s.get("action") == "compute")
+    @_guarded
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic == GPU_TIMINGS and msg.get("worker") in self.scheduler.workers:
+            for prefix, units, seconds in msg["timings"]:
+                self._observe(msg["worker"], prefix, units, seconds)
+
+    def _observe(self, worker: str, prefix: str, units: float, seconds: float) -> None:
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             if worker not in self.bad_timings:
                 self.bad_timings.add(worker)
                 logger.warning("dask_octopus: ignoring task timings of %s that are not finite and > 0 "
-                               "(got %r for %s)", worker, seconds, key)
+                               "(got %r for %s)", worker, seconds, prefix)
             return
-        if seconds < self.min_duration:
-            return
-        ts = self.scheduler.tasks.get(key)
-        if ts is None:
-            return
-        units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
-        units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
-        self.model.observe(worker, ts.prefix.name, max(units, 1), seconds)
+        if seconds >= self.min_duration:
+            self.model.observe(worker, prefix, max(units, 1), seconds)
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:

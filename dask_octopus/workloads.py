@@ -27,14 +27,13 @@ def random_matrix(rows: int, cols: int, chunks: Any, gpu: bool = False, seed: in
     return rng.random((rows, cols), chunks=chunks, dtype=np.float32)
 
 
-def gemm_repeat(a: Any, reps: int) -> Any:
-    """``reps`` products ``a.T @ a`` (compute-bound; synchronises the GPU before returning)."""
-    xp = np if isinstance(a, np.ndarray) else __import__("cupy")
-    out = None
+def gemm_repeat(a: Any, reps: int, sync: bool = True) -> Any:
+    """``reps`` products ``a.T @ a`` (compute-bound); with ``sync`` waits for the GPU before returning."""
+    out = a
     for _ in range(reps):
         out = a.T @ a
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
+    if sync:
+        synchronize(out)
     return out
 
 
@@ -66,24 +65,43 @@ def _intervals(stream: list[dict], t0: float, prefixes: set[str] | None = None) 
     return out
 
 
+def synchronize(a: Any) -> None:
+    """Wait for the GPU work behind ``a`` (no-op for NumPy), so task timings are real."""
+    if not isinstance(a, np.ndarray):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def block_gram(xb: Any, w: Any) -> Any:
+    """One row block's share ``X_i^T (X_i W)`` of the next subspace, shape ``(1, cols, width)``."""
+    out = (xb.T @ (xb @ w))[None]
+    synchronize(out)
+    return out
+
+
 def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu: bool = False) -> list[PassRecord]:
     """Passes of ``W <- normalise(X^T (X W))`` over a persisted ``x``; one record per pass.
 
-    The per-block work (two GEMMs on each row block, ``4 * rows * cols * width`` FLOP) dominates;
-    the cross-block sum of the ``cols x width`` partial products is small.
+    ``W`` stays on the cluster between passes (persisted); the per-block work (two GEMMs,
+    ``4 * rows * cols * width`` FLOP per pass) dominates, and the cross-block sum of the
+    ``cols x width`` partial products is small.
     """
     xp = array_module(gpu)
-    w = xp.ones((x.shape[1], width), dtype=np.float32) / np.sqrt(x.shape[1])
+    cols = x.shape[1]
+    w = client.persist(da.from_array(xp.full((cols, width), 1 / np.sqrt(cols), dtype=np.float32),
+                                     chunks=(cols, width), asarray=False))
     records = []
     for _ in range(passes):
-        wd = da.from_array(w, chunks=w.shape, asarray=False)
-        g = x.T @ (x @ wd)
+        parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
+                             meta=xp.empty((0, 0, 0), dtype=np.float32))
+        g = parts.sum(axis=0)
         with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()
-            g = client.compute(g).result()
+            w = client.persist(g / da.linalg.norm(g))
+            wait(w)
             seconds = time.perf_counter() - start
-        w = g / xp.linalg.norm(g)
         records.append(PassRecord(seconds, _intervals(ts.data, t0)))
     return records
 

@@ -75,3 +75,30 @@ def test_balance_cupy_array_exact_and_pinned(cuda_client):
     blocks = [(r["key"], r["worker"]) for r in ts.data
               if isinstance(r["key"], tuple) and not key_split(r["key"]).startswith(("random", "rechunk-split"))]
     assert len(blocks) >= 4 and all(w == plan[k[1]] for k, w in blocks)
+
+
+def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
+    """Tasks that return at kernel launch (no sync) still refine speeds: the worker times them with events."""
+    import cupy
+
+    import dask_octopus
+    from dask_octopus.cotenant import CoTenant
+    from dask_octopus.workloads import gemm_repeat
+
+    dask_octopus.register(cuda_client)
+    info = cuda_client.scheduler_info(n_workers=-1)["workers"]
+    shared = next(w for w, v in info.items() if str(v["name"]) == "0")
+    assert dask_octopus.speeds(cuda_client)[shared] > 0.4
+    data = {w: cuda_client.submit(cupy.ones, (4096, 4096), dtype="float32", workers=[w]) for w in info}
+    with CoTenant(gpus=[0]):
+        for _ in range(6):
+            futs = [cuda_client.submit(gemm_repeat, data[w], 20, False, workers=[w], pure=False) for w in info]
+            cuda_client.gather(futs)
+        import time
+
+        time.sleep(0.6)  # event timings are polled every 200 ms
+        weights = dask_octopus.speeds(cuda_client)
+        profiles = dask_octopus.profiles(cuda_client)
+    print("weights after slowdown", weights, {w: p["samples"] for w, p in profiles.items()})
+    assert all(p["event_timing"] for p in profiles.values())
+    assert weights[shared] < 0.4

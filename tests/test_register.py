@@ -143,3 +143,25 @@ async def test_bad_task_timings_are_ignored_and_warned_once(c, s, a, b):
     assert log.getvalue().count("ignoring task timings") == 1
     assert dict(p.model.rates) == before
     assert not p.failed_hooks
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_gpu_event_timings_replace_launch_timings(c, s, a, b):
+    from dask_octopus.gpu_timing import TOPIC
+
+    await c.register_plugin(OctopusScheduler())
+    p = plugin(s)
+    for w in (a, b):
+        p.profiles[w.address]["event_timing"] = True
+    for _ in range(3):  # a twice as slow as b on the same prefix and units
+        s.log_event(TOPIC, {"worker": a.address, "timings": [("gemm", 1000, 0.2)]})
+        s.log_event(TOPIC, {"worker": b.address, "timings": [("gemm", 1000, 0.1)]})
+    fut = c.submit(sum, [1, 2], key="t", workers=[a.address])
+    await fut
+    p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",  # a launch timing: ignored
+                 startstops=[{"action": "compute", "start": 0.0, "stop": 1.0}])
+    w = await c.scheduler.octopus_speeds()
+    assert w[a.address] == pytest.approx(1 / 3, rel=0.01)
+    assert set(p.model.rates) == {"gemm"}
+    s.log_event(TOPIC, {"worker": a.address, "timings": [("gemm", 1000, math.nan)]})
+    assert a.address in p.bad_timings and not p.failed_hooks
