@@ -27,7 +27,7 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 step 150 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py
 step 90 calibration python3 benchmarks/calibration.py --type gpu --devs 0,1 --out "$run"
 step 90 demo python3 -m dask_octopus demo --type gpu --out "$run"
-common=(--type gpu --devs 0,1 --size 500000 --cols 4096 --width 4096 --passes 3 --runs 2 --warmup-runs 1)
+common=(--type gpu --devs 0,1 --size 2000000 --cols 2048 --width 2048 --passes 3 --runs 2 --warmup-runs 1)
 step 150 bench-cotenant python3 benchmarks/local_octopus.py "${common[@]}" --cotenant 0 --out "$run"
 step 90 bench-even python3 benchmarks/local_octopus.py "${common[@]}" --variants equal,balance --runs 3 --out "$run"
 

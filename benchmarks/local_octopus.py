@@ -123,7 +123,7 @@ def main(operation: str, kind: str, size: int, cols: int, width: int, passes: in
                        warmup_runs=warmup_runs, devs=devs, cotenant=targets, cotenant_procs=cotenant_procs),
         "hardware": hardware(gpu), "versions": versions(),
         "weights_calibrated": weights, "weights_after": refined,
-        "ideal_seconds": ideal, "ideal_formula": "rows / sum over workers of (rows / busy seconds) in the pinned variant",
+        "ideal_seconds": ideal, "ideal_formula": "rows / sum over workers of (rows / seconds of per-block tasks) in the first pinned variant; excludes transfers and the cross-block reduction",
         "variants": {v.name: {"median_seconds": v.seconds(), "blocks": v.blocks, "rows_per_worker": v.rows,
                               "persist_seconds": v.persist_seconds, "spread_of_median_pass": v.median().spread(),
                               "passes": [{"seconds": r.seconds, "finish": r.finish()} for r in v.passes]}

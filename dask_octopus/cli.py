@@ -24,9 +24,9 @@ def main() -> None:
 @main.command()
 @click.option("--type", "kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="gpu: LocalCUDACluster on all GPUs; cpu: 2-worker LocalCluster; auto: gpu when CuPy sees one")
-@click.option("--rows", type=int, default=None, help="rows of the array [default: 400000]")
-@click.option("--cols", type=int, default=None, help="columns [default: 256 cpu, 4096 gpu]")
-@click.option("--width", type=int, default=None, help="subspace width [default: 128 cpu, 4096 gpu]")
+@click.option("--rows", type=int, default=None, help="rows of the array [default: 400000 cpu, 1000000 gpu]")
+@click.option("--cols", type=int, default=None, help="columns [default: 256 cpu, 2048 gpu]")
+@click.option("--width", type=int, default=None, help="subspace width [default: 128 cpu, 2048 gpu]")
 @click.option("--passes", type=int, default=5, show_default=True)
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="slow one worker down")
 @click.option("--out", default="octopus-demo", show_default=True, help="folder for the timeline PNG")
@@ -36,9 +36,9 @@ def demo(kind: str, rows: int | None, cols: int | None, width: int | None, passe
     from dask_octopus.demo import run_demo
 
     gpu = kind == "gpu" or (kind == "auto" and gpu_available())
-    rows = rows or 400_000
-    cols = cols or (4096 if gpu else 256)
-    width = width or (4096 if gpu else 128)
+    rows = rows or (1_000_000 if gpu else 400_000)
+    cols = cols or (2048 if gpu else 256)
+    width = width or (2048 if gpu else 128)
     run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant)
 
 

@@ -4,7 +4,7 @@ Variants of the same persisted-array workload (:func:`~dask_octopus.workloads.su
 ``equal`` (Dask's default: one equal row block per worker), ``over-K`` (K equal blocks per worker,
 work stealing on, generated with Dask's root-task queuing), and ``balance`` (speed-weighted blocks
 pinned by dask_octopus). The ideal is the total rows over the sum of the workers' speeds, each
-measured as rows per busy second in a variant where no task moves (``balance``: every block and its
+measured as rows per second of per-block work in a variant where no task moves (``balance``: every block and its
 consumers are pinned, so a worker's busy time is spent on its own rows, with the others running).
 """
 
@@ -43,10 +43,10 @@ class Variant:
         return statistics.median(r.seconds for r in self.passes)
 
     def speeds(self) -> dict[str, float]:
-        """Rows per busy second of each worker (over all passes)."""
+        """Rows per second of per-block work of each worker (over all passes)."""
         busy: dict[str, float] = {}
         for rec in self.passes:
-            for w, iv in rec.intervals.items():
+            for w, iv in rec.blocks.items():
                 busy[w] = busy.get(w, 0.0) + sum(b - a for a, b in iv)
         return {w: self.rows[w] * len(self.passes) / busy[w] for w in self.rows if busy.get(w)}
 

@@ -4,8 +4,10 @@ No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s 
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
 prefix): an exponentially weighted average of the task's rate (work units per second, units being
 the bytes it read and wrote). For a prefix seen on several workers, each worker's rate relative to
-the geometric mean of the others is its observed relative speed; with enough samples it replaces
-the prior, so a worker that slows down mid-run loses weight within a few tasks of each prefix.
+the geometric mean of the others is its observed relative speed. Prefixes count in proportion to
+the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial
+results, which latency dominates). With enough samples the observed speed replaces the prior, so
+a worker that slows down mid-run loses weight within a few tasks of each prefix.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def check_resource(resource: str) -> str:
 
 @dataclass
 class _Rate:
-    value: float
+    value: float  # moving average of units per second
+    seconds: float  # moving average of one task's duration
     count: int = 1
 
 
@@ -67,9 +70,10 @@ class SpeedModel:
         rate = units / seconds
         current = self.rates[prefix].get(worker)
         if current is None:
-            self.rates[prefix][worker] = _Rate(rate)
+            self.rates[prefix][worker] = _Rate(rate, seconds)
         else:
             current.value = self.alpha * rate + (1 - self.alpha) * current.value
+            current.seconds = self.alpha * seconds + (1 - self.alpha) * current.seconds
             current.count += 1
 
     def _observed(self, workers: list[str]) -> tuple[dict[str, float], dict[str, int]]:
@@ -82,8 +86,9 @@ class SpeedModel:
             if len(seen) < 2:
                 continue
             mean = sum(math.log(r.value) for r in seen.values()) / len(seen)
+            duration = sum(r.seconds for r in seen.values()) / len(seen)
             for w, r in seen.items():
-                weight = min(r.count, self.confidence_samples)
+                weight = min(r.count, self.confidence_samples) * duration
                 logsum[w] += weight * (math.log(r.value) - mean)
                 wsum[w] += weight
                 samples[w] += r.count

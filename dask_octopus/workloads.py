@@ -39,14 +39,16 @@ def gemm_repeat(a: Any, reps: int, sync: bool = True) -> Any:
 
 @dataclass
 class PassRecord:
-    """One pass: wall time, and each worker's busy intervals (seconds from the pass start)."""
+    """One pass: wall time, and each worker's busy intervals (seconds from the pass start), for all
+    tasks and for the per-block tasks alone (the ones balancing sizes)."""
 
     seconds: float
     intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    blocks: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     def finish(self) -> dict[str, float]:
-        """Each worker's last task end, from the pass start."""
-        return {w: max(stop for _, stop in iv) for w, iv in self.intervals.items() if iv}
+        """Each worker's last per-block task end, from the pass start."""
+        return {w: max(stop for _, stop in iv) for w, iv in self.blocks.items() if iv}
 
     def spread(self) -> float:
         """(latest - earliest worker finish) / pass time."""
@@ -54,10 +56,11 @@ class PassRecord:
         return (max(f) - min(f)) / self.seconds if len(f) > 1 else 0.0
 
 
-def _intervals(stream: list[dict], t0: float, prefixes: set[str] | None = None) -> dict[str, list[tuple[float, float]]]:
+def _intervals(stream: list[dict], t0: float, name: str = "") -> dict[str, list[tuple[float, float]]]:
+    """Compute intervals per worker of the tasks whose key prefix contains ``name``."""
     out: dict[str, list[tuple[float, float]]] = {}
     for rec in stream:
-        if prefixes and key_split(rec["key"]) not in prefixes:
+        if name not in key_split(rec["key"]):
             continue
         for ss in rec["startstops"]:
             if ss["action"] == "compute":
@@ -93,16 +96,18 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
                                      chunks=(cols, width), asarray=False))
     records = []
     for _ in range(passes):
-        parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
-                             meta=xp.empty((0, 0, 0), dtype=np.float32))
-        g = parts.sum(axis=0)
         with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()
+            parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
+                                 meta=xp.empty((0, 0, 0), dtype=np.float32))
+            parts = client.persist(parts)  # its own stage, so the per-block tasks keep their name
+            wait(parts)
+            g = parts.sum(axis=0)
             w = client.persist(g / da.linalg.norm(g))
             wait(w)
             seconds = time.perf_counter() - start
-        records.append(PassRecord(seconds, _intervals(ts.data, t0)))
+        records.append(PassRecord(seconds, _intervals(ts.data, t0), _intervals(ts.data, t0, "block_gram")))
     return records
 
 

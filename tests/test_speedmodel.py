@@ -87,3 +87,13 @@ def test_unknown_resource_and_no_workers():
         SpeedModel().weights(["a"], "disk")
     with pytest.raises(ValueError, match="no workers"):
         SpeedModel().weights([])
+
+
+def test_long_tasks_outweigh_short_ones():
+    m = SpeedModel(confidence_samples=1)
+    m.observe("a", "gemm", 100, 0.6)  # a is half as fast on the long GEMMs
+    m.observe("b", "gemm", 100, 0.3)
+    m.observe("a", "sum", 100, 0.003)  # and looks as fast on a short, latency-bound sum
+    m.observe("b", "sum", 100, 0.003)
+    w = m.weights(["a", "b"])
+    assert w["a"] / w["b"] == pytest.approx(0.5, rel=0.02)
