@@ -37,8 +37,9 @@ class WhereRan(SchedulerPlugin):
 
 
 async def setup(c, s, speeds):
-    """Register without calibration and give the workers known speeds (3:1 by default)."""
-    await c.register_plugin(OctopusScheduler(calibrate=False))
+    """Register without calibration or refinement and give the workers fixed, known speeds."""
+    with dask.config.set({"octopus.refine.min-duration": "1h"}):  # no task is long enough to refine
+        await c.register_plugin(OctopusScheduler(calibrate=False))
     for w, v in zip(sorted(s.workers), speeds):
         s.plugins["octopus"].model.set_prior(w, {"compute": v, "memory": v})
     rec = WhereRan()
