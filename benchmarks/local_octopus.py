@@ -110,6 +110,7 @@ def main(operation: str, kind: str, size: int, cols: int, width: int, passes: in
         results = run_variants(client, names, rows=size, cols=cols, width=width, passes=passes, runs=runs,
                                warmup=warmup_runs, gpu=gpu)
         refined = dask_octopus.speeds(client)
+        rates = client.sync(client.scheduler.octopus_rates)
     ideal = ideal_seconds(results, size)
     console.print(summary_table(results, ideal))
     stem = os.path.join(out, f"{tag or operation}-{kind}-{'cotenant' if targets else 'even'}")
@@ -122,10 +123,11 @@ def main(operation: str, kind: str, size: int, cols: int, width: int, passes: in
         "config": dict(operation=operation, type=kind, size=size, cols=cols, width=width, passes=passes, runs=runs,
                        warmup_runs=warmup_runs, devs=devs, cotenant=targets, cotenant_procs=cotenant_procs),
         "hardware": hardware(gpu), "versions": versions(),
-        "weights_calibrated": weights, "weights_after": refined,
+        "weights_calibrated": weights, "weights_after": refined, "observed_rates": rates,
         "ideal_seconds": ideal, "ideal_formula": "rows / sum over workers of (rows / seconds of per-block tasks) in the first pinned variant; excludes transfers and the cross-block reduction",
         "variants": {v.name: {"median_seconds": v.seconds(), "blocks": v.blocks, "rows_per_worker": v.rows,
                               "persist_seconds": v.persist_seconds, "spread_of_median_pass": v.median().spread(),
+                              "weights_after_each_run": v.weights,
                               "passes": [{"seconds": r.seconds, "finish": r.finish()} for r in v.passes]}
                      for v in results.values()},
     }

@@ -33,6 +33,7 @@ class Variant:
     persist_seconds: list[float] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
     blocks: int = 0
+    weights: list[dict[str, float]] = field(default_factory=list)  # dask_octopus weights after each run
 
     def median(self) -> PassRecord:
         """The pass of median duration."""
@@ -115,6 +116,7 @@ def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, w
             out[v].rows, out[v].blocks = _rows_per_worker(client, x), len(x.chunks[0])
             records = subspace_iteration(client, x, width, warmup + passes, gpu)
             out[v].passes.extend(records[warmup:])
+            out[v].weights.append(dask_octopus.speeds(client))
             del x
     return out
 

@@ -73,6 +73,7 @@ class OctopusScheduler(SchedulerPlugin):
             "octopus_speeds": self.speeds,
             "octopus_profiles": self.get_profiles,
             "octopus_add_plan": self.add_plan,
+            "octopus_rates": self.model.table,
         })
         if self.calibrate:
             await scheduler.register_worker_plugin(

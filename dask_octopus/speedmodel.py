@@ -94,6 +94,10 @@ class SpeedModel:
                 samples[w] += r.count
         return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
 
+    def table(self) -> dict[str, dict[str, tuple[float, float, int]]]:
+        """Observed ``(units per second, seconds per task, count)`` per prefix and worker."""
+        return {p: {w: (r.value, r.seconds, r.count) for w, r in per.items()} for p, per in self.rates.items()}
+
     def samples(self, worker: str) -> int:
         """Number of task timings of ``worker`` that count (prefixes seen on two workers or more)."""
         return self._observed(list({w for r in self.rates.values() for w in r}))[1].get(worker, 0)

@@ -106,6 +106,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
             g = parts.sum(axis=0)
             w = client.persist(g / da.linalg.norm(g))
             wait(w)
+            # Broadcast W while every GPU is idle: on the legacy default stream a device-to-host copy
+            # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
+            client.replicate(w)
             seconds = time.perf_counter() - start
         records.append(PassRecord(seconds, _intervals(ts.data, t0), _intervals(ts.data, t0, "block_gram")))
     return records
