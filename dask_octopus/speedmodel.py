@@ -6,8 +6,10 @@ prefix): an exponentially weighted average of the task's rate (work units per se
 the bytes it read and wrote). For a prefix seen on several workers, each worker's rate relative to
 the geometric mean of the others is its observed relative speed. Prefixes count in proportion to
 the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial
-results, which latency dominates). With enough samples the observed speed replaces the prior, so
-a worker that slows down mid-run loses weight within a few tasks of each prefix.
+results, which latency dominates). A prefix counts only on workers that ran it
+``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
+steady work. The observed speed then replaces the prior, so a worker that slows down mid-run
+loses weight within a few tasks of each prefix.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class SpeedModel:
     """Per-worker speed estimates; see the module docstring for the model.
 
     ``alpha`` is the weight of a new observation in the moving average; a worker's observed
-    speed fully replaces its prior after ``confidence_samples`` comparable observations.
+    speed replaces its prior once a prefix it shares with another worker has ``confidence_samples``
+    observations on both.
     """
 
     alpha: float = 0.5
@@ -82,7 +85,7 @@ class SpeedModel:
         wsum: dict[str, float] = defaultdict(float)
         samples: dict[str, int] = defaultdict(int)
         for per_worker in self.rates.values():
-            seen = {w: r for w, r in per_worker.items() if w in workers}
+            seen = {w: r for w, r in per_worker.items() if w in workers and r.count >= self.confidence_samples}
             if len(seen) < 2:
                 continue
             mean = sum(math.log(r.value) for r in seen.values()) / len(seen)
@@ -99,7 +102,7 @@ class SpeedModel:
         return {p: {w: (r.value, r.seconds, r.count) for w, r in per.items()} for p, per in self.rates.items()}
 
     def samples(self, worker: str) -> int:
-        """Number of task timings of ``worker`` that count (prefixes seen on two workers or more)."""
+        """Number of task timings of ``worker`` that count (prefixes seen often enough on two workers or more)."""
         return self._observed(list({w for r in self.rates.values() for w in r}))[1].get(worker, 0)
 
     def weights(self, workers: Iterable[str], resource: str = "compute") -> dict[str, float]:
@@ -111,14 +114,7 @@ class SpeedModel:
         prior = {w: self.priors.get(w, {}).get(resource) for w in workers}
         known = [math.log(v) for v in prior.values() if v]
         mean = sum(known) / len(known) if known else 0.0
-        observed, samples = self._observed(workers)
-        speed = {}
-        for w in workers:
-            log_prior = math.log(prior[w]) - mean if prior[w] else 0.0
-            if w in observed:
-                c = min(1.0, samples[w] / self.confidence_samples)
-                speed[w] = math.exp((1 - c) * log_prior + c * math.log(observed[w]))
-            else:
-                speed[w] = math.exp(log_prior)
+        observed = self._observed(workers)[0]
+        speed = {w: observed.get(w) or math.exp(math.log(prior[w]) - mean if prior[w] else 0.0) for w in workers}
         total = sum(speed.values())
         return {w: s / total for w, s in speed.items()}
