@@ -17,7 +17,7 @@ from dask.base import is_dask_collection, tokenize
 from distributed import Client, default_client
 
 from dask_octopus.client_api import call_scheduler
-from dask_octopus.planning import PlanningError, block_sizes, row_segments
+from dask_octopus.planning import PlanningError, block_sizes, row_segments, worth_moving
 from dask_octopus.speedmodel import check_resource
 
 
@@ -34,9 +34,10 @@ def _workers_and_caps(client: Client, resource: str, row_bytes: float) -> tuple[
     return workers, [profiles[w]["weight"] for w in workers], caps
 
 
-def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int,
-          align: int) -> tuple[list[int], list[str]]:
-    """Flat block sizes and the worker of each block."""
+def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int, align: int,
+          current: list[int]) -> tuple[list[int], list[str]]:
+    """Flat block sizes and the worker of each block; the ``current`` sizes when moving data to the
+    planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain``."""
     row_bytes = nbytes / total if total else 0.0
     workers, weights, caps = _workers_and_caps(client, resource, row_bytes)
     if total < len(workers) * per_worker:
@@ -49,7 +50,11 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
             "add workers or process it in pieces"
         )
     plan = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
-    return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
+    owners = [w for w, blocks in zip(workers, plan) for _ in blocks]
+    fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
+    if fits and not worth_moving(current, plan, weights, dask.config.get("octopus.balance.min-gain")):
+        return list(current), owners
+    return [s for blocks in plan for s in blocks], owners
 
 
 def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per_worker: int = 1,
@@ -57,7 +62,8 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     """Same collection and values, in blocks sized by the workers' speeds and pinned to them.
 
     Arrays are re-chunked along ``axis`` (task-based rechunk; other axes keep their chunks),
-    dataframes and series by rows. Each worker gets ``per_worker`` blocks; sizes are multiples
+    dataframes and series by rows. When the existing blocks are already close to the plan (predicted
+    makespan within ``octopus.balance.min-gain``), they are kept and only pinned: no data moves. Each worker gets ``per_worker`` blocks; sizes are multiples
     of ``align`` (the last block also takes the remainder) and respect each worker's memory
     (``octopus.balance.memory-fraction`` of device memory on GPU workers, of the memory limit on
     CPU workers). Needs :func:`dask_octopus.register` on the client's scheduler.
@@ -86,7 +92,7 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int, reso
     if any(math.isnan(c) for chunks in x.chunks for c in chunks):
         raise ValueError("the array has unknown chunk sizes (NaN, e.g. after boolean indexing): "
                          "call x.compute_chunk_sizes() first")
-    sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align)
+    sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align, list(x.chunks[axis]))
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     y = x.rechunk(tuple(chunks), method="tasks")
@@ -112,7 +118,7 @@ def _balance_frame(df: Any, client: Client, per_worker: int, resource: str, alig
 
     lengths, memory = client.gather(client.compute([df.map_partitions(len), df.memory_usage_per_partition(deep=True)]))
     lengths = [int(n) for n in lengths]
-    sizes, workers = _plan(client, sum(lengths), float(sum(memory)), resource, per_worker, align)
+    sizes, workers = _plan(client, sum(lengths), float(sum(memory)), resource, per_worker, align, lengths)
     segments = row_segments(lengths, sizes)
     parts = df.to_delayed()
     name = "octopus-rows-" + tokenize(df, sizes)

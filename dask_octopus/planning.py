@@ -160,3 +160,22 @@ def row_segments(old: Sequence[int], new: Sequence[int]) -> list[list[tuple[int,
             size -= take
         out.append(parts)
     return out
+
+
+def makespan(blocks: Sequence[Sequence[int]], weights: Sequence[float]) -> float:
+    """Predicted finish time of the slowest worker: its rows over its weight."""
+    return max(sum(b) / w for b, w in zip(blocks, _check_weights(weights)))
+
+
+def worth_moving(current: Sequence[int], planned: Sequence[Sequence[int]], weights: Sequence[float],
+                 min_gain: float) -> bool:
+    """Whether re-chunking ``current`` blocks (assigned in order, as ``planned`` groups them) into
+    ``planned`` shortens the predicted makespan by more than ``min_gain`` (a fraction)."""
+    counts = [len(b) for b in planned]
+    if len(current) != sum(counts):
+        return True
+    groups, start = [], 0
+    for n in counts:
+        groups.append(current[start:start + n])
+        start += n
+    return makespan(groups, weights) > (1 + min_gain) * makespan(planned, weights)

@@ -190,3 +190,16 @@ async def test_a_worker_that_joins_is_used_by_the_next_balance(c, s, a):
         y = await call(c, x)
         assert y.chunks[0] == (50, 50)
         assert (await c.compute(y.sum())) == 200
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_blocks_close_to_the_plan_are_kept_and_only_pinned(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.01])
+    x = da.ones((1000, 4), chunks=(500, 4))
+    y = await run_balance(c, x)
+    assert y.name == x.name and y.chunks == x.chunks  # no rechunk: nothing to move for a 1% gain
+    assert await c.compute(y.sum()) == 4000
+    planned = s.plugins["octopus"].placement.plans[x.name].workers
+    assert sorted(planned) == sorted(s.workers)
+    blocks = per_block_tasks(rec, skip=("finalize",))
+    assert len(blocks) >= 2 and all(w == planned[k[1]] for k, w in blocks.items()), blocks

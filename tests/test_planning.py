@@ -6,7 +6,14 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.planning import PlanningError, block_sizes, proportional_split, reassign, row_segments
+from dask_octopus.planning import (
+    PlanningError,
+    block_sizes,
+    proportional_split,
+    reassign,
+    row_segments,
+    worth_moving,
+)
 
 weights_st = st.lists(st.floats(0.01, 100.0), min_size=1, max_size=8)
 
@@ -123,3 +130,16 @@ def test_reassign_moves_only_orphans_proportionally(owners, alive):
 def test_reassign_without_survivors():
     with pytest.raises(PlanningError, match="no surviving worker"):
         reassign(["a"], {})
+
+
+def test_worth_moving_only_when_the_makespan_gain_exceeds_the_threshold():
+    assert not worth_moving([500, 500], [[501], [499]], [0.501, 0.499], 0.03)  # equal workers: keep
+    assert worth_moving([500, 500], [[700], [300]], [0.7, 0.3], 0.03)  # 0.3-weight worker: 1667 vs 1000
+    assert worth_moving([250, 250, 250, 250], [[500], [500]], [0.5, 0.5], 0.03)  # other block count
+
+
+@given(weights=weights_st, total=st.integers(100, 10_000))
+def test_the_plan_itself_is_never_worth_moving(weights, total):
+    plan = block_sizes(total, weights) if total >= len(weights) and total * min(weights) / sum(weights) >= 1 else None
+    assume(plan is not None)
+    assert not worth_moving([b for blocks in plan for b in blocks], plan, weights, 0.0)
