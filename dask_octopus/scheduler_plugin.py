@@ -117,12 +117,14 @@ class OctopusScheduler(SchedulerPlugin):
             out[addr] = profile
         return out
 
-    def add_plan(self, name: str, workers: list[str], axis: int = 0) -> None:
-        """Remember a balance plan: block ``i`` of collection ``name`` goes to ``workers[i]``."""
+    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None) -> None:
+        """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs ``costs[i]``)."""
         unknown = sorted(set(workers) - set(self.scheduler.workers))
         if unknown:
             raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
-        self.placement.add_plan(name, workers, axis)
+        if costs is not None and len(costs) != len(workers):
+            raise ValueError(f"plan has {len(costs)} costs for {len(workers)} blocks")
+        self.placement.add_plan(name, workers, axis, costs)
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -142,9 +144,11 @@ class OctopusScheduler(SchedulerPlugin):
             if ts is None:
                 return
             seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
-            nbytes = kwargs.get("nbytes")
-            units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
-            units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+            units = self.placement.cost_of(key)
+            if units is None:
+                nbytes = kwargs.get("nbytes")
+                units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+                units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
             self._observe(worker, ts.prefix.name, units, seconds)
 
     @_guarded

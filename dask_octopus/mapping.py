@@ -1,0 +1,105 @@
+"""``dask_octopus.map``: run a function over indivisible items of different costs, packed onto
+workers by cost and speed (:mod:`dask_octopus.packing`), pinned, with one future per item."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from dask.base import is_dask_collection, tokenize
+from dask.utils import funcname
+from distributed import Client, Future, default_client
+from distributed.protocol.pickle import dumps
+
+from dask_octopus.client_api import call_scheduler
+from dask_octopus.packing import Packing, pack
+from dask_octopus.speedmodel import check_resource
+from dask_octopus.workloads import synchronize
+
+
+def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """Run ``func`` on each item in one task; GPU results are synchronised once, at the end."""
+    results = [func(item, **kwargs) for item in items]
+    for r in results:
+        if type(r).__module__.startswith("cupy"):
+            synchronize(r)
+            break
+    return results
+
+
+def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
+    if cost is None:
+        return [float(getattr(it, "nbytes", 1)) if not isinstance(it, Future) else 1.0 for it in items]
+    if callable(cost):
+        out = []
+        for i, it in enumerate(items):
+            try:
+                out.append(cost(it))
+            except Exception as e:
+                raise ValueError(f"cost raised for item {i}: {e!r}") from e
+    else:
+        out = list(cost)
+        if len(out) != len(items):
+            raise ValueError(f"cost has {len(out)} entries for {len(items)} items")
+    for i, c in enumerate(out):
+        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
+            raise ValueError(f"cost of item {i} must be a finite number >= 0, got {c!r}")
+    return [float(c) for c in out]
+
+
+def plan_items(client: Client, costs: list[float], resource: str) -> tuple[list[str], Packing]:
+    """Live workers (sorted) and the packing of ``costs`` onto them by their current weights."""
+    weights = call_scheduler(client, "octopus_speeds", resource=resource)
+    workers = sorted(weights)
+    return workers, pack(costs, [weights[w] for w in workers])
+
+
+def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
+        client: Client | None = None, group: int | None = None, resource: str = "compute",
+        **kwargs: Any) -> list[Future]:
+    """Futures of ``func(item, **kwargs)`` in the order of ``items``, each run on the worker that the
+    packing chose, so that all workers are predicted to finish together.
+
+    ``items`` may be local objects, futures or delayed objects. ``cost`` is a callable or a list of
+    numbers (default: ``nbytes`` when items have it, else equal). With ``group=g`` a worker's items run
+    ``g`` to a task (fewer Dask tasks; results still come back one future per item). Observed task
+    times refine the worker weights, so a second ``map`` of the same function is better planned.
+    """
+    check_resource(resource)
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"group must be an integer >= 1 or None, got {group!r}")
+    try:
+        dumps(func)
+    except Exception as e:
+        raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
+    items = list(items)
+    if not items:
+        return []
+    client = client or default_client()
+    costs = _costs(items, cost)
+    delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
+    if delayed_at:
+        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
+            items[i] = fut
+    workers, packing = plan_items(client, costs, resource)
+    token = tokenize(func, items, costs, kwargs, group, workers, packing.assignment)
+    name = f"octopus-map-{funcname(func)}-{token}"
+    per_worker: list[list[int]] = [[] for _ in workers]
+    for i in sorted(range(len(items)), key=lambda i: -costs[i]):  # largest first on each worker
+        per_worker[packing.assignment[i]].append(i)
+    size = group or 1
+    batches = [(j, idx[k:k + size]) for j, idx in enumerate(per_worker) for k in range(0, len(idx), size)]
+    call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
+                   costs=[sum(costs[i] for i in idx) for _, idx in batches])
+    futures: list[Future | None] = [None] * len(items)
+    for b, (_, idx) in enumerate(batches):
+        if group is None:
+            (i,) = idx
+            futures[i] = client.submit(func, items[i], key=(name, b), pure=False, **kwargs)
+            continue
+        batch = client.submit(run_group, func, [items[i] for i in idx], kwargs, key=(name, b), pure=False)
+        for k, i in enumerate(idx):
+            futures[i] = client.submit(operator.getitem, batch, k, key=(f"octopus-item-{token}", i), pure=False)
+    return futures  # type: ignore[return-value]

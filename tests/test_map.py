@@ -1,0 +1,127 @@
+"""dask_octopus.map: order, exact results, placement per plan, groups, faults, feedback, bad input."""
+
+import asyncio
+import os
+import threading
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, Nanny, wait
+from distributed.utils_test import gen_cluster
+
+import dask_octopus
+from dask_octopus.cotenant import CoTenant, pin_workers
+from dask_octopus.workloads import gemm_repeat
+
+from test_balance import WhereRan, setup
+
+
+def call(c, *args, **kwargs):
+    return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.map(*args, client=c, **kwargs))
+
+
+def plan_of(s):
+    (name, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map")]
+    return name, plan
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_results_in_order_and_placed_by_cost_and_speed(c, s, a, b):
+    rec = await setup(c, s, [3.0, 1.0])
+    items = [np.arange(n, dtype=float) for n in (5, 800, 3, 100, 250, 40, 700, 1, 60, 9)]
+    futs = await call(c, np.sum, items)
+    assert await c.gather(futs) == [x.sum() for x in items]
+    name, plan = plan_of(s)
+    fast, slow = sorted(s.workers)
+    load = {fast: 0, slow: 0}
+    for f in futs:
+        assert f.key[0] == name and rec.worker[f.key] == plan.workers[f.key[1]]
+        load[rec.worker[f.key]] += plan.costs[f.key[1]]
+    assert 2.0 < load[fast] / load[slow] < 4.5  # nbytes costs, weights 3:1, indivisible items
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_groups_make_fewer_tasks_and_keep_one_future_per_item(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    items = list(range(20))
+    futs = await call(c, lambda x, k: x * k, items, cost=[1] * 20, group=4, k=3)
+    assert await c.gather(futs) == [3 * x for x in items]
+    name, plan = plan_of(s)
+    batches = [k for k in rec.worker if isinstance(k, tuple) and k[0] == name]
+    assert len(batches) == 6  # 10 items per worker in groups of 4: 4 + 4 + 2
+    assert all(rec.worker[k] == plan.workers[k[1]] for k in batches)
+    per_worker = [rec.worker[f.key] for f in futs]  # each item's future is computed next to its batch
+    assert sorted(per_worker.count(w) for w in s.workers) == [10, 10]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_futures_and_delayed_items(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    remote = c.scatter([np.ones(10), np.ones(20)])
+    remote = await remote
+    items = [*remote, dask.delayed(np.ones)(30)]
+    futs = await call(c, np.sum, items, cost=[1, 2, 3])
+    assert await c.gather(futs) == [10.0, 20.0, 30.0]
+
+
+def slow_identity(x, delay):
+    time.sleep(delay)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_a_lost_worker_items_are_rerun_elsewhere(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    futs = await call(c, slow_identity, list(range(16)), cost=[1] * 16, group=2, delay=0.2)
+    await asyncio.sleep(0.5)
+    assert not all(f.done() for f in futs)
+    await a.kill()
+    assert await c.gather(futs) == list(range(16))
+    assert not s.unrunnable
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_bad_input(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    assert await call(c, np.sum, []) == []
+    lock = threading.Lock()
+
+    def cost_fails(x):
+        if x == 2:
+            raise KeyError("no size")
+        return 1
+
+    cases = [
+        (dict(cost=[1, 2]), ValueError, "cost has 2 entries for 3 items"),
+        (dict(cost=[1, -2, 3]), ValueError, "cost of item 1"),
+        (dict(cost=[1, float("nan"), 3]), ValueError, "cost of item 1"),
+        (dict(cost=cost_fails), ValueError, "cost raised for item 2"),
+        (dict(group=0), ValueError, "group must be"),
+        (dict(resource="disk"), ValueError, "unknown resource"),
+    ]
+    for kwargs, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            await call(c, np.sum, [0, 1, 2], **kwargs)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        await call(c, lambda x: lock, [1])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
+def test_a_second_map_is_better_planned_after_a_slowdown():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cl, \
+            Client(cl) as c:
+        plan = pin_workers(c)
+        dask_octopus.register(c, calibrate=False)  # equal weights until task timings say otherwise
+        slow = min(plan)
+        block = np.ones((384, 384))
+        with CoTenant(cores=[plan[slow]], procs=2):
+            counts = []
+            for _ in range(2):
+                futs = dask_octopus.map(gemm_repeat, [block] * 12, cost=[1] * 12, reps=15)
+                wait(futs)
+                who = c.who_has(futs)
+                counts.append(sum(who[f.key][0] == slow for f in futs))
+        assert counts[0] == 6  # equal weights: 6 items each
+        assert counts[1] <= 4, counts  # the slowed worker got fewer items the second time

@@ -1,0 +1,66 @@
+"""LPT on speed-scaled workers against a brute-force optimum (hypothesis)."""
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_octopus.packing import lower_bound, pack
+
+def optimum(costs, speeds):
+    best = math.inf
+    for assignment in itertools.product(range(len(speeds)), repeat=len(costs)):
+        load = [0.0] * len(speeds)
+        for c, j in zip(costs, assignment):
+            load[j] += c
+        best = min(best, max(l / s for l, s in zip(load, speeds)))
+    return best
+
+
+costs_st = st.lists(st.floats(0.0, 100.0), min_size=1, max_size=7)
+
+
+@given(costs=costs_st, n=st.integers(1, 3))
+@settings(max_examples=150, deadline=None)
+def test_identical_workers_within_four_thirds_of_optimal(costs, n):
+    result = pack(costs, [1.0] * n)
+    assert result.makespan <= 4 / 3 * optimum(costs, [1.0] * n) + 1e-9
+
+
+@given(costs=costs_st, speeds=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=3))
+@settings(max_examples=150, deadline=None)
+def test_uniform_workers_close_to_optimal_and_consistent(costs, speeds):
+    result = pack(costs, speeds)
+    opt = optimum(costs, speeds)
+    assert len(result.assignment) == len(costs) and all(0 <= j < len(speeds) for j in result.assignment)
+    loads = [sum(c for c, j in zip(costs, result.assignment) if j == k) for k in range(len(speeds))]
+    assert result.finish == pytest.approx([l / s for l, s in zip(loads, speeds)])
+    assert result.floor <= opt + 1e-9 <= result.makespan + 2e-9
+    assert result.makespan <= 1.5 * opt + 1e-9  # LPT's bound on uniform machines is below 1.583 (Gonzalez et al.)
+
+
+def test_a_giant_item_sets_the_floor():
+    result = pack([100, 1, 1, 1], [1.0, 1.0])
+    assert result.floor == 100 and result.makespan == 100
+
+
+def test_faster_worker_gets_proportionally_more():
+    result = pack([1.0] * 30, [2.0, 1.0])
+    assert result.assignment.count(0) == 20
+
+
+@pytest.mark.parametrize("costs, speeds, match", [
+    ([1, -1], [1], "cost of item 1"),
+    ([1, math.nan], [1], "cost of item 1"),
+    ([1], [], "no workers"),
+    ([1], [0.0], "speed of worker 0"),
+])
+def test_bad_input(costs, speeds, match):
+    with pytest.raises(ValueError, match=match):
+        pack(costs, speeds)
+
+
+def test_lower_bound_of_nothing():
+    assert lower_bound([], [1.0]) == 0.0
