@@ -1,0 +1,27 @@
+"""The examples run on CPU at small sizes (and check their own results across variants)."""
+
+import json
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import images  # noqa: E402
+
+
+def test_specs_follow_the_scenarios():
+    items = images.specs("video", 1.0, 2)
+    assert len({seed for _, _, seed in items}) == len(items) == 60  # every image its own seed
+    sizes = [(h, w) for h, w, _ in items]
+    assert sizes.count((360, 640)) == 58 and sizes.count((2160, 3840)) == 2
+
+
+def test_images_example_runs_every_variant_on_cpu(tmp_path):
+    out = tmp_path / "images.json"
+    result = CliRunner().invoke(images.main, ["--type", "cpu", "--scale", "0.03", "--runs", "1",
+                                              "--scenarios", "web,video", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "video: 30 images" in result.output and "vs one-task-each" in result.output
+    record = json.loads(out.read_text())
+    assert set(record["video"]["seconds"]) == {"octopus", "one-task-each", "equal-batches", "loop"}
