@@ -95,9 +95,21 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int, reso
     sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align, list(x.chunks[axis]))
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
-    y = x.rechunk(tuple(chunks), method="tasks")
+    y = x.rechunk(tuple(chunks), method="tasks") if tuple(sizes) != x.chunks[axis] else _named_blocks(x)
     call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis)
     return y
+
+
+def _named_blocks(x: da.Array) -> da.Array:
+    """``x`` under a new name, one alias task per block: a layer that blockwise fusion cannot
+    swallow, so the plan can find its blocks (inside low-level fused tasks too)."""
+    from dask._task_spec import Alias
+    from dask.highlevelgraph import HighLevelGraph
+
+    name = "octopus-blocks-" + tokenize(x)
+    layer = {(name, *k[1:]): Alias((name, *k[1:]), k) for k in dask.core.flatten(x.__dask_keys__())}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    return da.Array(graph, name, x.chunks, meta=x._meta)
 
 
 def _take_rows(pieces: list[tuple[Any, int, int]]) -> Any:
