@@ -5,6 +5,7 @@
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
 #   device run, carry [".whl"]:  bash benchmarks/gpu_validation.sh "$OUT"
+#   a subset: STEPS="gpu-tests images" bash benchmarks/gpu_validation.sh "$OUT"
 set -u
 out=${1:?usage: gpu_validation.sh OUTDIR}
 run="$out/run"
@@ -13,8 +14,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
+steps=${STEPS:-gpu-tests calibration demo bench-cotenant bench-even images}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
+  [[ " $steps " == *" $name "* ]] || return 0
   echo "== $name: $*" | tee -a "$run/steps.txt"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$run/$name.log" 2>&1
@@ -30,6 +33,8 @@ step 90 demo python3 -m dask_octopus demo --type gpu --out "$run"
 common=(--type gpu --devs 0,1 --size 2000000 --cols 2048 --width 2048 --passes 3 --runs 2 --warmup-runs 1)
 step 150 bench-cotenant python3 benchmarks/local_octopus.py "${common[@]}" --cotenant 0 --out "$run"
 step 90 bench-even python3 benchmarks/local_octopus.py "${common[@]}" --variants equal,balance --runs 3 --out "$run"
+step 150 images python3 examples/images.py --type gpu --devs 0,1 --cotenant 0 --repeat 4 --runs 3 \
+  --json-out "$run/images-gpu-cotenant.json"
 
 cp "$run/steps.txt" "$out/steps.txt"
 tail -n 40 "$run"/*.log | tail -c 11000
