@@ -102,3 +102,22 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
     print("weights after slowdown", weights, {w: p["samples"] for w, p in profiles.items()})
     assert all(p["event_timing"] for p in profiles.values())
     assert weights[shared] < 0.4
+
+
+def test_map_cupy_items_exact_and_placed(cuda_client):
+    import sys
+    from pathlib import Path
+
+    import dask_octopus
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    import images
+
+    dask_octopus.register(cuda_client)
+    items = images.specs("video", 0.5, 2)
+    futs = dask_octopus.map(images.pipeline, items, cost=[h * w for h, w, _ in items], group=8)
+    got = cuda_client.gather(futs)
+    expected = [images.pipeline(it) for it in items]  # the same pipeline, in this process
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    who = cuda_client.who_has(futs)
+    assert len({who[f.key][0] for f in futs}) == 2
