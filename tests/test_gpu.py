@@ -110,9 +110,12 @@ def test_map_cupy_items_exact_and_placed(cuda_client):
 
     import dask_octopus
 
+    import cloudpickle
+
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
     import images
 
+    cloudpickle.register_pickle_by_value(images)  # the workers cannot import examples/
     dask_octopus.register(cuda_client)
     items = images.specs("video", 0.5, 2)
     futs = dask_octopus.map(images.pipeline, items, cost=[h * w for h, w, _ in items], group=8)
