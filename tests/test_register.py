@@ -6,7 +6,7 @@ import math
 
 import pytest
 from distributed import Client, Worker
-from distributed.utils_test import captured_logger, cluster, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, cluster, gen_cluster
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
@@ -70,7 +70,8 @@ async def test_workers_that_join_are_calibrated_and_those_that_leave_drop_out(c,
     await c.register_plugin(OctopusScheduler())
     async with Worker(s.address, nthreads=1) as b:
         await c.wait_for_workers(2)
-        assert plugin(s).profiles[b.address]["error"] is None  # calibrated while joining
+        await async_poll_for(lambda: b.address in plugin(s).profiles, timeout=10)  # calibrated on arrival
+        assert plugin(s).profiles[b.address]["error"] is None
         assert set(await c.scheduler.octopus_speeds()) == {a.address, b.address}
     while b.address in s.workers:
         await asyncio.sleep(0.01)
