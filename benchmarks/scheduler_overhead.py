@@ -1,0 +1,70 @@
+"""Scheduler throughput with and without the dask_octopus plugin (CPU, in-process cluster).
+
+Three clusters, measured interleaved: Dask alone, the plugin registered (no plan), and the plugin with
+a balance plan active for another collection (so ``update_graph`` walks every new task). Each run
+computes one graph of about ``--tasks`` tiny tasks; reports tasks per second and the ratio to Dask alone.
+
+    python benchmarks/scheduler_overhead.py --tasks 100000 --runs 3 --out benchmarks/results/DIR
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import click
+import dask.array as da
+from distributed import Client, LocalCluster
+
+import dask_octopus
+from dask_octopus.cli import console as make_console
+
+VARIANTS = ("dask", "registered", "plan-active")
+
+
+def _cluster(variant: str, stack: contextlib.ExitStack) -> Client:
+    cluster = stack.enter_context(LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                               dashboard_address=":0"))
+    client = stack.enter_context(Client(cluster, set_as_default=False))
+    if variant != "dask":
+        dask_octopus.register(client, calibrate=False)
+    if variant == "plan-active":
+        dask_octopus.balance(da.ones((40, 2), chunks=10), client=client).sum().compute()
+    return client
+
+
+@click.command()
+@click.option("--tasks", type=int, default=100_000, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--out", default=None, help="folder for the JSON")
+def main(tasks: int, runs: int, out: str | None) -> None:
+    console = make_console()
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    n_tasks = 0
+    with contextlib.ExitStack() as stack:
+        clients = {v: _cluster(v, stack) for v in VARIANTS}
+        for _ in range(runs):
+            for v in VARIANTS:
+                x = (da.ones(tasks // 2, chunks=1) + 1).sum(split_every=16)
+                n_tasks = len(x.__dask_graph__())
+                t0 = time.perf_counter()
+                assert clients[v].compute(x).result() == tasks // 2 * 2
+                times[v].append(time.perf_counter() - t0)
+    rate = {v: n_tasks / statistics.median(t) for v, t in times.items()}
+    for v in VARIANTS:
+        console.print(f"{v:>12}: {rate[v]:8.0f} tasks/s (median of {runs}), {rate[v] / rate['dask']:.3f} of Dask alone")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "scheduler-overhead.json"), "w") as f:
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "command": " ".join(sys.argv), "graph_tasks": n_tasks, "seconds": times,
+                       "tasks_per_second": rate}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
