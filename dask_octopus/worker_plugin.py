@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import pickle
 
 from dask_octopus.gpu_timing import GpuTaskTimer
 from dask_octopus.probes import run_probes
@@ -24,6 +25,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
     Figures, or the probe's error, go to the scheduler plugin through its ``octopus_report``
     handler before :meth:`setup` returns, so registration waits for the calibration. On a GPU
     worker with one thread it also times tasks with CUDA events (:mod:`dask_octopus.gpu_timing`).
+    A task that runs out of memory gets a note naming the worker, the bytes of its block and what
+    to change in the plan.
     """
 
     name = "octopus-worker"
@@ -33,8 +36,10 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self.seconds = seconds if seconds is not None else dask.config.get("octopus.calibration.seconds")
         self.device = device or dask.config.get("octopus.calibration.device")
         self.timer: GpuTaskTimer | None = None
+        self.worker: Worker | None = None
 
     async def setup(self, worker: Worker) -> None:
+        self.worker = worker
         profile: dict[str, Any]
         try:
             profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, self.device)
@@ -50,6 +55,28 @@ class OctopusWorkerPlugin(WorkerPlugin):
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         if self.timer is not None:
             self.timer.transition(key, start, finish)
+        if finish == "error" and self.worker is not None:
+            self._explain_out_of_memory(key)
+
+    def _explain_out_of_memory(self, key: Any) -> None:
+        """Add the note to an out-of-memory error; the worker holds it pickled inside a ``Serialize``
+        that the task-erred message shares, so the note travels to the client with it."""
+        ts = self.worker.state.tasks.get(key)
+        wrapped = getattr(ts, "exception", None)
+        try:
+            exc = pickle.loads(wrapped.data)
+        except Exception:
+            return
+        if not (isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__):
+            return
+        nbytes = sum(d.nbytes or 0 for d in ts.dependencies)
+        fraction = dask.config.get("octopus.balance.memory-fraction")
+        exc.add_note(
+            f"dask_octopus: worker {self.worker.address} ran out of memory on task {key!r}, whose inputs "
+            f"hold {nbytes / 2**20:.1f} MiB. If dask_octopus.balance planned this block, make blocks "
+            f"smaller with per_worker=2 or more, or lower octopus.balance.memory-fraction (now {fraction})."
+        )
+        wrapped.data = pickle.dumps(exc)
 
     def teardown(self, worker: Worker) -> None:
         if self.timer is not None:

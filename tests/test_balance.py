@@ -204,3 +204,19 @@ async def test_blocks_close_to_the_plan_are_kept_and_only_pinned(c, s, a, b):
     blocks = per_block_tasks(rec, skip=("finalize",))
     assert len(blocks) >= 2 and all(w == planned[k[1]] for k, w in blocks.items()), blocks
     assert {k for k in rec.restricted if isinstance(k, tuple)} >= set(blocks)  # pinned, not placed by luck
+
+
+def run_out_of_memory(block):
+    raise MemoryError("cannot allocate the block")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.calibration.seconds": 0.05})
+async def test_out_of_memory_on_a_planned_block_names_worker_size_and_remedy(c, s, a, b):
+    await c.register_plugin(OctopusScheduler())
+    x = c.persist(await run_balance(c, da.ones((1000, 128), chunks=(500, 128))))
+    await wait(x)
+    with pytest.raises(MemoryError) as info:
+        await c.compute(x.map_blocks(run_out_of_memory, dtype=float).sum())
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert ("worker tcp://" in note and "0.5 MiB" in note and "per_worker=2" in note
+            and "octopus.balance.memory-fraction" in note), note
