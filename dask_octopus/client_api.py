@@ -19,7 +19,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
 
     Idempotent: a second call, or a call on a scheduler started with
     ``--preload dask_octopus``, changes nothing. With ``calibrate=True`` it returns once every
-    current worker is calibrated; workers that join later are calibrated when they arrive.
+    current worker is calibrated; workers that join later are calibrated when they arrive. With
+    ``calibrate=False`` the weights start equal and come from task timings alone.
     ``options`` are ``calibration_seconds`` and ``device`` (``"auto"``, ``"cpu"``, ``"gpu"``).
     """
     client = client or default_client()

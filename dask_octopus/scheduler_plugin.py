@@ -55,8 +55,7 @@ class OctopusScheduler(SchedulerPlugin):
 
     def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
                  device: str | None = None):
-        self.calibrate = calibrate
-        self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device)
+        self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
         self.model = SpeedModel(alpha=dask.config.get("octopus.refine.alpha"),
                                 confidence_samples=dask.config.get("octopus.refine.confidence-samples"))
         self.min_duration = parse_timedelta(dask.config.get("octopus.refine.min-duration"))
@@ -75,10 +74,9 @@ class OctopusScheduler(SchedulerPlugin):
             "octopus_add_plan": self.add_plan,
             "octopus_rates": self.model.table,
         })
-        if self.calibrate:
-            await scheduler.register_worker_plugin(
-                None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
-            )
+        await scheduler.register_worker_plugin(
+            None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
+        )
 
     # -- RPC handlers -------------------------------------------------------------------------
 
@@ -87,6 +85,8 @@ class OctopusScheduler(SchedulerPlugin):
         if worker not in self.scheduler.workers:
             return  # it left while calibrating
         self.profiles[worker] = profile
+        if profile.get("calibrated") is False:
+            return  # registered with calibrate=False: task timings alone set the weights
         if profile.get("error"):
             logger.warning("dask_octopus: worker %s has no calibration (%s); it gets the mean weight "
                            "until task timings refine it", worker, profile["error"])

@@ -11,7 +11,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
 from dask_octopus.gpu_timing import GpuTaskTimer
-from dask_octopus.probes import run_probes
+from dask_octopus.probes import gpu_available, run_probes
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 class OctopusWorkerPlugin(WorkerPlugin):
-    """Runs the calibration probes once per worker (also on workers that join later).
+    """Runs the calibration probes once per worker (also on workers that join later), unless
+    ``calibrate=False``, when weights come from task timings alone.
 
     Figures, or the probe's error, go to the scheduler plugin through its ``octopus_report``
     handler before :meth:`setup` returns, so registration waits for the calibration. On a GPU
@@ -32,7 +33,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
     name = "octopus-worker"
     idempotent = True
 
-    def __init__(self, seconds: float | None = None, device: str | None = None):
+    def __init__(self, seconds: float | None = None, device: str | None = None, calibrate: bool = True):
+        self.calibrate = calibrate
         self.seconds = seconds if seconds is not None else dask.config.get("octopus.calibration.seconds")
         self.device = device or dask.config.get("octopus.calibration.device")
         self.timer: GpuTaskTimer | None = None
@@ -41,15 +43,19 @@ class OctopusWorkerPlugin(WorkerPlugin):
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
         profile: dict[str, Any]
-        try:
-            profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, self.device)
-            profile["error"] = None
-            if profile["device"] == "gpu" and worker.state.nthreads == 1:
-                self.timer = GpuTaskTimer(worker)
-            profile["event_timing"] = self.timer is not None
-        except Exception as e:  # reported to the scheduler; the worker keeps working
-            logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
-            profile = {"error": f"{type(e).__name__}: {e}"}
+        if not self.calibrate:
+            gpu = self.device == "gpu" or (self.device == "auto" and gpu_available())
+            profile = {"calibrated": False, "device": "gpu" if gpu else "cpu", "error": None}
+        else:
+            try:
+                profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, self.device)
+                profile["error"] = None
+            except Exception as e:  # reported to the scheduler; the worker keeps working
+                logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
+                profile = {"error": f"{type(e).__name__}: {e}"}
+        if profile.get("device") == "gpu" and worker.state.nthreads == 1:
+            self.timer = GpuTaskTimer(worker)
+        profile["event_timing"] = self.timer is not None
         await worker.scheduler.octopus_report(worker=worker.address, profile=profile)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:

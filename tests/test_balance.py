@@ -210,10 +210,11 @@ def run_out_of_memory(block):
     raise MemoryError("cannot allocate the block")
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.calibration.seconds": 0.05})
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_out_of_memory_on_a_planned_block_names_worker_size_and_remedy(c, s, a, b):
-    await c.register_plugin(OctopusScheduler())
-    x = c.persist(await run_balance(c, da.ones((1000, 128), chunks=(500, 128))))
+    await setup(c, s, [1.0, 1.0])
+    data = da.arange(128_000.0, chunks=64_000).reshape(1000, 128)  # real memory (da.ones broadcasts)
+    x = c.persist(await run_balance(c, data))
     await wait(x)
     with pytest.raises(MemoryError) as info:
         await c.compute(x.map_blocks(run_out_of_memory, dtype=float).sum())
