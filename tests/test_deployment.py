@@ -1,58 +1,67 @@
 """A multi-node style deployment from the CLI: dask scheduler / dask worker with --preload dask_octopus."""
 
-import shutil
+import contextlib
 import subprocess
+import sys
 import time
 
 import dask.array as da
 import numpy as np
-import pytest
 from distributed import Client, wait
 
 import dask_octopus
 
-pytestmark = pytest.mark.skipif(shutil.which("dask") is None, reason="needs the dask CLI")
+DASK = [sys.executable, "-m", "dask"]
 
 
-@pytest.fixture
-def cli_cluster(tmp_path):
+@contextlib.contextmanager
+def cli_cluster(tmp_path, worker_command, n_workers, worker_processes):
+    """``dask scheduler`` and ``worker_processes`` worker commands, all with ``--preload dask_octopus``."""
     sched_file = str(tmp_path / "scheduler.json")
-    common = ["--preload", "dask_octopus", "--no-dashboard", "--host", "127.0.0.1"]
-    procs = [subprocess.Popen(["dask", "scheduler", "--scheduler-file", sched_file, "--port", "0", *common])]
+    preload = ["--preload", "dask_octopus", "--no-dashboard"]
+    procs = [subprocess.Popen([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0",
+                               "--host", "127.0.0.1", *preload])]
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "scheduler.json").exists():
             assert time.monotonic() < deadline, "scheduler did not start"
             time.sleep(0.1)
-        for _ in range(2):
-            procs.append(subprocess.Popen(["dask", "worker", "--scheduler-file", sched_file, "--nthreads", "1",
-                                           "--no-nanny", *common]))
+        for _ in range(worker_processes):
+            procs.append(subprocess.Popen([*DASK, *worker_command, "--scheduler-file", sched_file, *preload]))
         with Client(scheduler_file=sched_file, timeout="30s") as client:
-            client.wait_for_workers(2, timeout=30)
+            client.wait_for_workers(n_workers, timeout=60)
+            deadline = time.monotonic() + 60  # no register(): the preload did it; workers calibrate on arrival
+            while any(p["error"] for p in dask_octopus.profiles(client).values()):
+                assert time.monotonic() < deadline, dask_octopus.profiles(client)
+                time.sleep(0.2)
             yield client
     finally:
         for p in procs[::-1]:
             p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
 
 
-def test_preloaded_cli_cluster_balances_and_pins(cli_cluster):
-    c = cli_cluster
-    deadline = time.monotonic() + 30  # no register(): the preload did it; workers calibrate as they join
-    while any(p["error"] for p in dask_octopus.profiles(c).values()):
-        assert time.monotonic() < deadline, dask_octopus.profiles(c)
-        time.sleep(0.2)
-    assert len(dask_octopus.speeds(c)) == 2
-    x = da.arange(6000, chunks=500).reshape(600, 10).rechunk((100, 10)).astype(float)
+def check_balanced_and_pinned(c, x):
     y = c.persist(dask_octopus.balance(x, per_worker=2))
     wait(y)
     assert len(y.chunks[0]) == 4
-    plan = c.run_on_scheduler(lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
+    plan = c.run_on_scheduler(
+        lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
     who = c.who_has(y)
     assert [who[(y.name, i, 0)][0] for i in range(4)] == plan
-    np.testing.assert_array_equal((y * 2).sum(axis=1).compute(), (np.arange(6000).reshape(600, 10) * 2).sum(axis=1))
+    return y
+
+
+def test_preloaded_cli_cluster_balances_and_pins(tmp_path):
+    worker = ["worker", "--nthreads", "1", "--no-nanny", "--host", "127.0.0.1"]
+    with cli_cluster(tmp_path, worker, n_workers=2, worker_processes=2) as c:
+        assert len(dask_octopus.speeds(c)) == 2
+        x = da.arange(6000, chunks=500).reshape(600, 10).rechunk((100, 10)).astype(float)
+        y = check_balanced_and_pinned(c, x)
+        expected = (np.arange(6000).reshape(600, 10) * 2).sum(axis=1)
+        np.testing.assert_array_equal((y * 2).sum(axis=1).compute(), expected)

@@ -124,3 +124,25 @@ def test_map_cupy_items_exact_and_placed(cuda_client):
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     who = cuda_client.who_has(futs)
     assert len({who[f.key][0] for f in futs}) == 2
+
+
+def test_dask_cuda_worker_with_preload(tmp_path):
+    if n_gpus() < 2:
+        pytest.skip("needs two GPUs")
+    import cupy
+    import dask.array as da
+
+    from test_deployment import check_balanced_and_pinned, cli_cluster
+
+    with cli_cluster(tmp_path, ["cuda", "worker"], n_workers=2, worker_processes=1) as c:
+        assert all(p["device"] == "gpu" for p in dask_octopus_profiles(c).values())
+        rng = da.random.default_rng(cupy.random.default_rng(1))
+        x = rng.random((40_000, 64), chunks=(10_000, 64), dtype=np.float32)
+        y = check_balanced_and_pinned(c, x)
+        cupy.testing.assert_array_equal(y.sum(axis=1).compute(), x.sum(axis=1).compute())
+
+
+def dask_octopus_profiles(c):
+    import dask_octopus
+
+    return dask_octopus.profiles(c)
