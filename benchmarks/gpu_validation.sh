@@ -27,7 +27,7 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; } > "$run/env.txt" 2>&1
 
-step 150 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py
+step 150 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 60 tests/test_gpu.py
 step 90 calibration python3 benchmarks/calibration.py --type gpu --devs 0,1 --out "$run"
 step 90 demo python3 -m dask_octopus demo --type gpu --out "$run"
 common=(--type gpu --devs 0,1 --size 2000000 --cols 2048 --width 2048 --passes 3 --runs 2 --warmup-runs 1)

@@ -11,6 +11,8 @@ import numpy as np
 from dask.utils import key_split
 from distributed import Client, get_task_stream, wait
 
+from dask_octopus.probes import gpu_available
+
 
 def array_module(gpu: bool) -> Any:
     """CuPy when ``gpu`` else NumPy."""
@@ -35,6 +37,38 @@ def gemm_repeat(a: Any, reps: int, sync: bool = True) -> Any:
     if sync:
         synchronize(out)
     return out
+
+
+SCENARIOS: dict[str, list[tuple[int, int, int]]] = {  # (count, height, width)
+    "web": [(1, 256, 256), (1, 1080, 1920), (1, 512, 512), (1, 2160, 4096)],
+    "thumbnails-8k": [(3, 64, 64), (1, 4320, 7680)],
+    "medical": [(5, 512, 512), (1, 4096, 4096)],
+    "satellite": [(7, 256, 256), (1, 10000, 10000)],
+    "video": [(29, 360, 640), (1, 2160, 3840)],
+}
+
+
+def specs(scenario: str, scale: float, repeat: int) -> list[tuple[int, int, int]]:
+    """Image specs ``(height, width, seed)`` of a scenario, sizes scaled, the mix repeated."""
+    sizes = [(max(8, int(h * scale)), max(8, int(w * scale)))
+             for _ in range(repeat) for count, h, w in SCENARIOS[scenario] for _ in range(count)]
+    return [(h, w, seed) for seed, (h, w) in enumerate(sizes)]
+
+
+def image_pipeline(spec: tuple[int, int, int]) -> np.ndarray:
+    """Blur, edges, normalise and histogram one generated image; returns 64 counts on the host."""
+    h, w, seed = spec
+    xp = array_module(gpu_available())
+    if xp is np:
+        import scipy.ndimage as ndimage
+    else:
+        from cupyx.scipy import ndimage
+    img = xp.random.default_rng(seed).random((h, w), dtype=np.float32)
+    g = ndimage.gaussian_filter(img, 2.0)
+    mag = xp.hypot(ndimage.sobel(g, 0), ndimage.sobel(g, 1))
+    lo, hi = mag.min(), mag.max()
+    hist = xp.histogram((mag - lo) / (hi - lo + 1e-6), bins=64, range=(0.0, 1.0))[0]
+    return hist.get() if xp is not np else hist
 
 
 @dataclass

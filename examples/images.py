@@ -1,9 +1,9 @@
 """Image pipelines of very different sizes on a heterogeneous cluster: dask_octopus.map against Dask.
 
-Each item is an image spec ``(height, width, seed)``; the pipeline makes the image on the worker's
-device (as a loader would), then Gaussian blur, Sobel edges, normalisation and a 64-bin histogram
-(CuPy / cupyx.scipy.ndimage on GPU workers, NumPy / SciPy on CPU workers). The size mixes follow the
-octopus-parallel scenarios. Variants: ``octopus`` (dask_octopus.map, group=8), ``one-task-each``
+Each item is an image spec ``(height, width, seed)``; :func:`dask_octopus.workloads.image_pipeline`
+makes the image on the worker's device (as a loader would), then Gaussian blur, Sobel edges,
+normalisation and a 64-bin histogram (CuPy on GPU workers, NumPy / SciPy on CPU workers). The size
+mixes follow the octopus-parallel scenarios. Variants: ``octopus`` (dask_octopus.map, group=8), ``one-task-each``
 (client.map, Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and
 ``loop`` (a plain loop in one task on one worker).
 
@@ -27,54 +27,19 @@ from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.experiment import local_cluster
 from dask_octopus.mapping import run_group
-
-SCENARIOS: dict[str, list[tuple[int, int, int]]] = {  # (count, height, width)
-    "web": [(1, 256, 256), (1, 1080, 1920), (1, 512, 512), (1, 2160, 4096)],
-    "thumbnails-8k": [(3, 64, 64), (1, 4320, 7680)],
-    "medical": [(5, 512, 512), (1, 4096, 4096)],
-    "satellite": [(7, 256, 256), (1, 10000, 10000)],
-    "video": [(29, 360, 640), (1, 2160, 3840)],
-}
-
-
-def specs(scenario: str, scale: float, repeat: int) -> list[tuple[int, int, int]]:
-    """Image specs ``(height, width, seed)`` of a scenario, sizes scaled, the mix repeated."""
-    sizes = [(max(8, int(h * scale)), max(8, int(w * scale)))
-             for _ in range(repeat) for count, h, w in SCENARIOS[scenario] for _ in range(count)]
-    return [(h, w, seed) for seed, (h, w) in enumerate(sizes)]
-
-
-def pipeline(spec: tuple[int, int, int]) -> np.ndarray:
-    """Blur, edges, normalise and histogram one generated image; returns 64 counts on the host."""
-    h, w, seed = spec
-    try:
-        import cupy as xp
-        from cupyx.scipy import ndimage
-
-        xp.cuda.runtime.getDeviceCount()
-    except Exception:
-        import scipy.ndimage as ndimage
-
-        xp = np
-    img = xp.random.default_rng(seed).random((h, w), dtype=np.float32)
-    g = ndimage.gaussian_filter(img, 2.0)
-    mag = xp.hypot(ndimage.sobel(g, 0), ndimage.sobel(g, 1))
-    lo, hi = mag.min(), mag.max()
-    hist = xp.histogram((mag - lo) / (hi - lo + 1e-6), bins=64, range=(0.0, 1.0))[0]
-    return hist.get() if xp is not np else hist
-
+from dask_octopus.workloads import SCENARIOS, image_pipeline, specs
 
 def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list:
     if variant == "octopus":
-        futs = dask_octopus.map(pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
+        futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
     elif variant == "one-task-each":
-        futs = client.map(pipeline, items, pure=False)
+        futs = client.map(image_pipeline, items, pure=False)
     elif variant == "equal-batches":
         n = len(workers)
-        futs = [client.submit(run_group, pipeline, items[k::n], {}, workers=[w], pure=False)
+        futs = [client.submit(run_group, image_pipeline, items[k::n], {}, workers=[w], pure=False)
                 for k, w in enumerate(workers)]
     elif variant == "loop":
-        futs = [client.submit(run_group, pipeline, items, {}, workers=[workers[-1]], pure=False)]
+        futs = [client.submit(run_group, image_pipeline, items, {}, workers=[workers[-1]], pure=False)]
     else:
         raise ValueError(f"unknown variant {variant!r}")
     wait(futs)

@@ -11,7 +11,9 @@ import images  # noqa: E402
 
 
 def test_specs_follow_the_scenarios():
-    items = images.specs("video", 1.0, 2)
+    from dask_octopus.workloads import specs
+
+    items = specs("video", 1.0, 2)
     assert len({seed for _, _, seed in items}) == len(items) == 60  # every image its own seed
     sizes = [(h, w) for h, w, _ in items]
     assert sizes.count((360, 640)) == 58 and sizes.count((2160, 3840)) == 2

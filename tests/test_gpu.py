@@ -105,22 +105,14 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
 
 
 def test_map_cupy_items_exact_and_placed(cuda_client):
-    import sys
-    from pathlib import Path
-
     import dask_octopus
+    from dask_octopus.workloads import image_pipeline, specs
 
-    import cloudpickle
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    import images
-
-    cloudpickle.register_pickle_by_value(images)  # the workers cannot import examples/
     dask_octopus.register(cuda_client)
-    items = images.specs("video", 0.5, 2)
-    futs = dask_octopus.map(images.pipeline, items, cost=[h * w for h, w, _ in items], group=8)
+    items = specs("video", 0.5, 2)
+    futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8)
     got = cuda_client.gather(futs)
-    expected = [images.pipeline(it) for it in items]  # the same pipeline, in this process
+    expected = [image_pipeline(it) for it in items]  # the same pipeline, in this process
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     who = cuda_client.who_has(futs)
     assert len({who[f.key][0] for f in futs}) == 2

@@ -15,7 +15,7 @@ import dask_octopus
 from dask_octopus.cotenant import CoTenant, pin_workers
 from dask_octopus.workloads import gemm_repeat
 
-from test_balance import WhereRan, setup
+from test_balance import setup
 
 
 def call(c, *args, **kwargs):
