@@ -125,7 +125,8 @@ def main(operation: str, kind: str, size: int, cols: int, width: int, passes: in
         "hardware": hardware(gpu), "versions": versions(),
         "weights_calibrated": weights, "weights_after": refined, "observed_rates": rates,
         "ideal_seconds": ideal, "ideal_formula": "rows / sum over workers of (rows / seconds of per-block tasks) in the first pinned variant; excludes transfers and the cross-block reduction",
-        "variants": {v.name: {"median_seconds": v.seconds(), "blocks": v.blocks, "rows_per_worker": v.rows,
+        "variants": {v.name: {"median_seconds": v.seconds(), "median_block_makespan": v.block_makespan(),
+                              "blocks": v.blocks, "rows_per_worker": v.rows,
                               "persist_seconds": v.persist_seconds, "spread_of_median_pass": v.median().spread(),
                               "weights_after_each_run": v.weights,
                               "passes": [{"seconds": r.seconds, "finish": r.finish()} for r in v.passes]}

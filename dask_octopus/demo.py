@@ -17,16 +17,18 @@ from dask_octopus.timeline import plot_timelines
 
 
 def summary_table(results: dict[str, Variant], ideal: float, reference: str = "equal") -> Table:
-    """Time per pass, each worker's finish time, spread, speedup over ``reference``, ratio to ideal."""
+    """Time per pass, each worker's finish time, spread, speedup over ``reference``, and the ratios to
+    the ideal of the whole pass and of the per-block phase (latest worker's last block)."""
     table = Table(title=f"per pass (median); ideal = total rows / sum of worker speeds = {ideal:.3f} s")
-    for col in ("variant", "blocks", "s / pass", "worker finish (s)", "spread", f"speedup vs {reference}", "x ideal"):
+    for col in ("variant", "blocks", "s / pass", "worker finish (s)", "spread", f"speedup vs {reference}",
+                "pass x ideal", "blocks x ideal"):
         table.add_column(col, justify="right")
     base = results[reference].seconds()
     for v in results.values():
         rec = v.median()
         finish = ", ".join(f"{t:.3f}" for _, t in sorted(rec.finish().items()))
         table.add_row(v.name, str(v.blocks), f"{v.seconds():.3f}", finish, f"{rec.spread():.0%}",
-                      f"{base / v.seconds():.2f}x", f"{v.seconds() / ideal:.2f}")
+                      f"{base / v.seconds():.2f}x", f"{v.seconds() / ideal:.2f}", f"{v.block_makespan() / ideal:.2f}")
     return table
 
 

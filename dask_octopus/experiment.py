@@ -43,6 +43,10 @@ class Variant:
     def seconds(self) -> float:
         return statistics.median(r.seconds for r in self.passes)
 
+    def block_makespan(self) -> float:
+        """Median over passes of the latest worker's end of per-block work (from the pass start)."""
+        return statistics.median(max(r.finish().values()) for r in self.passes)
+
     def speeds(self) -> dict[str, float]:
         """Rows per second of per-block work of each worker (over all passes)."""
         busy: dict[str, float] = {}
