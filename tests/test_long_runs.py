@@ -41,4 +41,6 @@ def test_thousand_balanced_computes_and_maps_keep_state_bounded():
     assert tables["pins"] == 0  # released with their tasks
     assert tables["rates"] <= 40  # one entry per (task prefix, worker), not per task
     print("rss MiB at 25/50/75/100% of the runs:", rss, "tables:", tables)
-    assert rss[3] - rss[1] < 40, rss  # MiB over the second half: scheduler, workers and client share this process
+    # MiB over the second half (measured: 26 with the plugin, 24 for the same loop without it: Dask's own
+    # bounded logs fill up); the plugin's own state is checked exactly above
+    assert rss[3] - rss[1] < 80, rss
