@@ -49,7 +49,7 @@ def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | No
     return [float(c) for c in out]
 
 
-def plan_items(client: Client, costs: list[float], resource: str) -> tuple[list[str], Packing]:
+def _plan_items(client: Client, costs: list[float], resource: str) -> tuple[list[str], Packing]:
     """Live workers (sorted) and the packing of ``costs`` onto them by their current weights."""
     weights = call_scheduler(client, "octopus_speeds", resource=resource)
     workers = sorted(weights)
@@ -83,7 +83,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
-    workers, packing = plan_items(client, costs, resource)
+    workers, packing = _plan_items(client, costs, resource)
     token = tokenize(func, items, costs, kwargs, group, workers, packing.assignment)
     name = f"octopus-map-{funcname(func)}-{token}"
     per_worker: list[list[int]] = [[] for _ in workers]

@@ -135,7 +135,7 @@ def reassign(owners: Sequence[str], weights: dict[str, float]) -> list[str]:
     counts = proportional_split(len(orphans), [weights[w] for w in alive])
     targets = [w for w, c in zip(alive, counts) for _ in range(c)]
     new = list(owners)
-    for i, w in zip(orphans, targets):
+    for i, w in zip(orphans, targets, strict=True):
         new[i] = w
     return new
 
@@ -164,7 +164,7 @@ def row_segments(old: Sequence[int], new: Sequence[int]) -> list[list[tuple[int,
 
 def makespan(blocks: Sequence[Sequence[int]], weights: Sequence[float]) -> float:
     """Predicted finish time of the slowest worker: its rows over its weight."""
-    return max(sum(b) / w for b, w in zip(blocks, _check_weights(weights)))
+    return max(sum(b) / w for b, w in zip(blocks, _check_weights(weights), strict=True))
 
 
 def worth_moving(current: Sequence[int], planned: Sequence[Sequence[int]], weights: Sequence[float],
