@@ -6,12 +6,13 @@ import logging
 from typing import Any
 
 from dask_octopus import config  # noqa: F401  (registers the dask.config defaults)
+from dask_octopus.annotation import annotate
 from dask_octopus.client_api import NotRegisteredError, profiles, register, speeds
 from dask_octopus.mapping import map
 from dask_octopus.planning import PlanningError
 
 __version__ = "0.1.0"
-__all__ = ["NotRegisteredError", "PlanningError", "balance", "map", "profiles", "register", "speeds"]
+__all__ = ["NotRegisteredError", "PlanningError", "annotate", "balance", "map", "profiles", "register", "speeds"]
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,13 @@ from rich.table import Table
 import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
-from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, run_variants, slowest_target
+from dask_octopus.experiment import (
+    Variant,
+    ideal_seconds,
+    local_cluster,
+    run_variants,
+    slowest_target,
+)
 from dask_octopus.timeline import plot_timelines
 
 

@@ -21,7 +21,12 @@ from distributed import Client, LocalCluster
 
 import dask_octopus
 from dask_octopus.cotenant import pin_workers
-from dask_octopus.workloads import PassRecord, persist_on_workers, random_matrix, subspace_iteration
+from dask_octopus.workloads import (
+    PassRecord,
+    persist_on_workers,
+    random_matrix,
+    subspace_iteration,
+)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from dask.base import is_dask_collection, tokenize
@@ -13,20 +14,18 @@ from dask.utils import funcname
 from distributed import Client, Future, default_client
 from distributed.protocol.pickle import dumps
 
+from dask_octopus import streams
 from dask_octopus.client_api import call_scheduler
 from dask_octopus.packing import Packing, pack
 from dask_octopus.speedmodel import check_resource
-from dask_octopus.workloads import synchronize
 
 
-def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    """Run ``func`` on each item in one task; GPU results are synchronised once, at the end."""
-    results = [func(item, **kwargs) for item in items]
-    for r in results:
-        if type(r).__module__.startswith("cupy"):
-            synchronize(r)
-            break
-    return results
+def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str = "auto") -> list[Any]:
+    """Run ``func`` on each item in one task, as a stream group (:func:`dask_octopus.streams.run_group`):
+    over CUDA streams on a GPU worker, synchronised once at the end."""
+    calls = [partial(func, item, **kwargs) for item in items]
+    return streams.run_group(calls, [funcname(func)] * len(items), [[item] for item in items],
+                             [resource] * len(items))
 
 
 def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
@@ -99,7 +98,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
             (i,) = idx
             futures[i] = client.submit(func, items[i], key=(name, b), pure=False, **kwargs)
             continue
-        batch = client.submit(run_group, func, [items[i] for i in idx], kwargs, key=(name, b), pure=False)
+        batch = client.submit(run_group, func, [items[i] for i in idx], kwargs, resource, key=(name, b),
+                              pure=False)
         for k, i in enumerate(idx):
             futures[i] = client.submit(operator.getitem, batch, k, key=(f"octopus-item-{token}", i), pure=False)
     return futures  # type: ignore[return-value]

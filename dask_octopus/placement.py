@@ -15,8 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dask._task_spec import Task, _execute_subgraph
-
+from dask_octopus.graph_groups import inner_keys
 from dask_octopus.planning import reassign
 
 if TYPE_CHECKING:
@@ -68,10 +67,7 @@ class Placement:
         return plan.workers[block[1]] if plan and block[1] < len(plan.workers) else None
 
     def _planned_block(self, key: Key, run_spec: Any) -> Block | None:
-        keys: Iterable[Key] = (key,)
-        if isinstance(run_spec, Task) and run_spec.func is _execute_subgraph:
-            keys = run_spec.args[0]  # the keys fused into this task
-        for k in keys:
+        for k in inner_keys(key, run_spec):  # also the keys fused or grouped into this task
             plan = self.plans.get(_key_name(k))
             if plan is not None and isinstance(k, tuple) and len(k) > plan.index:
                 return (_key_name(k), k[plan.index])

@@ -39,6 +39,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self.device = device or dask.config.get("octopus.calibration.device")
         self.timer: GpuTaskTimer | None = None
         self.worker: Worker | None = None
+        self.profile: dict[str, Any] = {}
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
@@ -56,6 +57,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if profile.get("device") == "gpu" and worker.state.nthreads == 1:
             self.timer = GpuTaskTimer(worker)
         profile["event_timing"] = self.timer is not None
+        self.profile = profile
         await worker.scheduler.octopus_report(worker=worker.address, profile=profile)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:

@@ -1,0 +1,102 @@
+"""``dask_octopus.annotate``: mark the dask-array and delayed tasks built inside it for stream groups.
+
+The marks are Dask layer annotations (``octopus``). Dask's low-level fusion drops layer
+annotations, so ``annotate`` installs (once, process-wide) a wrapper around the array and delayed
+optimizers: it reads the marks before Dask optimizes, lets Dask optimize as usual (fusion on),
+finds the marked tasks again (also inside fused tasks) and groups them
+(:mod:`dask_octopus.graph_groups`). Graphs without marks pass through unchanged. The optimizer
+runs where Dask materializes the graph, which for ``distributed`` is the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import dask
+import dask.config
+from dask._task_spec import convert_legacy_graph, resolve_aliases
+from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.typing import Key
+from dask.utils import ensure_dict
+
+from dask_octopus.graph_groups import group_graph, inner_keys
+from dask_octopus.grouping import check_group_spec
+
+ANNOTATION = "octopus"
+
+
+class GroupingOptimizer:
+    """A collection optimizer that runs ``base`` and then groups the tasks marked by ``annotate``."""
+
+    def __init__(self, base: Callable):
+        self.base = base
+
+    def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        specs = marked_keys(dsk)
+        optimized = self.base(dsk, keys, **kwargs)
+        if not specs:
+            return optimized
+        keep = set(flatten(keys))
+        graph = convert_legacy_graph(ensure_dict(optimized))
+        dependents: dict[Key, set[Key]] = {k: set() for k in graph}
+        for k, node in graph.items():
+            for d in node.dependencies:
+                dependents.setdefault(d, set()).add(k)
+        graph = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
+        grouped, _ = group_graph(graph, inner_marks(graph, specs), keep)
+        return HighLevelGraph({"octopus-grouped": MaterializedLayer(grouped)}, {"octopus-grouped": set()})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GroupingOptimizer) and other.base is self.base
+
+    def __hash__(self) -> int:
+        return hash(self.base)
+
+
+def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
+    """Keys of the layers annotated by ``annotate`` and their marks."""
+    if not isinstance(dsk, HighLevelGraph):
+        return {}
+    out = {}
+    for layer in dsk.layers.values():
+        mark = (layer.annotations or {}).get(ANNOTATION)
+        for k in layer if mark is not None else ():
+            out[k] = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
+    return out
+
+
+def inner_marks(graph: Mapping[Key, Any], specs: Mapping[Key, Mapping[str, Any]]) -> dict[Key, Mapping[str, Any]]:
+    """The marks of the tasks of an optimized graph: their own, or that of a task fused into them."""
+    out = {}
+    for k, node in graph.items():
+        spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
+        if spec is not None:
+            out[k] = spec
+    return out
+
+
+def install() -> None:
+    """Wrap the array and delayed optimizers (idempotent; keeps an optimizer the user set)."""
+    from dask.array.optimization import optimize as array_optimize
+    from dask.delayed import optimize as delayed_optimize
+
+    for key, default in (("array_optimize", array_optimize), ("delayed_optimize", delayed_optimize)):
+        current = dask.config.get(key, None)
+        if not isinstance(current, GroupingOptimizer):
+            dask.config.set({key: GroupingOptimizer(current or default)})
+
+
+@contextmanager
+def annotate(resource: str = "auto", group: int = 8) -> Iterator[None]:
+    """Mark the tasks of the dask arrays and delayed objects built inside this block: on each worker
+    up to ``group`` independent ones run as one task, over CUDA streams on GPU workers, launched in
+    an order that interleaves ``"compute"``- and ``"memory"``-bound members (``"auto"``: measured on
+    first run). Results keep their keys.
+    """
+    check_group_spec(resource, group)
+    install()
+    with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}):
+        yield

@@ -1,0 +1,135 @@
+"""dask_octopus.annotate: grouped results equal ungrouped ones, with fewer tasks, fusion on; bad input."""
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.core import flatten
+from distributed import wait
+from distributed.utils_test import gen_cluster
+
+import dask_octopus
+from dask_octopus import streams
+from dask_octopus.graph_groups import GROUP_PREFIX
+
+from test_balance import WhereRan, run_balance, setup
+
+
+def f(b):
+    return np.sqrt(b + 1.0)
+
+
+def ran(rec, prefix):
+    return [k for k in rec.worker if isinstance(k, tuple) and str(k[0]).startswith(prefix)]
+
+
+@pytest.fixture
+def x():
+    return da.random.default_rng(0).random((64 * 8, 6), chunks=(8, 6))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_grouped_reduction_is_exact_with_fewer_tasks(c, s, a, x):
+    assert dask.config.get("optimization.fuse.active") is not False  # Dask's default: fusion on
+    rec = WhereRan()
+    s.add_plugin(rec)
+    expected = await c.compute(x.map_blocks(f).sum(axis=0))
+    plain = len(rec.worker)
+    rec.worker.clear()
+    x = x + 0  # new keys: the grouped graph must not collide with the released plain one
+    with dask_octopus.annotate(resource="memory", group=8):
+        y = x.map_blocks(f)
+    got = await c.compute(y.sum(axis=0))
+    assert np.array_equal(got, expected)
+    assert len(ran(rec, GROUP_PREFIX)) == 8  # 64 blocks, 8 to a group
+    assert len(rec.worker) < plain - 50  # the 64 block tasks became 8
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_grouped_blocks_keep_their_keys_for_gather_persist_and_other_consumers(c, s, a, b, x):
+    plain = x.map_blocks(f)  # computed locally: the same keys must not be in flight twice
+    ref, gram = plain.compute(scheduler="sync"), (plain.T @ plain).compute(scheduler="sync")
+    with dask_octopus.annotate(group=4):
+        y = x.map_blocks(f)
+    assert np.array_equal(await c.compute(y), ref)  # the blocks are the output
+    assert np.array_equal(await c.compute(y.T @ y), gram)  # two consumers of each block
+    yp = c.persist(y)
+    await wait(yp)
+    assert all(s.tasks[k].state == "memory" for k in flatten(yp.__dask_keys__()))  # each block under its key
+    assert np.array_equal(await c.compute(yp[::3]), ref[::3])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_delayed_tasks_group_and_stay_exact(c, s, a):
+    rec = WhereRan()
+    s.add_plugin(rec)
+    items = [np.arange(n, dtype=float) for n in range(1, 40)]
+    with dask_octopus.annotate(resource="compute", group=5):
+        parts = [dask.delayed(np.cumsum)(it) for it in items]
+    total = dask.delayed(sum)([p[-1] for p in parts])
+    assert await c.compute(total) == sum(np.cumsum(it)[-1] for it in items)
+    assert len(ran(rec, GROUP_PREFIX)) == 8  # 39 members: 7 groups of 5 and one of 4
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_groups_of_balanced_blocks_run_where_their_blocks_are(c, s, a, b):
+    rec = await setup(c, s, [3.0, 1.0])
+    x = da.random.default_rng(1).random((4000, 8), chunks=(100, 8))
+    xb = await run_balance(c, x, per_worker=8)
+    xb = c.persist(xb)
+    await c.compute(xb.sum())
+    with dask_octopus.annotate(group=4):
+        y = xb.map_blocks(f)
+    got = await c.compute(y.sum())
+    assert got == pytest.approx(float(await c.compute(x.map_blocks(f).sum())), rel=1e-12)
+    home = {k: rec.worker[k] for k in rec.worker if k[0] == xb.name}
+    groups = ran(rec, GROUP_PREFIX)
+    assert groups
+    for g in groups:
+        inputs = {home[k] for k in s.tasks[g].run_spec.dependencies if k in home} if g in s.tasks else set()
+        if len(inputs) == 1:
+            assert rec.worker[g] in inputs
+
+
+def test_auto_class_is_measured_once_and_remembered():
+    block = np.ones(2**20)
+    assert streams.resolve_class("auto", "probe-fn", [block]) is None
+    assert streams.classify("probe-fn", [block], block, seconds=1e-4, bandwidth=1e10) == "memory"  # 16 GB/s
+    assert streams.resolve_class("auto", "probe-fn", [block]) == "memory"
+    assert streams.classify("slow-fn", [block], block, seconds=10.0, bandwidth=1e10) == "compute"
+    assert streams.resolve_class("compute", "probe-fn", [block]) == "compute"  # declared wins
+
+
+def test_members_return_in_their_order_whatever_the_launch_order():
+    launched = []
+
+    def member(i):
+        launched.append(i)
+        return i * 10
+
+    calls = [lambda i=i: member(i) for i in range(4)]
+    inputs = [[np.ones(n)] for n in (1, 400, 20, 300)]
+    out = streams.run_group(calls, ["m"] * 4, inputs, ["memory", "compute", "compute", "memory"])
+    assert out == [0, 10, 20, 30]
+    assert launched == [1, 3, 2, 0]  # compute (most work) first, alternating, largest first
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"resource": "disk"}, "unknown resource 'disk'"),
+    ({"group": 0}, "group must be an integer >= 1"),
+    ({"group": "8"}, "group must be an integer >= 1"),
+])
+def test_bad_annotations(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        with dask_octopus.annotate(**kwargs):
+            pass
+
+
+def test_unannotated_graphs_pass_through_unchanged(x):
+    from dask.base import collections_to_expr
+
+    dask_octopus.annotation.install()
+    y = x.map_blocks(f).sum()
+    graph = collections_to_expr([y]).optimize().__dask_graph__()
+    assert not any(str(k[0] if isinstance(k, tuple) else k).startswith(GROUP_PREFIX) for k in graph)
+    assert y.compute(scheduler="sync") == x.map_blocks(f).sum().compute(scheduler="sync", optimize_graph=False)
