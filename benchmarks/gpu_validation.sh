@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-steps=${STEPS:-gpu-tests calibration demo bench-cotenant bench-even images}
+steps=${STEPS:-gpu-tests calibration demo bench-cotenant bench-even images stream-groups stream-groups-g32}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -27,7 +27,7 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; } > "$run/env.txt" 2>&1
 
-step 150 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 60 tests/test_gpu.py
+step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 60 tests/test_gpu.py
 step 90 calibration python3 benchmarks/calibration.py --type gpu --devs 0,1 --out "$run"
 step 90 demo python3 -m dask_octopus demo --type gpu --out "$run"
 common=(--type gpu --devs 0,1 --size 2000000 --cols 2048 --width 2048 --passes 3 --runs 2 --warmup-runs 1)
@@ -35,6 +35,9 @@ step 150 bench-cotenant python3 benchmarks/local_octopus.py "${common[@]}" --cot
 step 90 bench-even python3 benchmarks/local_octopus.py "${common[@]}" --variants equal,balance --runs 3 --out "$run"
 step 150 images python3 examples/images.py --type gpu --devs 0,1 --cotenant 0 --repeat 4 --runs 3 \
   --json-out "$run/images-gpu-cotenant.json"
+step 240 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 --out "$run"
+step 120 stream-groups-g32 python3 benchmarks/stream_groups.py --type gpu --devs 0 --operations frames --group 32 \
+  --runs 5 --sets 10 --tag stream-groups-g32 --out "$run"
 
 cp "$run/steps.txt" "$out/steps.txt"
 tail -n 40 "$run"/*.log | tail -c 11000

@@ -12,12 +12,9 @@ variant, speedups). Asserts nothing about time.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import sys
-from typing import Any
 
 import click
 
@@ -25,36 +22,9 @@ import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.demo import summary_table
+from dask_octopus.environment import hardware, now, versions
 from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, run_variants
 from dask_octopus.timeline import plot_timelines
-
-
-def hardware(gpu: bool) -> dict[str, Any]:
-    """CPU and, through NVML, GPU names and memory."""
-    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0))}
-    if gpu:
-        import pynvml
-
-        pynvml.nvmlInit()
-        info["gpus"] = [{"name": pynvml.nvmlDeviceGetName(h), "memory": pynvml.nvmlDeviceGetMemoryInfo(h).total,
-                         "driver": pynvml.nvmlSystemGetDriverVersion()}
-                        for h in (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount()))]
-    return info
-
-
-def versions() -> dict[str, str]:
-    import dask
-    import distributed
-    import numpy
-
-    out = {"python": sys.version.split()[0], "dask": dask.__version__, "distributed": distributed.__version__,
-           "numpy": numpy.__version__, "dask_octopus": dask_octopus.__version__}
-    for mod in ("cupy", "dask_cuda"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
-    return out
 
 
 def speedup_chart(results: dict[str, Variant], ideal: float, path: str) -> str:
@@ -118,7 +88,7 @@ def main(operation: str, kind: str, size: int, cols: int, width: int, passes: in
                    title=f"{operation}, {size}x{cols}, width {width}, co-tenant on {targets or 'none'}")
     speedup_chart(results, ideal, stem + "-speedup.png")
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": now(),
         "command": " ".join(sys.argv),
         "config": dict(operation=operation, type=kind, size=size, cols=cols, width=width, passes=passes, runs=runs,
                        warmup_runs=warmup_runs, devs=devs, cotenant=targets, cotenant_procs=cotenant_procs),

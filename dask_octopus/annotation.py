@@ -46,14 +46,26 @@ class GroupingOptimizer:
             for d in node.dependencies:
                 dependents.setdefault(d, set()).add(k)
         graph = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
-        grouped, _ = group_graph(graph, inner_marks(graph, specs), keep)
-        return HighLevelGraph({"octopus-grouped": MaterializedLayer(grouped)}, {"octopus-grouped": set()})
+        marks = inner_marks(graph, specs)
+        grouped, _ = group_graph(graph, marks, keep)
+        # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
+        # again when it becomes an input of another one (delayed arguments), and they may group then.
+        left = Marks({k: v for k, v in marks.items() if k in grouped})
+        layer = MaterializedLayer(grouped, annotations={ANNOTATION: left} if left else None)
+        return HighLevelGraph({"octopus-grouped": layer}, {"octopus-grouped": set()})
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, GroupingOptimizer) and other.base is self.base
 
     def __hash__(self) -> int:
         return hash(self.base)
+
+
+class Marks(dict):
+    """Marks of some keys of a layer, as a per-key layer annotation (``None`` for the others)."""
+
+    def __call__(self, key: Key) -> Mapping[str, Any] | None:
+        return self.get(key)
 
 
 def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
@@ -64,7 +76,9 @@ def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
     for layer in dsk.layers.values():
         mark = (layer.annotations or {}).get(ANNOTATION)
         for k in layer if mark is not None else ():
-            out[k] = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
+            value = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
+            if value is not None:
+                out[k] = value
     return out
 
 

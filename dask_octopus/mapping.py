@@ -23,9 +23,9 @@ from dask_octopus.speedmodel import check_resource
 def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str = "auto") -> list[Any]:
     """Run ``func`` on each item in one task, as a stream group (:func:`dask_octopus.streams.run_group`):
     over CUDA streams on a GPU worker, synchronised once at the end."""
-    calls = [partial(func, item, **kwargs) for item in items]
-    return streams.run_group(calls, [funcname(func)] * len(items), [[item] for item in items],
-                             [resource] * len(items))
+    n = len(items)
+    return streams.run_group([partial(func, **kwargs)] * n, [[item] for item in items], [resource] * n,
+                             lambda: [tokenize(func, kwargs)] * n)
 
 
 def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:

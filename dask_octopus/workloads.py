@@ -153,3 +153,111 @@ def persist_on_workers(client: Client, x: da.Array) -> da.Array:
     x = client.persist(x)
     wait(x)
     return x
+
+
+FRAMES: list[tuple[int, int, int]] = [  # (count, height, width): 216 frames, 256x256 to 4K
+    (96, 256, 256), (64, 512, 512), (40, 720, 1280), (12, 1080, 1920), (4, 2160, 3840)]
+_GAUSS = np.exp(-0.5 * (np.arange(-8, 9) / 2.0) ** 2).astype(np.float32)
+_GAUSS /= _GAUSS.sum()
+_DERIV, _SMOOTH = np.array([-1, 0, 1], np.float32), np.array([1, 2, 1], np.float32)
+_weights: dict[int, tuple] = {}  # device -> the filter weights on it (made once: no copies inside a capture)
+
+
+def frame_specs(scale: float = 1.0) -> list[tuple[int, int, int]]:
+    """``(height, width, seed)`` of the 216 frames of :data:`FRAMES`, sides scaled."""
+    sizes = [(max(8, int(h * scale)), max(8, int(w * scale))) for count, h, w in FRAMES for _ in range(count)]
+    return [(h, w, seed) for seed, (h, w) in enumerate(sizes)]
+
+
+def make_frame(height: int, width: int, seed: int, gpu: bool = False) -> Any:
+    """One frame, float32 in [0, 1), on the device (CuPy when ``gpu``)."""
+    return array_module(gpu).random.default_rng(seed).random((height, width), dtype=np.float32)
+
+
+_CORRELATE_SOURCE = """
+int r = i / width, c = i % width;
+float acc = 0;
+for (int k = -radius; k <= radius; ++k) {
+    int rr = r, cc = c;
+    if (axis == 0) { rr = r + k; rr = rr < 0 ? -rr - 1 : (rr >= height ? 2 * height - rr - 1 : rr); }
+    else { cc = c + k; cc = cc < 0 ? -cc - 1 : (cc >= width ? 2 * width - cc - 1 : cc); }
+    acc += img[rr * width + cc] * w[k + radius];
+}
+out = acc;
+"""
+_kernels: dict[str, Any] = {}
+
+
+def _kernel(xp: Any, name: str) -> Any:
+    """The pipeline's own CuPy kernels (plain launches, so a CUDA graph can capture them)."""
+    if name not in _kernels:
+        if name == "correlate":
+            _kernels[name] = xp.ElementwiseKernel(
+                "raw float32 img, raw float32 w, int32 radius, int32 height, int32 width, int32 axis",
+                "float32 out", _CORRELATE_SOURCE, "octopus_correlate1d")
+        else:
+            _kernels[name] = xp.ElementwiseKernel(
+                "float32 x, int32 bins", "raw int32 out",
+                "int b = (int)(x * bins); b = b < 0 ? 0 : (b >= bins ? bins - 1 : b); atomicAdd(&out[b], 1);",
+                "octopus_histogram")
+    return _kernels[name]
+
+
+def _device_weights(xp: Any) -> tuple:
+    if xp is np:
+        return _GAUSS, _DERIV, _SMOOTH
+    device = xp.cuda.runtime.getDevice()
+    if device not in _weights:
+        _weights[device] = tuple(xp.asarray(w) for w in (_GAUSS, _DERIV, _SMOOTH))
+    return _weights[device]
+
+
+def _correlate1d(xp: Any, img: Any, w: Any, axis: int) -> Any:
+    """``scipy.ndimage.correlate1d(img, w, axis, mode="reflect")``; on GPU one kernel of ours."""
+    if xp is np:
+        import scipy.ndimage as ndimage
+
+        return ndimage.correlate1d(img, w, axis, mode="reflect")
+    h, wd = img.shape
+    out = xp.empty_like(img)
+    return _kernel(xp, "correlate")(img, w, np.int32(w.size // 2), np.int32(h), np.int32(wd), np.int32(axis), out)
+
+
+def _histogram(xp: Any, unit: Any, bins: int) -> Any:
+    """Counts of ``unit`` (values in [0, 1]) in ``bins`` equal bins; on GPU one atomic kernel (CuPy's
+    histogram synchronises with the host, which a CUDA graph capture refuses)."""
+    if xp is np:
+        return np.histogram(unit, bins=bins, range=(0.0, 1.0))[0].astype(np.int32)
+    out = xp.zeros(bins, dtype=np.int32)
+    _kernel(xp, "histogram")(unit, np.int32(bins), out)
+    return out
+
+
+def frame_pipeline(img: Any) -> Any:
+    """Gaussian blur, Sobel edge magnitude, normalisation and a 64-bin histogram of one frame, all on
+    the frame's device and without host synchronisation (so a CUDA graph can capture it)."""
+    xp = np if isinstance(img, np.ndarray) else array_module(True)
+    gauss, deriv, smooth = _device_weights(xp)
+    g = _correlate1d(xp, _correlate1d(xp, img, gauss, 0), gauss, 1)
+    gx = _correlate1d(xp, _correlate1d(xp, g, deriv, 1), smooth, 0)
+    gy = _correlate1d(xp, _correlate1d(xp, g, deriv, 0), smooth, 1)
+    mag = xp.hypot(gx, gy)
+    lo, hi = mag.min(), mag.max()
+    return _histogram(xp, (mag - lo) / (hi - lo + np.float32(1e-6)), 64)
+
+
+def scale_shift(block: Any) -> Any:
+    """A tiny elementwise step (``2 b + 1``): Dask's per-task cost dwarfs it."""
+    return block * 2 + 1
+
+
+def square(block: Any) -> Any:
+    """``b @ b`` of a square block: one GEMM that fills the GPU on large blocks."""
+    return block @ block
+
+
+def stack_to_host(parts: list[Any]) -> np.ndarray:
+    """The parts stacked into one host array (one output key for a whole set of results)."""
+    xp = np if isinstance(parts[0], np.ndarray) else array_module(True)
+    out = xp.stack(parts)
+    return out if xp is np else out.get()

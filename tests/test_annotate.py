@@ -107,9 +107,8 @@ def test_members_return_in_their_order_whatever_the_launch_order():
         launched.append(i)
         return i * 10
 
-    calls = [lambda i=i: member(i) for i in range(4)]
-    inputs = [[np.ones(n)] for n in (1, 400, 20, 300)]
-    out = streams.run_group(calls, ["m"] * 4, inputs, ["memory", "compute", "compute", "memory"])
+    inputs = [[i, np.ones(n)] for i, n in enumerate((1, 400, 20, 300))]
+    out = streams.run_group([lambda i, _: member(i)] * 4, inputs, ["memory", "compute", "compute", "memory"], list)
     assert out == [0, 10, 20, 30]
     assert launched == [1, 3, 2, 0]  # compute (most work) first, alternating, largest first
 

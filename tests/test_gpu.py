@@ -138,3 +138,100 @@ def dask_octopus_profiles(c):
     import dask_octopus
 
     return dask_octopus.profiles(c)
+
+
+@pytest.fixture
+def cuda_one():
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    import dask_octopus
+
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", dashboard_address=":0") as cluster, Client(cluster) as c:
+        c.wait_for_workers(1)
+        dask_octopus.register(c, calibrate=False)
+        yield c
+
+
+def add_sqrt(a, b):
+    import cupy
+
+    return cupy.sqrt(a * a + b) + 1
+
+
+def test_groups_never_read_a_block_before_its_slow_producer_finished(cuda_one):
+    """Producers run unannotated on the worker's default stream and return at launch (20 GEMMs, no
+    sync); the grouped consumers run on other streams: they must wait for the producers every time."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+    from dask_octopus.workloads import gemm_repeat
+
+    rng = da.random.default_rng(cupy.random.default_rng(3))
+    x = cuda_one.persist(rng.random((8 * 2048, 2048), chunks=(2048, 2048), dtype=np.float32))
+    for run in range(5):
+        p = x.map_blocks(gemm_repeat, 20, False, name=f"producer-{run}")
+        ref = da.map_blocks(add_sqrt, p, p, name=f"ref-{run}").sum(axis=0)
+        expected = cuda_one.compute(ref).result()
+        p2 = x.map_blocks(gemm_repeat, 20, False, name=f"producer2-{run}")
+        with dask_octopus.annotate(resource="memory", group=8):
+            y = da.map_blocks(add_sqrt, p2, p2, name=f"grouped-{run}")
+        got = cuda_one.compute(y.sum(axis=0)).result()
+        cupy.testing.assert_array_equal(got, expected)
+
+
+def test_grouped_results_exact_with_memory_reused_across_many_groups(cuda_one):
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    rng = da.random.default_rng(cupy.random.default_rng(4))
+    x = cuda_one.persist(rng.random((64 * 512, 512), chunks=(512, 512), dtype=np.float32))
+    expected = cuda_one.compute(da.map_blocks(add_sqrt, x, x, name="ref-mem").sum(axis=0)).result()
+    for run in range(20):  # temporaries freed on the group streams are reused by the next groups
+        with dask_octopus.annotate(resource="auto", group=8):
+            y = da.map_blocks(add_sqrt, x, x, name=f"mem-{run}")
+        cupy.testing.assert_array_equal(cuda_one.compute(y.sum(axis=0)).result(), expected)
+
+
+def test_repeated_frames_are_captured_replayed_and_exact(cuda_one):
+    import dask
+    from distributed import wait
+
+    import dask_octopus
+    from dask_octopus.streams import capture_stats
+    from dask_octopus.workloads import frame_pipeline, frame_specs, make_frame, stack_to_host
+
+    specs = frame_specs(0.25)[::4]
+    frames = [cuda_one.submit(make_frame, *s, gpu=True, pure=False) for s in specs]
+    wait(frames)
+    expected = np.stack([frame_pipeline(make_frame(*s, gpu=True)).get() for s in specs])
+    for _ in range(4):
+        with dask_octopus.annotate(resource="memory", group=8):
+            hists = [dask.delayed(frame_pipeline, pure=False)(f) for f in frames]
+        np.testing.assert_array_equal(cuda_one.compute(dask.delayed(stack_to_host)(hists)).result(), expected)
+    stats = cuda_one.run(capture_stats)
+    print("capture stats", stats)
+    (s,) = stats.values()
+    assert s["graphs"] >= 1 and s["replays"] >= 1
+
+
+def test_groups_that_refuse_capture_run_eagerly_and_exact(cuda_one):
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+    from dask_octopus.streams import capture_stats
+    from dask_octopus.workloads import square
+
+    rng = da.random.default_rng(cupy.random.default_rng(5))
+    x = cuda_one.persist(rng.random((8 * 256, 256), chunks=(256, 256), dtype=np.float32))
+    expected = cuda_one.compute(x.map_blocks(square, name="sq-ref").sum(axis=0)).result()
+    for run in range(3):  # cuBLAS refuses capture: the group stays eager
+        with dask_octopus.annotate(resource="compute", group=8):
+            y = x.map_blocks(square, name=f"sq-{run}")
+        cupy.testing.assert_array_equal(cuda_one.compute(y.sum(axis=0)).result(), expected)
+    (s,) = cuda_one.run(capture_stats).values()
+    assert s["refused"] >= 1

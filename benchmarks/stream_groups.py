@@ -1,0 +1,303 @@
+"""Benchmark stream groups (``dask_octopus.annotate``) on one worker against strong baselines.
+
+Operations (each variant interleaved with the others, run after run; medians reported):
+
+- ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``.
+- ``frames``: 216 frames (256x256 to 4K) through blur, Sobel, normalise and histogram, the whole set
+  ``sets`` times per run (the same shapes arriving again, like video): one Dask task per frame,
+  annotated groups with CUDA graph replay off (``grouped-eager``) and on (``grouped``), the plain loop
+  a user would write in one process, and the floor: the whole set captured as one CUDA graph in
+  one process and replayed (kernel time alone, GPU only).
+- ``large``: 8192x8192 blocks (GPU; 1024 on CPU), GEMM and elementwise, annotated vs not.
+- ``mixed`` (GPU, no Dask): one group of GEMMs (512-1024) and elementwise passes (1-16 M elements)
+  on one stream, round-robin over streams in submission order, and class-interleaved; beside them
+  the serial sum of the members' kernel times and the overlap bound max(sum compute, sum memory).
+
+    python benchmarks/stream_groups.py --type cpu --operations tiny --out benchmarks/results/cpu
+    python benchmarks/stream_groups.py --type gpu --devs 0 --out benchmarks/results/gpu
+
+Asserts nothing about time; checks that every variant returns the same values as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client, wait
+
+import dask_octopus
+from dask_octopus.cli import console as make_console
+from dask_octopus.environment import hardware, now, versions
+from dask_octopus.experiment import local_cluster
+from dask_octopus.workloads import (array_module, frame_pipeline, frame_specs, make_frame, random_matrix, scale_shift,
+                                    square, stack_to_host)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def interleave(variants: dict[str, Callable[[int], Any]], runs: int, warmup: int) -> dict[str, dict[str, Any]]:
+    """Run each variant once per run, in turn (A B C A B C); the first ``warmup`` runs are not kept.
+    Returns per variant the kept seconds and the value of its last run."""
+    out: dict[str, dict[str, Any]] = {name: {"seconds": []} for name in variants}
+    for run in range(warmup + runs):
+        for name, fn in variants.items():
+            seconds, value = timed(lambda: fn(run))
+            if run >= warmup:
+                out[name]["seconds"].append(seconds)
+            out[name]["value"] = value
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    def host(v: Any) -> Any:
+        return v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else np.asarray(v)
+
+    return bool(np.array_equal(host(a), host(b)))
+
+
+def summarise(results: dict[str, dict[str, Any]], reference: str) -> dict[str, Any]:
+    ref = results[reference]
+    base = statistics.median(ref["seconds"]) if ref["seconds"] else None
+    table = {}
+    for name, r in results.items():
+        med = statistics.median(r["seconds"]) if r["seconds"] else None
+        table[name] = {"median_seconds": med, "seconds": r["seconds"],
+                       "spread": (max(r["seconds"]) - min(r["seconds"])) / med if med else None,
+                       f"speedup_vs_{reference}": base / med if base and med else None,
+                       "same_values_as_reference": same(r["value"], ref["value"]) if "value" in r else None}
+    return table
+
+
+def op_tiny(client: Client, gpu: bool, blocks: int, group: int, runs: int, warmup: int) -> dict[str, Any]:
+    x = client.persist(random_matrix(blocks * 64, 8, (64, 8), gpu))
+    wait(x)
+
+    def plain(run: int) -> Any:
+        return client.compute(x.map_blocks(scale_shift, name=f"tiny-plain-{run}").sum(axis=0)).result()
+
+    def grouped(run: int) -> Any:
+        with dask_octopus.annotate(resource="memory", group=group):
+            y = x.map_blocks(scale_shift, name=f"tiny-grouped-{run}")
+        return client.compute(y.sum(axis=0)).result()
+
+    res = interleave({"unannotated": plain, "grouped": grouped}, runs, warmup)
+    return {"config": {"blocks": blocks, "block": [64, 8], "group": group},
+            "variants": summarise(res, "unannotated")}
+
+
+def _set_capture(client: Client, on: bool) -> None:
+    client.run(lambda: dask.config.set({"octopus.streams.capture": on}))
+
+
+def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, runs: int, warmup: int) -> dict[str, Any]:
+    specs = frame_specs(scale)
+    local = [make_frame(*spec, gpu=gpu) for spec in specs]
+    shapes = [f.shape for f in local]
+    frames = [client.submit(make_frame, *spec, gpu=gpu, pure=False) for spec in specs]
+    wait(frames)
+    xp = array_module(gpu)
+
+    def through_dask(annotate: bool) -> Callable[[int], Any]:
+        def run(run_no: int) -> Any:
+            out = None
+            for k in range(sets):
+                if annotate:
+                    with dask_octopus.annotate(resource="memory", group=group):
+                        hists = [dask.delayed(frame_pipeline, pure=False)(f) for f in frames]
+                else:
+                    hists = [dask.delayed(frame_pipeline, pure=False)(f) for f in frames]
+                out = client.compute(dask.delayed(stack_to_host)(hists)).result()
+            return out
+        return run
+
+    def loop(run_no: int) -> Any:
+        out = None
+        for _ in range(sets):
+            hists = [frame_pipeline(f) for f in local]
+            out = stack_to_host(hists)
+        return out
+
+    variants: dict[str, Callable[[int], Any]] = {"one-task-each": through_dask(False)}
+
+    def eager(run_no: int) -> Any:
+        _set_capture(client, False)
+        try:
+            return through_dask(True)(run_no)
+        finally:
+            _set_capture(client, True)
+
+    variants["grouped-eager"] = eager
+    variants["grouped"] = through_dask(True)
+    variants["loop"] = loop
+    res = interleave(variants, runs, warmup)
+    for r in res.values():  # per set
+        r["seconds"] = [s / sets for s in r["seconds"]]
+    out: dict[str, Any] = {"config": {"frames": len(local), "shapes": sorted(set(shapes)), "scale": scale,
+                                      "group": group, "sets_per_run": sets},
+                           "variants": summarise(res, "one-task-each")}
+    out["worker_capture"] = worker_capture(client)
+    if gpu:
+        out["floor"] = capture_floor(xp, local, runs)
+        loop_s = out["variants"]["loop"]["median_seconds"]
+        for v in out["variants"].values():
+            v["speedup_vs_loop"] = loop_s / v["median_seconds"]
+            if out["floor"].get("seconds"):
+                v["ratio_to_floor"] = v["median_seconds"] / out["floor"]["seconds"]
+    return out
+
+
+def worker_capture(client: Client) -> dict[str, Any]:
+    """Each worker's captured, refused and replayed groups, and why its latest capture was refused."""
+    from dask_octopus import graph_replay, streams
+
+    return client.run(lambda: {**streams.capture_stats(), "last_refusal": graph_replay.last_refusal})
+
+
+def capture_floor(cp: Any, frames: list[Any], runs: int) -> dict[str, Any]:
+    """Kernel time of the whole set: captured as one CUDA graph in this process, replayed."""
+    from dask_octopus import graph_replay
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.wait_event(cp.cuda.get_current_stream().record())
+    for f in frames:  # warm the kernels up (compilation, filter weights on the device)
+        frame_pipeline(f)
+    cp.cuda.Device().synchronize()
+    graph = graph_replay.capture(cp, [frame_pipeline] * len(frames), [[f] for f in frames], list(range(len(frames))), [stream])
+    if graph is None:
+        return {"seconds": None, "note": f"capture refused: {graph_replay.last_refusal}"}
+    seconds = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        with stream:
+            graph.graph.launch(stream)
+        stream.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(seconds[1:]), "all": seconds[1:],
+            "formula": "one CUDA graph of the whole set, replayed in one process (no copies, no Python)"}
+
+
+def op_large(client: Client, gpu: bool, side: int, runs: int, warmup: int) -> dict[str, Any]:
+    x = client.persist(random_matrix(4 * side, side, (side, side), gpu))
+    wait(x)
+    variants = {}
+    for label, fn, resource in (("gemm", square, "compute"), ("elementwise", scale_shift, "memory")):
+        def plain(run: int, fn=fn, label=label) -> Any:
+            return client.compute(x.map_blocks(fn, name=f"large-{label}-plain-{run}").sum(axis=0)).result()
+
+        def grouped(run: int, fn=fn, label=label, resource=resource) -> Any:
+            with dask_octopus.annotate(resource=resource, group=4):
+                y = x.map_blocks(fn, name=f"large-{label}-grouped-{run}")
+            return client.compute(y.sum(axis=0)).result()
+
+        variants[label] = summarise(interleave({"unannotated": plain, "grouped": grouped}, runs, warmup),
+                                    "unannotated")
+    return {"config": {"blocks": 4, "side": side}, "variants": variants, "worker_capture": worker_capture(client)}
+
+
+def op_mixed(runs: int) -> dict[str, Any]:
+    """One group of GEMMs and elementwise passes, launched three ways (no Dask)."""
+    import cupy as cp
+
+    from dask_octopus.grouping import launch_order
+    from dask_octopus.streams import run_on_streams, stream_pool
+
+    mats = [cp.random.default_rng(i).random((n, n), dtype=np.float32) for i, n in enumerate((512, 768, 1024) * 2)]
+    vecs = [cp.random.default_rng(9 + i).random(n, dtype=np.float32) for i, n in enumerate((2**20, 2**22, 2**24) * 2)]
+    members = [square] * len(mats) + [scale_shift] * len(vecs)
+    inputs = [[m] for m in mats] + [[v] for v in vecs]
+    classes = ["compute"] * len(mats) + ["memory"] * len(vecs)
+    n = len(members)
+    alone = []
+    for fn, xs in zip(members, inputs):
+        fn(*xs)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(5):
+            fn(*xs)
+        end.record()
+        end.synchronize()
+        alone.append(cp.cuda.get_elapsed_time(start, end) / 5e3)
+    sizes = [float(sum(x.nbytes for x in xs)) for xs in inputs]
+    ways = {"one-stream": (list(range(n)), 1), "round-robin": (list(range(n)), 8),
+            "interleaved": (launch_order(classes, sizes), 8)}
+    seconds: dict[str, list[float]] = {w: [] for w in ways}
+    for _ in range(runs + 1):
+        for way, (order, k) in ways.items():
+            streams = stream_pool(cp, k)
+            cp.cuda.Device().synchronize()
+            s, _ = timed(lambda: run_on_streams(cp, members, [None] * n, inputs, list(classes), order, streams))
+            seconds[way].append(s)
+    compute = sum(t for t, c in zip(alone, classes) if c == "compute")
+    memory = sum(t for t, c in zip(alone, classes) if c == "memory")
+    table = {w: {"median_seconds": statistics.median(v[1:]), "seconds": v[1:]} for w, v in seconds.items()}
+    for v in table.values():
+        v["gain_of_interleaved"] = v["median_seconds"] / table["interleaved"]["median_seconds"]
+    return {"members": {"gemm_sides": [m.shape[0] for m in mats], "elementwise_sizes": [v.size for v in vecs]},
+            "variants": table, "kernel_seconds_serial": compute + memory,
+            "overlap_bound_seconds": max(compute, memory),
+            "formula": "each member timed alone with CUDA events (mean of 5); bound = max(sum compute, sum memory)"}
+
+
+@click.command()
+@click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@click.option("--operations", default="tiny,frames,large,mixed", show_default=True)
+@click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
+@click.option("--group", type=int, default=8, show_default=True)
+@click.option("--blocks", type=int, default=512, show_default=True, help="tiny: number of blocks")
+@click.option("--scale", type=float, default=1.0, show_default=True, help="frames: side scale (CPU: 0.1)")
+@click.option("--sets", type=int, default=10, show_default=True, help="frames: sets per run")
+@click.option("--side", type=int, default=8192, show_default=True, help="large: block side (CPU: 1024)")
+@click.option("--runs", type=int, default=5, show_default=True)
+@click.option("--warmup-runs", type=int, default=1, show_default=True)
+@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--tag", default="stream-groups", show_default=True)
+def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: float, sets: int, side: int,
+         runs: int, warmup_runs: int, out: str, tag: str) -> None:
+    """Run the operations and write one JSON file."""
+    console = make_console()
+    gpu = kind == "gpu"
+    ops = [o for o in operations.split(",") if o]
+    unknown = set(ops) - {"tiny", "frames", "large", "mixed"}
+    if unknown:
+        raise click.BadParameter(f"unknown operations {sorted(unknown)}", param_hint="--operations")
+    if "mixed" in ops and not gpu:
+        raise click.BadParameter("mixed needs --type gpu (it measures CUDA streams)", param_hint="--operations")
+    os.makedirs(out, exist_ok=True)
+    record: dict[str, Any] = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu),
+                              "versions": versions(), "operations": {}}
+    with local_cluster(gpu, devs if gpu else None, n_workers=1) as client:
+        dask_octopus.register(client)
+        for op in ops:
+            console.print(f"[bold]{op}[/bold]")
+            if op == "tiny":
+                r = op_tiny(client, gpu, blocks, group, runs, warmup_runs)
+            elif op == "frames":
+                r = op_frames(client, gpu, scale, group, sets, runs, warmup_runs)
+            elif op == "large":
+                r = op_large(client, gpu, side, runs, warmup_runs)
+            else:
+                r = op_mixed(runs)
+            record["operations"][op] = r
+            console.print_json(json.dumps(r.get("variants"), default=str))
+    path = os.path.join(out, f"{tag}-{kind}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
