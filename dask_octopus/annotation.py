@@ -37,9 +37,9 @@ class GroupingOptimizer:
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
         specs = marked_keys(dsk)
         optimized = self.base(dsk, keys, **kwargs)
-        if not specs:
-            return optimized
         keep = set(flatten(keys))
+        if not specs or (specs.keys() <= keep and isinstance(optimized, HighLevelGraph)):
+            return optimized  # nothing to group (yet): the marks stay on the layers
         graph = convert_legacy_graph(ensure_dict(optimized))
         dependents: dict[Key, set[Key]] = {k: set() for k in graph}
         for k, node in graph.items():
@@ -77,7 +77,7 @@ def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
         mark = (layer.annotations or {}).get(ANNOTATION)
         for k in layer if mark is not None else ():
             value = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
-            if value is not None:
+            if isinstance(value, Mapping):  # not None or Dask's tombstone for unannotated keys
                 out[k] = value
     return out
 

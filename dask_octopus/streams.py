@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import dask.config
+import dask.utils
 
 from dask_octopus.graph_replay import GraphCache, capture
 from dask_octopus.grouping import launch_order
@@ -154,12 +155,21 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
 def run_on_streams(cp: Any, members: Sequence[Callable[..., Any]], tokens: Sequence[Hashable],
                    inputs: Sequence[Sequence[Any]], known: list[str | None], order: list[int],
                    streams: list[Any]) -> list[Any]:
-    """Launch the members in ``order``, round-robin over ``streams``, then synchronise them once;
-    members of unknown class (``known[i] is None``) are timed with events and classified."""
+    """Launch the members in ``order``, the small ones round-robin over ``streams`` and those with
+    inputs of ``octopus.streams.large-bytes`` or more one after the other on the first stream (each
+    already fills the GPU: run side by side they only compete), then synchronise once. Members of
+    unknown class (``known[i] is None``) are timed with events and classified."""
+    large = dask.config.get("octopus.streams.large-bytes")
+    large = dask.utils.parse_bytes(large) if isinstance(large, str) else large
     results: list[Any] = [None] * len(members)
     timed: dict[int, tuple[Any, Any]] = {}
-    for slot, i in enumerate(order):
-        s = streams[slot % len(streams)]
+    slot = 0
+    for i in order:
+        if _nbytes(list(inputs[i])) >= large:
+            s = streams[0]
+        else:
+            s = streams[slot % len(streams)]
+            slot += 1
         with s:
             start = s.record() if known[i] is None else None
             results[i] = members[i](*inputs[i])
