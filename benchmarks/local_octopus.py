@@ -1,110 +1,261 @@
-"""Benchmark dask_octopus on a local cluster, in the shape of dask-cuda's ``local_cupy.py``.
+"""The dask_octopus benchmark suite, in the shape of dask-cuda's ``local_cupy.py``.
 
-Every variant runs in the same cluster, interleaved (A B A B) so drift hits all alike:
-``equal`` (Dask defaults: one equal block per worker), ``over-4`` / ``over-16`` (equal blocks,
-4 or 16 per worker, work stealing and queuing on), ``balance`` (dask_octopus). Prints a table,
-writes JSON (config, hardware, versions, every pass) and PNGs (timelines of the median pass of each
-variant, speedups). Asserts nothing about time.
+One invocation runs Dask's baselines and dask_octopus side by side in the same cluster,
+interleaved (A B A B) so drift hits all alike: ``defaults`` (the user's chunking, ``--chunk-size``
+rows per block; one block per worker when not given), ``over-4`` / ``over-16`` (equal blocks, 4 or
+16 per worker, work stealing and queuing on), and the octopus variants chosen by ``--octopus``:
+``balance`` (speed-weighted blocks, one and four per worker, pinned), ``streams`` (the per-block
+work in stream groups), ``all`` (both, and both at once). ``images`` runs image pipelines of five
+size mixes: ``client.map`` one task each, equal batches, a loop on one worker, ``dask_octopus.map``.
 
-    python benchmarks/local_octopus.py --type cpu --cotenant 0 --out benchmarks/results/cpu
-    python benchmarks/local_octopus.py --type gpu --devs 0,1 --cotenant 0 --out benchmarks/results/gpu
+Prints a table per operation (median and spread of wall time, throughput, per-worker finish spread,
+speedups, the ideal with its formula and the ratio to it), writes one JSON (config, hardware,
+versions, every pass) and PNGs (per-worker timelines of each variant's median pass, speedups).
+``--compare OLD.json`` prints the change against an earlier result. Asserts nothing about time.
+
+    python benchmarks/local_octopus.py --type cpu --operation dot,map_overlap --size 400000 --out DIR
+    python benchmarks/local_octopus.py --type gpu --devs 0,1 --cotenant 0 --octopus all \\
+        --operation matmul_iterate,dot,transpose_sum,map_overlap,images --out DIR
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import statistics
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import click
+from distributed import Client
+from rich.progress import Progress
+from rich.table import Table
 
 import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
-from dask_octopus.demo import summary_table
 from dask_octopus.environment import hardware, now, versions
-from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, run_variants
+from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, parse_variant, run_variants
+from dask_octopus.image_variants import time_variants
+from dask_octopus.operations import OPERATIONS, calibrated_ideal
 from dask_octopus.timeline import plot_timelines
+from dask_octopus.workloads import SCENARIOS, specs
+
+BASELINES = ["defaults", "over-4", "over-16"]
+OCTOPUS = {"off": [], "balance": ["balance", "balance-4"], "streams": ["streams"],
+           "all": ["balance", "balance-4", "streams", "balance-4-streams"]}
+UNITS = {"compute": ("GFLOP/s", 1e9), "memory": ("GB/s", 1e9)}
 
 
-def speedup_chart(results: dict[str, Variant], ideal: float, path: str) -> str:
+def speedup_chart(seconds: dict[str, float], ideal: float | None, path: str, ylabel: str) -> str:
+    """Bars of each variant's median seconds, the ideal as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results)
-    secs = [results[n].seconds() for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3))
-    ax.bar(names, secs, color=[f"C{i}" for i in range(len(names))])
-    ax.axhline(ideal, color="k", ls="--", label=f"ideal {ideal:.3f} s")
-    ax.set_ylabel("seconds per pass (median)")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(seconds), 3))
+    ax.bar(list(seconds), list(seconds.values()), color=[f"C{i}" for i in range(len(seconds))])
+    if ideal:
+        ax.axhline(ideal, color="k", ls="--", label=f"ideal {ideal:.3f} s")
+        ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def array_table(op: str, results: dict[str, Variant], ideal: float, measured: float, work: float) -> Table:
+    unit, scale = UNITS[OPERATIONS[op].resource]
+    table = Table(title=f"{op}: per pass (median); ideal {ideal:.4f} s ({OPERATIONS[op].formula} over the "
+                        f"workers' calibrated speeds), measured ideal {measured:.4f} s")
+    baselines = [b for b in BASELINES if b in results]
+    for col in ["variant", "blocks", "s / pass", "spread", unit, "finish spread",
+                *[f"vs {b}" for b in baselines], "x ideal", "x measured ideal"]:
+        table.add_column(col, justify="right")
+    for v in results.values():
+        s = v.seconds()
+        table.add_row(v.name, str(v.blocks), f"{s:.4f}", f"{spread([r.seconds for r in v.passes]):.0%}",
+                      f"{work / s / scale:.1f}", f"{v.median().spread():.0%}",
+                      *[f"{results[b].seconds() / s:.2f}x" for b in baselines], f"{s / ideal:.2f}",
+                      f"{s / measured:.2f}")
+    return table
+
+
+def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int, width: int, chunk_size: int | None,
+                 passes: int, runs: int, warmup: int, gpu: bool, stem: str, progress: Progress) -> dict[str, Any]:
+    console = progress.console
+    task = progress.add_task(op, total=runs * len(names))
+
+    def tick(label: str) -> None:
+        progress.update(task, advance=1, description=f"{op} {label}")
+
+    results = run_variants(client, names, rows=size, cols=cols, width=width, passes=passes, runs=runs,
+                           warmup=warmup, gpu=gpu, operation=op, chunk_rows=chunk_size, progress=tick)
+    spec = OPERATIONS[op]
+    ncols = size if spec.square else cols
+    profiles = dask_octopus.profiles(client)
+    ideal = calibrated_ideal(spec, size, cols, width, profiles)
+    measured = ideal_seconds(results, size)
+    work = spec.work(size, ncols, width)
+    console.print(array_table(op, results, ideal, measured, work))
+    plot_timelines({v.name: v.median() for v in results.values()}, stem + "-timeline.png",
+                   title=f"{op}, {size}x{ncols}" + (f", width {width}" if op == "matmul_iterate" else ""))
+    speedup_chart({n: v.seconds() for n, v in results.items()}, ideal, stem + "-speedup.png", "seconds per pass")
+    return {
+        "resource": spec.resource, "work_per_pass": work, "work_formula": spec.formula,
+        "ideal_seconds": ideal, "ideal_formula": "work per pass / sum of the workers' calibrated speeds "
+                                                 f"({spec.resource}: {UNITS[spec.resource][0]})",
+        "measured_ideal_seconds": measured,
+        "measured_ideal_formula": "rows / sum over workers of (rows / busy seconds) in the first pinned variant",
+        "variants": {v.name: {"median_seconds": v.seconds(), "spread": spread([r.seconds for r in v.passes]),
+                              "median_block_makespan": v.block_makespan(), "blocks": v.blocks,
+                              "grouped": parse_variant(v.name)[2], "rows_per_worker": v.rows,
+                              "persist_seconds": v.persist_seconds, "finish_spread_of_median_pass": v.median().spread(),
+                              "weights_after_each_run": v.weights,
+                              "passes": [{"seconds": r.seconds, "finish": r.finish()} for r in v.passes]}
+                     for v in results.values()},
+    }
+
+
+def run_images(client: Client, names: list[str], scale: float, repeat: int, runs: int, stem: str,
+               progress: Progress) -> dict[str, Any]:
+    console = progress.console
+    out: dict[str, Any] = {"scale": scale, "repeat": repeat, "scenarios": {}}
+    task = progress.add_task("images", total=len(SCENARIOS))
+    for scenario in SCENARIOS:
+        progress.update(task, description=f"images {scenario}")
+        items = specs(scenario, scale, repeat)
+        times = time_variants(client, items, names, runs)
+        med = {v: statistics.median(t) for v, t in times.items()}
+        out["scenarios"][scenario] = {"images": len(items), "seconds": times, "median_seconds": med}
+        progress.advance(task)
+    table = Table(title="images: seconds per mix (median)")
+    for col in ["mix", "images", *names, *[f"octopus vs {v}" for v in names if v != "octopus" and "octopus" in names]]:
+        table.add_column(col, justify="right")
+    for scenario, r in out["scenarios"].items():
+        med = r["median_seconds"]
+        table.add_row(scenario, str(r["images"]), *[f"{med[v]:.3f}" for v in names],
+                      *[f"{med[v] / med['octopus']:.2f}x" for v in names if v != "octopus" and "octopus" in names])
+    console.print(table)
+    totals = {v: sum(r["median_seconds"][v] for r in out["scenarios"].values()) for v in names}
+    speedup_chart(totals, None, stem + "-speedup.png", "seconds, all five mixes (medians)")
+    return out
+
+
+def compare(console: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Print the change of each median against an earlier record."""
+    table = Table(title=f"change against {old.get('date', '?')} ({old.get('command', '')[:60]})")
+    for col in ("operation", "variant", "old s", "new s", "change"):
+        table.add_column(col, justify="right")
+    for op, rec in new["operations"].items():
+        before = old.get("operations", {}).get(op)
+        if before is None:
+            continue
+        if op == "images":
+            pairs = [(f"{s}/{v}", before["scenarios"][s]["median_seconds"].get(v), t)
+                     for s, r in rec["scenarios"].items() if s in before["scenarios"]
+                     for v, t in r["median_seconds"].items()]
+        else:
+            pairs = [(v, before["variants"].get(v, {}).get("median_seconds"), r["median_seconds"])
+                     for v, r in rec["variants"].items()]
+        for name, a, b in pairs:
+            if a:
+                table.add_row(op, name, f"{a:.4f}", f"{b:.4f}", f"{(b - a) / a:+.1%}")
+    console.print(table)
+
+
+@contextlib.contextmanager
+def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
+            scheduler_address: str | None) -> Iterator[Client]:
+    if scheduler_address:
+        with Client(scheduler_address) as client:
+            yield client
+    else:
+        with local_cluster(gpu, devs, n_workers, protocol) as client:
+            yield client
+
+
 @click.command()
-@click.option("--operation", type=click.Choice(["matmul_iterate"]), default="matmul_iterate", show_default=True)
+@click.option("--operation", "operations", default="matmul_iterate", show_default=True,
+              help=f"comma-separated: {', '.join([*OPERATIONS, 'images'])}")
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--size", type=int, default=400_000, show_default=True, help="rows of the persisted array")
+@click.option("--size", type=int, default=400_000, show_default=True, help="rows of the array (square ones: side)")
 @click.option("--cols", type=int, default=256, show_default=True)
-@click.option("--width", type=int, default=128, show_default=True, help="subspace width (work per row)")
+@click.option("--width", type=int, default=128, show_default=True, help="matmul_iterate: subspace width")
+@click.option("--chunk-size", type=int, default=None, help="rows per block of 'defaults' (default: one block per worker)")
 @click.option("--passes", type=int, default=3, show_default=True, help="timed passes per run")
 @click.option("--runs", type=int, default=2, show_default=True)
 @click.option("--warmup-runs", type=int, default=1, show_default=True, help="untimed passes per run")
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster (CUDA_VISIBLE_DEVICES form)")
 @click.option("--n-workers", type=int, default=2, show_default=True, help="CPU workers")
+@click.option("--protocol", default=None, help="tcp (default), ucx, ... for the local cluster")
+@click.option("--scheduler-address", default=None, help="run against an existing cluster instead")
+@click.option("--octopus", "octopus", type=click.Choice(list(OCTOPUS)), default="balance", show_default=True)
+@click.option("--variants", default=None, help="explicit variant list (overrides --octopus)")
 @click.option("--cotenant", default="", help="GPUs (gpu) or CPU cores (cpu) that get a co-tenant, e.g. 0")
 @click.option("--cotenant-procs", type=int, default=1, show_default=True, help="co-tenant processes per target")
-@click.option("--variants", default="equal,over-4,over-16,balance,balance-4", show_default=True,
-              help="equal, over-K (K equal blocks per worker), balance, balance-K (K pinned blocks per worker)")
+@click.option("--image-scale", type=float, default=None, help="images: side scale (default 1 on GPU, 0.05 on CPU)")
+@click.option("--image-repeat", type=int, default=4, show_default=True, help="images: repeat each mix")
+@click.option("--compare", "compare_to", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="an earlier JSON of this suite: print the change")
 @click.option("--out", default="benchmark-results", show_default=True, help="folder for JSON and PNGs")
-@click.option("--tag", default="", help="name prefix of the output files")
-def main(operation: str, kind: str, size: int, cols: int, width: int, passes: int, runs: int, warmup_runs: int,
-         devs: str | None, n_workers: int, cotenant: str, cotenant_procs: int, variants: str, out: str,
-         tag: str) -> None:
-    """Run the variants and report."""
+@click.option("--tag", default="suite", show_default=True, help="name prefix of the output files")
+def main(operations: str, kind: str, size: int, cols: int, width: int, chunk_size: int | None, passes: int,
+         runs: int, warmup_runs: int, devs: str | None, n_workers: int, protocol: str | None,
+         scheduler_address: str | None, octopus: str, variants: str | None, cotenant: str, cotenant_procs: int,
+         image_scale: float | None, image_repeat: int, compare_to: str | None, out: str, tag: str) -> None:
+    """Run the operations' variants and report."""
     console = make_console()
     gpu = kind == "gpu"
+    ops = [o for o in operations.split(",") if o]
+    unknown = [o for o in ops if o not in OPERATIONS and o != "images"]
+    if unknown:
+        raise click.BadParameter(f"unknown operation(s) {unknown}", param_hint="--operation")
+    names = variants.split(",") if variants else BASELINES + OCTOPUS[octopus]
+    for name in names:
+        parse_variant(name)
+    image_names = ["one-task-each", "equal-batches", "loop"] + (["octopus"] if octopus != "off" else [])
     os.makedirs(out, exist_ok=True)
     targets = [t for t in cotenant.split(",") if t]
     load = CoTenant(gpus=targets, procs=cotenant_procs) if gpu else CoTenant(cores=[int(t) for t in targets],
                                                                              procs=cotenant_procs)
-    names = variants.split(",")
-    with local_cluster(gpu, devs, n_workers) as client, load:
+    stem = os.path.join(out, f"{tag}-{kind}-{'cotenant' if targets else 'even'}")
+    record: dict[str, Any] = {
+        "date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
+        "config": {"operations": ops, "type": kind, "size": size, "cols": cols, "width": width,
+                   "chunk_size": chunk_size, "passes": passes, "runs": runs, "warmup_runs": warmup_runs,
+                   "devs": devs, "protocol": protocol or "tcp", "scheduler_address": scheduler_address,
+                   "octopus": octopus, "variants": names, "cotenant": targets, "cotenant_procs": cotenant_procs},
+        "operations": {}}
+    with connect(gpu, devs, n_workers, protocol, scheduler_address) as client, load, \
+            Progress(console=console, transient=True) as progress:
         dask_octopus.register(client)
-        weights = dask_octopus.speeds(client)
-        results = run_variants(client, names, rows=size, cols=cols, width=width, passes=passes, runs=runs,
-                               warmup=warmup_runs, gpu=gpu)
-        refined = dask_octopus.speeds(client)
-        rates = client.sync(client.scheduler.octopus_rates)
-    ideal = ideal_seconds(results, size)
-    console.print(summary_table(results, ideal))
-    stem = os.path.join(out, f"{tag or operation}-{kind}-{'cotenant' if targets else 'even'}")
-    plot_timelines({v.name: v.median() for v in results.values()}, stem + "-timeline.png",
-                   title=f"{operation}, {size}x{cols}, width {width}, co-tenant on {targets or 'none'}")
-    speedup_chart(results, ideal, stem + "-speedup.png")
-    record = {
-        "date": now(),
-        "command": " ".join(sys.argv),
-        "config": dict(operation=operation, type=kind, size=size, cols=cols, width=width, passes=passes, runs=runs,
-                       warmup_runs=warmup_runs, devs=devs, cotenant=targets, cotenant_procs=cotenant_procs),
-        "hardware": hardware(gpu), "versions": versions(),
-        "weights_calibrated": weights, "weights_after": refined, "observed_rates": rates,
-        "ideal_seconds": ideal, "ideal_formula": "rows / sum over workers of (rows / seconds of per-block tasks) in the first pinned variant; excludes transfers and the cross-block reduction",
-        "variants": {v.name: {"median_seconds": v.seconds(), "median_block_makespan": v.block_makespan(),
-                              "blocks": v.blocks, "rows_per_worker": v.rows,
-                              "persist_seconds": v.persist_seconds, "spread_of_median_pass": v.median().spread(),
-                              "weights_after_each_run": v.weights,
-                              "passes": [{"seconds": r.seconds, "finish": r.finish()} for r in v.passes]}
-                     for v in results.values()},
-    }
+        record["weights_calibrated"] = dask_octopus.speeds(client)
+        record["profiles"] = dask_octopus.profiles(client)
+        for op in ops:
+            if op == "images":
+                scale = image_scale or (1.0 if gpu else 0.05)
+                record["operations"][op] = run_images(client, image_names, scale, image_repeat, runs,
+                                                      f"{stem}-{op}", progress)
+            else:
+                record["operations"][op] = run_array_op(client, op, names, size, cols, width, chunk_size, passes,
+                                                        runs, warmup_runs, gpu, f"{stem}-{op}", progress)
+        record["weights_after"] = dask_octopus.speeds(client)
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1, default=str)
     console.print(f"wrote {stem}.json and PNGs")
+    if compare_to:
+        with open(compare_to) as f:
+            compare(console, json.load(f), record)
 
 
 if __name__ == "__main__":

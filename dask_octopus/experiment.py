@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import dask.array as da
@@ -62,14 +62,16 @@ class Variant:
 
 
 @contextlib.contextmanager
-def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2) -> Iterator[Client]:
+def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protocol: str | None = None) -> Iterator[Client]:
     """``LocalCUDACluster`` on ``devs`` (all GPUs when None) or a pinned ``LocalCluster``."""
+    extra = {"protocol": protocol} if protocol else {}
     if gpu:
         from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0")
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0", **extra)
     else:
-        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0")
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               **extra)
     with cluster, Client(cluster) as client:
         client.wait_for_workers(len(cluster.workers))
         if not gpu:
@@ -97,33 +99,56 @@ def _rows_per_worker(client: Client, x: da.Array) -> dict[str, int]:
     return rows
 
 
-def make_input(client: Client, variant: str, rows: int, cols: int, gpu: bool) -> da.Array:
-    """The persisted input of ``variant``: ``equal``, ``over-K`` or ``balance[-K]`` (K blocks per worker)."""
-    n = len(client.scheduler_info(n_workers=-1)["workers"])
-    kind, _, k = variant.partition("-")
-    valid = {"equal": not k, "over": k.isdigit(), "balance": not k or k.isdigit()}
+def parse_variant(variant: str) -> tuple[str, int, bool]:
+    """``(kind, blocks per worker, grouped)`` of a variant name: ``defaults`` (the user's chunking),
+    ``equal``, ``over-K``, ``balance``, ``balance-K``, and any of them with ``-streams`` (its blocks'
+    work in stream groups; ``streams`` alone is ``defaults-streams``)."""
+    base, grouped = (variant[: -len("-streams")], True) if variant.endswith("-streams") else (variant, False)
+    if base == "streams":
+        base, grouped = "defaults", True
+    kind, _, k = base.partition("-")
+    valid = {"defaults": not k, "equal": not k, "over": k.isdigit(), "balance": not k or k.isdigit()}
     if not valid.get(kind, False):
-        raise ValueError(f"unknown variant {variant!r}: expected equal, over-K, balance or balance-K")
-    per_worker = int(k or 1)
+        raise ValueError(f"unknown variant {variant!r}: expected defaults, equal, over-K, balance or balance-K, "
+                         f"optionally with -streams")
+    return kind, int(k or 1), grouped
+
+
+def make_input(client: Client, variant: str, rows: int, cols: int, gpu: bool,
+               chunk_rows: int | None = None) -> da.Array:
+    """The persisted input of ``variant`` (see :func:`parse_variant`); ``defaults`` uses
+    ``chunk_rows`` rows per block (one block per worker when None)."""
+    n = len(client.scheduler_info(n_workers=-1)["workers"])
+    kind, per_worker, _ = parse_variant(variant)
     if kind == "balance":
         x = random_matrix(rows, cols, chunks=(-(-rows // n), cols), gpu=gpu)
         x = dask_octopus.balance(x, client=client, per_worker=per_worker)
+    elif kind == "defaults" and chunk_rows:
+        x = random_matrix(rows, cols, chunks=(chunk_rows, cols), gpu=gpu)
     else:
         x = random_matrix(rows, cols, chunks=(-(-rows // (n * per_worker)), cols), gpu=gpu)
     return persist_on_workers(client, x)
 
 
 def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, width: int, passes: int,
-                 runs: int = 1, warmup: int = 1, gpu: bool = False) -> dict[str, Variant]:
-    """Run each variant ``runs`` times, interleaved (A B A B) so drift hits all alike."""
+                 runs: int = 1, warmup: int = 1, gpu: bool = False, operation: str = "matmul_iterate",
+                 chunk_rows: int | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Variant]:
+    """Run each variant ``runs`` times, interleaved (A B A B) so drift hits all alike; ``progress`` is
+    told each variant run as it starts."""
+    from dask_octopus.operations import OPERATIONS
+
+    op = OPERATIONS[operation]
+    cols = rows if op.square else cols
     out = {v: Variant(v) for v in variants}
-    for _ in range(runs):
+    for run in range(runs):
         for v in variants:
+            if progress is not None:
+                progress(f"run {run + 1}/{runs}: {v}")
             t0 = time.perf_counter()
-            x = make_input(client, v, rows, cols, gpu)
+            x = make_input(client, v, rows, cols, gpu, chunk_rows)
             out[v].persist_seconds.append(time.perf_counter() - t0)
             out[v].rows, out[v].blocks = _rows_per_worker(client, x), len(x.chunks[0])
-            records = subspace_iteration(client, x, width, warmup + passes, gpu)
+            records = op.passes(client, x, width, warmup + passes, gpu, parse_variant(v)[2])
             out[v].passes.extend(records[warmup:])
             out[v].weights.append(dask_octopus.speeds(client))
             del x
@@ -132,7 +157,7 @@ def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, w
 
 def ideal_seconds(results: dict[str, Variant], rows: int) -> float:
     """Total rows over the sum of the workers' speeds measured in the pinned (``balance``) variant,
-    or in ``equal`` when no balance variant ran (stolen tasks then blur the figure)."""
+    or in the first variant when no balance variant ran (stolen tasks then blur the figure)."""
     pinned = [v for name, v in results.items() if name.startswith("balance")]
-    reference = pinned[0] if pinned else results["equal"]
+    reference = pinned[0] if pinned else next(iter(results.values()))
     return rows / sum(reference.speeds().values())

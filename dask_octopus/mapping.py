@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
+from dask._task_spec import Task, TaskRef
 from dask.base import is_dask_collection, tokenize
 from dask.utils import funcname
 from distributed import Client, Future, default_client
@@ -92,14 +93,17 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     batches = [(j, idx[k:k + size]) for j, idx in enumerate(per_worker) for k in range(0, len(idx), size)]
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx in batches])
-    futures: list[Future | None] = [None] * len(items)
+    item_name = f"octopus-item-{token}"
+    dsk: dict[Any, Task] = {}
+    keys: list[Any] = [None] * len(items)
     for b, (_, idx) in enumerate(batches):
         if group is None:
             (i,) = idx
-            futures[i] = client.submit(func, items[i], key=(name, b), pure=False, **kwargs)
+            dsk[(name, b)] = Task((name, b), func, items[i], **kwargs)
+            keys[i] = (name, b)
             continue
-        batch = client.submit(run_group, func, [items[i] for i in idx], kwargs, resource, key=(name, b),
-                              pure=False)
+        dsk[(name, b)] = Task((name, b), run_group, func, [items[i] for i in idx], kwargs, resource)
         for k, i in enumerate(idx):
-            futures[i] = client.submit(operator.getitem, batch, k, key=(f"octopus-item-{token}", i), pure=False)
-    return futures  # type: ignore[return-value]
+            keys[i] = (item_name, i)
+            dsk[keys[i]] = Task(keys[i], operator.getitem, TaskRef((name, b)), k)
+    return client.get(dsk, keys, sync=False)  # one graph: one update_graph on the scheduler

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,8 @@ import numpy as np
 from dask.utils import key_split
 from distributed import Client, get_task_stream, wait
 
+from dask_octopus.annotation import annotate
+from dask_octopus.graph_groups import GROUP_PREFIX
 from dask_octopus.probes import gpu_available
 
 
@@ -90,7 +93,7 @@ class PassRecord:
         return (max(f) - min(f)) / self.seconds if len(f) > 1 else 0.0
 
 
-def _intervals(stream: list[dict], t0: float, name: str = "") -> dict[str, list[tuple[float, float]]]:
+def intervals(stream: list[dict], t0: float, name: str = "") -> dict[str, list[tuple[float, float]]]:
     """Compute intervals per worker of the tasks whose key prefix contains ``name``."""
     out: dict[str, list[tuple[float, float]]] = {}
     for rec in stream:
@@ -117,12 +120,14 @@ def block_gram(xb: Any, w: Any) -> Any:
     return out
 
 
-def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu: bool = False) -> list[PassRecord]:
+def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu: bool = False,
+                       grouped: bool = False) -> list[PassRecord]:
     """Passes of ``W <- normalise(X^T (X W))`` over a persisted ``x``; one record per pass.
 
     ``W`` stays on the cluster between passes (persisted); the per-block work (two GEMMs,
     ``4 * rows * cols * width`` FLOP per pass) dominates, and the cross-block sum of the
-    ``cols x width`` partial products is small.
+    ``cols x width`` partial products is small. With ``grouped`` the per-block stage runs in stream
+    groups (:func:`dask_octopus.annotate`), in one graph with the sum that consumes it.
     """
     xp = array_module(gpu)
     cols = x.shape[1]
@@ -133,10 +138,12 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
         with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()
-            parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
-                                 meta=xp.empty((0, 0, 0), dtype=np.float32))
-            parts = client.persist(parts)  # its own stage, so the per-block tasks keep their name
-            wait(parts)
+            with annotate(resource="compute") if grouped else contextlib.nullcontext():
+                parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
+                                     meta=xp.empty((0, 0, 0), dtype=np.float32))
+            if not grouped:
+                parts = client.persist(parts)  # its own stage, so the per-block tasks keep their name
+                wait(parts)
             g = parts.sum(axis=0)
             w = client.persist(g / da.linalg.norm(g))
             wait(w)
@@ -144,7 +151,8 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
             # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
             client.replicate(w)
             seconds = time.perf_counter() - start
-        records.append(PassRecord(seconds, _intervals(ts.data, t0), _intervals(ts.data, t0, "block_gram")))
+        block_tasks = GROUP_PREFIX if grouped else "block_gram"
+        records.append(PassRecord(seconds, intervals(ts.data, t0), intervals(ts.data, t0, block_tasks)))
     return records
 
 
@@ -261,3 +269,13 @@ def stack_to_host(parts: list[Any]) -> np.ndarray:
     xp = np if isinstance(parts[0], np.ndarray) else array_module(True)
     out = xp.stack(parts)
     return out if xp is np else out.get()
+
+
+def stencil_mean(block: Any, radius: int = 4) -> Any:
+    """Mean of each row with its ``radius`` neighbours above and below (wrapping at the block's
+    edges, which ``map_overlap`` trims): a memory-bound stencil for NumPy or CuPy blocks."""
+    xp = np if isinstance(block, np.ndarray) else array_module(True)
+    out = block.copy()
+    for k in range(1, radius + 1):
+        out += xp.roll(block, k, 0) + xp.roll(block, -k, 0)
+    return out / (2 * radius + 1)

@@ -15,47 +15,16 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from typing import Any
 
 import click
-import numpy as np
-from distributed import Client, wait
 
 import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.experiment import local_cluster
-from dask_octopus.mapping import run_group
-from dask_octopus.workloads import SCENARIOS, image_pipeline, specs
-
-def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list:
-    if variant == "octopus":
-        futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
-    elif variant == "one-task-each":
-        futs = client.map(image_pipeline, items, pure=False)
-    elif variant == "equal-batches":
-        n = len(workers)
-        futs = [client.submit(run_group, image_pipeline, items[k::n], {}, workers=[w], pure=False)
-                for k, w in enumerate(workers)]
-    elif variant == "loop":
-        futs = [client.submit(run_group, image_pipeline, items, {}, workers=[workers[-1]], pure=False)]
-    else:
-        raise ValueError(f"unknown variant {variant!r}")
-    wait(futs)
-    return futs
-
-
-def in_input_order(results: list, variant: str, n_items: int, n_workers: int) -> list:
-    """Per-image results in input order, whatever batching the variant used."""
-    if variant == "loop":
-        return results[0]
-    if variant == "equal-batches":
-        flat: list = [None] * n_items
-        for k, batch in enumerate(results):
-            flat[k::n_workers] = batch
-        return flat
-    return results
+from dask_octopus.image_variants import VARIANTS, time_variants
+from dask_octopus.workloads import SCENARIOS, specs
 
 
 @click.command()
@@ -66,7 +35,7 @@ def in_input_order(results: list, variant: str, n_items: int, n_workers: int) ->
 @click.option("--runs", type=int, default=3, show_default=True)
 @click.option("--devs", default=None)
 @click.option("--cotenant", default="", help="GPUs (gpu) or CPU cores (cpu) that get a co-tenant")
-@click.option("--variants", default="octopus,one-task-each,equal-batches,loop", show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True)
 @click.option("--json-out", default=None, help="write every timing here")
 def main(kind: str, scenarios: str, scale: float, repeat: int, runs: int, devs: str | None, cotenant: str,
          variants: str, json_out: str | None) -> None:
@@ -79,21 +48,12 @@ def main(kind: str, scenarios: str, scale: float, repeat: int, runs: int, devs: 
     record: dict[str, Any] = {"config": dict(type=kind, scale=scale, repeat=repeat, runs=runs, cotenant=targets)}
     with local_cluster(gpu, devs) as client, load:
         dask_octopus.register(client)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         for scenario in scenarios.split(","):
             items = specs(scenario, scale, repeat)
-            reference = None
-            times: dict[str, list[float]] = {v: [] for v in names}
-            for _ in range(runs):
-                for v in names:  # interleaved
-                    t0 = time.perf_counter()
-                    futs = run_variant(client, v, items, workers)
-                    times[v].append(time.perf_counter() - t0)
-                    flat = in_input_order(client.gather(futs), v, len(items), len(workers))
-                    if reference is None:
-                        reference = flat
-                    elif not all(np.array_equal(a, b) for a, b in zip(reference, flat)):
-                        raise AssertionError(f"{v} gave different histograms on {scenario}")
+            try:
+                times = time_variants(client, items, names, runs)
+            except AssertionError as e:
+                raise AssertionError(f"{e} on {scenario}") from e
             med = {v: statistics.median(t) for v, t in times.items()}
             line = ", ".join(f"{v} {med[v] * 1e3:.0f} ms" for v in names)
             speedups = ", ".join(f"x{med[v] / med['octopus']:.2f} vs {v}" for v in names if v != "octopus")

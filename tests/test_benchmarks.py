@@ -9,26 +9,61 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import local_octopus  # noqa: E402
 import scheduler_overhead  # noqa: E402
+import stream_groups  # noqa: E402
+
+OPS = ["matmul_iterate", "dot", "transpose_sum", "map_overlap", "images"]
 
 
-def test_local_octopus_cpu_smoke(tmp_path):
+def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
     result = CliRunner().invoke(local_octopus.main, [
-        "--type", "cpu", "--size", "4000", "--cols", "32", "--width", "8", "--passes", "1", "--runs", "1",
-        "--variants", "equal,over-4,balance", "--out", str(tmp_path), "--tag", "smoke"])
+        "--type", "cpu", "--operation", ",".join(OPS), "--size", "2000", "--cols", "32", "--width", "8",
+        "--passes", "1", "--runs", "1", "--warmup-runs", "0", "--octopus", "all", "--image-scale", "0.02",
+        "--image-repeat", "1", "--out", str(tmp_path), "--tag", "smoke"])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "smoke-cpu-even.json").read_text())
-    assert set(record["variants"]) == {"equal", "over-4", "balance"}
-    assert record["variants"]["over-4"]["blocks"] == 8
-    assert sum(record["variants"]["balance"]["rows_per_worker"].values()) == 4000
-    assert record["ideal_seconds"] > 0 and record["versions"]["dask"]
-    for png in ("smoke-cpu-even-timeline.png", "smoke-cpu-even-speedup.png"):
-        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert list(record["operations"]) == OPS and record["versions"]["dask"] and record["config"]["protocol"] == "tcp"
+    for op in OPS[:-1]:
+        rec = record["operations"][op]
+        assert list(rec["variants"]) == ["defaults", "over-4", "over-16", "balance", "balance-4", "streams",
+                                         "balance-4-streams"]
+        assert rec["variants"]["over-16"]["blocks"] == 32 and rec["variants"]["streams"]["grouped"]
+        assert sum(rec["variants"]["balance"]["rows_per_worker"].values()) == 2000
+        assert rec["ideal_seconds"] > 0 and rec["ideal_formula"] and rec["work_formula"]
+        for png in (f"smoke-cpu-even-{op}-timeline.png", f"smoke-cpu-even-{op}-speedup.png"):
+            assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert set(record["operations"]["images"]["scenarios"]["video"]["seconds"]) == {
+        "one-task-each", "equal-batches", "loop", "octopus"}
+    again = CliRunner().invoke(local_octopus.main, [
+        "--type", "cpu", "--operation", "dot", "--size", "2000", "--cols", "32", "--passes", "1", "--runs", "1",
+        "--octopus", "off", "--chunk-size", "500", "--out", str(tmp_path), "--tag", "second",
+        "--compare", str(tmp_path / "smoke-cpu-even.json")])
+    assert again.exit_code == 0, again.output
+    second = json.loads((tmp_path / "second-cpu-even.json").read_text())
+    assert list(second["operations"]["dot"]["variants"]) == ["defaults", "over-4", "over-16"]
+    assert second["operations"]["dot"]["variants"]["defaults"]["blocks"] == 4  # the user's chunking
+    assert "change against" in again.output and "over-16" in again.output
 
 
-def test_local_octopus_rejects_an_unknown_variant(tmp_path):
+def test_suite_rejects_unknown_variants_and_operations(tmp_path):
     result = CliRunner().invoke(local_octopus.main, ["--size", "400", "--variants", "equal,fastest",
                                                      "--out", str(tmp_path)])
     assert result.exit_code != 0 and "unknown variant 'fastest'" in str(result.exception)
+    result = CliRunner().invoke(local_octopus.main, ["--operation", "fft", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown operation(s) ['fft']" in result.output
+
+
+def test_stream_groups_benchmark_cpu_smoke(tmp_path):
+    result = CliRunner().invoke(stream_groups.main, [
+        "--type", "cpu", "--operations", "tiny,frames,large", "--blocks", "64", "--scale", "0.02", "--sets", "1",
+        "--side", "64", "--runs", "1", "--warmup-runs", "0", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    ops = json.loads((tmp_path / "stream-groups-cpu.json").read_text())["operations"]
+    assert all(v["same_values_as_reference"] for v in ops["tiny"]["variants"].values())
+    assert set(ops["frames"]["variants"]) == {"one-task-each", "grouped-eager", "grouped", "loop"}
+    assert all(v["same_values_as_reference"] for v in ops["frames"]["variants"].values())
+    assert all(v["same_values_as_reference"] for t in ops["large"]["variants"].values() for v in t.values())
+    bad = CliRunner().invoke(stream_groups.main, ["--type", "cpu", "--operations", "mixed", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "mixed needs --type gpu" in bad.output
 
 
 def test_scheduler_overhead_smoke(tmp_path):
