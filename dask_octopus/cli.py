@@ -39,7 +39,11 @@ def demo(kind: str, rows: int | None, cols: int | None, width: int | None, passe
     rows = rows or (1_000_000 if gpu else 400_000)
     cols = cols or (2048 if gpu else 256)
     width = width or (2048 if gpu else 128)
-    run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant)
+    try:
+        run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant)
+    except KeyboardInterrupt:  # the cluster and the co-tenant were stopped on the way out
+        console().print("interrupted: the local cluster and the co-tenant load are stopped")
+        raise SystemExit(130) from None
 
 
 def _si(value: float | None, unit: str) -> str:

@@ -43,3 +43,31 @@ def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "dask_octopus", "--help"], capture_output=True, text=True,
                          env={**os.environ}, check=True)
     assert "demo" in out.stdout and "profile" in out.stdout
+
+
+def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--rows", "200000",
+                             "--passes", "200", "--out", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # wait until the co-tenant runs and the variants compute
+        seen.append(line)
+        if "calibrated weights" in line:
+            break
+    time.sleep(2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 3  # two workers and the co-tenant
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(seen) + out
+    assert "interrupted: the local cluster and the co-tenant load are stopped" in out
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
+    again = subprocess.run([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--rows", "20000",
+                            "--passes", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "timeline written" in again.stdout, again.stdout + again.stderr

@@ -235,3 +235,27 @@ def test_groups_that_refuse_capture_run_eagerly_and_exact(cuda_one):
         cupy.testing.assert_array_equal(cuda_one.compute(y.sum(axis=0)).result(), expected)
     (s,) = cuda_one.run(capture_stats).values()
     assert s["refused"] >= 1
+
+
+def allocate_too_much(block):
+    import cupy
+
+    return cupy.empty(2**38, dtype=cupy.uint8)  # 256 GiB: more than any one GPU here
+
+
+def test_real_out_of_memory_on_a_gpu_names_worker_block_and_remedy(cuda_client):
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    dask_octopus.register(cuda_client)
+    rng = da.random.default_rng(cupy.random.default_rng(6))
+    x = dask_octopus.balance(rng.random((40_000, 256), chunks=(10_000, 256), dtype=np.float32))
+    with pytest.raises(Exception) as info:
+        cuda_client.compute(x.map_blocks(allocate_too_much, dtype=np.uint8).sum()).result()
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    print(type(info.value), text)
+    assert "OutOfMemory" in type(info.value).__name__ or "out of memory" in text.lower()
+    assert "dask_octopus: worker tcp://" in text and "MiB" in text and "per_worker" in text
+    assert cuda_client.compute(x.sum()).result() > 0  # the cluster keeps working

@@ -1,0 +1,100 @@
+"""dask-cuda's own ``local_cupy.py`` against one cluster, with the dask_octopus plugin registered and
+without it, alternated (off on off on ...) in the same run: the plugin must cost nothing measurable
+when the user does not ask for balancing.
+
+The cluster is a ``LocalCUDACluster`` started here; ``local_cupy.py`` (from the installed dask-cuda)
+connects to it with ``--scheduler-address``. Where RMM is not installed, CuPy's own memory pool is
+used and ``local_cupy.py`` is told so through its external-cluster check (a no-op worker plugin whose
+name contains ``RMMSetup``).
+
+    python benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --out DIR
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import click
+import pandas as pd
+from distributed import Client
+from distributed.diagnostics.plugin import WorkerPlugin
+
+import dask_octopus
+from dask_octopus.cli import console as make_console
+from dask_octopus.environment import hardware, now, versions
+from dask_octopus.experiment import local_cluster
+
+
+class NoRMM(WorkerPlugin):
+    """Marks the workers as set up without RMM (it is not installed): CuPy's pool is used."""
+
+    name = "RMMSetup-not-installed-cupy-pool"
+
+
+def set_plugin(client: Client, on: bool) -> None:
+    registered = "octopus" in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+    if on and not registered:
+        dask_octopus.register(client)
+    elif registered and not on:
+        client.unregister_scheduler_plugin("octopus")
+        client.unregister_worker_plugin("octopus-worker")
+
+
+def run_local_cupy(address: str, operation: str, size: int, chunk_size: int, runs: int, folder: str,
+                   label: str) -> list[float]:
+    """Wall-clock seconds of each of ``local_cupy.py``'s runs."""
+    base = os.path.join(folder, label)
+    cmd = [sys.executable, "-m", "dask_cuda.benchmarks.local_cupy", "--scheduler-address", address,
+           "--operation", operation, "--size", str(size), "--chunk-size", str(chunk_size), "--runs", str(runs),
+           "--disable-rmm", "--output-basename", base]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"local_cupy failed ({' '.join(cmd)}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return [float(t) for t in pd.read_json(base + ".json")["wallclock"]]
+
+
+@click.command()
+@click.option("--devs", default="0,1", show_default=True)
+@click.option("--operations", default="transpose_sum,dot", show_default=True)
+@click.option("--size", type=int, default=20000, show_default=True)
+@click.option("--chunk-size", type=int, default=5000, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True, help="local_cupy runs per call")
+@click.option("--rounds", type=int, default=3, show_default=True, help="off/on alternations")
+@click.option("--out", default="benchmark-results", show_default=True)
+def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, out: str) -> None:
+    """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
+    console = make_console()
+    os.makedirs(out, exist_ok=True)
+    record: dict[str, Any] = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(True),
+                              "versions": versions(), "rmm_installed": importlib.util.find_spec("rmm") is not None,
+                              "config": {"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds,
+                                         "devs": devs}, "operations": {}}
+    with local_cluster(True, devs) as client, tempfile.TemporaryDirectory() as folder:
+        if not record["rmm_installed"]:
+            client.register_plugin(NoRMM())
+        address = client.scheduler_info()["address"]
+        for op in operations.split(","):
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            for r in range(rounds):
+                for state in ("off", "on"):
+                    set_plugin(client, state == "on")
+                    times[state] += run_local_cupy(address, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
+            med = {s: statistics.median(t) for s, t in times.items()}
+            record["operations"][op] = {"seconds": times, "median_seconds": med, "on_over_off": med["on"] / med["off"]}
+            console.print(f"{op}: plugin off {med['off']:.4f} s, on {med['on']:.4f} s (median of {len(times['on'])}); "
+                          f"on / off = {med['on'] / med['off']:.3f}")
+    path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
