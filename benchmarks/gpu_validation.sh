@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU validation in one call on the GPU machine (2 x H200): GPU tests, calibration figures,
-# the demo, and matmul_iterate benchmarks with and without a co-tenant. Everything lands in one folder,
+# The whole GPU validation on the GPU machine (2 x H200): GPU tests, stream groups on one GPU, a long
+# run (device memory), dask-cuda's local_cupy.py with and without the plugin, the benchmark suite with
+# and without a co-tenant, and the scheduler's throughput at 100,000 tasks. Everything lands in one folder,
 # packed as results.tar.gz (the device tool returns at most 8 files).
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
@@ -14,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-steps=${STEPS:-gpu-tests calibration demo bench-cotenant bench-even images stream-groups stream-groups-g32}
+steps=${STEPS:-gpu-tests stream-groups long-run local-cupy suite-cotenant suite-even scheduler-overhead}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -27,17 +28,16 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; } > "$run/env.txt" 2>&1
 
-step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 60 tests/test_gpu.py
-step 90 calibration python3 benchmarks/calibration.py --type gpu --devs 0,1 --out "$run"
-step 90 demo python3 -m dask_octopus demo --type gpu --out "$run"
-common=(--type gpu --devs 0,1 --size 2000000 --cols 2048 --width 2048 --passes 3 --runs 2 --warmup-runs 1)
-step 150 bench-cotenant python3 benchmarks/local_octopus.py "${common[@]}" --cotenant 0 --out "$run"
-step 90 bench-even python3 benchmarks/local_octopus.py "${common[@]}" --variants equal,balance --runs 3 --out "$run"
-step 150 images python3 examples/images.py --type gpu --devs 0,1 --cotenant 0 --repeat 4 --runs 3 \
-  --json-out "$run/images-gpu-cotenant.json"
-step 240 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 --out "$run"
-step 120 stream-groups-g32 python3 benchmarks/stream_groups.py --type gpu --devs 0 --operations frames --group 32 \
-  --runs 5 --sets 10 --tag stream-groups-g32 --out "$run"
+step 200 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
+step 150 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 --out "$run"
+step 150 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 --out "$run"
+step 120 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
+  --chunk-size 5000 --runs 3 --rounds 3 --out "$run"
+suite=(--type gpu --devs 0,1 --operation matmul_iterate,dot,transpose_sum,map_overlap,images --size 1000000
+       --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1 --octopus all --image-repeat 2)
+step 300 suite-cotenant python3 benchmarks/local_octopus.py "${suite[@]}" --runs 2 --cotenant 0 --out "$run"
+step 240 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 --out "$run"
+step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --tasks 100000 --runs 2 --out "$run"
 
 cp "$run/steps.txt" "$out/steps.txt"
 tail -n 40 "$run"/*.log | tail -c 11000

@@ -190,6 +190,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--size", type=int, default=400_000, show_default=True, help="rows of the array (square ones: side)")
 @click.option("--cols", type=int, default=256, show_default=True)
+@click.option("--square-size", type=int, default=None, help="side of the square operations' array (default: --size)")
 @click.option("--width", type=int, default=128, show_default=True, help="matmul_iterate: subspace width")
 @click.option("--chunk-size", type=int, default=None, help="rows per block of 'defaults' (default: one block per worker)")
 @click.option("--passes", type=int, default=3, show_default=True, help="timed passes per run")
@@ -209,7 +210,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
               help="an earlier JSON of this suite: print the change")
 @click.option("--out", default="benchmark-results", show_default=True, help="folder for JSON and PNGs")
 @click.option("--tag", default="suite", show_default=True, help="name prefix of the output files")
-def main(operations: str, kind: str, size: int, cols: int, width: int, chunk_size: int | None, passes: int,
+def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int, chunk_size: int | None, passes: int,
          runs: int, warmup_runs: int, devs: str | None, n_workers: int, protocol: str | None,
          scheduler_address: str | None, octopus: str, variants: str | None, cotenant: str, cotenant_procs: int,
          image_scale: float | None, image_repeat: int, compare_to: str | None, out: str, tag: str) -> None:
@@ -231,7 +232,8 @@ def main(operations: str, kind: str, size: int, cols: int, width: int, chunk_siz
     stem = os.path.join(out, f"{tag}-{kind}-{'cotenant' if targets else 'even'}")
     record: dict[str, Any] = {
         "date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
-        "config": {"operations": ops, "type": kind, "size": size, "cols": cols, "width": width,
+        "config": {"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,
+                   "width": width,
                    "chunk_size": chunk_size, "passes": passes, "runs": runs, "warmup_runs": warmup_runs,
                    "devs": devs, "protocol": protocol or "tcp", "scheduler_address": scheduler_address,
                    "octopus": octopus, "variants": names, "cotenant": targets, "cotenant_procs": cotenant_procs},
@@ -247,7 +249,8 @@ def main(operations: str, kind: str, size: int, cols: int, width: int, chunk_siz
                 record["operations"][op] = run_images(client, image_names, scale, image_repeat, runs,
                                                       f"{stem}-{op}", progress)
             else:
-                record["operations"][op] = run_array_op(client, op, names, size, cols, width, chunk_size, passes,
+                rows = (square_size or size) if OPERATIONS[op].square else size
+                record["operations"][op] = run_array_op(client, op, names, rows, cols, width, chunk_size, passes,
                                                         runs, warmup_runs, gpu, f"{stem}-{op}", progress)
         record["weights_after"] = dask_octopus.speeds(client)
     with open(stem + ".json", "w") as f:
