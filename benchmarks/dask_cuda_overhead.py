@@ -85,9 +85,13 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
             for r in range(rounds):
                 for state in ("off", "on"):
                     set_plugin(client, state == "on")
-                    times[state] += run_local_cupy(address, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
+                    got = run_local_cupy(address, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
+                    console.print(f"{op} round {r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
+                    times[state] += got
             med = {s: statistics.median(t) for s, t in times.items()}
             record["operations"][op] = {"seconds": times, "median_seconds": med, "on_over_off": med["on"] / med["off"]}
+            with open(os.path.join(out, "dask-cuda-local-cupy-overhead.json"), "w") as f:
+                json.dump(record, f, indent=1)  # what ran so far
             console.print(f"{op}: plugin off {med['off']:.4f} s, on {med['on']:.4f} s (median of {len(times['on'])}); "
                           f"on / off = {med['on'] / med['off']:.3f}")
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")

@@ -37,7 +37,13 @@ import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.environment import hardware, now, versions
-from dask_octopus.experiment import Variant, ideal_seconds, local_cluster, parse_variant, run_variants
+from dask_octopus.experiment import (
+    Variant,
+    ideal_seconds,
+    local_cluster,
+    parse_variant,
+    run_variants,
+)
 from dask_octopus.image_variants import time_variants
 from dask_octopus.operations import OPERATIONS, calibrated_ideal
 from dask_octopus.timeline import plot_timelines
@@ -73,10 +79,10 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def array_table(op: str, results: dict[str, Variant], ideal: float, measured: float, work: float) -> Table:
+def array_table(op: str, results: dict[str, Variant], ideal: float, measured: float | None, work: float) -> Table:
     unit, scale = UNITS[OPERATIONS[op].resource]
     table = Table(title=f"{op}: per pass (median); ideal {ideal:.4f} s ({OPERATIONS[op].formula} over the "
-                        f"workers' calibrated speeds), measured ideal {measured:.4f} s")
+                        f"workers' calibrated speeds)" + (f", measured ideal {measured:.4f} s" if measured else ""))
     baselines = [b for b in BASELINES if b in results]
     for col in ["variant", "blocks", "s / pass", "spread", unit, "finish spread",
                 *[f"vs {b}" for b in baselines], "x ideal", "x measured ideal"]:
@@ -86,7 +92,7 @@ def array_table(op: str, results: dict[str, Variant], ideal: float, measured: fl
         table.add_row(v.name, str(v.blocks), f"{s:.4f}", f"{spread([r.seconds for r in v.passes]):.0%}",
                       f"{work / s / scale:.1f}", f"{v.median().spread():.0%}",
                       *[f"{results[b].seconds() / s:.2f}x" for b in baselines], f"{s / ideal:.2f}",
-                      f"{s / measured:.2f}")
+                      f"{s / measured:.2f}" if measured else "-")
     return table
 
 
@@ -104,7 +110,7 @@ def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int
     ncols = size if spec.square else cols
     profiles = dask_octopus.profiles(client)
     ideal = calibrated_ideal(spec, size, cols, width, profiles)
-    measured = ideal_seconds(results, size)
+    measured = ideal_seconds(results, size) if spec.per_block_tasks else None
     work = spec.work(size, ncols, width)
     console.print(array_table(op, results, ideal, measured, work))
     plot_timelines({v.name: v.median() for v in results.values()}, stem + "-timeline.png",
@@ -115,7 +121,8 @@ def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int
         "ideal_seconds": ideal, "ideal_formula": "work per pass / sum of the workers' calibrated speeds "
                                                  f"({spec.resource}: {UNITS[spec.resource][0]})",
         "measured_ideal_seconds": measured,
-        "measured_ideal_formula": "rows / sum over workers of (rows / busy seconds) in the first pinned variant",
+        "measured_ideal_formula": "rows / sum over workers of (rows / busy seconds of per-block tasks) in the first "
+                                  "pinned variant (operations that time their per-block tasks apart)",
         "variants": {v.name: {"median_seconds": v.seconds(), "spread": spread([r.seconds for r in v.passes]),
                               "median_block_makespan": v.block_makespan(), "blocks": v.blocks,
                               "grouped": parse_variant(v.name)[2], "rows_per_worker": v.rows,

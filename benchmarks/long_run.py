@@ -15,7 +15,6 @@ from typing import Any
 
 import click
 import dask.array as da
-import numpy as np
 import psutil
 from distributed import Client
 
@@ -34,12 +33,15 @@ def plugin_tables(dask_scheduler: Any) -> dict[str, int]:
 
 
 def worker_memory() -> dict[str, float]:
-    """This worker's RSS and, when it uses CuPy, its pool's bytes in use and held (MiB)."""
+    """This worker's RSS and, when it uses CuPy, its pool's bytes in use and held, and the device's
+    memory in use by all processes (MiB)."""
     out = {"rss_mib": psutil.Process().memory_info().rss / 2**20}
     cp = sys.modules.get("cupy")
     if cp is not None:
         pool = cp.get_default_memory_pool()
-        out.update(pool_used_mib=pool.used_bytes() / 2**20, pool_held_mib=pool.total_bytes() / 2**20)
+        free, total = cp.cuda.runtime.memGetInfo()
+        out.update(pool_used_mib=pool.used_bytes() / 2**20, pool_held_mib=pool.total_bytes() / 2**20,
+                   device_used_mib=(total - free) / 2**20)
     return out
 
 

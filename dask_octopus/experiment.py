@@ -25,7 +25,6 @@ from dask_octopus.workloads import (
     PassRecord,
     persist_on_workers,
     random_matrix,
-    subspace_iteration,
 )
 
 

@@ -5,7 +5,8 @@ over a small pool of non-blocking CUDA streams, reused across groups, in the ord
 :func:`~dask_octopus.grouping.launch_order`. The pool streams first wait on an event recorded on
 the stream that produced the inputs, so no member reads a block before its producer's kernels
 finished; the group ends with one synchronisation of the streams it used, so results leaving the
-task are complete and memory freed later on another stream cannot be reused early. A group seen
+task are complete and memory freed later on another stream cannot be reused early. Members large
+enough to fill the GPU alone run on the task's own stream, as Dask would run them. A group seen
 again with the same members, shapes and dtypes is captured as a CUDA graph and replayed
 (:mod:`dask_octopus.graph_replay`). On a CPU worker (NumPy blocks) the members simply run one
 after the other.
@@ -155,28 +156,30 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
 def run_on_streams(cp: Any, members: Sequence[Callable[..., Any]], tokens: Sequence[Hashable],
                    inputs: Sequence[Sequence[Any]], known: list[str | None], order: list[int],
                    streams: list[Any]) -> list[Any]:
-    """Launch the members in ``order``, the small ones round-robin over ``streams`` and those with
-    inputs of ``octopus.streams.large-bytes`` or more one after the other on the first stream (each
-    already fills the GPU: run side by side they only compete), then synchronise once. Members of
-    unknown class (``known[i] is None``) are timed with events and classified."""
-    large = dask.config.get("octopus.streams.large-bytes")
-    large = dask.utils.parse_bytes(large) if isinstance(large, str) else large
+    """Launch the members in ``order``: the small ones round-robin over ``streams``, then one
+    synchronisation of those streams; members with inputs of ``octopus.streams.large-bytes`` or more
+    each fill the GPU alone, so they run on the task's current stream exactly as Dask would run them
+    (in order, returned at launch, no extra synchronisation). Members of unknown class
+    (``known[i] is None``) are timed with events and classified."""
+    large = dask.utils.parse_bytes(dask.config.get("octopus.streams.large-bytes"))
+    current = cp.cuda.get_current_stream()
     results: list[Any] = [None] * len(members)
     timed: dict[int, tuple[Any, Any]] = {}
-    slot = 0
+    small = 0
     for i in order:
         if _nbytes(list(inputs[i])) >= large:
-            s = streams[0]
+            s = current
         else:
-            s = streams[slot % len(streams)]
-            slot += 1
+            s = streams[small % len(streams)]
+            small += 1
         with s:
             start = s.record() if known[i] is None else None
             results[i] = members[i](*inputs[i])
             if start is not None:
                 timed[i] = (start, s.record())
-    for s in streams:
+    for s in streams[:small]:
         s.synchronize()
     for i, (start, end) in timed.items():
+        end.synchronize()
         classify(tokens[i], inputs[i], results[i], cp.cuda.get_elapsed_time(start, end) / 1e3, _worker_bandwidth())
     return results
