@@ -1,18 +1,20 @@
-"""dask_octopus.annotate: grouped results equal ungrouped ones, with fewer tasks, fusion on; bad input."""
+"""dask_octopus.annotate: grouped results equal ungrouped ones, with fewer tasks, fusion on; faults; bad input."""
+
+import asyncio
 
 import dask
 import dask.array as da
 import numpy as np
 import pytest
 from dask.core import flatten
-from distributed import wait
+from distributed import Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import dask_octopus
 from dask_octopus import streams
 from dask_octopus.graph_groups import GROUP_PREFIX
 
-from test_balance import WhereRan, run_balance, setup
+from test_balance import WhereRan, run_balance, setup, slow_copy
 
 
 def f(b):
@@ -132,3 +134,20 @@ def test_unannotated_graphs_pass_through_unchanged(x):
     graph = collections_to_expr([y]).optimize().__dask_graph__()
     assert not any(str(k[0] if isinstance(k, tuple) else k).startswith(GROUP_PREFIX) for k in graph)
     assert y.compute(scheduler="sync") == x.map_blocks(f).sum().compute(scheduler="sync", optimize_graph=False)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_killed_worker_mid_compute_with_groups_and_balance(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((25, 10))
+    y = await run_balance(c, x, per_worker=8)
+    with dask_octopus.annotate(group=4):
+        z = y.map_blocks(slow_copy, 0.15, dtype=y.dtype)
+    fut = c.compute(z.sum(axis=1))
+    await asyncio.sleep(1.0)  # 16 blocks of 0.15 s in groups of 4 on 2 workers: under half done
+    assert not fut.done()
+    assert any(isinstance(k, tuple) and str(k[0]).startswith(GROUP_PREFIX) for k in s.tasks)
+    victim = sorted(s.workers)[0]
+    await (a if a.worker_address == victim else b).kill()
+    np.testing.assert_array_equal(await fut, np.arange(4000).reshape(400, 10).sum(axis=1))
+    assert not s.unrunnable

@@ -71,3 +71,17 @@ def test_scheduler_overhead_smoke(tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "scheduler-overhead.json").read_text())
     assert set(record["tasks_per_second"]) == {"dask", "registered", "plan-active"}
+
+
+def test_suite_runs_against_an_existing_cluster(tmp_path):
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
+        result = CliRunner().invoke(local_octopus.main, [
+            "--type", "cpu", "--scheduler-address", cluster.scheduler_address, "--operation", "dot",
+            "--size", "2000", "--cols", "16", "--passes", "1", "--runs", "1", "--warmup-runs", "0",
+            "--octopus", "off", "--out", str(tmp_path), "--tag", "external"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "external-cpu-even.json").read_text())
+    assert record["config"]["scheduler_address"] == cluster.scheduler_address
+    assert list(record["operations"]["dot"]["variants"]) == ["defaults", "over-4", "over-16"]

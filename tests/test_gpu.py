@@ -259,3 +259,39 @@ def test_real_out_of_memory_on_a_gpu_names_worker_block_and_remedy(cuda_client):
     assert "OutOfMemory" in type(info.value).__name__ or "out of memory" in text.lower()
     assert "dask_octopus: worker tcp://" in text and "MiB" in text and "per_worker" in text
     assert cuda_client.compute(x.sum()).result() > 0  # the cluster keeps working
+
+
+def slow_copy(block, delay):
+    import time
+
+    time.sleep(delay)
+    return block.copy()
+
+
+def test_killed_cuda_worker_mid_compute_with_balance_groups_and_map(cuda_client):
+    """A dask-cuda worker process dies mid-compute (its nanny restarts it): results complete and exact."""
+    import os
+    import time
+
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+    from dask_octopus.workloads import square
+
+    dask_octopus.register(cuda_client)
+    rng = da.random.default_rng(cupy.random.default_rng(7))
+    x = da.floor(rng.random((16 * 4096, 256), chunks=(4096, 256), dtype=np.float32) * 100)  # sums are exact
+    expected = cuda_client.compute(x.sum(axis=1)).result()
+    y = dask_octopus.balance(x, per_worker=8)
+    with dask_octopus.annotate(group=4):
+        z = y.map_blocks(slow_copy, 0.2, dtype=y.dtype)
+    fut = cuda_client.compute(z.sum(axis=1))
+    time.sleep(1.0)
+    assert not fut.done()
+    victim = sorted(cuda_client.scheduler_info(n_workers=-1)["workers"])[0]
+    cuda_client.run(os._exit, 1, workers=[victim], wait=False)
+    cupy.testing.assert_array_equal(fut.result(timeout=120), expected)
+    items = [cupy.full((256, 256), float(i), dtype=cupy.float32) for i in range(12)]
+    got = cuda_client.gather(dask_octopus.map(square, items, group=4))
+    assert all(cupy.array_equal(g, square(i)) for g, i in zip(got, items))
