@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 
@@ -16,6 +14,7 @@ import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cli import profile_table
 from dask_octopus.cotenant import CoTenant
+from dask_octopus.environment import hardware, now, versions, write_json
 from dask_octopus.experiment import local_cluster, slowest_target
 
 
@@ -25,9 +24,8 @@ from dask_octopus.experiment import local_cluster, slowest_target
 @click.option("--out", default="benchmark-results", show_default=True)
 def main(kind: str, devs: str | None, out: str) -> None:
     gpu = kind == "gpu"
-    os.makedirs(out, exist_ok=True)
     console = make_console()
-    record: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record: dict = {"date": now(), "hardware": hardware(gpu), "versions": versions(),
                     "command": " ".join(sys.argv)}
     for case in ("alone", "cotenant"):
         with local_cluster(gpu, devs) as client:
@@ -39,10 +37,7 @@ def main(kind: str, devs: str | None, out: str) -> None:
             console.print(profile_table(profiles, memory, f"{case}: co-tenant {load if case == 'cotenant' else 'none'}"))
             record[case] = {"cotenant_worker": slow if case == "cotenant" else None, "profiles": profiles,
                             "memory_weights": memory}
-    path = os.path.join(out, f"calibration-{kind}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {write_json(os.path.join(out, f'calibration-{kind}.json'), record)}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ name contains ``RMMSetup``).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 import dask_octopus
 from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions
+from dask_octopus.environment import hardware, now, versions, write_json
 from dask_octopus.experiment import local_cluster
 
 
@@ -71,7 +70,7 @@ def run_local_cupy(address: str, operation: str, size: int, chunk_size: int, run
 def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, out: str) -> None:
     """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
     console = make_console()
-    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
     record: dict[str, Any] = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(True),
                               "versions": versions(), "rmm_installed": importlib.util.find_spec("rmm") is not None,
                               "config": {"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds,
@@ -90,14 +89,10 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
                     times[state] += got
             med = {s: statistics.median(t) for s, t in times.items()}
             record["operations"][op] = {"seconds": times, "median_seconds": med, "on_over_off": med["on"] / med["off"]}
-            with open(os.path.join(out, "dask-cuda-local-cupy-overhead.json"), "w") as f:
-                json.dump(record, f, indent=1)  # what ran so far
+            write_json(path, record)  # what ran so far
             console.print(f"{op}: plugin off {med['off']:.4f} s, on {med['on']:.4f} s (median of {len(times['on'])}); "
                           f"on / off = {med['on'] / med['off']:.3f}")
-    path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {write_json(path, record)}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from rich.table import Table
 import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
-from dask_octopus.environment import hardware, now, versions
+from dask_octopus.environment import hardware, now, versions, write_json
 from dask_octopus.experiment import (
     Variant,
     ideal_seconds,
@@ -260,9 +260,7 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
                 record["operations"][op] = run_array_op(client, op, names, rows, cols, width, chunk_size, passes,
                                                         runs, warmup_runs, gpu, f"{stem}-{op}", progress)
         record["weights_after"] = dask_octopus.speeds(client)
-    with open(stem + ".json", "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    console.print(f"wrote {stem}.json and PNGs")
+    console.print(f"wrote {write_json(stem + '.json', record)} and PNGs")
     if compare_to:
         with open(compare_to) as f:
             compare(console, json.load(f), record)

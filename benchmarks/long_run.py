@@ -8,7 +8,6 @@ plugin's own tables. Results are checked on every call.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -20,7 +19,7 @@ from distributed import Client
 
 import dask_octopus
 from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions
+from dask_octopus.environment import hardware, now, versions, write_json
 from dask_octopus.experiment import local_cluster
 from dask_octopus.workloads import array_module
 
@@ -81,12 +80,9 @@ def main(kind: str, n: int, devs: str | None, out: str) -> None:
         console.print(f"after {s['iteration']:>5}: process {s['process_rss_mib']:.0f} MiB, tables {s['tables']}, "
                       + "; ".join(f"{w.rsplit(':', 1)[-1]}: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items())
                                   for w, m in sorted(s["workers"].items())))
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"long-run-{kind}.json")
-    with open(path, "w") as f:
-        json.dump({"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
-                   "n": n, "samples": samples}, f, indent=1)
-    console.print(f"wrote {path}")
+    record = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
+              "n": n, "samples": samples}
+    console.print(f"wrote {write_json(os.path.join(out, f'long-run-{kind}.json'), record)}")
 
 
 if __name__ == "__main__":

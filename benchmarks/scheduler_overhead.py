@@ -10,8 +10,6 @@ computes one graph of about ``--tasks`` tiny tasks; reports tasks per second and
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -23,6 +21,7 @@ from distributed import Client, LocalCluster
 
 import dask_octopus
 from dask_octopus.cli import console as make_console
+from dask_octopus.environment import hardware, now, versions, write_json
 
 VARIANTS = ("dask", "registered", "plan-active")
 
@@ -60,11 +59,9 @@ def main(tasks: int, runs: int, out: str | None) -> None:
     for v in VARIANTS:
         console.print(f"{v:>12}: {rate[v]:8.0f} tasks/s (median of {runs}), {rate[v] / rate['dask']:.3f} of Dask alone")
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "scheduler-overhead.json"), "w") as f:
-            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "command": " ".join(sys.argv), "graph_tasks": n_tasks, "seconds": times,
-                       "tasks_per_second": rate}, f, indent=1)
+        write_json(os.path.join(out, "scheduler-overhead.json"),
+                   {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(False), "versions": versions(),
+                    "graph_tasks": n_tasks, "seconds": times, "tasks_per_second": rate})
 
 
 if __name__ == "__main__":

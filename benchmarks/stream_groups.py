@@ -36,7 +36,7 @@ from distributed import Client, wait
 
 import dask_octopus
 from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions
+from dask_octopus.environment import hardware, now, versions, write_json
 from dask_octopus.experiment import local_cluster
 from dask_octopus.workloads import (
     array_module,
@@ -306,10 +306,7 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
                 r = op_mixed(runs)
             record["operations"][op] = r
             console.print_json(json.dumps(r.get("variants"), default=str))
-    path = os.path.join(out, f"{tag}-{kind}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1, default=str)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {write_json(os.path.join(out, f'{tag}-{kind}.json'), record)}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import sys
 from typing import Any
 
 import dask_octopus
+
+
+def write_json(path: str, record: dict[str, Any]) -> str:
+    """Write a benchmark record (folders made as needed); returns ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    return path
 
 
 def now() -> str:
