@@ -127,15 +127,15 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
         for i in order:
             results[i] = members[i](*inputs[i])
         return results
-    tokens = tokens()
-    known = [resolve_class(d, t, x) for d, t, x in zip(declared, tokens, inputs, strict=True)]
+    member_tokens = tokens()
+    known = [resolve_class(d, t, x) for d, t, x in zip(declared, member_tokens, inputs, strict=True)]
     order = launch_order([c or "memory" for c in known], sizes)
     streams = stream_pool(cp, max(1, min(len(members), dask.config.get("octopus.streams.max-streams"))))
     ready = cp.cuda.get_current_stream().record()
     for s in streams:
         s.wait_event(ready)
     if None not in known and dask.config.get("octopus.streams.capture"):
-        signature = (tuple(_signature(t, x) for t, x in zip(tokens, inputs)), tuple(known))
+        signature = (tuple(_signature(t, x) for t, x in zip(member_tokens, inputs)), tuple(known))
         cache = graph_cache()
         graph = cache.get(signature)
         if graph is None and cache.should_capture(signature):
@@ -150,7 +150,7 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
             results = graph.replay(cp, inputs, streams[0])
             streams[0].synchronize()
             return results
-    return run_on_streams(cp, members, tokens, inputs, known, order, streams)
+    return run_on_streams(cp, members, member_tokens, inputs, known, order, streams)
 
 
 def run_on_streams(cp: Any, members: Sequence[Callable[..., Any]], tokens: Sequence[Hashable],
