@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import Task, TaskRef, parse_input
 from dask.base import is_dask_collection, tokenize
-from dask.utils import funcname
+from dask.utils import funcname, key_split
 from distributed import Client, Future, default_client
 from distributed.protocol.pickle import dumps
 
@@ -49,11 +49,38 @@ def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | No
     return [float(c) for c in out]
 
 
-def _plan_items(client: Client, costs: list[float], resource: str) -> tuple[list[str], Packing]:
-    """Live workers (sorted) and the packing of ``costs`` onto them by their current weights."""
+def _transfer_penalty(client: Client, items: list[Any], workers: list[str], prefix: str) -> list[list[float]] | None:
+    """For items that are futures: the time to move each to a worker that does not hold it (bytes over
+    the scheduler's bandwidth estimate), in the packing's unit, i.e. seconds times the function's
+    observed total rate (units per second over the workers). ``None`` when no item is a future or
+    the function has not been observed yet (its units per second are unknown)."""
+    at = [i for i, it in enumerate(items) if isinstance(it, Future)]
+    if not at:
+        return None
+    rates = call_scheduler(client, "octopus_rates").get(prefix, {})
+    total = sum(rate for w, (rate, _, _) in rates.items() if w in workers)
+    if total <= 0:
+        return None
+    keys = [items[i].key for i in at]
+    who, nbytes = client.who_has([items[i] for i in at]), client.nbytes(keys, summary=False)
+    bandwidth = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.bandwidth)
+    penalty = [[0.0] * len(workers) for _ in items]
+    for i, key in zip(at, keys):
+        holders = set(who.get(key, ()))
+        if holders:  # not computed yet: wherever it runs, it is not moved
+            seconds = nbytes.get(key, 0) / bandwidth
+            penalty[i] = [0.0 if w in holders else seconds * total for w in workers]
+    return penalty
+
+
+def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
+                prefix: str) -> tuple[list[str], Packing]:
+    """Live workers (sorted) and the packing of ``costs`` onto them by their current weights,
+    counting the transfer of items that are futures already on some worker."""
     weights = call_scheduler(client, "octopus_speeds", resource=resource)
     workers = sorted(weights)
-    return workers, pack(costs, [weights[w] for w in workers])
+    penalty = _transfer_penalty(client, items, workers, prefix)
+    return workers, pack(costs, [weights[w] for w in workers], penalty=penalty)
 
 
 def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
@@ -63,7 +90,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     packing chose, so that all workers are predicted to finish together.
 
     ``items`` may be local objects, futures or delayed objects. ``cost`` is a callable or a list of
-    numbers (default: ``nbytes`` when items have it, else equal). With ``group=g`` a worker's items run
+    numbers (default: ``nbytes`` when items have it, else equal); items that are futures count the
+    time to move them to a worker that does not hold them, once the function's speed has been
+    observed. With ``group=g`` a worker's items run
     ``g`` to a task (fewer Dask tasks; results still come back one future per item). Observed task
     times refine the worker weights, so a second ``map`` of the same function is better planned.
     """
@@ -83,7 +112,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
-    workers, packing = _plan_items(client, costs, resource)
+    prefix = key_split(f"octopus-map-{funcname(func)}-{'0' * 32}")  # the scheduler's prefix of its tasks
+    workers, packing = _plan_items(client, costs, resource, items, prefix)
     token = tokenize(func, items, costs, kwargs, group, workers, packing.assignment)
     name = f"octopus-map-{funcname(func)}-{token}"
     per_worker: list[list[int]] = [[] for _ in workers]
@@ -99,10 +129,10 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     for b, (_, idx) in enumerate(batches):
         if group is None:
             (i,) = idx
-            dsk[(name, b)] = Task((name, b), func, items[i], **kwargs)
+            dsk[(name, b)] = Task((name, b), func, parse_input(items[i]), **kwargs)  # futures become dependencies
             keys[i] = (name, b)
             continue
-        dsk[(name, b)] = Task((name, b), run_group, func, [items[i] for i in idx], kwargs, resource)
+        dsk[(name, b)] = Task((name, b), run_group, func, parse_input([items[i] for i in idx]), kwargs, resource)
         for k, i in enumerate(idx):
             keys[i] = (item_name, i)
             dsk[keys[i]] = Task(keys[i], operator.getitem, TaskRef((name, b)), k)

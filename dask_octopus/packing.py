@@ -1,15 +1,16 @@
 """Pure packing of indivisible items onto workers of different speeds (no Dask here).
 
 The uniform-machines makespan problem: item ``i`` costs ``c_i`` units, worker ``j`` processes
-``s_j`` units per second, and a worker finishes at ``sum(c_i on j) / s_j``. :func:`pack` runs LPT
-(largest item first, to the worker where it would finish earliest) and then improves the result
-locally by moving or swapping items off the worker that finishes last.
+``s_j`` units per second, and a worker finishes at ``sum(c_i on j) / s_j`` (plus, optionally, a
+penalty per item and worker, such as moving the item's data there). :func:`pack` runs LPT (largest
+item first, to the worker where it would finish earliest) and then improves the result locally by
+moving or swapping items off the worker that finishes last.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -26,7 +27,7 @@ class Packing:
         return max(self.finish)
 
 
-def _check(costs: Sequence[float], speeds: Sequence[float]) -> None:
+def _check(costs: Sequence[float], speeds: Sequence[float], penalty: Sequence[Sequence[float]] | None) -> None:
     if not speeds:
         raise ValueError("no workers to pack onto")
     for j, s in enumerate(speeds):
@@ -35,6 +36,13 @@ def _check(costs: Sequence[float], speeds: Sequence[float]) -> None:
     for i, c in enumerate(costs):
         if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
             raise ValueError(f"cost of item {i} must be a finite number >= 0, got {c!r}")
+    if penalty is None:
+        return
+    if len(penalty) != len(costs) or any(len(row) != len(speeds) for row in penalty):
+        raise ValueError(f"penalty must be {len(costs)} rows (items) of {len(speeds)} numbers (workers)")
+    for i, row in enumerate(penalty):
+        if not all(math.isfinite(p) and p >= 0 for p in row):
+            raise ValueError(f"penalties of item {i} must be finite numbers >= 0, got {list(row)!r}")
 
 
 def lower_bound(costs: Sequence[float], speeds: Sequence[float]) -> float:
@@ -42,43 +50,52 @@ def lower_bound(costs: Sequence[float], speeds: Sequence[float]) -> float:
     return max(sum(costs) / sum(speeds), max(costs, default=0.0) / max(speeds))
 
 
-def pack(costs: Sequence[float], speeds: Sequence[float], *, rounds: int = 200) -> Packing:
-    """Assign every item to a worker, minimising the latest finish (LPT + local improvement)."""
-    _check(costs, speeds)
+def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[Sequence[float]] | None = None,
+         rounds: int = 200) -> Packing:
+    """Assign every item to a worker, minimising the latest finish (LPT + local improvement).
+
+    ``penalty[i][j]`` (>= 0, optional) is time item ``i`` costs on worker ``j`` beyond its work, in the
+    unit of ``cost / speed``: moving the item's data to a worker that does not hold it, for instance.
+    """
+    _check(costs, speeds, penalty)
     n = len(speeds)
-    load = [0.0] * n
+
+    def time(i: int, j: int) -> float:
+        return costs[i] / speeds[j] + (penalty[i][j] if penalty is not None else 0.0)
+
+    finish = [0.0] * n
     assignment = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        j = min(range(n), key=lambda j: ((load[j] + costs[i]) / speeds[j], -speeds[j], j))
+        j = min(range(n), key=lambda j: (finish[j] + time(i, j), -speeds[j], j))
         assignment[i] = j
-        load[j] += costs[i]
+        finish[j] += time(i, j)
     for _ in range(rounds):
-        if not _improve(costs, speeds, assignment, load):
+        if not _improve(time, assignment, finish):
             break
-    return Packing(assignment, [load[j] / speeds[j] for j in range(n)], lower_bound(costs, speeds))
+    return Packing(assignment, finish, lower_bound(costs, speeds))
 
 
-def _improve(costs: Sequence[float], speeds: Sequence[float], assignment: list[int], load: list[float]) -> bool:
+def _improve(time: Callable[[int, int], float], assignment: list[int], finish: list[float]) -> bool:
     """One move or swap that lowers the later finish of the last worker and a partner; False if none."""
-    n = len(speeds)
-    last = max(range(n), key=lambda j: load[j] / speeds[j])
-    worst = load[last] / speeds[last]
+    n = len(finish)
+    last = max(range(n), key=lambda j: finish[j])
+    worst = finish[last] - 1e-12 * max(1.0, finish[last])
     mine = [i for i, j in enumerate(assignment) if j == last]
-    for i in sorted(mine, key=lambda i: -costs[i]):
+    for i in sorted(mine, key=lambda i: -time(i, last)):
         for j in range(n):
-            if j != last and max((load[last] - costs[i]) / speeds[last], (load[j] + costs[i]) / speeds[j]) < worst - 1e-12:
+            if j != last and max(finish[last] - time(i, last), finish[j] + time(i, j)) < worst:
                 assignment[i] = j
-                load[last] -= costs[i]
-                load[j] += costs[i]
+                finish[last] -= time(i, last)
+                finish[j] += time(i, j)
                 return True
     for i in mine:
         for k, j in enumerate(assignment):
-            if j == last or costs[k] >= costs[i]:
+            if j == last:
                 continue
-            delta = costs[i] - costs[k]
-            if max((load[last] - delta) / speeds[last], (load[j] + delta) / speeds[j]) < worst - 1e-12:
+            new_last = finish[last] - time(i, last) + time(k, last)
+            new_j = finish[j] - time(k, j) + time(i, j)
+            if max(new_last, new_j) < worst:
                 assignment[i], assignment[k] = j, last
-                load[last] -= delta
-                load[j] += delta
+                finish[last], finish[j] = new_last, new_j
                 return True
     return False

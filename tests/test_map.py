@@ -125,3 +125,21 @@ def test_a_second_map_is_better_planned_after_a_slowdown():
                 counts.append(sum(who[f.key][0] == slow for f in futs))
         assert counts[0] == 6  # equal weights: 6 items each
         assert counts[1] < counts[0], counts  # the slowed worker got fewer items the second time
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_future_items_stay_where_their_data_is_when_moving_it_costs_more(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    holder, other = sorted(s.workers)
+    items = [c.submit(np.ones, 2**17, workers=[holder], pure=False) for _ in range(8)]  # 1 MiB each, on holder
+    await wait(items)
+    for w in s.workers:  # np.sum was observed: one unit of cost takes a microsecond on either worker
+        s.plugins["octopus"].model.observe(w, "octopus-map-sum", 1e6, 1.0)
+    futs = await call(c, np.sum, items, group=2)  # moving an item (1 MiB) costs far more than its work
+    assert await c.gather(futs) == [2.0**17] * 8
+    (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-sum")]
+    assert plan.workers == [holder] * 4
+    futs = await call(c, np.max, items, group=2)  # never observed: transfers are not counted yet
+    assert await c.gather(futs) == [1.0] * 8
+    (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-max")]
+    assert sorted(plan.workers) == sorted([holder, holder, other, other])  # 4 + 4 by the equal weights

@@ -64,3 +64,36 @@ def test_bad_input(costs, speeds, match):
 
 def test_lower_bound_of_nothing():
     assert lower_bound([], [1.0]) == 0.0
+
+
+def test_a_transfer_penalty_keeps_items_where_their_data_is_until_the_imbalance_costs_more():
+    # four items of 1 held by worker 0; on worker 1 an item takes 1 + its transfer
+    costly = pack([1.0] * 4, [1.0, 1.0], penalty=[[0.0, 4.0]] * 4)
+    assert costly.assignment == [0] * 4 and costly.makespan == 4.0  # moving one would end at 5
+    some = pack([1.0] * 4, [1.0, 1.0], penalty=[[0.0, 2.0]] * 4)
+    assert sorted(some.assignment) == [0, 0, 0, 1] and some.finish == [3.0, 3.0]
+    free = pack([1.0] * 4, [1.0, 1.0], penalty=[[0.0, 0.0]] * 4)
+    assert sorted(free.assignment) == [0, 0, 1, 1] and free.makespan == 2.0
+
+
+@given(costs=costs_st, speeds=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=3), data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_finish_times_include_the_penalties_and_zero_penalties_change_nothing(costs, speeds, data):
+    penalty = [[data.draw(st.floats(0.0, 50.0)) for _ in speeds] for _ in costs]
+    result = pack(costs, speeds, penalty=penalty)
+    for j in range(len(speeds)):
+        mine = [i for i, w in enumerate(result.assignment) if w == j]
+        assert result.finish[j] == pytest.approx(sum(costs[i] / speeds[j] + penalty[i][j] for i in mine), abs=1e-6)
+    zero = pack(costs, speeds, penalty=[[0.0] * len(speeds) for _ in costs])
+    assert zero.assignment == pack(costs, speeds).assignment
+
+
+@pytest.mark.parametrize("penalty, match", [
+    ([[0.0, 1.0]], "penalty must be 2 rows"),
+    ([[0.0], [1.0]], "penalty must be 2 rows"),
+    ([[0.0, -1.0], [0.0, 0.0]], "penalties of item 0"),
+    ([[0.0, 0.0], [math.inf, 0.0]], "penalties of item 1"),
+])
+def test_bad_penalties(penalty, match):
+    with pytest.raises(ValueError, match=match):
+        pack([1.0, 2.0], [1.0, 1.0], penalty=penalty)
