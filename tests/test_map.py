@@ -64,6 +64,8 @@ async def test_futures_and_delayed_items(c, s, a, b):
     items = [*remote, dask.delayed(np.ones)(30)]
     futs = await call(c, np.sum, items, cost=[1, 2, 3])
     assert await c.gather(futs) == [10.0, 20.0, 30.0]
+    futs = await call(c, np.sum, items, cost=[1, 2, 3], group=2)  # futures inside a group's list too
+    assert await c.gather(futs) == [10.0, 20.0, 30.0]
 
 
 def slow_identity(x, delay):
