@@ -17,7 +17,7 @@ from typing import Any
 import dask
 import dask.config
 from dask._task_spec import convert_legacy_graph, resolve_aliases
-from dask.core import flatten
+from dask.core import flatten, reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.typing import Key
 from dask.utils import ensure_dict
@@ -41,13 +41,9 @@ class GroupingOptimizer:
         if not specs or (specs.keys() <= keep and isinstance(optimized, HighLevelGraph)):
             return optimized  # nothing to group (yet): the marks stay on the layers
         graph = convert_legacy_graph(ensure_dict(optimized))
-        dependents: dict[Key, set[Key]] = {k: set() for k in graph}
-        for k, node in graph.items():
-            for d in node.dependencies:
-                dependents.setdefault(d, set()).add(k)
-        graph = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
+        graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names
         marks = inner_marks(graph, specs)
-        grouped, _ = group_graph(graph, marks, keep)
+        grouped = group_graph(graph, marks, keep, _dependents(graph))
         # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
         # again when it becomes an input of another one (delayed arguments), and they may group then.
         left = Marks({k: v for k, v in marks.items() if k in grouped})
@@ -59,6 +55,10 @@ class GroupingOptimizer:
 
     def __hash__(self) -> int:
         return hash(self.base)
+
+
+def _dependents(graph: Mapping[Key, Any]) -> dict[Key, set[Key]]:
+    return reverse_dict({k: node.dependencies for k, node in graph.items()})
 
 
 class Marks(dict):

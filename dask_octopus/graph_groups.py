@@ -11,7 +11,6 @@ fewer tasks.
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,24 +73,21 @@ def run_members(members: tuple[Task, ...], declared: tuple[str, ...], dep_keys: 
     return tuple(run_group(calls, inputs, declared, lambda: [member_token(m, d) for m, d in zip(members, deps)]))
 
 
-def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
-                keep: set[Key]) -> tuple[dict[Key, GraphNode], dict[Key, list[Key]]]:
-    """The graph with annotated tasks grouped, and each group task's member keys.
+def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],
+                dependents: Mapping[Key, set[Key]]) -> dict[Key, GraphNode]:
+    """The graph with annotated tasks grouped.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to group; ``keep``
     are the keys the caller asks for. Those, and tasks read by something other than a task, are
-    not grouped (their results must stay under their own keys).
+    not grouped (their results must stay under their own keys). ``dependents`` is the graph's
+    reverse dependency map (:func:`dask.core.reverse_dict`).
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
-    dependents: dict[Key, set[Key]] = defaultdict(set)
-    for k, deps in dependencies.items():
-        for d in deps:
-            dependents[d].add(k)
     order = [k for k in dsk if k in specs and isinstance(dsk[k], Task) and k not in keep
-             and all(isinstance(dsk[c], Task) for c in dependents[k])]
+             and all(isinstance(dsk[c], Task) for c in dependents.get(k, ()))]
     groups = plan_groups(order, {k: specs[k]["group"] for k in order}, dependencies)
     if not groups:
-        return dict(dsk), {}
+        return dict(dsk)
     token = tokenize(sorted(map(str, order)), [len(g) for g in groups])
     picks: dict[Key, Task] = {}
     for n, members in enumerate(groups):
@@ -103,7 +99,6 @@ def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, A
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in picks}
-    members_of: dict[Key, list[Key]] = {}
     for n, members in enumerate(groups):
         gkey = (f"{GROUP_PREFIX}-{token}", n)
         tasks = tuple(rewritten(m) for m in members)
@@ -111,5 +106,4 @@ def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, A
         out[gkey] = Task(gkey, run_members, DataNode(None, tasks),
                          DataNode(None, tuple(specs[m]["resource"] for m in members)),
                          DataNode(None, dep_keys), *(TaskRef(d) for d in dep_keys))
-        members_of[gkey] = list(members)
-    return out, members_of
+    return out

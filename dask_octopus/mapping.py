@@ -3,7 +3,6 @@ workers by cost and speed (:mod:`dask_octopus.packing`), pinned, with one future
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -17,7 +16,8 @@ from distributed.protocol.pickle import dumps
 
 from dask_octopus import streams
 from dask_octopus.client_api import call_scheduler
-from dask_octopus.packing import Packing, pack
+from dask_octopus.grouping import check_group_spec
+from dask_octopus.packing import Packing, check_costs, pack
 from dask_octopus.speedmodel import check_resource
 
 
@@ -43,9 +43,7 @@ def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | No
         out = list(cost)
         if len(out) != len(items):
             raise ValueError(f"cost has {len(out)} entries for {len(items)} items")
-    for i, c in enumerate(out):
-        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
-            raise ValueError(f"cost of item {i} must be a finite number >= 0, got {c!r}")
+    check_costs(out)
     return [float(c) for c in out]
 
 
@@ -97,8 +95,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     times refine the worker weights, so a second ``map`` of the same function is better planned.
     """
     check_resource(resource)
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
-        raise ValueError(f"group must be an integer >= 1 or None, got {group!r}")
+    if group is not None:
+        check_group_spec(resource, group)
     try:
         dumps(func)
     except Exception as e:

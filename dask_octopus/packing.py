@@ -27,15 +27,20 @@ class Packing:
         return max(self.finish)
 
 
+def check_costs(costs: Sequence[float]) -> None:
+    """Raise ``ValueError`` naming the first item whose cost is not a finite number >= 0."""
+    for i, c in enumerate(costs):
+        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
+            raise ValueError(f"cost of item {i} must be a finite number >= 0, got {c!r}")
+
+
 def _check(costs: Sequence[float], speeds: Sequence[float], penalty: Sequence[Sequence[float]] | None) -> None:
     if not speeds:
         raise ValueError("no workers to pack onto")
     for j, s in enumerate(speeds):
         if not (math.isfinite(s) and s > 0):
             raise ValueError(f"speed of worker {j} must be finite and > 0, got {s!r}")
-    for i, c in enumerate(costs):
-        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
-            raise ValueError(f"cost of item {i} must be a finite number >= 0, got {c!r}")
+    check_costs(costs)
     if penalty is None:
         return
     if len(penalty) != len(costs) or any(len(row) != len(speeds) for row in penalty):
