@@ -59,19 +59,10 @@ def specs(scenario: str, scale: float, repeat: int) -> list[tuple[int, int, int]
 
 
 def image_pipeline(spec: tuple[int, int, int]) -> np.ndarray:
-    """Blur, edges, normalise and histogram one generated image; returns 64 counts on the host."""
-    h, w, seed = spec
-    xp = array_module(gpu_available())
-    if xp is np:
-        import scipy.ndimage as ndimage
-    else:
-        from cupyx.scipy import ndimage
-    img = xp.random.default_rng(seed).random((h, w), dtype=np.float32)
-    g = ndimage.gaussian_filter(img, 2.0)
-    mag = xp.hypot(ndimage.sobel(g, 0), ndimage.sobel(g, 1))
-    lo, hi = mag.min(), mag.max()
-    hist = xp.histogram((mag - lo) / (hi - lo + 1e-6), bins=64, range=(0.0, 1.0))[0]
-    return hist.get() if xp is not np else hist
+    """Generate one image on this worker's device (as a loader would), run :func:`frame_pipeline` on it
+    and return its 64 counts on the host."""
+    hist = frame_pipeline(make_frame(*spec, gpu=gpu_available()))
+    return hist if isinstance(hist, np.ndarray) else hist.get()
 
 
 @dataclass
