@@ -1,4 +1,4 @@
-"""``dask_octopus.annotate``: mark the dask-array and delayed tasks built inside it for stream groups.
+"""``dask_octopus.annotate``: mark the tasks built or computed inside it for stream groups.
 
 The marks are Dask layer annotations (``octopus``). Dask's low-level fusion drops layer
 annotations, so ``annotate`` installs (once, process-wide) a wrapper around the array and delayed
@@ -6,10 +6,15 @@ optimizers: it reads the marks before Dask optimizes, lets Dask optimize as usua
 finds the marked tasks again (also inside fused tasks) and groups them
 (:mod:`dask_octopus.graph_groups`). Graphs without marks pass through unchanged. The optimizer
 runs where Dask materializes the graph, which for ``distributed`` is the scheduler.
+
+Dask also sends the block's annotations with every graph *computed* inside it, as annotations of
+all its tasks. dask-expr dataframes (which ignore layer annotations) are grouped from those, by
+the registered scheduler plugin (:mod:`dask_octopus.scheduler_groups`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,9 +28,7 @@ from dask.typing import Key
 from dask.utils import ensure_dict
 
 from dask_octopus.graph_groups import group_graph, inner_keys
-from dask_octopus.grouping import check_group_spec
-
-ANNOTATION = "octopus"
+from dask_octopus.grouping import ANNOTATION, check_group_spec
 
 
 class GroupingOptimizer:
@@ -105,12 +108,15 @@ def install() -> None:
 
 @contextmanager
 def annotate(resource: str = "auto", group: int = 8) -> Iterator[None]:
-    """Mark the tasks of the dask arrays and delayed objects built inside this block: on each worker
-    up to ``group`` independent ones run as one task, over CUDA streams on GPU workers, launched in
-    an order that interleaves ``"compute"``- and ``"memory"``-bound members (``"auto"``: measured on
-    first run). Results keep their keys.
+    """Mark the tasks of the dask arrays and delayed objects built inside this block, and of every
+    collection computed inside it (dataframes: with the scheduler plugin registered): on each
+    worker up to ``group`` independent ones run as one task, over CUDA streams on GPU workers,
+    launched in an order that interleaves ``"compute"``- and ``"memory"``-bound members
+    (``"auto"``: measured on first run). Results keep their keys.
     """
     check_group_spec(resource, group)
     install()
-    with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}):
+    with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}), warnings.catch_warnings():
+        # dask-expr warns that it ignores annotations; the scheduler plugin applies this one
+        warnings.filterwarnings("ignore", r"Dask annotations \{'octopus': \{[^{}]*\}\} detected", UserWarning)
         yield

@@ -36,6 +36,13 @@ def inner_keys(key: Key, node: Any) -> list[Key]:
     return [key]
 
 
+def group_members(node: GraphNode) -> list[Key]:
+    """The member keys of a group task made by :func:`group_graph` (empty for any other node)."""
+    if isinstance(node, Task) and node.func is run_members:
+        return [m.key for m in node.args[0].value]
+    return []
+
+
 class MemberCall:
     """A member task called with its inputs in the order of ``deps``."""
 
@@ -74,18 +81,20 @@ def run_members(members: tuple[Task, ...], declared: tuple[str, ...], dep_keys: 
 
 
 def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],
-                dependents: Mapping[Key, set[Key]]) -> dict[Key, GraphNode]:
+                dependents: Mapping[Key, set[Key]],
+                places: Mapping[Key, Any] | None = None) -> dict[Key, GraphNode]:
     """The graph with annotated tasks grouped.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to group; ``keep``
     are the keys the caller asks for. Those, and tasks read by something other than a task, are
     not grouped (their results must stay under their own keys). ``dependents`` is the graph's
-    reverse dependency map (:func:`dask.core.reverse_dict`).
+    reverse dependency map (:func:`dask.core.reverse_dict`); ``places`` (optional) says where each
+    task may run, and only tasks of one place are grouped together.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     order = [k for k in dsk if k in specs and isinstance(dsk[k], Task) and k not in keep
              and all(isinstance(dsk[c], Task) for c in dependents.get(k, ()))]
-    groups = plan_groups(order, {k: specs[k]["group"] for k in order}, dependencies)
+    groups = plan_groups(order, {k: specs[k]["group"] for k in order}, dependencies, places)
     if not groups:
         return dict(dsk)
     token = tokenize(sorted(map(str, order)), [len(g) for g in groups])

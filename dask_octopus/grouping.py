@@ -13,6 +13,8 @@ from itertools import zip_longest
 
 from dask_octopus.speedmodel import check_resource
 
+ANNOTATION = "octopus"  # the Dask annotation that carries a task's group spec
+
 
 def check_group_spec(resource: str, group: int) -> None:
     """Raise ``ValueError`` naming the problem for an unknown resource class or a group below 1."""
@@ -47,15 +49,17 @@ def depths(dependencies: Mapping[Hashable, Sequence[Hashable]]) -> dict[Hashable
 
 
 def plan_groups(order: Sequence[Hashable], sizes: Mapping[Hashable, int],
-                dependencies: Mapping[Hashable, Sequence[Hashable]]) -> list[list[Hashable]]:
+                dependencies: Mapping[Hashable, Sequence[Hashable]],
+                places: Mapping[Hashable, Hashable] | None = None) -> list[list[Hashable]]:
     """Groups of the tasks in ``order`` (the annotated ones, in graph order): consecutive tasks of the
-    same depth and the same group size ``sizes[task]``, at most that many to a group. Tasks whose
-    group would have one member are left out (they run as plain tasks)."""
+    same depth, the same group size ``sizes[task]`` and the same place ``places[task]`` (where the
+    task may run, e.g. its worker restrictions), at most that many to a group. Tasks whose group
+    would have one member are left out (they run as plain tasks)."""
     depth = depths(dependencies)
-    open_groups: dict[tuple[int, int], list[Hashable]] = {}
+    open_groups: dict[tuple[int, int, Hashable], list[Hashable]] = {}
     groups: list[list[Hashable]] = []
     for key in order:
-        bucket = (depth[key], sizes[key])
+        bucket = (depth[key], sizes[key], places.get(key) if places else None)
         members = open_groups.setdefault(bucket, [])
         members.append(key)
         if len(members) == sizes[key]:

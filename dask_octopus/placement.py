@@ -125,6 +125,11 @@ class Placement:
         ts.loose_restrictions = False
         return True
 
+    def inherit(self, key: Key, member: Key) -> None:
+        """Pin the new task ``key``, which does the work of ``member``, with ``member``'s block."""
+        if member in self.pins:
+            self.pins[key] = self.pins[member]
+
     def forget(self, key: Key) -> None:
         """Drop the pin of a task that the scheduler forgot."""
         self.pins.pop(key, None)

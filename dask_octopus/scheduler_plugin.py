@@ -20,7 +20,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from dask_octopus.gpu_timing import TOPIC as GPU_TIMINGS
+from dask_octopus.grouping import ANNOTATION
 from dask_octopus.placement import Placement
+from dask_octopus.scheduler_groups import forget_unread, group_new_tasks
 from dask_octopus.speedmodel import SpeedModel, check_resource
 from dask_octopus.worker_plugin import OctopusWorkerPlugin
 
@@ -129,8 +131,17 @@ class OctopusScheduler(SchedulerPlugin):
     # -- hooks --------------------------------------------------------------------------------
 
     @_guarded
-    def update_graph(self, scheduler: Scheduler, *, tasks: list, **kwargs: Any) -> None:
+    def update_graph(self, scheduler: Scheduler, *, tasks: list, keys: set | None = None,
+                     annotations: dict | None = None, stimulus_id: str = "octopus-update-graph",
+                     **kwargs: Any) -> None:
         self.placement.update_graph(scheduler, tasks)
+        marks = (annotations or {}).get(ANNOTATION)
+        if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
+            made, unread = group_new_tasks(scheduler, tasks, marks, keys or ())
+            for gkey, members in made.items():
+                self.placement.inherit(gkey, members[0])
+            if unread:  # after update_graph: later plugins are still given these keys
+                scheduler.loop.add_callback(forget_unread, scheduler, unread, stimulus_id)
 
     @_guarded
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:

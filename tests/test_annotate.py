@@ -4,15 +4,19 @@ import asyncio
 
 import dask
 import dask.array as da
+import dask.dataframe as dd
 import numpy as np
+import pandas as pd
 import pytest
 from dask.core import flatten
+from dask.utils import key_split
 from distributed import Nanny, wait
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster
 
 import dask_octopus
 from dask_octopus import streams
-from dask_octopus.graph_groups import GROUP_PREFIX
+from dask_octopus.graph_groups import GROUP_PREFIX, group_members
 
 from test_balance import WhereRan, run_balance, setup, slow_copy
 
@@ -23,6 +27,32 @@ def f(b):
 
 def ran(rec, prefix):
     return [k for k in rec.worker if isinstance(k, tuple) and str(k[0]).startswith(prefix)]
+
+
+def with_root(d):
+    return d.assign(c=np.sqrt(d.a + 1.0))
+
+
+class GroupLog(SchedulerPlugin):
+    """Each group task that ran: its members, its worker, and the workers that held its inputs."""
+
+    name = "group-log"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.groups = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if start == "processing" and finish == "memory" and key_split(key) == GROUP_PREFIX:
+            ts = self.scheduler.tasks[key]
+            holders = {ws.address for d in ts.dependencies for ws in d.who_has or ()}
+            self.groups[key] = (group_members(ts.run_spec), kwargs["worker"], holders)
+
+
+async def forgotten(s):
+    """Wait until the scheduler holds no task: nothing the rewrite made or left behind leaks."""
+    while s.tasks:
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -147,7 +177,95 @@ async def test_killed_worker_mid_compute_with_groups_and_balance(c, s, a, b):
     await asyncio.sleep(1.0)  # 16 blocks of 0.15 s in groups of 4 on 2 workers: under half done
     assert not fut.done()
     assert any(isinstance(k, tuple) and str(k[0]).startswith(GROUP_PREFIX) for k in s.tasks)
-    victim = sorted(s.workers)[0]
+    victim = min(s.workers)
     await (a if a.worker_address == victim else b).kill()
     np.testing.assert_array_equal(await fut, np.arange(4000).reshape(400, 10).sum(axis=1))
+    assert not s.unrunnable
+
+
+@pytest.fixture
+def frame():
+    return pd.DataFrame({"a": np.arange(2000.0), "b": np.arange(2000) % 7})
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_dataframe_computed_inside_annotate_groups_on_the_scheduler(c, s, a, b, frame):
+    rec = await setup(c, s, [1.0, 1.0])
+    log = GroupLog(s)
+    s.add_plugin(log)
+    y = dd.from_pandas(frame, npartitions=32).map_partitions(with_root)
+    plain = await c.compute(y.c.sum())
+    plain_keys = set(rec.worker)
+    rec.worker.clear()
+    await forgotten(s)  # the same keys again: not while the plain ones are still held
+    with dask_octopus.annotate(resource="memory", group=8):
+        got = await c.compute(y.c.sum())
+        grouped_keys, groups = set(rec.worker), dict(log.groups)
+        whole = await c.compute(y)
+    assert got == plain
+    pd.testing.assert_frame_equal(whole, with_root(frame))
+    members = [m for ms, _, _ in groups.values() for m in ms]
+    assert len(members) == len(set(members)) >= 64 and all(2 <= len(ms) <= 8 for ms, _, _ in groups.values())
+    assert set(members) <= plain_keys and not set(members) & grouped_keys  # members ran only in groups
+    assert grouped_keys == (plain_keys - set(members)) | set(groups)  # and nothing else changed
+    del y, whole
+    await forgotten(s)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_groups_of_balanced_partitions_run_where_their_partitions_are(c, s, a, b, frame):
+    await setup(c, s, [3.0, 1.0])
+    log = GroupLog(s)
+    s.add_plugin(log)
+    bdf = await run_balance(c, dd.from_pandas(frame, npartitions=5), per_worker=8)
+    bdf = c.persist(bdf)
+    await wait(bdf)
+    with dask_octopus.annotate(group=4):
+        got = await c.compute(bdf.map_partitions(with_root).c.sum())
+    assert got == pytest.approx(np.sqrt(frame.a + 1.0).sum(), rel=1e-12)
+    assert {w for _, w, _ in log.groups.values()} == set(s.workers)
+    for members, worker, holders in log.groups.values():
+        assert holders == {worker}, members  # no group mixes workers or moves a partition
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_same_annotated_dataframe_computed_twice_at_once(c, s, a, frame):
+    await setup(c, s, [1.0])
+    y = dd.from_pandas(frame, npartitions=16).map_partitions(with_root).c.sum()
+    expected = y.compute(scheduler="sync")
+    with dask_octopus.annotate(group=4):
+        first, second = c.compute(y), c.compute(y)
+        assert await c.gather([first, second]) == [expected, expected]
+    del first, second
+    await forgotten(s)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_array_built_outside_and_computed_inside_groups_on_the_scheduler(c, s, a, x):
+    await setup(c, s, [1.0])
+    log = GroupLog(s)
+    s.add_plugin(log)
+    y = x.map_blocks(f)  # built outside annotate: no layer marks
+    expected = y.sum(axis=0).compute(scheduler="sync")
+    with dask_octopus.annotate(group=8):
+        built_inside = x.map_blocks(f) * 2
+        got, twice = await c.gather(c.compute([y.sum(axis=0), built_inside.sum(axis=0)]))
+    assert np.array_equal(got, expected) and np.array_equal(twice, 2 * expected)
+    members = {key_split(m) for ms, _, _ in log.groups.values() for m in ms}
+    assert key_split(y.name) in members  # built outside: grouped on the scheduler
+    assert GROUP_PREFIX not in members  # the optimizer's groups (built inside) are not grouped again
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_killed_worker_mid_compute_with_dataframe_groups(c, s, a, b, frame):
+    await setup(c, s, [1.0, 1.0])
+    df = dd.from_pandas(frame, npartitions=16)
+    with dask_octopus.annotate(group=4):
+        fut = c.compute(df.map_partitions(slow_copy, 0.15, meta=df._meta).a.sum())
+    await asyncio.sleep(1.0)  # 16 partitions of 0.15 s in groups of 4 on 2 workers: under half done
+    assert not fut.done()
+    assert any(key_split(k) == GROUP_PREFIX for k in s.tasks)
+    victim = min(s.workers)
+    await (a if a.worker_address == victim else b).kill()
+    assert await fut == frame.a.sum()
     assert not s.unrunnable

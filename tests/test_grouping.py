@@ -14,7 +14,8 @@ def dags(draw):
     deps = {k: sorted(draw(st.sets(st.integers(0, k - 1), max_size=3))) if k else [] for k in range(n)}
     marked = sorted(draw(st.sets(st.integers(0, n - 1))))
     size = draw(st.integers(1, 6))
-    return deps, marked, size
+    places = {k: draw(st.sampled_from(["w0", "w1", None])) for k in marked}
+    return deps, marked, size, places
 
 
 def reaches(deps, a, b):
@@ -33,13 +34,14 @@ def reaches(deps, a, b):
 
 @given(dags())
 @settings(max_examples=300, deadline=None)
-def test_groups_hold_independent_annotated_tasks_within_size(dag):
-    deps, marked, size = dag
-    groups = plan_groups(marked, {k: size for k in marked}, deps)
+def test_groups_hold_independent_annotated_tasks_of_one_place_within_size(dag):
+    deps, marked, size, places = dag
+    groups = plan_groups(marked, {k: size for k in marked}, deps, places)
     flat = [k for g in groups for k in g]
     assert len(flat) == len(set(flat)) and set(flat) <= set(marked)
     for g in groups:
         assert 2 <= len(g) <= size
+        assert len({places[k] for k in g}) == 1
         assert not any(reaches(deps, a, b) for a in g for b in g if a != b)
 
 
