@@ -3,6 +3,8 @@
 Operations (each variant interleaved with the others, run after run; medians reported):
 
 - ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``.
+- ``dataframe``: the same on a dask-expr dataframe of ``blocks`` partitions (pandas), computed inside
+  ``annotate``: grouped by the scheduler plugin, since dataframes ignore layer annotations.
 - ``frames``: 216 frames (256x256 to 4K) through blur, Sobel, normalise and histogram, the whole set
   ``sets`` times per run (the same shapes arriving again, like video): one Dask task per frame,
   annotated groups with CUDA graph replay off (``grouped-eager``) and on (``grouped``), the plain loop
@@ -103,6 +105,26 @@ def op_tiny(client: Client, gpu: bool, blocks: int, group: int, runs: int, warmu
 
     res = interleave({"unannotated": plain, "grouped": grouped}, runs, warmup)
     return {"config": {"blocks": blocks, "block": [64, 8], "group": group},
+            "variants": summarise(res, "unannotated")}
+
+
+def op_dataframe(client: Client, blocks: int, group: int, runs: int, warmup: int) -> dict[str, Any]:
+    import dask.dataframe as dd
+    import pandas as pd
+
+    frame = pd.DataFrame({"a": np.arange(blocks * 64, dtype=np.float64), "b": np.arange(blocks * 64) % 7})
+    df = client.persist(dd.from_pandas(frame, npartitions=blocks))
+    wait(df)
+
+    def plain(run: int) -> Any:
+        return client.compute(df.map_partitions(scale_shift, token=f"df-plain-{run}").a.sum()).result()
+
+    def grouped(run: int) -> Any:
+        with dask_octopus.annotate(resource="memory", group=group):
+            return client.compute(df.map_partitions(scale_shift, token=f"df-grouped-{run}").a.sum()).result()
+
+    res = interleave({"unannotated": plain, "grouped": grouped}, runs, warmup)
+    return {"config": {"partitions": blocks, "rows_per_partition": 64, "group": group},
             "variants": summarise(res, "unannotated")}
 
 
@@ -267,10 +289,10 @@ def op_mixed(runs: int) -> dict[str, Any]:
 
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--operations", default="tiny,frames,large,mixed", show_default=True)
+@click.option("--operations", default="tiny,dataframe,frames,large,mixed", show_default=True)
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
 @click.option("--group", type=int, default=8, show_default=True)
-@click.option("--blocks", type=int, default=512, show_default=True, help="tiny: number of blocks")
+@click.option("--blocks", type=int, default=512, show_default=True, help="tiny, dataframe: number of blocks")
 @click.option("--scale", type=float, default=1.0, show_default=True, help="frames: side scale (CPU: 0.1)")
 @click.option("--sets", type=int, default=10, show_default=True, help="frames: sets per run")
 @click.option("--side", type=int, default=8192, show_default=True, help="large: block side (CPU: 1024)")
@@ -284,7 +306,7 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
     console = make_console()
     gpu = kind == "gpu"
     ops = [o for o in operations.split(",") if o]
-    unknown = set(ops) - {"tiny", "frames", "large", "mixed"}
+    unknown = set(ops) - {"tiny", "dataframe", "frames", "large", "mixed"}
     if unknown:
         raise click.BadParameter(f"unknown operations {sorted(unknown)}", param_hint="--operations")
     if "mixed" in ops and not gpu:
@@ -298,6 +320,8 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
             console.print(f"[bold]{op}[/bold]")
             if op == "tiny":
                 r = op_tiny(client, gpu, blocks, group, runs, warmup_runs)
+            elif op == "dataframe":
+                r = op_dataframe(client, blocks, group, runs, warmup_runs)
             elif op == "frames":
                 r = op_frames(client, gpu, scale, group, sets, runs, warmup_runs)
             elif op == "large":

@@ -54,11 +54,12 @@ def test_suite_rejects_unknown_variants_and_operations(tmp_path):
 
 def test_stream_groups_benchmark_cpu_smoke(tmp_path):
     result = CliRunner().invoke(stream_groups.main, [
-        "--type", "cpu", "--operations", "tiny,frames,large", "--blocks", "64", "--scale", "0.02", "--sets", "1",
+        "--type", "cpu", "--operations", "tiny,dataframe,frames,large", "--blocks", "64", "--scale", "0.02", "--sets", "1",
         "--side", "64", "--runs", "1", "--warmup-runs", "0", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     ops = json.loads((tmp_path / "stream-groups-cpu.json").read_text())["operations"]
     assert all(v["same_values_as_reference"] for v in ops["tiny"]["variants"].values())
+    assert all(v["same_values_as_reference"] for v in ops["dataframe"]["variants"].values())
     assert set(ops["frames"]["variants"]) == {"one-task-each", "grouped-eager", "grouped", "loop"}
     assert all(v["same_values_as_reference"] for v in ops["frames"]["variants"].values())
     assert all(v["same_values_as_reference"] for t in ops["large"]["variants"].values() for v in t.values())
