@@ -4,7 +4,8 @@ A CuPy task returns as soon as its kernels are launched, so the ``startstops`` t
 measure launches, not work. On a GPU worker with one thread (dask-cuda's default) the worker plugin
 records an event on the default stream when a task starts executing and another when it finishes;
 the elapsed time between them is the GPU time of that task's kernels. Finished pairs are polled
-without blocking and sent to the scheduler plugin as ``octopus-gpu-timings`` events.
+without blocking and sent to the scheduler plugin as ``octopus-gpu-timings`` events of
+``(key, prefix, bytes, seconds)``.
 Assumes the legacy default stream (no per-thread default stream), as dask-cuda sets it up.
 """
 
@@ -23,7 +24,7 @@ TOPIC = "octopus-gpu-timings"
 
 
 class GpuTaskTimer:
-    """Brackets each executing task with CUDA events and reports ``(prefix, units, seconds)``."""
+    """Brackets each executing task with CUDA events and reports ``(key, prefix, bytes, seconds)``."""
 
     def __init__(self, worker: Worker, interval_ms: float = 200):
         import cupy
@@ -31,7 +32,7 @@ class GpuTaskTimer:
         self.cupy = cupy
         self.worker = worker
         self.started: dict[Any, Any] = {}
-        self.finished: deque[tuple[str, int, Any, Any]] = deque()
+        self.finished: deque[tuple[Any, int, Any, Any]] = deque()
         self.callback = PeriodicCallback(self.flush, interval_ms)
         self.callback.start()
 
@@ -48,14 +49,14 @@ class GpuTaskTimer:
             ts = self.worker.state.tasks.get(key)
             if begin is not None and finish == "memory" and ts is not None:
                 units = (ts.nbytes or 0) + sum(d.nbytes or 0 for d in ts.dependencies)
-                self.finished.append((key_split(key), max(units, 1), begin, self._event()))
+                self.finished.append((key, max(units, 1), begin, self._event()))
 
     def flush(self) -> None:
         """Send the timings whose end event has completed."""
         out = []
         while self.finished and self.finished[0][3].done:
-            prefix, units, begin, end = self.finished.popleft()
-            out.append((prefix, units, self.cupy.cuda.get_elapsed_time(begin, end) / 1000))
+            key, units, begin, end = self.finished.popleft()
+            out.append((key, key_split(key), units, self.cupy.cuda.get_elapsed_time(begin, end) / 1000))
         if out:
             self.worker.log_event(TOPIC, {"worker": self.worker.address, "timings": out})
 

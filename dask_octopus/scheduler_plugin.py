@@ -155,20 +155,20 @@ class OctopusScheduler(SchedulerPlugin):
             if ts is None:
                 return
             seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
-            units = self.placement.cost_of(key)
-            if units is None:
-                nbytes = kwargs.get("nbytes")
-                units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
-                units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
-            self._observe(worker, ts.prefix.name, units, seconds)
+            nbytes = kwargs.get("nbytes")
+            units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+            units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+            self._observe(worker, key, ts.prefix.name, units, seconds)
 
     @_guarded
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == GPU_TIMINGS and msg.get("worker") in self.scheduler.workers:
-            for prefix, units, seconds in msg["timings"]:
-                self._observe(msg["worker"], prefix, units, seconds)
+            for key, prefix, units, seconds in msg["timings"]:
+                key = tuple(key) if isinstance(key, list) else key  # msgpack turned tuple keys into lists
+                self._observe(msg["worker"], key, prefix, units, seconds)
 
-    def _observe(self, worker: str, prefix: str, units: float, seconds: float) -> None:
+    def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float) -> None:
+        """Feed one task timing to the model; a planned task's cost replaces its bytes as work units."""
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             if worker not in self.bad_timings:
                 self.bad_timings.add(worker)
@@ -176,7 +176,8 @@ class OctopusScheduler(SchedulerPlugin):
                                "(got %r for %s)", worker, seconds, prefix)
             return
         if seconds >= self.min_duration:
-            self.model.observe(worker, prefix, max(units, 1), seconds)
+            cost = self.placement.cost_of(key)
+            self.model.observe(worker, prefix, max(units if cost is None else cost, 1), seconds)
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:

@@ -155,8 +155,8 @@ async def test_gpu_event_timings_replace_launch_timings(c, s, a, b):
     for w in (a, b):
         p.profiles[w.address]["event_timing"] = True
     for _ in range(3):  # a twice as slow as b on the same prefix and units
-        s.log_event(TOPIC, {"worker": a.address, "timings": [("gemm", 1000, 0.2)]})
-        s.log_event(TOPIC, {"worker": b.address, "timings": [("gemm", 1000, 0.1)]})
+        s.log_event(TOPIC, {"worker": a.address, "timings": [(["gemm-1", 0], "gemm", 1000, 0.2)]})
+        s.log_event(TOPIC, {"worker": b.address, "timings": [(["gemm-2", 0], "gemm", 1000, 0.1)]})
     fut = c.submit(sum, [1, 2], key="t", workers=[a.address])
     await fut
     p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",  # a launch timing: ignored
@@ -164,5 +164,18 @@ async def test_gpu_event_timings_replace_launch_timings(c, s, a, b):
     w = await c.scheduler.octopus_speeds()
     assert w[a.address] == pytest.approx(1 / 3, rel=0.01)
     assert set(p.model.rates) == {"gemm"}
-    s.log_event(TOPIC, {"worker": a.address, "timings": [("gemm", 1000, math.nan)]})
+    s.log_event(TOPIC, {"worker": a.address, "timings": [("k", "gemm", 1000, math.nan)]})
     assert a.address in p.bad_timings and not p.failed_hooks
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
+    from dask_octopus.gpu_timing import TOPIC
+
+    await c.register_plugin(OctopusScheduler())
+    await c.scheduler.octopus_add_plan(name="octopus-map-f-abc", workers=[a.address, b.address], costs=[10, 20])
+    s.log_event(TOPIC, {"worker": b.address, "timings": [(["octopus-map-f-abc", 1], "octopus-map-f", 999, 2.0)]})
+    s.log_event(TOPIC, {"worker": b.address, "timings": [(["other", 1], "other", 999, 2.0)]})
+    rates = plugin(s).model.table()
+    assert rates["octopus-map-f"][b.address][0] == pytest.approx(10.0)  # cost 20 in 2 s
+    assert rates["other"][b.address][0] == pytest.approx(499.5)  # not planned: bytes
