@@ -49,6 +49,7 @@ from dask_octopus.workloads import (
     scale_shift,
     square,
     stack_to_host,
+    to_host,
 )
 
 
@@ -72,10 +73,7 @@ def interleave(variants: dict[str, Callable[[int], Any]], runs: int, warmup: int
 
 
 def same(a: Any, b: Any) -> bool:
-    def host(v: Any) -> Any:
-        return v.get() if hasattr(v, "get") and not isinstance(v, np.ndarray) else np.asarray(v)
-
-    return bool(np.array_equal(host(a), host(b)))
+    return bool(np.array_equal(to_host(a), to_host(b)))
 
 
 def summarise(results: dict[str, dict[str, Any]], reference: str) -> dict[str, Any]:

@@ -1,41 +1,41 @@
-"""Ways to run image pipelines over a list of image specs on a cluster, timed side by side.
+"""Ways to run image pipelines over a list of image specs on a cluster, timed side by side, and the
+ideal time they are measured against.
 
 ``octopus`` (``dask_octopus.map`` by cost and speed, groups of 8), ``one-task-each`` (``client.map``:
 Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and ``loop`` (a
-plain loop in one task on one worker). Every variant must return the same histograms.
+plain loop in one task on one worker). A run ends when every result is on the client, and every
+variant must return the same histograms.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from distributed import Client, Future, wait
+from distributed import Client, Future, get_task_stream
 
 import dask_octopus
 from dask_octopus.mapping import run_group
-from dask_octopus.workloads import image_pipeline
+from dask_octopus.workloads import PassRecord, image_pipeline, intervals, synchronize, to_host
 
 VARIANTS = ("octopus", "one-task-each", "equal-batches", "loop")
 
 
 def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list[Future]:
-    """Submit ``items`` the ``variant`` way and wait for the results."""
+    """Submit ``items`` the ``variant`` way; returns its futures."""
     if variant == "octopus":
-        futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
-    elif variant == "one-task-each":
-        futs = client.map(image_pipeline, items, pure=False)
-    elif variant == "equal-batches":
+        return dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
+    if variant == "one-task-each":
+        return client.map(image_pipeline, items, pure=False)
+    if variant == "equal-batches":
         n = len(workers)
-        futs = [client.submit(run_group, image_pipeline, items[k::n], {}, workers=[w], pure=False)
+        return [client.submit(run_group, image_pipeline, items[k::n], {}, workers=[w], pure=False)
                 for k, w in enumerate(workers)]
-    elif variant == "loop":
-        futs = [client.submit(run_group, image_pipeline, items, {}, workers=[workers[-1]], pure=False)]
-    else:
-        raise ValueError(f"unknown image variant {variant!r}: expected one of {', '.join(VARIANTS)}")
-    wait(futs)
-    return futs
+    if variant == "loop":
+        return [client.submit(run_group, image_pipeline, items, {}, workers=[workers[-1]], pure=False)]
+    raise ValueError(f"unknown image variant {variant!r}: expected one of {', '.join(VARIANTS)}")
 
 
 def in_input_order(results: list, variant: str, n_items: int, n_workers: int) -> list:
@@ -50,19 +50,75 @@ def in_input_order(results: list, variant: str, n_items: int, n_workers: int) ->
     return results
 
 
-def time_variants(client: Client, items: list, variants: list[str], runs: int) -> dict[str, list[float]]:
-    """Seconds of each variant per run, interleaved (A B A B); raises if two variants disagree."""
+@dataclass
+class VariantTimes:
+    """Seconds of each run of one variant, and the per-worker busy intervals of its last run."""
+
+    seconds: list[float] = field(default_factory=list)
+    last: PassRecord | None = None
+
+
+def time_variants(client: Client, items: list, variants: list[str], runs: int) -> dict[str, VariantTimes]:
+    """Each variant's runs, interleaved (A B A B), from submission until every result is on the
+    client; raises if two variants disagree."""
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     reference: Any = None
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    times = {v: VariantTimes() for v in variants}
     for _ in range(runs):
         for v in variants:
-            t0 = time.perf_counter()
-            futs = run_variant(client, v, items, workers)
-            times[v].append(time.perf_counter() - t0)
-            flat = in_input_order(client.gather(futs), v, len(items), len(workers))
+            with get_task_stream(client) as stream:
+                t0, start = time.time(), time.perf_counter()
+                results = client.gather(run_variant(client, v, items, workers))
+                seconds = time.perf_counter() - start
+            times[v].seconds.append(seconds)
+            busy = intervals(stream.data, t0)
+            times[v].last = PassRecord(seconds, busy, busy)
+            flat = [to_host(r) for r in in_input_order(results, v, len(items), len(workers))]
             if reference is None:
                 reference = flat
             elif not all(np.array_equal(a, b) for a, b in zip(reference, flat, strict=True)):
                 raise AssertionError(f"{v} gave different histograms")
     return times
+
+
+def _alone(items: list) -> list[float]:
+    """Seconds of each item's pipeline run alone on this worker (the device synchronised around it),
+    after one warm-up run of each distinct size (kernel compilation, first allocations)."""
+    for spec in {(h, w): (h, w, s) for h, w, s in items}.values():
+        synchronize(image_pipeline(spec))
+    out = []
+    for spec in items:
+        start = time.perf_counter()
+        synchronize(image_pipeline(spec))
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def item_seconds(client: Client, items: list) -> dict[str, list[float]]:
+    """Each worker's seconds for each item run alone there, measured on all workers at once."""
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    futs = [client.submit(_alone, items, workers=[w], pure=False) for w in workers]
+    return dict(zip(workers, client.gather(futs), strict=True))
+
+
+def ideal(alone: dict[str, list[float]]) -> dict[str, Any]:
+    """The ideal makespan: the items' total time alone, shared by the workers in proportion to their
+    speed (1 / sum over workers of 1 / their total), and the floor an indivisible item sets (the
+    largest item on the worker where it is fastest)."""
+    totals = {w: sum(t) for w, t in alone.items()}
+    shared = 1 / sum(1 / t for t in totals.values())
+    largest = max(min(col) for col in zip(*alone.values(), strict=True))
+    return {"ideal_seconds": shared, "largest_item_seconds": largest, "total_alone_seconds": totals,
+            "formula": "1 / sum over workers of (1 / sum of the items' seconds alone on that worker)"}
+
+
+def measure_scenario(client: Client, items: list, variants: list[str], runs: int) -> tuple[dict[str, Any], dict[str, PassRecord]]:
+    """Time ``variants`` on ``items`` (:func:`time_variants`) and measure the ideal; returns the record
+    (JSON-ready) and each variant's last run as busy intervals per worker (for a timeline)."""
+    times = time_variants(client, items, variants, runs)
+    record: dict[str, Any] = {
+        "images": len(items), "seconds": {v: t.seconds for v, t in times.items()},
+        "median_seconds": {v: float(np.median(t.seconds)) for v, t in times.items()},
+        **ideal(item_seconds(client, items))}
+    record["ratio_to_ideal"] = {v: m / record["ideal_seconds"] for v, m in record["median_seconds"].items()}
+    return record, {v: t.last for v, t in times.items() if t.last is not None}

@@ -58,11 +58,16 @@ def specs(scenario: str, scale: float, repeat: int) -> list[tuple[int, int, int]
     return [(h, w, seed) for seed, (h, w) in enumerate(sizes)]
 
 
-def image_pipeline(spec: tuple[int, int, int]) -> np.ndarray:
+def image_pipeline(spec: tuple[int, int, int]) -> Any:
     """Generate one image on this worker's device (as a loader would), run :func:`frame_pipeline` on it
-    and return its 64 counts on the host."""
-    hist = frame_pipeline(make_frame(*spec, gpu=gpu_available()))
-    return hist if isinstance(hist, np.ndarray) else hist.get()
+    and return its 64 counts, on the device (no host synchronisation: CuPy work returns at launch,
+    and a stream group synchronises once for all its members)."""
+    return frame_pipeline(make_frame(*spec, gpu=gpu_available()))
+
+
+def to_host(a: Any) -> np.ndarray:
+    """``a`` as a NumPy array (copied from the device when it is a CuPy array)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 @dataclass
@@ -169,8 +174,21 @@ def frame_specs(scale: float = 1.0) -> list[tuple[int, int, int]]:
 
 
 def make_frame(height: int, width: int, seed: int, gpu: bool = False) -> Any:
-    """One frame, float32 in [0, 1), on the device (CuPy when ``gpu``)."""
-    return array_module(gpu).random.default_rng(seed).random((height, width), dtype=np.float32)
+    """One frame, float32 in [0, 1), on the device (CuPy when ``gpu``): a counter-based integer hash
+    of each pixel's index and ``seed``, the same bits on CPU and GPU, in one kernel (a random
+    generator's set-up would cost more than the pipeline on small frames)."""
+    offset = np.uint32((seed * 0x9E3779B9) & 0xFFFFFFFF)
+    if not gpu:
+        x = np.arange(height * width, dtype=np.uint32) + offset
+        x ^= x >> 16
+        x *= np.uint32(0x7FEB352D)
+        x ^= x >> 15
+        x *= np.uint32(0x846CA68B)
+        x ^= x >> 16
+        return ((x >> 8).astype(np.float32) * np.float32(2.0**-24)).reshape(height, width)
+    xp = array_module(True)
+    out = xp.empty((height, width), dtype=np.float32)
+    return _kernel(xp, "frame")(offset, out)
 
 
 _CORRELATE_SOURCE = """
@@ -184,21 +202,26 @@ for (int k = -radius; k <= radius; ++k) {
 }
 out = acc;
 """
+_FRAME_SOURCE = """
+unsigned int x = (unsigned int)i + offset;
+x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+out = (float)(x >> 8) * (1.0f / 16777216.0f);
+"""
+_KERNEL_SPECS = {  # name: (inputs, outputs, body)
+    "correlate": ("raw float32 img, raw float32 w, int32 radius, int32 height, int32 width, int32 axis",
+                  "float32 out", _CORRELATE_SOURCE),
+    "histogram": ("float32 x, int32 bins", "raw int32 out",
+                  "int b = (int)(x * bins); b = b < 0 ? 0 : (b >= bins ? bins - 1 : b); atomicAdd(&out[b], 1);"),
+    "frame": ("uint32 offset", "float32 out", _FRAME_SOURCE),
+}
 _kernels: dict[str, Any] = {}
 
 
 def _kernel(xp: Any, name: str) -> Any:
-    """The pipeline's own CuPy kernels (plain launches, so a CUDA graph can capture them)."""
+    """The workloads' own CuPy kernels (plain launches, so a CUDA graph can capture them)."""
     if name not in _kernels:
-        if name == "correlate":
-            _kernels[name] = xp.ElementwiseKernel(
-                "raw float32 img, raw float32 w, int32 radius, int32 height, int32 width, int32 axis",
-                "float32 out", _CORRELATE_SOURCE, "octopus_correlate1d")
-        else:
-            _kernels[name] = xp.ElementwiseKernel(
-                "float32 x, int32 bins", "raw int32 out",
-                "int b = (int)(x * bins); b = b < 0 ? 0 : (b >= bins ? bins - 1 : b); atomicAdd(&out[b], 1);",
-                "octopus_histogram")
+        inputs, outputs, body = _KERNEL_SPECS[name]
+        _kernels[name] = xp.ElementwiseKernel(inputs, outputs, body, f"octopus_{name}")
     return _kernels[name]
 
 

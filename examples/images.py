@@ -5,7 +5,8 @@ makes the image on the worker's device (as a loader would), then Gaussian blur, 
 normalisation and a 64-bin histogram (CuPy on GPU workers, NumPy / SciPy on CPU workers). The size
 mixes follow the octopus-parallel scenarios. Variants: ``octopus`` (dask_octopus.map, group=8), ``one-task-each``
 (client.map, Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and
-``loop`` (a plain loop in one task on one worker).
+``loop`` (a plain loop in one task on one worker), and the ideal: each image's time alone on each
+worker, the total shared by the workers in proportion to their speed.
 
     python examples/images.py --type cpu --scale 0.05            # small, CPU (CI runs this)
     python examples/images.py --type gpu --cotenant 0 --repeat 8  # 2 GPUs, co-tenant on GPU 0
@@ -14,7 +15,6 @@ mixes follow the octopus-parallel scenarios. Variants: ``octopus`` (dask_octopus
 from __future__ import annotations
 
 import json
-import statistics
 from typing import Any
 
 import click
@@ -23,7 +23,7 @@ import dask_octopus
 from dask_octopus.cli import console as make_console
 from dask_octopus.cotenant import CoTenant
 from dask_octopus.experiment import local_cluster
-from dask_octopus.image_variants import VARIANTS, time_variants
+from dask_octopus.image_variants import VARIANTS, measure_scenario
 from dask_octopus.workloads import SCENARIOS, specs
 
 
@@ -51,14 +51,14 @@ def main(kind: str, scenarios: str, scale: float, repeat: int, runs: int, devs: 
         for scenario in scenarios.split(","):
             items = specs(scenario, scale, repeat)
             try:
-                times = time_variants(client, items, names, runs)
+                record[scenario], _ = measure_scenario(client, items, names, runs)
             except AssertionError as e:
                 raise AssertionError(f"{e} on {scenario}") from e
-            med = {v: statistics.median(t) for v, t in times.items()}
+            med = record[scenario]["median_seconds"]
             line = ", ".join(f"{v} {med[v] * 1e3:.0f} ms" for v in names)
             speedups = ", ".join(f"x{med[v] / med['octopus']:.2f} vs {v}" for v in names if v != "octopus")
-            console.print(f"{scenario:>14}: {len(items)} images; {line}; octopus {speedups}")
-            record[scenario] = {"images": len(items), "seconds": times}
+            console.print(f"{scenario:>14}: {len(items)} images; {line}; ideal "
+                          f"{record[scenario]['ideal_seconds'] * 1e3:.0f} ms; octopus {speedups}")
         record["weights"] = dask_octopus.speeds(client)
     if json_out:
         with open(json_out, "w") as f:

@@ -31,8 +31,10 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
         assert rec["ideal_seconds"] > 0 and rec["ideal_formula"] and rec["work_formula"]
         for png in (f"smoke-cpu-even-{op}-timeline.png", f"smoke-cpu-even-{op}-speedup.png"):
             assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    assert set(record["operations"]["images"]["scenarios"]["video"]["seconds"]) == {
-        "one-task-each", "equal-batches", "loop", "octopus"}
+    video = record["operations"]["images"]["scenarios"]["video"]
+    assert set(video["seconds"]) == {"one-task-each", "equal-batches", "loop", "octopus"}
+    assert video["ideal_seconds"] > 0 and set(video["ratio_to_ideal"]) == set(video["seconds"])
+    assert (tmp_path / "smoke-cpu-even-images-video-timeline.png").read_bytes()[:4] == b"\x89PNG"
     again = CliRunner().invoke(local_octopus.main, [
         "--type", "cpu", "--operation", "dot", "--size", "2000", "--cols", "32", "--passes", "1", "--runs", "1",
         "--octopus", "off", "--chunk-size", "500", "--out", str(tmp_path), "--tag", "second",

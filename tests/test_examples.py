@@ -27,3 +27,6 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert "video: 30 images" in result.output and "vs one-task-each" in result.output
     record = json.loads(out.read_text())
     assert set(record["video"]["seconds"]) == {"octopus", "one-task-each", "equal-batches", "loop"}
+    video = record["video"]
+    assert len(video["total_alone_seconds"]) == 2 and 0 < video["ideal_seconds"] < min(video["total_alone_seconds"].values())
+    assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
