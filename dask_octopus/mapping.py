@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
+from dask._expr import LLGExpr
 from dask._task_spec import Task, TaskRef, parse_input
 from dask.base import is_dask_collection, tokenize
 from dask.utils import funcname, key_split
@@ -134,4 +135,6 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         for k, i in enumerate(idx):
             keys[i] = (item_name, i)
             dsk[keys[i]] = Task(keys[i], operator.getitem, TaskRef((name, b)), k)
-    return client.get(dsk, keys, sync=False)  # one graph: one update_graph on the scheduler
+    # One graph: one update_graph on the scheduler. Its keys already carry the map's token, so the
+    # expression takes it too instead of tokenizing every task again (as Client.submit does).
+    return client.get(LLGExpr(dsk, _determ_token=token), keys, sync=False)
