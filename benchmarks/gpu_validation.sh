@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU validation on the GPU machine (2 x H200): GPU tests, stream groups on one GPU, a long
 # run (device memory), dask-cuda's local_cupy.py with and without the plugin, the benchmark suite with
-# and without a co-tenant, and the scheduler's throughput at 100,000 tasks. Everything lands in one folder,
+# and without a co-tenant, the image mixes alone (co-tenant on GPU 0, with their ideal), and the
+# scheduler's throughput at 100,000 tasks. Everything lands in one folder,
 # packed as results.tar.gz (the device tool returns at most 8 files).
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
@@ -15,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-steps=${STEPS:-gpu-tests stream-groups long-run local-cupy suite-cotenant suite-even scheduler-overhead}
+steps=${STEPS:-gpu-tests stream-groups long-run local-cupy suite-cotenant suite-even suite-images scheduler-overhead}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -37,6 +38,8 @@ suite=(--type gpu --devs 0,1 --operation matmul_iterate,dot,transpose_sum,map_ov
        --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1 --octopus all --image-repeat 2)
 step 300 suite-cotenant python3 benchmarks/local_octopus.py "${suite[@]}" --runs 2 --cotenant 0 --out "$run"
 step 240 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 --out "$run"
+step 300 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation images --octopus all \
+  --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images --out "$run"
 step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --tasks 100000 --runs 2 --out "$run"
 
 cp "$run/steps.txt" "$out/steps.txt"

@@ -133,14 +133,14 @@ def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int
     }
 
 
-def run_images(client: Client, names: list[str], scale: float, repeat: int, runs: int, stem: str,
+def run_images(client: Client, names: list[str], scale: float, repeat: int, runs: int, warmup: int, stem: str,
                progress: Progress) -> dict[str, Any]:
     console = progress.console
     out: dict[str, Any] = {"scale": scale, "repeat": repeat, "scenarios": {}}
     task = progress.add_task("images", total=len(SCENARIOS))
     for scenario in SCENARIOS:
         progress.update(task, description=f"images {scenario}")
-        record, last = measure_scenario(client, specs(scenario, scale, repeat), names, runs)
+        record, last = measure_scenario(client, specs(scenario, scale, repeat), names, runs, warmup)
         out["scenarios"][scenario] = record
         plot_timelines(last, f"{stem}-{scenario}-timeline.png",
                        f"images, {scenario}: last run of each variant (ideal {record['ideal_seconds'] * 1e3:.1f} ms)")
@@ -259,7 +259,7 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
             if op == "images":
                 scale = image_scale or (1.0 if gpu else 0.05)
                 record["operations"][op] = run_images(client, image_names, scale, image_repeat, runs,
-                                                      f"{stem}-{op}", progress)
+                                                      warmup_runs, f"{stem}-{op}", progress)
             else:
                 rows = (square_size or size) if OPERATIONS[op].square else size
                 record["operations"][op] = run_array_op(client, op, names, rows, cols, width, chunk_size, passes,

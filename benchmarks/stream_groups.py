@@ -195,26 +195,32 @@ def worker_capture(client: Client) -> dict[str, Any]:
 
 
 def capture_floor(cp: Any, frames: list[Any], runs: int) -> dict[str, Any]:
-    """Kernel time of the whole set: captured as one CUDA graph in this process, replayed."""
+    """Kernel time of the whole set: captured as one CUDA graph in this process (the frames on one
+    stream, and forked over 8 streams as a group runs them) and replayed; the floor is the faster."""
     from dask_octopus import graph_replay
 
-    stream = cp.cuda.Stream(non_blocking=True)
-    stream.wait_event(cp.cuda.get_current_stream().record())
     for f in frames:  # warm the kernels up (compilation, filter weights on the device)
         frame_pipeline(f)
     cp.cuda.Device().synchronize()
-    graph = graph_replay.capture(cp, [frame_pipeline] * len(frames), [[f] for f in frames], list(range(len(frames))), [stream])
-    if graph is None:
-        return {"seconds": None, "note": f"capture refused: {graph_replay.last_refusal}"}
-    seconds = []
-    for _ in range(runs + 1):
-        start = time.perf_counter()
-        with stream:
-            graph.graph.launch(stream)
-        stream.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(seconds[1:]), "all": seconds[1:],
-            "formula": "one CUDA graph of the whole set, replayed in one process (no copies, no Python)"}
+    out: dict[str, Any] = {"formula": "one CUDA graph of the whole set, replayed in one process (no copies, "
+                                      "no Python); the faster of 1 and 8 streams"}
+    for n in (1, 8):
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(n)]
+        graph = graph_replay.capture(cp, [frame_pipeline] * len(frames), [[f] for f in frames],
+                                     list(range(len(frames))), streams)
+        if graph is None:
+            out[f"streams_{n}"] = {"seconds": None, "note": f"capture refused: {graph_replay.last_refusal}"}
+            continue
+        seconds = []
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            graph.graph.launch(streams[0])
+            streams[0].synchronize()
+            seconds.append(time.perf_counter() - start)
+        out[f"streams_{n}"] = {"seconds": statistics.median(seconds[1:]), "all": seconds[1:]}
+    measured = [v["seconds"] for k, v in out.items() if k.startswith("streams_") and v["seconds"]]
+    out["seconds"] = min(measured) if measured else None
+    return out
 
 
 def op_large(client: Client, gpu: bool, side: int, runs: int, warmup: int) -> dict[str, Any]:

@@ -58,21 +58,23 @@ class VariantTimes:
     last: PassRecord | None = None
 
 
-def time_variants(client: Client, items: list, variants: list[str], runs: int) -> dict[str, VariantTimes]:
+def time_variants(client: Client, items: list, variants: list[str], runs: int,
+                  warmup: int = 1) -> dict[str, VariantTimes]:
     """Each variant's runs, interleaved (A B A B), from submission until every result is on the
-    client; raises if two variants disagree."""
+    client, after ``warmup`` untimed rounds (kernel compilation); raises if two variants disagree."""
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
     reference: Any = None
     times = {v: VariantTimes() for v in variants}
-    for _ in range(runs):
+    for run in range(warmup + runs):
         for v in variants:
             with get_task_stream(client) as stream:
                 t0, start = time.time(), time.perf_counter()
                 results = client.gather(run_variant(client, v, items, workers))
                 seconds = time.perf_counter() - start
-            times[v].seconds.append(seconds)
-            busy = intervals(stream.data, t0)
-            times[v].last = PassRecord(seconds, busy, busy)
+            if run >= warmup:
+                busy = intervals(stream.data, t0)
+                times[v].seconds.append(seconds)
+                times[v].last = PassRecord(seconds, busy, busy)
             flat = [to_host(r) for r in in_input_order(results, v, len(items), len(workers))]
             if reference is None:
                 reference = flat
@@ -112,10 +114,11 @@ def ideal(alone: dict[str, list[float]]) -> dict[str, Any]:
             "formula": "1 / sum over workers of (1 / sum of the items' seconds alone on that worker)"}
 
 
-def measure_scenario(client: Client, items: list, variants: list[str], runs: int) -> tuple[dict[str, Any], dict[str, PassRecord]]:
+def measure_scenario(client: Client, items: list, variants: list[str], runs: int,
+                     warmup: int = 1) -> tuple[dict[str, Any], dict[str, PassRecord]]:
     """Time ``variants`` on ``items`` (:func:`time_variants`) and measure the ideal; returns the record
     (JSON-ready) and each variant's last run as busy intervals per worker (for a timeline)."""
-    times = time_variants(client, items, variants, runs)
+    times = time_variants(client, items, variants, runs, warmup)
     record: dict[str, Any] = {
         "images": len(items), "seconds": {v: t.seconds for v, t in times.items()},
         "median_seconds": {v: float(np.median(t.seconds)) for v, t in times.items()},
