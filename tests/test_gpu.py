@@ -111,7 +111,7 @@ def test_map_cupy_items_exact_and_placed(cuda_client):
     dask_octopus.register(cuda_client)
     items = specs("video", 0.5, 2)
     futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8)
-    got = cuda_client.gather(futs)  # CuPy histograms, made on the workers' streams
+    got = cuda_client.gather(futs)
     expected = [image_pipeline(it) for it in items]  # the same pipeline, in this process
     assert all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(got, expected, strict=True))
     who = cuda_client.who_has(futs)
