@@ -3,7 +3,7 @@ ideal time they are measured against.
 
 ``octopus`` (``dask_octopus.map`` by cost and speed, groups of 8), ``one-task-each`` (``client.map``:
 Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and ``loop`` (a
-plain loop in one task on one worker). A run ends when every result is on the client, and every
+plain loop in one task on the fastest worker). A run ends when every result is on the client, and every
 variant must return the same histograms.
 """
 
@@ -24,7 +24,8 @@ VARIANTS = ("octopus", "one-task-each", "equal-batches", "loop")
 
 
 def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list[Future]:
-    """Submit ``items`` the ``variant`` way; returns its futures."""
+    """Submit ``items`` the ``variant`` way; returns its futures. ``workers`` are sorted fastest last
+    (the loop runs there: the strongest one-GPU baseline)."""
     if variant == "octopus":
         return dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
     if variant == "one-task-each":
@@ -62,7 +63,8 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int,
                   warmup: int = 1) -> dict[str, VariantTimes]:
     """Each variant's runs, interleaved (A B A B), from submission until every result is on the
     client, after ``warmup`` untimed rounds (kernel compilation); raises if two variants disagree."""
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    weights = dask_octopus.speeds(client)
+    workers = sorted(weights, key=lambda w: (weights[w], w))
     reference: Any = None
     times = {v: VariantTimes() for v in variants}
     for run in range(warmup + runs):

@@ -5,7 +5,7 @@ makes the image on the worker's device (as a loader would), then Gaussian blur, 
 normalisation and a 64-bin histogram (CuPy on GPU workers, NumPy / SciPy on CPU workers). The size
 mixes follow the octopus-parallel scenarios. Variants: ``octopus`` (dask_octopus.map, group=8), ``one-task-each``
 (client.map, Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and
-``loop`` (a plain loop in one task on one worker), and the ideal: each image's time alone on each
+``loop`` (a plain loop in one task on the fastest worker), and the ideal: each image's time alone on each
 worker, the total shared by the workers in proportion to their speed.
 
     python examples/images.py --type cpu --scale 0.05            # small, CPU (CI runs this)
