@@ -3,7 +3,7 @@ ideal time they are measured against.
 
 ``octopus`` (``dask_octopus.map`` by cost and speed, groups of 8), ``one-task-each`` (``client.map``:
 Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and ``loop`` (a
-plain loop in one task on the fastest worker). A run ends when every result is on the client, and every
+plain loop in one task on the worker fastest on the items). A run ends when every result is on the client, and every
 variant must return the same histograms.
 """
 
@@ -25,7 +25,7 @@ VARIANTS = ("octopus", "one-task-each", "equal-batches", "loop")
 
 def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list[Future]:
     """Submit ``items`` the ``variant`` way; returns its futures. ``workers`` are sorted fastest last
-    (the loop runs there: the strongest one-GPU baseline)."""
+    (the loop runs there: the strongest one-worker baseline)."""
     if variant == "octopus":
         return dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
     if variant == "one-task-each":
@@ -59,12 +59,11 @@ class VariantTimes:
     last: PassRecord | None = None
 
 
-def time_variants(client: Client, items: list, variants: list[str], runs: int,
+def time_variants(client: Client, items: list, variants: list[str], runs: int, workers: list[str],
                   warmup: int = 1) -> dict[str, VariantTimes]:
     """Each variant's runs, interleaved (A B A B), from submission until every result is on the
-    client, after ``warmup`` untimed rounds (kernel compilation); raises if two variants disagree."""
-    weights = dask_octopus.speeds(client)
-    workers = sorted(weights, key=lambda w: (weights[w], w))
+    client, after ``warmup`` untimed rounds (kernel compilation); raises if two variants disagree.
+    ``workers``: the cluster's workers, fastest last."""
     reference: Any = None
     times = {v: VariantTimes() for v in variants}
     for run in range(warmup + runs):
@@ -118,12 +117,15 @@ def ideal(alone: dict[str, list[float]]) -> dict[str, Any]:
 
 def measure_scenario(client: Client, items: list, variants: list[str], runs: int,
                      warmup: int = 1) -> tuple[dict[str, Any], dict[str, PassRecord]]:
-    """Time ``variants`` on ``items`` (:func:`time_variants`) and measure the ideal; returns the record
-    (JSON-ready) and each variant's last run as busy intervals per worker (for a timeline)."""
-    times = time_variants(client, items, variants, runs, warmup)
+    """Measure the ideal, then time ``variants`` on ``items`` (:func:`time_variants`; the loop runs on
+    the worker fastest on these items alone); returns the record (JSON-ready) and each variant's
+    last run as busy intervals per worker (for a timeline)."""
+    alone = item_seconds(client, items)
+    workers = sorted(alone, key=lambda w: (-sum(alone[w]), w))
+    times = time_variants(client, items, variants, runs, workers, warmup)
     record: dict[str, Any] = {
         "images": len(items), "seconds": {v: t.seconds for v, t in times.items()},
         "median_seconds": {v: float(np.median(t.seconds)) for v, t in times.items()},
-        **ideal(item_seconds(client, items))}
+        "loop_worker": workers[-1], **ideal(alone)}
     record["ratio_to_ideal"] = {v: m / record["ideal_seconds"] for v, m in record["median_seconds"].items()}
     return record, {v: t.last for v, t in times.items() if t.last is not None}

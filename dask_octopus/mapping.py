@@ -79,9 +79,10 @@ def _transfer_penalty(client: Client, items: list[Any], workers: list[str], pref
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
                 prefix: str) -> tuple[list[str], Packing]:
-    """Live workers (sorted) and the packing of ``costs`` onto them by their current weights,
-    counting the transfer of items that are futures already on some worker."""
-    weights = call_scheduler(client, "octopus_speeds", resource=resource)
+    """Live workers (sorted) and the packing of ``costs`` onto them by their current weights (the
+    function's own observed speeds once every worker has them), counting the transfer of items that
+    are futures already on some worker."""
+    weights = call_scheduler(client, "octopus_speeds", resource=resource, prefix=prefix)
     workers = sorted(weights)
     penalty = _transfer_penalty(client, items, workers, prefix)
     return workers, pack(costs, [weights[w] for w in workers], penalty=penalty)

@@ -99,12 +99,13 @@ class OctopusScheduler(SchedulerPlugin):
             profile["error"] = f"invalid calibration: {e}"
             logger.warning("dask_octopus: ignoring calibration of %s: %s", worker, e)
 
-    def speeds(self, resource: str = "compute") -> dict[str, float]:
-        """Relative weights of the live workers for ``resource``, summing to 1."""
+    def speeds(self, resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
+        """Relative weights of the live workers for ``resource`` (or for the tasks of ``prefix``
+        once every worker ran enough of them), summing to 1."""
         check_resource(resource)
         if not self.scheduler.workers:
             raise ValueError("the cluster has no workers")
-        return self.model.weights(self.scheduler.workers, resource)
+        return self.model.weights(self.scheduler.workers, resource, prefix)
 
     def get_profiles(self, resource: str = "compute") -> dict[str, dict[str, Any]]:
         """Per live worker: calibration figures, memory, current weight and refining samples."""

@@ -9,7 +9,8 @@ the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms su
 results, which latency dominates). A prefix counts only on workers that ran it
 ``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
 steady work. The observed speed then replaces the prior, so a worker that slows down mid-run
-loses weight within a few tasks of each prefix.
+loses weight within a few tasks of each prefix. Asked for one prefix, the model answers with that
+prefix's speeds alone once every worker has them (``map`` plans a function by its own speeds).
 """
 
 from __future__ import annotations
@@ -79,12 +80,14 @@ class SpeedModel:
             current.seconds = self.alpha * seconds + (1 - self.alpha) * current.seconds
             current.count += 1
 
-    def _observed(self, workers: list[str]) -> tuple[dict[str, float], dict[str, int]]:
-        """Observed relative speed (geometric mean 1 per prefix) and sample count per worker."""
+    def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None) -> tuple[dict[str, float], dict[str, int]]:
+        """Observed relative speed (geometric mean 1 per prefix) and sample count per worker, over
+        ``prefixes`` (default: all)."""
         logsum: dict[str, float] = defaultdict(float)
         wsum: dict[str, float] = defaultdict(float)
         samples: dict[str, int] = defaultdict(int)
-        for per_worker in self.rates.values():
+        chosen = self.rates.values() if prefixes is None else [self.rates[p] for p in prefixes if p in self.rates]
+        for per_worker in chosen:
             seen = {w: r for w, r in per_worker.items() if w in workers and r.count >= self.confidence_samples}
             if len(seen) < 2:
                 continue
@@ -105,12 +108,19 @@ class SpeedModel:
         """Number of task timings of ``worker`` that count (prefixes seen often enough on two workers or more)."""
         return self._observed(list({w for r in self.rates.values() for w in r}))[1].get(worker, 0)
 
-    def weights(self, workers: Iterable[str], resource: str = "compute") -> dict[str, float]:
-        """Relative weights of ``workers`` for ``resource``, summing to 1."""
+    def weights(self, workers: Iterable[str], resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
+        """Relative weights of ``workers`` for ``resource``, summing to 1. With ``prefix``, and when
+        every one of ``workers`` ran that prefix ``confidence_samples`` times, that prefix's own
+        observed speeds alone (the speeds of that kind of work)."""
         check_resource(resource)
         workers = sorted(workers)
         if not workers:
             raise ValueError("no workers to weigh")
+        if prefix is not None:
+            own = self._observed(workers, [prefix])[0]
+            if len(own) == len(workers):
+                total = sum(own.values())
+                return {w: own[w] / total for w in workers}
         prior = {w: self.priors.get(w, {}).get(resource) for w in workers}
         known = [math.log(v) for v in prior.values() if v]
         mean = sum(known) / len(known) if known else 0.0

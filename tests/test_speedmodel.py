@@ -55,6 +55,24 @@ def test_prefix_seen_on_one_worker_does_not_count():
     assert m.samples("a") == 0
 
 
+def test_a_prefix_is_weighed_by_its_own_speeds_once_every_worker_ran_it():
+    m = SpeedModel(confidence_samples=2)
+    for _ in range(2):  # a is 3x faster on gemm, b 2x faster on small launches, which take longer
+        m.observe("a", "gemm", 300, 1.0)
+        m.observe("b", "gemm", 100, 1.0)
+        m.observe("a", "launch", 100, 4.0)
+        m.observe("b", "launch", 200, 4.0)
+    assert m.weights(["a", "b"], prefix="gemm") == pytest.approx({"a": 0.75, "b": 0.25})
+    assert m.weights(["a", "b"], prefix="launch") == pytest.approx({"a": 1 / 3, "b": 2 / 3})
+    mixed = m.weights(["a", "b"])
+    assert mixed["b"] > 0.5 and mixed != m.weights(["a", "b"], prefix="launch")  # all prefixes, by time
+    assert m.weights(["a", "b"], prefix="unseen") == mixed
+    m.observe("c", "gemm", 100, 1.0)
+    m.observe("c", "gemm", 100, 1.0)
+    m.observe("c", "launch", 100, 1.0)  # c ran "launch" once: not enough, all prefixes decide
+    assert m.weights(["a", "b", "c"], prefix="launch") == m.weights(["a", "b", "c"])
+
+
 def test_remove_forgets_a_worker():
     m = SpeedModel(confidence_samples=1)
     m.set_prior("a", {"compute": 1.0, "memory": 1.0})
