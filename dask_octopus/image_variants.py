@@ -18,7 +18,13 @@ from distributed import Client, Future, get_task_stream
 
 import dask_octopus
 from dask_octopus.mapping import run_group
-from dask_octopus.workloads import PassRecord, image_pipeline, intervals, synchronize, to_host
+from dask_octopus.workloads import (
+    PassRecord,
+    image_pipeline,
+    intervals,
+    synchronize,
+    to_host,
+)
 
 VARIANTS = ("octopus", "one-task-each", "equal-batches", "loop")
 
