@@ -257,14 +257,15 @@ async def test_array_built_outside_and_computed_inside_groups_on_the_scheduler(c
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
-async def test_killed_worker_mid_compute_with_dataframe_groups(c, s, a, b, frame):
+async def test_killed_worker_mid_compute_with_balanced_dataframe_groups(c, s, a, b, frame):
     await setup(c, s, [1.0, 1.0])
-    df = dd.from_pandas(frame, npartitions=16)
+    df = await run_balance(c, dd.from_pandas(frame, npartitions=4), per_worker=8)
     with dask_octopus.annotate(group=4):
         fut = c.compute(df.map_partitions(slow_copy, 0.15, meta=df._meta).a.sum())
     await asyncio.sleep(1.0)  # 16 partitions of 0.15 s in groups of 4 on 2 workers: under half done
     assert not fut.done()
-    assert any(key_split(k) == GROUP_PREFIX for k in s.tasks)
+    groups = [ts for k, ts in s.tasks.items() if key_split(k) == GROUP_PREFIX]
+    assert groups and all(ts.worker_restrictions for ts in groups)  # pinned where their partitions are
     victim = min(s.workers)
     await (a if a.worker_address == victim else b).kill()
     assert await fut == frame.a.sum()
