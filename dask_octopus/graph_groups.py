@@ -86,14 +86,18 @@ def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, A
     """The graph with annotated tasks grouped.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to group; ``keep``
-    are the keys the caller asks for. Those, and tasks read by something other than a task, are
-    not grouped (their results must stay under their own keys). ``dependents`` is the graph's
-    reverse dependency map (:func:`dask.core.reverse_dict`); ``places`` (optional) says where each
-    task may run, and only tasks of one place are grouped together.
+    are the keys the caller asks for. Those, tasks read by something other than a plain task, and
+    tasks next to a special one (a subclass of ``Task``, such as the barrier of a P2P shuffle, whose
+    transfer and output tasks Dask's shuffle extension tracks by key) are not grouped.
+    ``dependents`` is the graph's reverse dependency map (:func:`dask.core.reverse_dict`);
+    ``places`` (optional) says where each task may run, and only tasks of one place are grouped
+    together.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
-    order = [k for k in dsk if k in specs and isinstance(dsk[k], Task) and k not in keep
-             and all(isinstance(dsk[c], Task) for c in dependents.get(k, ()))]
+    special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) is not Task}
+    order = [k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
+             and not dependencies[k] & special
+             and all(type(dsk[c]) is Task for c in dependents.get(k, ()))]
     groups = plan_groups(order, {k: specs[k]["group"] for k in order}, dependencies, places)
     if not groups:
         return dict(dsk)

@@ -270,3 +270,23 @@ async def test_killed_worker_mid_compute_with_balanced_dataframe_groups(c, s, a,
     await (a if a.worker_address == victim else b).kill()
     assert await fut == frame.a.sum()
     assert not s.unrunnable
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_p2p_shuffles_inside_annotate_stay_exact(c, s, a, b, frame, x):
+    """Dask's P2P extension tracks a shuffle's transfer and output tasks by key: tasks next to its
+    barrier are never grouped (grouping them stalled the shuffle)."""
+    await setup(c, s, [1.0, 1.0])
+    df = dd.from_pandas(frame, npartitions=16)
+    other = dd.from_pandas(pd.DataFrame({"b": np.arange(7), "w": np.arange(7) * 2.0}), npartitions=4)
+    with dask.config.set({"dataframe.shuffle.method": "p2p", "array.rechunk.method": "p2p"}):
+        expected = await c.gather(c.compute([df.shuffle("b").a.sum(), df.merge(other, on="b").w.sum(),
+                                             x.rechunk((64, 3)).sum(axis=0)]))
+        await forgotten(s)
+        with dask_octopus.annotate(group=4):
+            y = x.rechunk((64, 3)) + 0  # built inside: grouped by the array optimizer
+            got = await c.gather(c.compute([df.shuffle("b").a.sum(), df.merge(other, on="b").w.sum(),
+                                            y.sum(axis=0)]))
+    assert got[:2] == expected[:2] and np.array_equal(got[2], expected[2])
+    del y
+    await forgotten(s)
