@@ -7,7 +7,8 @@ graph's global annotations. :func:`group_new_tasks` groups those tasks in the sc
 of them. The rewrite is :func:`~dask_octopus.graph_groups.group_graph`'s, applied to the new
 tasks: each group becomes a TaskState, the consumers of its members read them from it, and the
 members (released, wanted by nothing any more) are forgotten. Only tasks that may run in the same
-places (the same restrictions, e.g. the pins of a balanced collection) are grouped together.
+places (the same restrictions, e.g. the pins of a balanced collection, and inputs already held by
+the same worker) are grouped together.
 
 Arrays and delayed objects built inside ``annotate`` are grouped earlier, by the optimizer that
 ``annotate`` installs (:mod:`dask_octopus.annotation`), before any TaskState exists; what that
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dask._task_spec import GraphNode, Task
+from dask._task_spec import Alias, GraphNode, Task
 from dask.typing import Key
 
 from dask_octopus.graph_groups import group_graph, group_members, run_members
@@ -32,10 +33,26 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
 
 
+def _inputs(ts: TaskState) -> list[TaskState]:
+    """The tasks whose results ``ts`` reads, looking through aliases (dask-expr reads a persisted
+    collection through one alias task per partition)."""
+    out = []
+    for dts in ts.dependencies:
+        out.extend(_inputs(dts) if isinstance(dts.run_spec, Alias) and dts.state == "released" else [dts])
+    return out
+
+
 def _place(ts: TaskState) -> Hashable:
-    """Where a task may run: its restrictions, as one hashable value."""
+    """Where a task may run, as one hashable value: its restrictions and, when its inputs are
+    already in memory, the worker holding most of their bytes (so that a group does not pull the
+    inputs of members that live on different workers to one of them)."""
+    held: dict[str, int] = {}
+    for dts in _inputs(ts):
+        for ws in dts.who_has or ():
+            held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
+    home = max(sorted(held), key=held.__getitem__) if held else None
     return (frozenset(ts.worker_restrictions or ()), frozenset(ts.host_restrictions or ()),
-            tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions)
+            tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions, home)
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:

@@ -8,6 +8,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask._task_spec import Alias
 from dask.core import flatten
 from dask.utils import key_split
 from distributed import Nanny, wait
@@ -33,6 +34,12 @@ def with_root(d):
     return d.assign(c=np.sqrt(d.a + 1.0))
 
 
+def held_inputs(ts):
+    """The tasks whose results ``ts`` reads, through dask-expr's alias tasks."""
+    return [i for d in ts.dependencies
+            for i in (held_inputs(d) if isinstance(d.run_spec, Alias) and d.state == "released" else [d])]
+
+
 class GroupLog(SchedulerPlugin):
     """Each group task that ran: its members, its worker, and the workers that held its inputs."""
 
@@ -41,6 +48,13 @@ class GroupLog(SchedulerPlugin):
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.groups = {}
+        self.inputs_at_grouping = {}  # group: workers holding its inputs, for groups of in-memory inputs
+
+    def update_graph(self, scheduler, **kwargs):
+        for key, ts in scheduler.tasks.items():
+            inputs = held_inputs(ts)
+            if key_split(key) == GROUP_PREFIX and inputs and all(d.state == "memory" for d in inputs):
+                self.inputs_at_grouping.setdefault(key, {ws.address for d in inputs for ws in d.who_has})
 
     def transition(self, key, start, finish, *args, **kwargs):
         if start == "processing" and finish == "memory" and key_split(key) == GROUP_PREFIX:
@@ -290,3 +304,19 @@ async def test_p2p_shuffles_inside_annotate_stay_exact(c, s, a, b, frame, x):
     assert got[:2] == expected[:2] and np.array_equal(got[2], expected[2])
     del y
     await forgotten(s)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers(c, s, a, b, frame):
+    await setup(c, s, [1.0, 1.0])
+    log = GroupLog(s)
+    s.add_plugin(log)
+    df = c.persist(dd.from_pandas(frame, npartitions=32))  # Dask spreads the partitions over both workers
+    await wait(df)
+    assert len({ws.address for ts in s.tasks.values() for ws in ts.who_has or ()}) == 2
+    with dask_octopus.annotate(group=8):
+        got = await c.compute(df.map_partitions(with_root).c.sum())
+    assert got == pytest.approx(np.sqrt(frame.a + 1.0).sum(), rel=1e-12)
+    assert len(log.inputs_at_grouping) >= 4  # the 32 with_root tasks, in groups of up to 8
+    for key, holders in log.inputs_at_grouping.items():
+        assert len(holders) == 1, key  # all inputs of a group on one worker when it was made
