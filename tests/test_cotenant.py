@@ -32,20 +32,21 @@ def test_calibration_sees_a_cotenant(pinned_client):
     with CoTenant(cores=[plan[slow]], procs=2):
         dask_octopus.register(c)
         w = dask_octopus.speeds(c)
-    assert w[slow] < 0.4, w
+    assert w[slow] < min(0.4, before - 0.1), (before, w)  # the slowed worker lost weight
 
 
 def test_online_refinement_after_a_real_slowdown(pinned_client):
     c, plan = pinned_client
     dask_octopus.register(c)
     slow = min(plan)
-    assert dask_octopus.speeds(c)[slow] > 0.4  # equal workers before the co-tenant arrives
+    before = dask_octopus.speeds(c)[slow]
+    assert before > 0.3  # about equal workers before the co-tenant (a 0.6 s probe on 2 shared cores varies)
     data = {w: c.scatter(np.ones((512, 512), dtype=np.float64), workers=[w]) for w in plan}
     with CoTenant(cores=[plan[slow]], procs=2):
         futs = [c.submit(gemm_repeat, data[w], 20, workers=[w], pure=False) for _ in range(6) for w in plan]
         wait(futs)
         w = dask_octopus.speeds(c)
-    assert w[slow] < 0.4, w
+    assert w[slow] < min(0.4, before - 0.1), (before, w)  # the slowed worker lost weight
     assert dask_octopus.profiles(c)[slow]["samples"] >= 3
 
 
