@@ -7,9 +7,13 @@ finds the marked tasks again (also inside fused tasks) and groups them
 (:mod:`dask_octopus.graph_groups`). Graphs without marks pass through unchanged. The optimizer
 runs where Dask materializes the graph, which for ``distributed`` is the scheduler.
 
+Where the registered scheduler plugin lives (the optimizer then runs on that scheduler), the
+optimizer only carries the marks through fusion, as per-key annotations, and the plugin groups the
+tasks knowing their pins and where their inputs are (:mod:`dask_octopus.scheduler_groups`).
+
 Dask also sends the block's annotations with every graph *computed* inside it, as annotations of
 all its tasks. dask-expr dataframes (which ignore layer annotations) are grouped from those, by
-the registered scheduler plugin (:mod:`dask_octopus.scheduler_groups`).
+the registered scheduler plugin.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dask.utils import ensure_dict
 
 from dask_octopus.graph_groups import group_graph, inner_keys
 from dask_octopus.grouping import ANNOTATION, check_group_spec
+from dask_octopus.scheduler_groups import grouping_here
 
 
 class GroupingOptimizer:
@@ -46,6 +51,9 @@ class GroupingOptimizer:
         graph = convert_legacy_graph(ensure_dict(optimized))
         graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names
         marks = inner_marks(graph, specs)
+        if grouping_here():  # on a scheduler whose plugin groups them, knowing where tasks run
+            layer = MaterializedLayer(graph, annotations={ANNOTATION: Marks(marks)})
+            return HighLevelGraph({"octopus-marked": layer}, {"octopus-marked": set()})
         grouped = group_graph(graph, marks, keep, _dependents(graph))
         # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
         # again when it becomes an input of another one (delayed arguments), and they may group then.

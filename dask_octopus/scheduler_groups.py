@@ -10,9 +10,12 @@ members (released, wanted by nothing any more) are forgotten. Only tasks that ma
 places (the same restrictions, e.g. the pins of a balanced collection, and inputs already held by
 the same worker) are grouped together.
 
-Arrays and delayed objects built inside ``annotate`` are grouped earlier, by the optimizer that
-``annotate`` installs (:mod:`dask_octopus.annotation`), before any TaskState exists; what that
-leaves (graph outputs, group tasks) is never regrouped here.
+Arrays and delayed objects built inside ``annotate`` reach the scheduler with their marks too: the
+optimizer that ``annotate`` installs (:mod:`dask_octopus.annotation`) runs there, at
+materialization, and while a registered plugin lives in its process it only carries the marks
+through Dask's fusion and leaves the grouping to this module, which knows where tasks will run.
+(Without the plugin, or with a local scheduler, the optimizer groups them itself.) Group tasks are
+never regrouped.
 
 Computing the same annotated dataframe twice at once works (the second graph's copies of the
 members, which nothing reads any more, are forgotten), but Dask logs a warning that the run spec
@@ -21,6 +24,7 @@ of a key changed between two ``update_graph`` calls: the consumers we rewrote.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +35,13 @@ from dask_octopus.graph_groups import group_graph, group_members, run_members
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
+
+hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process that group marked tasks
+
+
+def grouping_here() -> bool:
+    """Whether a scheduler in this process groups marked tasks (its plugin is registered)."""
+    return len(hosts) > 0
 
 
 def _inputs(ts: TaskState) -> list[TaskState]:

@@ -19,6 +19,7 @@ from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from dask_octopus import scheduler_groups
 from dask_octopus.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.grouping import ANNOTATION
 from dask_octopus.placement import Placement
@@ -69,6 +70,7 @@ class OctopusScheduler(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        scheduler_groups.hosts.add(self)
         scheduler.handlers.update({
             "octopus_report": self.report,
             "octopus_speeds": self.speeds,
@@ -79,6 +81,9 @@ class OctopusScheduler(SchedulerPlugin):
         await scheduler.register_worker_plugin(
             None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
         )
+
+    async def close(self) -> None:
+        scheduler_groups.hosts.discard(self)
 
     # -- RPC handlers -------------------------------------------------------------------------
 

@@ -90,11 +90,11 @@ class PassRecord:
         return (max(f) - min(f)) / self.seconds if len(f) > 1 else 0.0
 
 
-def intervals(stream: list[dict], t0: float, name: str = "") -> dict[str, list[tuple[float, float]]]:
-    """Compute intervals per worker of the tasks whose key prefix contains ``name``."""
+def intervals(stream: list[dict], t0: float, names: tuple[str, ...] | None = None) -> dict[str, list[tuple[float, float]]]:
+    """Compute intervals per worker of the tasks whose key prefix is one of ``names`` (all by default)."""
     out: dict[str, list[tuple[float, float]]] = {}
     for rec in stream:
-        if name not in key_split(rec["key"]):
+        if names is not None and key_split(rec["key"]) not in names:
             continue
         for ss in rec["startstops"]:
             if ss["action"] == "compute":
@@ -148,7 +148,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
             # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
             client.replicate(w)
             seconds = time.perf_counter() - start
-        block_tasks = GROUP_PREFIX if grouped else "block_gram"
+        # grouped: the groups, and blocks left alone (the plugin groups only blocks of one worker),
+        # which Dask fuses with the sum's per-block step
+        block_tasks = (GROUP_PREFIX, "block_gram", "sum") if grouped else ("block_gram",)
         records.append(PassRecord(seconds, intervals(ts.data, t0), intervals(ts.data, t0, block_tasks)))
     return records
 
