@@ -52,6 +52,9 @@ class GroupingOptimizer:
         graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names
         marks = inner_marks(graph, specs)
         if grouping_here():  # on a scheduler whose plugin groups them, knowing where tasks run
+            # the graph's order (the order the user built it) travels with the marks: groups then
+            # form the same way each time the same work comes again, so they can be replayed
+            marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
             layer = MaterializedLayer(graph, annotations={ANNOTATION: Marks(marks)})
             return HighLevelGraph({"octopus-marked": layer}, {"octopus-marked": set()})
         grouped = group_graph(graph, marks, keep, _dependents(graph))

@@ -101,7 +101,9 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     specs = {k: m for k, m in marks.items() if k in new and _groupable(new[k], new, wanted)}
     if len(specs) < 2:
         return {}, orphans
-    dsk = {k: ts.run_spec for k, ts in new.items()}
+    # in the order the marks carry (the graph's build order), else Dask's: the same work groups alike
+    ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
+    dsk = {k: new[k].run_spec for k in ranked}
     dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
     out = group_graph(dsk, specs, set(), dependents, {k: _place(new[k]) for k in specs})
     made = {k: group_members(node) for k, node in out.items() if k not in new}

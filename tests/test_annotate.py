@@ -321,3 +321,26 @@ async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers
     assert len(log.inputs_at_grouping) >= 4  # the 32 with_root tasks, in groups of up to 8
     for key, holders in log.inputs_at_grouping.items():
         assert len(holders) == 1, key  # all inputs of a group on one worker when it was made
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_same_work_groups_alike_each_time_it_comes(c, s, a):
+    """Groups made on the scheduler follow the order the graph was built in, not Dask's traversal
+    (which follows random keys): a repeated set of frames forms the same groups, so a captured CUDA
+    graph of each group can be replayed."""
+    await setup(c, s, [1.0])
+    log = GroupLog(s)
+    s.add_plugin(log)
+    items = [c.submit(np.ones, n, pure=False) for n in (9, 3, 7, 5, 1, 8, 2, 6, 4, 10, 11, 12)]
+    await wait(items)
+    partitions = []
+    for _ in range(3):
+        log.groups.clear()
+        with dask_octopus.annotate(resource="memory", group=4):
+            parts = [dask.delayed(np.cumsum, pure=False)(it) for it in items]  # new random keys each time
+        position = {p.key: i for i, p in enumerate(parts)}
+        total = await c.compute(dask.delayed(sum)([p[-1] for p in parts]))
+        assert total == sum(range(1, 13))
+        partitions.append(sorted(sorted(position[m] for m in ms) for ms, _, _ in log.groups.values()))
+    assert partitions[0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # in the order they were built
+    assert partitions[1] == partitions[2] == partitions[0]
