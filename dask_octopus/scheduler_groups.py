@@ -40,8 +40,19 @@ hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process 
 
 
 def grouping_here() -> bool:
-    """Whether a scheduler in this process groups marked tasks (its plugin is registered)."""
-    return len(hosts) > 0
+    """Whether every running scheduler of this process groups marked tasks (has the plugin): the
+    array and delayed optimizer, which runs on the scheduler, then leaves the grouping to it. With
+    several schedulers in one process and one of them without the plugin, the optimizer groups."""
+    from distributed.core import Status
+    from distributed.scheduler import Scheduler
+
+    ours = {id(p.scheduler) for p in hosts if p.scheduler is not None}
+    instances = getattr(Scheduler, "_instances", None)
+    if instances is None:  # not tracked by this version of distributed
+        return bool(ours)
+    done = (Status.closing, Status.closed, Status.failed)
+    running = {id(s) for s in list(instances) if s.status not in done}
+    return bool(running) and running <= ours
 
 
 def _inputs(ts: TaskState) -> list[TaskState]:

@@ -344,3 +344,17 @@ async def test_the_same_work_groups_alike_each_time_it_comes(c, s, a):
         partitions.append(sorted(sorted(position[m] for m in ms) for ms, _, _ in log.groups.values()))
     assert partitions[0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # in the order they were built
     assert partitions[1] == partitions[2] == partitions[0]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_optimizer_groups_when_a_scheduler_of_the_process_has_no_plugin(c, s, a):
+    from distributed import Scheduler
+
+    from dask_octopus.scheduler_groups import grouping_here
+
+    assert not grouping_here()  # no plugin yet
+    await setup(c, s, [1.0])
+    assert grouping_here()  # the only scheduler here groups
+    async with Scheduler(dashboard_address=":0", validate=True):
+        assert not grouping_here()  # a second one, without the plugin
+    assert grouping_here()
