@@ -7,9 +7,10 @@ finds the marked tasks again (also inside fused tasks) and groups them
 (:mod:`dask_octopus.graph_groups`). Graphs without marks pass through unchanged. The optimizer
 runs where Dask materializes the graph, which for ``distributed`` is the scheduler.
 
-Where the registered scheduler plugin lives (the optimizer then runs on that scheduler), the
-optimizer only carries the marks through fusion, as per-key annotations, and the plugin groups the
-tasks knowing their pins and where their inputs are (:mod:`dask_octopus.scheduler_groups`).
+When every running scheduler of the process has the plugin registered (the optimizer then runs on
+one of them), the optimizer only carries the marks through fusion, as per-key annotations with the
+graph's build order, and the plugin groups the tasks knowing their pins and where their inputs are
+(:mod:`dask_octopus.scheduler_groups`).
 
 Dask also sends the block's annotations with every graph *computed* inside it, as annotations of
 all its tasks. dask-expr dataframes (which ignore layer annotations) are grouped from those, by

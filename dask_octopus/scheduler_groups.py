@@ -12,10 +12,11 @@ the same worker) are grouped together.
 
 Arrays and delayed objects built inside ``annotate`` reach the scheduler with their marks too: the
 optimizer that ``annotate`` installs (:mod:`dask_octopus.annotation`) runs there, at
-materialization, and while a registered plugin lives in its process it only carries the marks
-through Dask's fusion and leaves the grouping to this module, which knows where tasks will run.
-(Without the plugin, or with a local scheduler, the optimizer groups them itself.) Group tasks are
-never regrouped.
+materialization, and when every running scheduler of its process has the plugin it only carries
+the marks (with the graph's build order, so that the same work groups alike each time and a captured
+group can be replayed) through Dask's fusion and leaves the grouping to this module, which knows
+where tasks will run. (Otherwise, and with local schedulers, the optimizer groups them itself.)
+Group tasks are never regrouped.
 
 Computing the same annotated dataframe twice at once works (the second graph's copies of the
 members, which nothing reads any more, are forgotten), but Dask logs a warning that the run spec
