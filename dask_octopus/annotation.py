@@ -56,14 +56,13 @@ class GroupingOptimizer:
             # the graph's order (the order the user built it) travels with the marks: groups then
             # form the same way each time the same work comes again, so they can be replayed
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
-            layer = MaterializedLayer(graph, annotations={ANNOTATION: Marks(marks)})
-            return HighLevelGraph({"octopus-marked": layer}, {"octopus-marked": set()})
-        grouped = group_graph(graph, marks, keep, _dependents(graph))
-        # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
-        # again when it becomes an input of another one (delayed arguments), and they may group then.
-        left = Marks({k: v for k, v in marks.items() if k in grouped})
-        layer = MaterializedLayer(grouped, annotations={ANNOTATION: left} if left else None)
-        return HighLevelGraph({"octopus-grouped": layer}, {"octopus-grouped": set()})
+        else:
+            graph = group_graph(graph, marks, keep, _dependents(graph))
+            # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
+            # again when it becomes an input of another one (delayed arguments), and they may group then.
+            marks = {k: v for k, v in marks.items() if k in graph}
+        layer = MaterializedLayer(graph, annotations={ANNOTATION: Marks(marks)} if marks else None)
+        return HighLevelGraph({"octopus": layer}, {"octopus": set()})
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, GroupingOptimizer) and other.base is self.base
