@@ -45,6 +45,13 @@ class GroupLog(SchedulerPlugin):
 
     name = "group-log"
 
+    @classmethod
+    def on(cls, scheduler):
+        """A new log, added to ``scheduler``."""
+        log = cls(scheduler)
+        scheduler.add_plugin(log)
+        return log
+
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.groups = {}
@@ -61,6 +68,12 @@ class GroupLog(SchedulerPlugin):
             ts = self.scheduler.tasks[key]
             holders = {ws.address for d in ts.dependencies for ws in d.who_has or ()}
             self.groups[key] = (group_members(ts.run_spec), kwargs["worker"], holders)
+
+
+async def root_sum_in_groups(c, df, group):
+    """``sqrt(a + 1)`` summed over ``df``'s partitions, computed inside ``annotate(group=group)``."""
+    with dask_octopus.annotate(group=group):
+        return await c.compute(df.map_partitions(with_root).c.sum())
 
 
 async def forgotten(s):
@@ -123,8 +136,7 @@ async def test_groups_of_balanced_blocks_run_where_their_blocks_are(c, s, a, b):
     8 blocks in groups of 8 make one group per worker, not one group of all (which would move half
     the blocks and undo the balance)."""
     await setup(c, s, [3.0, 1.0])
-    log = GroupLog(s)
-    s.add_plugin(log)
+    log = GroupLog.on(s)
     x = da.random.default_rng(1).random((4000, 8), chunks=(100, 8))
     xb = await run_balance(c, x, per_worker=4)
     xb = c.persist(xb)
@@ -206,8 +218,7 @@ def frame():
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_dataframe_computed_inside_annotate_groups_on_the_scheduler(c, s, a, b, frame):
     rec = await setup(c, s, [1.0, 1.0])
-    log = GroupLog(s)
-    s.add_plugin(log)
+    log = GroupLog.on(s)
     y = dd.from_pandas(frame, npartitions=32).map_partitions(with_root)
     plain = await c.compute(y.c.sum())
     plain_keys = set(rec.worker)
@@ -230,13 +241,11 @@ async def test_dataframe_computed_inside_annotate_groups_on_the_scheduler(c, s, 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_groups_of_balanced_partitions_run_where_their_partitions_are(c, s, a, b, frame):
     await setup(c, s, [3.0, 1.0])
-    log = GroupLog(s)
-    s.add_plugin(log)
+    log = GroupLog.on(s)
     bdf = await run_balance(c, dd.from_pandas(frame, npartitions=5), per_worker=8)
     bdf = c.persist(bdf)
     await wait(bdf)
-    with dask_octopus.annotate(group=4):
-        got = await c.compute(bdf.map_partitions(with_root).c.sum())
+    got = await root_sum_in_groups(c, bdf, 4)
     assert got == pytest.approx(np.sqrt(frame.a + 1.0).sum(), rel=1e-12)
     assert {w for _, w, _ in log.groups.values()} == set(s.workers)
     for members, worker, holders in log.groups.values():
@@ -258,8 +267,7 @@ async def test_same_annotated_dataframe_computed_twice_at_once(c, s, a, frame):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_array_built_outside_and_computed_inside_groups_on_the_scheduler(c, s, a, x):
     await setup(c, s, [1.0])
-    log = GroupLog(s)
-    s.add_plugin(log)
+    log = GroupLog.on(s)
     y = x.map_blocks(f)  # built outside annotate: no layer marks
     expected = y.sum(axis=0).compute(scheduler="sync")
     with dask_octopus.annotate(group=8):
@@ -310,13 +318,11 @@ async def test_p2p_shuffles_inside_annotate_stay_exact(c, s, a, b, frame, x):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers(c, s, a, b, frame):
     await setup(c, s, [1.0, 1.0])
-    log = GroupLog(s)
-    s.add_plugin(log)
+    log = GroupLog.on(s)
     df = c.persist(dd.from_pandas(frame, npartitions=32))  # Dask spreads the partitions over both workers
     await wait(df)
     assert len({ws.address for ts in s.tasks.values() for ws in ts.who_has or ()}) == 2
-    with dask_octopus.annotate(group=8):
-        got = await c.compute(df.map_partitions(with_root).c.sum())
+    got = await root_sum_in_groups(c, df, 8)
     assert got == pytest.approx(np.sqrt(frame.a + 1.0).sum(), rel=1e-12)
     assert len(log.inputs_at_grouping) >= 4  # the 32 with_root tasks, in groups of up to 8
     for key, holders in log.inputs_at_grouping.items():
@@ -329,8 +335,7 @@ async def test_the_same_work_groups_alike_each_time_it_comes(c, s, a):
     (which follows random keys): a repeated set of frames forms the same groups, so a captured CUDA
     graph of each group can be replayed."""
     await setup(c, s, [1.0])
-    log = GroupLog(s)
-    s.add_plugin(log)
+    log = GroupLog.on(s)
     items = [c.submit(np.ones, n, pure=False) for n in (9, 3, 7, 5, 1, 8, 2, 6, 4, 10, 11, 12)]
     await wait(items)
     partitions = []
