@@ -97,9 +97,10 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     ``items`` may be local objects, futures or delayed objects. ``cost`` is a callable or a list of
     numbers (default: ``nbytes`` when items have it, else equal); items that are futures count the
     time to move them to a worker that does not hold them, once the function's speed has been
-    observed. With ``group=g`` a worker's items run
-    ``g`` to a task (fewer Dask tasks; results still come back one future per item). Observed task
-    times refine the worker weights, so a second ``map`` of the same function is better planned.
+    observed. With ``group=g`` a worker's items run ``g`` to a task (fewer Dask tasks; each item's
+    result is then picked by a small coroutine task, one future per item). Observed task times
+    refine the speeds, and once every worker has run the function often enough its own speeds plan
+    it, so a second ``map`` of the same function is better planned.
     """
     check_resource(resource)
     if group is not None:
