@@ -272,7 +272,7 @@ def op_mixed(runs: int) -> dict[str, Any]:
 
     def launch(order: list[int], streams: list[Any]) -> None:
         for _ in range(reps):
-            run_on_streams(cp, members, [None] * n, inputs, list(classes), order, streams)
+            run_on_streams(cp, members, [None] * n, inputs, list(classes), order, streams, sizes)
 
     for _ in range(runs + 1):
         for way, (order, k) in ways.items():

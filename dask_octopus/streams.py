@@ -150,15 +150,15 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
             results = graph.replay(cp, inputs, streams[0])
             streams[0].synchronize()
             return results
-    return run_on_streams(cp, members, member_tokens, inputs, known, order, streams)
+    return run_on_streams(cp, members, member_tokens, inputs, known, order, streams, sizes)
 
 
 def run_on_streams(cp: Any, members: Sequence[Callable[..., Any]], tokens: Sequence[Hashable],
                    inputs: Sequence[Sequence[Any]], known: list[str | None], order: list[int],
-                   streams: list[Any]) -> list[Any]:
+                   streams: list[Any], sizes: Sequence[float]) -> list[Any]:
     """Launch the members in ``order``: the small ones round-robin over ``streams``, then one
-    synchronisation of those streams; members with inputs of ``octopus.streams.large-bytes`` or more
-    each fill the GPU alone, so they run on the task's current stream exactly as Dask would run them
+    synchronisation of those streams; members whose inputs (``sizes[i]`` bytes) are
+    ``octopus.streams.large-bytes`` or more each fill the GPU alone, so they run on the task's current stream exactly as Dask would run them
     (in order, returned at launch, no extra synchronisation). Members of unknown class
     (``known[i] is None``) are timed with events and classified."""
     large = dask.utils.parse_bytes(dask.config.get("octopus.streams.large-bytes"))
@@ -167,7 +167,7 @@ def run_on_streams(cp: Any, members: Sequence[Callable[..., Any]], tokens: Seque
     timed: dict[int, tuple[Any, Any]] = {}
     small = 0
     for i in order:
-        if _nbytes(list(inputs[i])) >= large:
+        if sizes[i] >= large:
             s = current
         else:
             s = streams[small % len(streams)]
