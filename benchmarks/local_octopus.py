@@ -147,13 +147,14 @@ def run_images(client: Client, names: list[str], scale: float, repeat: int, runs
         progress.advance(task)
     others = [v for v in names if v != "octopus" and "octopus" in names]
     table = Table(title="images: ms per mix (median), ideal = items' times alone shared by speed")
-    for col in ["mix", "images", *names, "ideal", "largest item", *[f"octopus vs {v}" for v in others],
+    for col in ["mix", "images", *names, "ideal", "largest item", "round trip", *[f"octopus vs {v}" for v in others],
                 *(["octopus / ideal"] if "octopus" in names else [])]:
         table.add_column(col, justify="right")
     for scenario, r in out["scenarios"].items():
         med = r["median_seconds"]
         table.add_row(scenario, str(r["images"]), *[f"{med[v] * 1e3:.1f}" for v in names],
                       f"{r['ideal_seconds'] * 1e3:.1f}", f"{r['largest_item_seconds'] * 1e3:.1f}",
+                      f"{r['round_trip_seconds'] * 1e3:.1f}",
                       *[f"{med[v] / med['octopus']:.2f}x" for v in others],
                       *([f"{r['ratio_to_ideal']['octopus']:.2f}"] if "octopus" in names else []))
     console.print(table)

@@ -121,10 +121,25 @@ def ideal(alone: dict[str, list[float]]) -> dict[str, Any]:
             "formula": "1 / sum over workers of (1 / sum of the items' seconds alone on that worker)"}
 
 
+def _nothing() -> None:
+    return None
+
+
+def round_trip(client: Client, workers: list[str], runs: int = 5) -> float:
+    """Median seconds from submitting one empty task to each of ``workers`` until their results are on
+    the client: what any variant run through Dask pays beyond its work."""
+    seconds = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        client.gather([client.submit(_nothing, workers=[w], pure=False) for w in workers])
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds[1:]))
+
+
 def measure_scenario(client: Client, items: list, variants: list[str], runs: int,
                      warmup: int = 1) -> tuple[dict[str, Any], dict[str, PassRecord]]:
     """Measure the ideal, then time ``variants`` on ``items`` (:func:`time_variants`; the loop runs on
-    the worker fastest on these items alone); returns the record (JSON-ready) and each variant's
+    the worker fastest on these items alone) and Dask's :func:`round_trip`; returns the record (JSON-ready) and each variant's
     last run as busy intervals per worker (for a timeline)."""
     alone = item_seconds(client, items)
     workers = sorted(alone, key=lambda w: (-sum(alone[w]), w))
@@ -132,6 +147,6 @@ def measure_scenario(client: Client, items: list, variants: list[str], runs: int
     record: dict[str, Any] = {
         "images": len(items), "seconds": {v: t.seconds for v, t in times.items()},
         "median_seconds": {v: float(np.median(t.seconds)) for v, t in times.items()},
-        "loop_worker": workers[-1], **ideal(alone)}
+        "loop_worker": workers[-1], "round_trip_seconds": round_trip(client, workers), **ideal(alone)}
     record["ratio_to_ideal"] = {v: m / record["ideal_seconds"] for v, m in record["median_seconds"].items()}
     return record, {v: t.last for v, t in times.items() if t.last is not None}

@@ -29,6 +29,11 @@ def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
                              lambda: [tokenize(func, kwargs)] * n)
 
 
+def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str, group: int) -> list[Any]:
+    """Run ``func`` on each item in one task, ``group`` items at a time as a stream group."""
+    return [r for k in range(0, len(items), group) for r in run_group(func, items[k:k + group], kwargs, resource)]
+
+
 async def _pick(batch: Sequence[Any], i: int) -> Any:
     """Item ``i`` of a batch's results. A coroutine, so the worker runs it on its event loop instead
     of handing it to its thread (120 items in groups of 8 on 2 CPU workers: 107 -> 64 ms)."""
@@ -78,14 +83,29 @@ def _transfer_penalty(client: Client, items: list[Any], workers: list[str], pref
 
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
-                prefix: str) -> tuple[list[str], Packing]:
-    """Live workers (sorted) and the packing of ``costs`` onto them by their current weights (the
-    function's own observed speeds once every worker has them), counting the transfer of items that
-    are futures already on some worker."""
-    weights = call_scheduler(client, "octopus_speeds", resource=resource, prefix=prefix)
-    workers = sorted(weights)
+                prefix: str) -> tuple[list[str], list[int], Packing]:
+    """Live workers (sorted), their threads, and the packing of ``costs`` onto them by their current
+    weights (the function's own observed speeds once every worker has them), counting the transfer
+    of items that are futures already on some worker."""
+    info = call_scheduler(client, "octopus_workers", resource=resource, prefix=prefix)
+    workers = sorted(info)
     penalty = _transfer_penalty(client, items, workers, prefix)
-    return workers, pack(costs, [weights[w] for w in workers], penalty=penalty)
+    packing = pack(costs, [info[w][0] for w in workers], penalty=penalty)
+    return workers, [info[w][1] for w in workers], packing
+
+
+def _batches(costs: list[float], packing: Packing, threads: list[int], group: int | None) -> list[tuple[int, list[int]]]:
+    """``(worker index, item indices)`` of each task: one per item without ``group``, else one per
+    thread of the worker, its items split between its threads by cost; largest items first."""
+    out = []
+    for j, n in enumerate(threads):
+        mine = sorted((i for i, w in enumerate(packing.assignment) if w == j), key=lambda i: -costs[i])
+        if group is None:
+            out += [(j, [i]) for i in mine]
+            continue
+        split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
+        out += [(j, idx) for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
+    return out
 
 
 def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
@@ -97,8 +117,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     ``items`` may be local objects, futures or delayed objects. ``cost`` is a callable or a list of
     numbers (default: ``nbytes`` when items have it, else equal); items that are futures count the
     time to move them to a worker that does not hold them, once the function's speed has been
-    observed. With ``group=g`` a worker's items run ``g`` to a task (fewer Dask tasks; each item's
-    result is then picked by a small coroutine task, one future per item). Observed task times
+    observed. With ``group=g`` each worker runs its items in one task per thread (each Dask task costs
+    milliseconds on a GPU worker), ``g`` at a time as a stream group; each item's result is then
+    picked by a small coroutine task (one future per item). Observed task times
     refine the speeds, and once every worker has run the function often enough its own speeds plan
     it, so a second ``map`` of the same function is better planned.
     """
@@ -119,14 +140,10 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
     prefix = key_split(f"octopus-map-{funcname(func)}-{'0' * 32}")  # the scheduler's prefix of its tasks
-    workers, packing = _plan_items(client, costs, resource, items, prefix)
-    token = tokenize(func, items, costs, kwargs, group, workers, packing.assignment)
+    workers, threads, packing = _plan_items(client, costs, resource, items, prefix)
+    batches = _batches(costs, packing, threads, group)
+    token = tokenize(func, items, costs, kwargs, group, workers, batches)
     name = f"octopus-map-{funcname(func)}-{token}"
-    per_worker: list[list[int]] = [[] for _ in workers]
-    for i in sorted(range(len(items)), key=lambda i: -costs[i]):  # largest first on each worker
-        per_worker[packing.assignment[i]].append(i)
-    size = group or 1
-    batches = [(j, idx[k:k + size]) for j, idx in enumerate(per_worker) for k in range(0, len(idx), size)]
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx in batches])
     item_name = f"octopus-item-{token}"
@@ -138,7 +155,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
             dsk[(name, b)] = Task((name, b), func, parse_input(items[i]), **kwargs)  # futures become dependencies
             keys[i] = (name, b)
             continue
-        dsk[(name, b)] = Task((name, b), run_group, func, parse_input([items[i] for i in idx]), kwargs, resource)
+        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([items[i] for i in idx]), kwargs, resource, group)
         for k, i in enumerate(idx):
             keys[i] = (item_name, i)
             dsk[keys[i]] = Task(keys[i], _pick, TaskRef((name, b)), k)

@@ -74,6 +74,7 @@ class OctopusScheduler(SchedulerPlugin):
         scheduler.handlers.update({
             "octopus_report": self.report,
             "octopus_speeds": self.speeds,
+            "octopus_workers": self.workers,
             "octopus_profiles": self.get_profiles,
             "octopus_add_plan": self.add_plan,
             "octopus_rates": self.model.table,
@@ -111,6 +112,11 @@ class OctopusScheduler(SchedulerPlugin):
         if not self.scheduler.workers:
             raise ValueError("the cluster has no workers")
         return self.model.weights(self.scheduler.workers, resource, prefix)
+
+    def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, tuple[float, int]]:
+        """Per live worker: its weight, as :meth:`speeds` gives it, and its number of threads."""
+        weights = self.speeds(resource, prefix)
+        return {addr: (weights[addr], ws.nthreads) for addr, ws in self.scheduler.workers.items()}
 
     def get_profiles(self, resource: str = "compute") -> dict[str, dict[str, Any]]:
         """Per live worker: calibration figures, memory, current weight and refining samples."""

@@ -12,6 +12,7 @@ from distributed import Client, LocalCluster, Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import dask_octopus
+from dask_octopus import mapping
 from dask_octopus.cotenant import CoTenant, pin_workers
 from dask_octopus.workloads import gemm_repeat
 
@@ -42,18 +43,22 @@ async def test_results_in_order_and_placed_by_cost_and_speed(c, s, a, b):
     assert 2.0 < load[fast] / load[slow] < 4.5  # nbytes costs, weights 3:1, indivisible items
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_groups_make_fewer_tasks_and_keep_one_future_per_item(c, s, a, b):
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1)])
+async def test_groups_run_one_task_per_worker_thread_and_keep_one_future_per_item(c, s, a, b, monkeypatch):
     rec = await setup(c, s, [1.0, 1.0])
+    groups = []
+    run_group = mapping.run_group
+    monkeypatch.setattr(mapping, "run_group", lambda func, items, *args: groups.append(len(items)) or run_group(func, items, *args))
     items = list(range(20))
     futs = await call(c, lambda x, k: x * k, items, cost=[1] * 20, group=4, k=3)
     assert await c.gather(futs) == [3 * x for x in items]
     name, plan = plan_of(s)
-    batches = [k for k in rec.worker if isinstance(k, tuple) and k[0] == name]
-    assert len(batches) == 6  # 10 items per worker in groups of 4: 4 + 4 + 2
-    assert all(rec.worker[k] == plan.workers[k[1]] for k in batches)
+    batches = sorted((k for k in rec.worker if isinstance(k, tuple) and k[0] == name), key=lambda k: k[1])
+    assert [rec.worker[k] for k in batches] == plan.workers
+    assert sorted(plan.workers) == sorted([a.address, a.address, b.address])  # a task per thread
     per_worker = [rec.worker[f.key] for f in futs]  # each item's future is computed next to its batch
     assert sorted(per_worker.count(w) for w in s.workers) == [10, 10]
+    assert sorted(groups) == [1, 1, 2, 4, 4, 4, 4]  # 5 + 5 on a's threads (4 + 1 each), 10 on b (4 + 4 + 2)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
@@ -140,8 +145,8 @@ async def test_future_items_stay_where_their_data_is_when_moving_it_costs_more(c
     futs = await call(c, np.sum, items, group=2)  # moving an item (1 MiB) costs far more than its work
     assert await c.gather(futs) == [2.0**17] * 8
     (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-sum")]
-    assert plan.workers == [holder] * 4
+    assert plan.workers == [holder]  # one task per worker thread
     futs = await call(c, np.max, items, group=2)  # never observed: transfers are not counted yet
     assert await c.gather(futs) == [1.0] * 8
     (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-max")]
-    assert sorted(plan.workers) == sorted([holder, holder, other, other])  # 4 + 4 by the equal weights
+    assert sorted(plan.workers) == sorted([holder, other])  # 4 + 4 by the equal weights
