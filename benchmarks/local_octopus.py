@@ -158,6 +158,12 @@ def run_images(client: Client, names: list[str], scale: float, repeat: int, runs
                       *[f"{med[v] / med['octopus']:.2f}x" for v in others],
                       *([f"{r['ratio_to_ideal']['octopus']:.2f}"] if "octopus" in names else []))
     console.print(table)
+    ends = Table(title="images: ms until the last pipeline ended (median; before results are picked and gathered)")
+    for col in ["mix", *names, "ideal"]:
+        ends.add_column(col, justify="right")
+    for scenario, r in out["scenarios"].items():
+        ends.add_row(scenario, *[f"{r['work_end_seconds'][v] * 1e3:.1f}" for v in names], f"{r['ideal_seconds'] * 1e3:.1f}")
+    console.print(ends)
     totals = {v: sum(r["median_seconds"][v] for r in out["scenarios"].values()) for v in names}
     ideal_total = sum(r["ideal_seconds"] for r in out["scenarios"].values())
     speedup_chart(totals, ideal_total, stem + "-speedup.png", "seconds, all five mixes (medians)")

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dask.utils import key_split
 from distributed import Client, Future, get_task_stream
 
 import dask_octopus
-from dask_octopus.mapping import run_group
+from dask_octopus.mapping import ITEM_PREFIX, run_group
 from dask_octopus.workloads import (
     PassRecord,
     image_pipeline,
@@ -59,9 +60,11 @@ def in_input_order(results: list, variant: str, n_items: int, n_workers: int) ->
 
 @dataclass
 class VariantTimes:
-    """Seconds of each run of one variant, and the per-worker busy intervals of its last run."""
+    """Seconds of each run of one variant, when its last pipeline ended in each run (before its results
+    were picked and sent to the client), and the per-worker busy intervals of its last run."""
 
     seconds: list[float] = field(default_factory=list)
+    work_end: list[float] = field(default_factory=list)
     last: PassRecord | None = None
 
 
@@ -80,8 +83,10 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
                 seconds = time.perf_counter() - start
             if run >= warmup:
                 busy = intervals(stream.data, t0)
+                work = intervals([r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX], t0)
                 times[v].seconds.append(seconds)
-                times[v].last = PassRecord(seconds, busy, busy)
+                times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
+                times[v].last = PassRecord(seconds, busy, work)
             flat = [to_host(r) for r in in_input_order(results, v, len(items), len(workers))]
             if reference is None:
                 reference = flat
@@ -147,6 +152,7 @@ def measure_scenario(client: Client, items: list, variants: list[str], runs: int
     record: dict[str, Any] = {
         "images": len(items), "seconds": {v: t.seconds for v, t in times.items()},
         "median_seconds": {v: float(np.median(t.seconds)) for v, t in times.items()},
+        "work_end_seconds": {v: float(np.median(t.work_end)) for v, t in times.items()},
         "loop_worker": workers[-1], "round_trip_seconds": round_trip(client, workers), **ideal(alone)}
     record["ratio_to_ideal"] = {v: m / record["ideal_seconds"] for v, m in record["median_seconds"].items()}
     return record, {v: t.last for v, t in times.items() if t.last is not None}

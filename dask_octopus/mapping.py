@@ -21,6 +21,9 @@ from dask_octopus.packing import Packing, check_costs, pack
 from dask_octopus.speedmodel import check_resource
 
 
+ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item's result from its batch
+
+
 def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str = "auto") -> list[Any]:
     """Run ``func`` on each item in one task, as a stream group (:func:`dask_octopus.streams.run_group`):
     over CUDA streams on a GPU worker, synchronised once at the end."""
@@ -146,7 +149,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     name = f"octopus-map-{funcname(func)}-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx in batches])
-    item_name = f"octopus-item-{token}"
+    item_name = f"{ITEM_PREFIX}-{token}"
     dsk: dict[Any, Task] = {}
     keys: list[Any] = [None] * len(items)
     for b, (_, idx) in enumerate(batches):

@@ -31,3 +31,4 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert len(video["total_alone_seconds"]) == 2 and 0 < video["ideal_seconds"] < min(video["total_alone_seconds"].values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
+    assert all(0 < video["work_end_seconds"][v] < video["median_seconds"][v] for v in video["seconds"])
