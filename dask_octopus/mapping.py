@@ -1,5 +1,6 @@
 """``dask_octopus.map``: run a function over indivisible items of different costs, packed onto
-workers by cost and speed (:mod:`dask_octopus.packing`), pinned, with one future per item."""
+workers by cost and speed (:mod:`dask_octopus.packing`; per-item seconds from
+:mod:`dask_octopus.itemcosts` once fitted), pinned, with one future per item."""
 
 from __future__ import annotations
 
@@ -61,40 +62,53 @@ def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | No
     return [float(c) for c in out]
 
 
-def _transfer_penalty(client: Client, items: list[Any], workers: list[str], prefix: str) -> list[list[float]] | None:
-    """For items that are futures: the time to move each to a worker that does not hold it (bytes over
-    the scheduler's bandwidth estimate), in the packing's unit, i.e. seconds times the function's
-    observed total rate (units per second over the workers). ``None`` when no item is a future or
-    the function has not been observed yet (its units per second are unknown)."""
+def _transfer_seconds(client: Client, items: list[Any], workers: list[str]) -> list[list[float]] | None:
+    """For items that are futures: the seconds to move each to a worker that does not hold it (bytes
+    over the scheduler's bandwidth estimate); ``None`` when no item is a future."""
     at = [i for i, it in enumerate(items) if isinstance(it, Future)]
     if not at:
-        return None
-    rates = call_scheduler(client, "octopus_rates").get(prefix, {})
-    total = sum(rate for w, (rate, _, _) in rates.items() if w in workers)
-    if total <= 0:
         return None
     keys = [items[i].key for i in at]
     who, nbytes = client.who_has([items[i] for i in at]), client.nbytes(keys, summary=False)
     bandwidth = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.bandwidth)
-    penalty = [[0.0] * len(workers) for _ in items]
+    seconds = [[0.0] * len(workers) for _ in items]
     for i, key in zip(at, keys):
         holders = set(who.get(key, ()))
         if holders:  # not computed yet: wherever it runs, it is not moved
-            seconds = nbytes.get(key, 0) / bandwidth
-            penalty[i] = [0.0 if w in holders else seconds * total for w in workers]
-    return penalty
+            seconds[i] = [0.0 if w in holders else nbytes.get(key, 0) / bandwidth for w in workers]
+    return seconds
+
+
+def _in_rate_units(client: Client, seconds: list[list[float]] | None, workers: list[str],
+                   prefix: str) -> list[list[float]] | None:
+    """``seconds`` in the unit of a packing by weights: seconds times the function's observed total
+    rate (units per second over the workers); ``None`` while the function was never observed."""
+    if seconds is None:
+        return None
+    rates = call_scheduler(client, "octopus_rates").get(prefix, {})
+    total = sum(rate for w, (rate, _, _) in rates.items() if w in workers)
+    return [[s * total for s in row] for row in seconds] if total > 0 else None
 
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
                 prefix: str) -> tuple[list[str], list[int], Packing]:
-    """Live workers (sorted), their threads, and the packing of ``costs`` onto them by their current
-    weights (the function's own observed speeds once every worker has them), counting the transfer
-    of items that are futures already on some worker."""
+    """Live workers (sorted), their threads, and the packing of ``costs`` onto them, counting the
+    transfer of items that are futures already on some worker. Once every worker has a fitted
+    per-item cost of the function (:mod:`dask_octopus.itemcosts`), items are packed by their
+    predicted seconds there, fixed part included; until then by the workers' weights (the
+    function's own observed speeds once every worker has them)."""
     info = call_scheduler(client, "octopus_workers", resource=resource, prefix=prefix)
     workers = sorted(info)
-    penalty = _transfer_penalty(client, items, workers, prefix)
-    packing = pack(costs, [info[w][0] for w in workers], penalty=penalty)
-    return workers, [info[w][1] for w in workers], packing
+    moves = _transfer_seconds(client, items, workers)
+    fits = [info[w][2] for w in workers]
+    if all(fit is not None for fit in fits):
+        speeds = [1 / per_unit for _, per_unit in fits]
+        penalty = [[fixed + (moves[i][j] if moves else 0.0) for j, (fixed, _) in enumerate(fits)]
+                   for i in range(len(costs))]
+    else:
+        speeds = [info[w][0] for w in workers]
+        penalty = _in_rate_units(client, moves, workers, prefix)
+    return workers, [info[w][1] for w in workers], pack(costs, speeds, penalty=penalty)
 
 
 def _batches(costs: list[float], packing: Packing, threads: list[int], group: int | None) -> list[tuple[int, list[int]]]:
@@ -124,7 +138,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     milliseconds on a GPU worker), ``g`` at a time as a stream group; each item's result is then
     picked by a small coroutine task (one future per item). Observed task times
     refine the speeds, and once every worker has run the function often enough its own speeds plan
-    it, so a second ``map`` of the same function is better planned.
+    it, so a second ``map`` of the same function is better planned. Once batches of different mean
+    item costs have run on every worker, each item is planned by its predicted seconds there, a
+    fixed part per item plus a part proportional to its cost (:mod:`dask_octopus.itemcosts`).
     """
     check_resource(resource)
     if group is not None:
@@ -148,7 +164,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     token = tokenize(func, items, costs, kwargs, group, workers, batches)
     name = f"octopus-map-{funcname(func)}-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
-                   costs=[sum(costs[i] for i in idx) for _, idx in batches])
+                   costs=[sum(costs[i] for i in idx) for _, idx in batches], counts=[len(idx) for _, idx in batches])
     item_name = f"{ITEM_PREFIX}-{token}"
     dsk: dict[Any, Task] = {}
     keys: list[Any] = [None] * len(items)

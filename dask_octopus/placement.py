@@ -29,11 +29,13 @@ _DONE = frozenset({"memory", "processing", "erred", "forgotten"})
 @dataclass
 class Plan:
     """Worker of each block of the collection whose keys are ``(name, *index)``, and optionally the
-    planned cost of each block (``map``), which then measures the work of its task."""
+    planned cost of each block (``map``), which then measures the work of its task, and its number
+    of items."""
 
     workers: list[str]
     index: int  # position of the block index in the key tuple
     costs: list[float] | None = None
+    counts: list[int] | None = None
 
 
 def _key_name(key: Any) -> Any:
@@ -48,19 +50,22 @@ class Placement:
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         self.pins: dict[Key, Block] = {}
 
-    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None) -> None:
+    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
+                 counts: list[int] | None = None) -> None:
         """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``."""
-        self.plans[name] = Plan(list(workers), 1 + axis, costs)
+        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts)
         self.plans.move_to_end(name)
         while len(self.plans) > self.max_plans:
             self.plans.popitem(last=False)
 
-    def cost_of(self, key: Key) -> float | None:
-        """The planned cost of the task ``key`` if it is a block of a plan with costs."""
+    def cost_of(self, key: Key) -> tuple[float, int | None] | None:
+        """The planned cost of the task ``key`` and its number of items (``None`` if not given), if it
+        is a block of a plan with costs."""
         plan = self.plans.get(_key_name(key))
         if plan is None or plan.costs is None or not isinstance(key, tuple):
             return None
-        return plan.costs[key[plan.index]]
+        i = key[plan.index]
+        return plan.costs[i], (plan.counts[i] if plan.counts is not None else None)
 
     def worker_of(self, block: Block) -> str | None:
         plan = self.plans.get(block[0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +23,7 @@ from distributed.protocol.pickle import dumps
 from dask_octopus import scheduler_groups
 from dask_octopus.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.grouping import ANNOTATION
+from dask_octopus.itemcosts import ItemCostFit
 from dask_octopus.placement import Placement
 from dask_octopus.scheduler_groups import forget_unread, group_new_tasks
 from dask_octopus.speedmodel import SpeedModel, check_resource
@@ -63,6 +65,7 @@ class OctopusScheduler(SchedulerPlugin):
                                 confidence_samples=dask.config.get("octopus.refine.confidence-samples"))
         self.min_duration = parse_timedelta(dask.config.get("octopus.refine.min-duration"))
         self.placement = Placement(dask.config.get("octopus.max-plans"))
+        self.item_costs: defaultdict[str, defaultdict[str, ItemCostFit]] = defaultdict(lambda: defaultdict(ItemCostFit))
         self.profiles: dict[str, dict[str, Any]] = {}
         self.failed_hooks: set[str] = set()
         self.bad_timings: set[str] = set()
@@ -113,10 +116,18 @@ class OctopusScheduler(SchedulerPlugin):
             raise ValueError("the cluster has no workers")
         return self.model.weights(self.scheduler.workers, resource, prefix)
 
-    def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, tuple[float, int]]:
-        """Per live worker: its weight, as :meth:`speeds` gives it, and its number of threads."""
+    def workers(self, resource: str = "compute", prefix: str | None = None
+                ) -> dict[str, tuple[float, int, tuple[float, float] | None]]:
+        """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, and the
+        ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
+        (:mod:`dask_octopus.itemcosts`)."""
         weights = self.speeds(resource, prefix)
-        return {addr: (weights[addr], ws.nthreads) for addr, ws in self.scheduler.workers.items()}
+        fits = self.item_costs.get(prefix, {}) if prefix is not None else {}
+        out = {}
+        for addr, ws in self.scheduler.workers.items():
+            fit = fits[addr].fit() if addr in fits else None
+            out[addr] = (weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit))
+        return out
 
     def get_profiles(self, resource: str = "compute") -> dict[str, dict[str, Any]]:
         """Per live worker: calibration figures, memory, current weight and refining samples."""
@@ -131,14 +142,19 @@ class OctopusScheduler(SchedulerPlugin):
             out[addr] = profile
         return out
 
-    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None) -> None:
-        """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs ``costs[i]``)."""
+    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
+                 counts: list[int] | None = None) -> None:
+        """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
+        ``costs[i]``, for ``counts[i]`` items)."""
         unknown = sorted(set(workers) - set(self.scheduler.workers))
         if unknown:
             raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
-        if costs is not None and len(costs) != len(workers):
-            raise ValueError(f"plan has {len(costs)} costs for {len(workers)} blocks")
-        self.placement.add_plan(name, workers, axis, costs)
+        for label, values in (("costs", costs), ("counts", counts)):
+            if values is not None and len(values) != len(workers):
+                raise ValueError(f"plan has {len(values)} {label} for {len(workers)} blocks")
+        if counts is not None and costs is None:
+            raise ValueError("plan has item counts without costs")
+        self.placement.add_plan(name, workers, axis, costs, counts)
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -188,8 +204,11 @@ class OctopusScheduler(SchedulerPlugin):
                                "(got %r for %s)", worker, seconds, prefix)
             return
         if seconds >= self.min_duration:
-            cost = self.placement.cost_of(key)
+            planned = self.placement.cost_of(key)
+            cost, count = planned if planned is not None else (None, None)
             self.model.observe(worker, prefix, max(units if cost is None else cost, 1), seconds)
+            if count is not None:
+                self.item_costs[prefix][worker].add(count, cost, seconds)
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
@@ -199,6 +218,8 @@ class OctopusScheduler(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         self.profiles.pop(worker, None)
         self.model.remove(worker)
+        for fits in self.item_costs.values():
+            fits.pop(worker, None)
         self.bad_timings.discard(worker)
         self._rehome(stimulus_id)
 

@@ -14,6 +14,7 @@ from distributed.utils_test import gen_cluster
 import dask_octopus
 from dask_octopus import mapping
 from dask_octopus.cotenant import CoTenant, pin_workers
+from dask_octopus.itemcosts import ItemCost
 from dask_octopus.workloads import gemm_repeat
 
 from test_balance import setup
@@ -150,3 +151,21 @@ async def test_future_items_stay_where_their_data_is_when_moving_it_costs_more(c
     assert await c.gather(futs) == [1.0] * 8
     (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-max")]
     assert sorted(plan.workers) == sorted([holder, other])  # 4 + 4 by the equal weights
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    launches, crunches = sorted(s.workers)  # slow to start an item, fast on big ones / the reverse
+    truth = {launches: ItemCost(1.0, 0.001), crunches: ItemCost(0.0, 0.01)}
+    fits = s.plugins["octopus"].item_costs["octopus-map-sum"]
+    for w, t in truth.items():
+        for n, cost in [(1, 10.0), (2, 1000.0), (1, 5000.0)]:
+            fits[w].add(n, cost, n * t.fixed + cost * t.per_unit)
+    items = [np.ones(4)] * 2 + [np.ones(1)] * 10
+    futs = await call(c, np.sum, items, cost=[1000] * 2 + [1] * 10, group=4)
+    assert await c.gather(futs) == [4.0] * 2 + [1.0] * 10
+    _, plan = plan_of(s)
+    # by weights (equal) each would take one big item (10 s on crunches); by their seconds per
+    # item both big ones go to launches (2 x 2 s) and the ten small ones to crunches (0.1 s)
+    assert sorted(zip(plan.workers, plan.costs, plan.counts)) == sorted([(launches, 2000, 2), (crunches, 10, 10)])

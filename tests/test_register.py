@@ -179,3 +179,25 @@ async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
     rates = plugin(s).model.table()
     assert rates["octopus-map-f"][b.address][0] == pytest.approx(10.0)  # cost 20 in 2 s
     assert rates["other"][b.address][0] == pytest.approx(499.5)  # not planned: bytes
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
+    from dask_octopus.gpu_timing import TOPIC
+
+    await c.register_plugin(OctopusScheduler())
+    shapes = [(1, 10.0), (4, 100.0), (2, 2000.0)]  # (items, total cost) of three batches on b
+    await c.scheduler.octopus_add_plan(name="octopus-map-f-abc", workers=[b.address] * 3,
+                                       costs=[cost for _, cost in shapes], counts=[n for n, _ in shapes])
+    timings = [(["octopus-map-f-abc", i], "octopus-map-f", 999, n * 0.01 + cost * 0.001)
+               for i, (n, cost) in enumerate(shapes)]
+    s.log_event(TOPIC, {"worker": b.address, "timings": timings})
+    info = await c.scheduler.octopus_workers(prefix="octopus-map-f")
+    assert info[a.address][2] is None  # never ran a batch
+    assert info[b.address][2] == pytest.approx((0.01, 0.001))
+    with pytest.raises(ValueError, match="2 counts for 3 blocks"):
+        await c.scheduler.octopus_add_plan(name="x", workers=[b.address] * 3, costs=[1, 1, 1], counts=[1, 1])
+    with pytest.raises(ValueError, match="counts without costs"):
+        await c.scheduler.octopus_add_plan(name="x", workers=[b.address], counts=[1])
+    await c.scheduler.retire_workers(workers=[b.address])
+    assert b.address not in plugin(s).item_costs["octopus-map-f"]

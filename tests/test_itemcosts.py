@@ -1,0 +1,74 @@
+"""The per-item cost model of map batches: exact fits, when it abstains, its window, bad input."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_octopus.itemcosts import ItemCost, ItemCostFit
+
+
+def batches(fit: ItemCostFit, truth: ItemCost, shapes: list[tuple[int, float]]) -> None:
+    for n, cost in shapes:
+        fit.add(n, cost, n * truth.fixed + cost * truth.per_unit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fixed=st.floats(0, 1e-2), per_unit=st.floats(1e-9, 1e-3),
+       shapes=st.lists(st.tuples(st.integers(1, 200), st.floats(1, 1e7)), min_size=3, max_size=8))
+def test_exact_batches_give_back_the_terms(fixed, per_unit, shapes):
+    fit = ItemCostFit()
+    means = [c / n for n, c in shapes]
+    batches(fit, ItemCost(fixed, per_unit), shapes)
+    got = fit.fit()
+    if max(means) < fit.spread * min(means):
+        assert got is None  # the batches cannot tell the fixed part from the proportional one
+        return
+    assert got is not None
+    scale = fixed + per_unit * max(means)  # the seconds per item the terms must reproduce
+    assert got.fixed == pytest.approx(fixed, abs=1e-6 * scale)
+    assert got.per_unit * max(means) == pytest.approx(per_unit * max(means), abs=1e-6 * scale)
+
+
+def test_abstains_until_three_batches_of_different_mean_costs():
+    fit = ItemCostFit()
+    truth = ItemCost(0.002, 1e-6)
+    batches(fit, truth, [(10, 1000.0), (20, 2000.0)])
+    assert fit.fit() is None  # two batches
+    batches(fit, truth, [(5, 500.0)])
+    assert fit.fit() is None  # three, all 100 units per item
+    batches(fit, truth, [(4, 4000.0)])
+    got = fit.fit()
+    assert got.fixed == pytest.approx(truth.fixed) and got.per_unit == pytest.approx(truth.per_unit)
+
+
+def test_no_fixed_part_fits_through_the_origin_and_no_proportional_part_abstains():
+    fit = ItemCostFit()
+    fit.add(1, 100.0, 0.0)  # noise: a batch measured as faster than its work
+    batches(fit, ItemCost(0.0, 1e-3), [(1, 1000.0), (1, 3000.0)])
+    got = fit.fit()
+    assert got.fixed == 0.0 and got.per_unit > 0
+    flat = ItemCostFit()
+    batches(flat, ItemCost(0.01, 0.0), [(1, 10.0), (1, 100.0), (1, 1000.0)])
+    assert flat.fit() is None  # costs do not predict time: packing by them would be wrong
+
+
+def test_old_batches_leave_the_window_so_a_slowdown_shows():
+    fit = ItemCostFit(window=4)
+    shapes = [(1, 100.0), (1, 400.0), (2, 200.0), (1, 1000.0)]
+    batches(fit, ItemCost(0.001, 1e-5), shapes)
+    batches(fit, ItemCost(0.001, 4e-5), shapes)  # the work part became four times slower
+    assert fit.fit().per_unit == pytest.approx(4e-5)
+
+
+@pytest.mark.parametrize("items, cost, seconds, match", [
+    (0, 1.0, 1.0, "at least one item"),
+    (1.5, 1.0, 1.0, "at least one item"),
+    (1, -1.0, 1.0, "cost must be"),
+    (1, math.inf, 1.0, "cost must be"),
+    (1, 1.0, math.nan, "seconds must be"),
+])
+def test_bad_batches_are_refused(items, cost, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        ItemCostFit().add(items, cost, seconds)
