@@ -18,6 +18,7 @@ from distributed.protocol.pickle import dumps
 from dask_octopus import streams
 from dask_octopus.client_api import call_scheduler
 from dask_octopus.grouping import check_group_spec
+from dask_octopus.itemcosts import SPREAD
 from dask_octopus.packing import Packing, check_costs, pack
 from dask_octopus.speedmodel import check_resource
 
@@ -68,14 +69,17 @@ def _transfer_seconds(client: Client, items: list[Any], workers: list[str]) -> l
     at = [i for i, it in enumerate(items) if isinstance(it, Future)]
     if not at:
         return None
-    keys = [items[i].key for i in at]
-    who, nbytes = client.who_has([items[i] for i in at]), client.nbytes(keys, summary=False)
-    bandwidth = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.bandwidth)
+    who = client.who_has([items[i] for i in at])
+    held = [i for i in at if who.get(items[i].key)]  # not computed yet: wherever it runs, it is not moved
     seconds = [[0.0] * len(workers) for _ in items]
-    for i, key in zip(at, keys):
-        holders = set(who.get(key, ()))
-        if holders:  # not computed yet: wherever it runs, it is not moved
-            seconds[i] = [0.0 if w in holders else nbytes.get(key, 0) / bandwidth for w in workers]
+    if not held:
+        return seconds
+    # keys in memory only: the scheduler may not know yet a future that was just computed
+    nbytes = client.nbytes([items[i].key for i in held], summary=False)
+    bandwidth = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.bandwidth)
+    for i in held:
+        holders = set(who[items[i].key])
+        seconds[i] = [0.0 if w in holders else nbytes.get(items[i].key, 0) / bandwidth for w in workers]
     return seconds
 
 
@@ -91,8 +95,9 @@ def _in_rate_units(client: Client, seconds: list[list[float]] | None, workers: l
 
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
-                prefix: str) -> tuple[list[str], list[int], Packing]:
-    """Live workers (sorted), their threads, and the packing of ``costs`` onto them, counting the
+                prefix: str) -> tuple[list[str], list[int], list[bool], Packing]:
+    """Live workers (sorted), their threads, which of them have no per-item seconds of the function
+    fitted yet, and the packing of ``costs`` onto them, counting the
     transfer of items that are futures already on some worker. Once every worker has a fitted
     per-item cost of the function (:mod:`dask_octopus.itemcosts`), items are packed by their
     predicted seconds there, fixed part included; until then by the workers' weights (the
@@ -108,21 +113,33 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     else:
         speeds = [info[w][0] for w in workers]
         penalty = _in_rate_units(client, moves, workers, prefix)
-    return workers, [info[w][1] for w in workers], pack(costs, speeds, penalty=penalty)
+    return workers, [info[w][1] for w in workers], [fit is None for fit in fits], pack(costs, speeds, penalty=penalty)
 
 
-def _batches(costs: list[float], packing: Packing, threads: list[int], group: int | None) -> list[tuple[int, list[int]]]:
+def _batches(costs: list[float], packing: Packing, threads: list[int], group: int | None,
+             explore: list[bool]) -> list[tuple[int, list[int]]]:
     """``(worker index, item indices)`` of each task: one per item without ``group``, else one per
-    thread of the worker, its items split between its threads by cost; largest items first."""
+    thread of the worker, its items split between its threads by cost; largest items first. A
+    worker with ``explore`` set (no per-item seconds fitted yet) runs its larger and its smaller
+    items as two tasks when their mean costs differ enough, so that its timings tell the fixed
+    part of an item from the part proportional to its cost."""
     out = []
     for j, n in enumerate(threads):
         mine = sorted((i for i, w in enumerate(packing.assignment) if w == j), key=lambda i: -costs[i])
         if group is None:
             out += [(j, [i]) for i in mine]
             continue
+        large, small = mine[:len(mine) // 2], mine[len(mine) // 2:]
+        if explore[j] and large and _mean(costs, small) > 0 and _mean(costs, large) >= SPREAD * _mean(costs, small):
+            out += [(j, large), (j, small)]
+            continue
         split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
         out += [(j, idx) for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
     return out
+
+
+def _mean(costs: list[float], idx: list[int]) -> float:
+    return sum(costs[i] for i in idx) / len(idx)
 
 
 def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
@@ -158,11 +175,13 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
-    prefix = key_split(f"octopus-map-{funcname(func)}-{'0' * 32}")  # the scheduler's prefix of its tasks
-    workers, threads, packing = _plan_items(client, costs, resource, items, prefix)
-    batches = _batches(costs, packing, threads, group)
+    # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
+    # under which its speeds are kept) stops at the first word with a character that is not a letter
+    prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
+    workers, threads, unfitted, packing = _plan_items(client, costs, resource, items, prefix)
+    batches = _batches(costs, packing, threads, group, unfitted)
     token = tokenize(func, items, costs, kwargs, group, workers, batches)
-    name = f"octopus-map-{funcname(func)}-{token}"
+    name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx in batches], counts=[len(idx) for _, idx in batches])
     item_name = f"{ITEM_PREFIX}-{token}"

@@ -65,7 +65,8 @@ class OctopusScheduler(SchedulerPlugin):
                                 confidence_samples=dask.config.get("octopus.refine.confidence-samples"))
         self.min_duration = parse_timedelta(dask.config.get("octopus.refine.min-duration"))
         self.placement = Placement(dask.config.get("octopus.max-plans"))
-        self.item_costs: defaultdict[str, defaultdict[str, ItemCostFit]] = defaultdict(lambda: defaultdict(ItemCostFit))
+        self.item_costs: defaultdict[str, defaultdict[str, ItemCostFit]] = defaultdict(
+            lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
         self.profiles: dict[str, dict[str, Any]] = {}
         self.failed_hooks: set[str] = set()
         self.bad_timings: set[str] = set()

@@ -62,6 +62,17 @@ def test_old_batches_leave_the_window_so_a_slowdown_shows():
     assert fit.fit().per_unit == pytest.approx(4e-5)
 
 
+def test_a_slowdown_shows_within_a_few_batches_while_older_sizes_keep_the_slope():
+    fit = ItemCostFit(window=8, alpha=0.5)
+    before = ItemCost(0.002, 1e-6)
+    batches(fit, before, [(10, 1000.0), (10, 100_000.0), (4, 4000.0), (10, 50_000.0), (8, 800.0)])
+    after = ItemCost(2 * before.fixed, 2 * before.per_unit)  # a co-tenant arrives: twice as slow
+    batches(fit, after, [(10, 1000.0)] * 3)  # the same small items again and again
+    got = fit.fit()
+    assert got.seconds(100.0) > 1.75 * before.seconds(100.0)  # 87.5% of the weight is on the slow batches
+    assert got.seconds(100.0) < after.seconds(100.0) * 1.001
+
+
 @pytest.mark.parametrize("items, cost, seconds, match", [
     (0, 1.0, 1.0, "at least one item"),
     (1.5, 1.0, 1.0, "at least one item"),

@@ -25,7 +25,7 @@ def call(c, *args, **kwargs):
 
 
 def plan_of(s):
-    (name, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map")]
+    (name, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if "-octopus-map-" in n]
     return name, plan
 
 
@@ -72,6 +72,32 @@ async def test_futures_and_delayed_items(c, s, a, b):
     assert await c.gather(futs) == [10.0, 20.0, 30.0]
     futs = await call(c, np.sum, items, cost=[1, 2, 3], group=2)  # futures inside a group's list too
     assert await c.gather(futs) == [10.0, 20.0, 30.0]
+
+
+def sleep_cost(x, unit):
+    time.sleep(x * unit)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_workers_explore_large_and_small_items_apart_until_their_item_seconds_are_fitted(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    s.plugins["octopus"].min_duration = 0.0  # setup turned refinement off; this test needs it
+    costs = [1, 2, 3, 4, 10, 20, 30, 40] * 2
+    shapes = []
+    for r in range(3):  # other kwargs each time: other keys, not the results of the last map
+        futs = await call(c, sleep_cost, costs, cost=costs, group=4, unit=0.0005 + r * 1e-6)
+        assert await c.gather(futs) == costs
+        _, plan = plan_of(s)
+        shapes.append(sorted(zip(plan.workers, plan.counts)))
+        s.plugins["octopus"].placement.plans.clear()
+    for shape in shapes[:2]:  # no fit yet: each worker runs its larger half and its smaller half apart
+        for w in s.workers:
+            halves = [n for worker, n in shape if worker == w]
+            assert len(halves) == 2 and abs(halves[0] - halves[1]) <= 1, shape
+    assert len(shapes[2]) == 2  # four batches of two mean costs per worker: fitted, one task each
+    fits = await c.scheduler.octopus_workers(prefix="sleep_cost-octopus-map")  # its own, despite the _
+    assert all(fit is not None and fit[1] > 0 for _, _, fit in fits.values())
 
 
 def slow_identity(x, delay):
@@ -142,14 +168,14 @@ async def test_future_items_stay_where_their_data_is_when_moving_it_costs_more(c
     items = [c.submit(np.ones, 2**17, workers=[holder], pure=False) for _ in range(8)]  # 1 MiB each, on holder
     await wait(items)
     for w in s.workers:  # np.sum was observed: one unit of cost takes a microsecond on either worker
-        s.plugins["octopus"].model.observe(w, "octopus-map-sum", 1e6, 1.0)
+        s.plugins["octopus"].model.observe(w, "sum-octopus-map", 1e6, 1.0)
     futs = await call(c, np.sum, items, group=2)  # moving an item (1 MiB) costs far more than its work
     assert await c.gather(futs) == [2.0**17] * 8
-    (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-sum")]
+    (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("sum-octopus-map")]
     assert plan.workers == [holder]  # one task per worker thread
     futs = await call(c, np.max, items, group=2)  # never observed: transfers are not counted yet
     assert await c.gather(futs) == [1.0] * 8
-    (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-map-max")]
+    (_, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("max-octopus-map")]
     assert sorted(plan.workers) == sorted([holder, other])  # 4 + 4 by the equal weights
 
 
@@ -158,7 +184,7 @@ async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(
     await setup(c, s, [1.0, 1.0])
     launches, crunches = sorted(s.workers)  # slow to start an item, fast on big ones / the reverse
     truth = {launches: ItemCost(1.0, 0.001), crunches: ItemCost(0.0, 0.01)}
-    fits = s.plugins["octopus"].item_costs["octopus-map-sum"]
+    fits = s.plugins["octopus"].item_costs["sum-octopus-map"]
     for w, t in truth.items():
         for n, cost in [(1, 10.0), (2, 1000.0), (1, 5000.0)]:
             fits[w].add(n, cost, n * t.fixed + cost * t.per_unit)
