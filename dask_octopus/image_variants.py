@@ -144,8 +144,8 @@ def round_trip(client: Client, workers: list[str], runs: int = 5) -> float:
 def measure_scenario(client: Client, items: list, variants: list[str], runs: int,
                      warmup: int = 1) -> tuple[dict[str, Any], dict[str, PassRecord]]:
     """Measure the ideal, then time ``variants`` on ``items`` (:func:`time_variants`; the loop runs on
-    the worker fastest on these items alone) and Dask's :func:`round_trip`; returns the record (JSON-ready) and each variant's
-    last run as busy intervals per worker (for a timeline)."""
+    the worker fastest on these items alone) and Dask's :func:`round_trip`; returns the record
+    (JSON-ready) and each variant's last run as busy intervals per worker (for a timeline)."""
     alone = item_seconds(client, items)
     workers = sorted(alone, key=lambda w: (-sum(alone[w]), w))
     times = time_variants(client, items, variants, runs, workers, warmup)

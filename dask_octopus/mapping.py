@@ -97,11 +97,11 @@ def _in_rate_units(client: Client, seconds: list[list[float]] | None, workers: l
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
                 prefix: str) -> tuple[list[str], list[int], list[bool], Packing]:
     """Live workers (sorted), their threads, which of them have no per-item seconds of the function
-    fitted yet, and the packing of ``costs`` onto them, counting the
-    transfer of items that are futures already on some worker. Once every worker has a fitted
-    per-item cost of the function (:mod:`dask_octopus.itemcosts`), items are packed by their
-    predicted seconds there, fixed part included; until then by the workers' weights (the
-    function's own observed speeds once every worker has them)."""
+    fitted yet, and the packing of ``costs`` onto them, counting the transfer of items that are
+    futures already on some worker. Once every worker has a fitted per-item cost of the function
+    (:mod:`dask_octopus.itemcosts`), items are packed by their predicted seconds there, fixed part
+    included; until then by the workers' weights (the function's own observed speeds once every
+    worker has them)."""
     info = call_scheduler(client, "octopus_workers", resource=resource, prefix=prefix)
     workers = sorted(info)
     moves = _transfer_seconds(client, items, workers)
@@ -157,7 +157,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     refine the speeds, and once every worker has run the function often enough its own speeds plan
     it, so a second ``map`` of the same function is better planned. Once batches of different mean
     item costs have run on every worker, each item is planned by its predicted seconds there, a
-    fixed part per item plus a part proportional to its cost (:mod:`dask_octopus.itemcosts`).
+    fixed part per item plus a part proportional to its cost (:mod:`dask_octopus.itemcosts`); until
+    then a worker runs its larger and its smaller items as two tasks, to tell the two parts apart.
     """
     check_resource(resource)
     if group is not None:
