@@ -5,6 +5,7 @@ workers by cost and speed (:mod:`dask_octopus.packing`; per-item seconds from
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import functools
 from functools import partial
 from typing import Any
 
@@ -29,14 +30,21 @@ ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item'
 def run_group(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str = "auto") -> list[Any]:
     """Run ``func`` on each item in one task, as a stream group (:func:`dask_octopus.streams.run_group`):
     over CUDA streams on a GPU worker, synchronised once at the end."""
-    n = len(items)
-    return streams.run_group([partial(func, **kwargs)] * n, [[item] for item in items], [resource] * n,
-                             lambda: [tokenize(func, kwargs)] * n)
+    return run_batch(func, items, kwargs, resource, max(1, len(items)))
 
 
 def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str, group: int) -> list[Any]:
-    """Run ``func`` on each item in one task, ``group`` items at a time as a stream group."""
-    return [r for k in range(0, len(items), group) for r in run_group(func, items[k:k + group], kwargs, resource)]
+    """Run ``func`` on each item in one task, ``group`` items at a time as a stream group. The
+    token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is
+    computed once for the whole batch, when a group first asks for it."""
+    token = functools.cache(lambda: tokenize(func, kwargs))
+    call = partial(func, **kwargs)
+    out: list[Any] = []
+    for k in range(0, len(items), group):
+        chunk = items[k:k + group]
+        n = len(chunk)
+        out += streams.run_group([call] * n, [[item] for item in chunk], [resource] * n, lambda n=n: [token()] * n)
+    return out
 
 
 async def _pick(batch: Sequence[Any], i: int) -> Any:

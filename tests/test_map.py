@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster, Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import dask_octopus
-from dask_octopus import mapping
+from dask_octopus import streams
 from dask_octopus.cotenant import CoTenant, pin_workers
 from dask_octopus.itemcosts import ItemCost
 from dask_octopus.workloads import gemm_repeat
@@ -48,8 +48,8 @@ async def test_results_in_order_and_placed_by_cost_and_speed(c, s, a, b):
 async def test_groups_run_one_task_per_worker_thread_and_keep_one_future_per_item(c, s, a, b, monkeypatch):
     rec = await setup(c, s, [1.0, 1.0])
     groups = []
-    run_group = mapping.run_group
-    monkeypatch.setattr(mapping, "run_group", lambda func, items, *args: groups.append(len(items)) or run_group(func, items, *args))
+    run_group = streams.run_group
+    monkeypatch.setattr(streams, "run_group", lambda members, *args: groups.append(len(members)) or run_group(members, *args))
     items = list(range(20))
     futs = await call(c, lambda x, k: x * k, items, cost=[1] * 20, group=4, k=3)
     assert await c.gather(futs) == [3 * x for x in items]
