@@ -184,6 +184,8 @@ class OctopusScheduler(SchedulerPlugin):
             if ts is None:
                 return
             seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
+            if seconds < self.min_duration:
+                return  # most tasks: skip the bytes count (_observe would drop the timing anyway)
             nbytes = kwargs.get("nbytes")
             units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
             units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0

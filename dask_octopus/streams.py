@@ -158,8 +158,9 @@ def run_on_streams(cp: Any, members: Sequence[Callable[..., Any]], tokens: Seque
                    streams: list[Any], sizes: Sequence[float]) -> list[Any]:
     """Launch the members in ``order``: the small ones round-robin over ``streams``, then one
     synchronisation of those streams; members whose inputs (``sizes[i]`` bytes) are
-    ``octopus.streams.large-bytes`` or more each fill the GPU alone, so they run on the task's current stream exactly as Dask would run them
-    (in order, returned at launch, no extra synchronisation). Members of unknown class
+    ``octopus.streams.large-bytes`` or more each fill the GPU alone, so they run on the task's
+    current stream exactly as Dask would run them (in order, returned at launch, no extra
+    synchronisation). Members of unknown class
     (``known[i] is None``) are timed with events and classified."""
     large = dask.utils.parse_bytes(dask.config.get("octopus.streams.large-bytes"))
     current = cp.cuda.get_current_stream()
