@@ -6,16 +6,15 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
 import dask_octopus
+from dask_octopus.bench.cotenant import CoTenant
+from dask_octopus.bench.experiment import local_cluster, slowest_target
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.cli import console as make_console
 from dask_octopus.cli import profile_table
-from dask_octopus.cotenant import CoTenant
-from dask_octopus.environment import hardware, now, versions, write_json
-from dask_octopus.experiment import local_cluster, slowest_target
 
 
 @click.command()
@@ -25,8 +24,7 @@ from dask_octopus.experiment import local_cluster, slowest_target
 def main(kind: str, devs: str | None, out: str) -> None:
     gpu = kind == "gpu"
     console = make_console()
-    record: dict = {"date": now(), "hardware": hardware(gpu), "versions": versions(),
-                    "command": " ".join(sys.argv)}
+    record = header(gpu)
     for case in ("alone", "cotenant"):
         with local_cluster(gpu, devs) as client:
             slow, load = slowest_target(client, gpu)
@@ -34,7 +32,8 @@ def main(kind: str, devs: str | None, out: str) -> None:
                 dask_octopus.register(client)
                 profiles = dask_octopus.profiles(client)
                 memory = dask_octopus.speeds(client, "memory")
-            console.print(profile_table(profiles, memory, f"{case}: co-tenant {load if case == 'cotenant' else 'none'}"))
+            title = f"{case}: co-tenant {load if case == 'cotenant' else 'none'}"
+            console.print(profile_table(profiles, memory, title))
             record[case] = {"cotenant_worker": slow if case == "cotenant" else None, "profiles": profiles,
                             "memory_weights": memory}
     console.print(f"wrote {write_json(os.path.join(out, f'calibration-{kind}.json'), record)}")

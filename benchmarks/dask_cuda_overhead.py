@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from functools import partial
 
 import click
 import pandas as pd
@@ -26,9 +26,10 @@ from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import dask_octopus
+from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.runner import interleave
 from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions, write_json
-from dask_octopus.experiment import local_cluster
 
 
 class NoRMM(WorkerPlugin):
@@ -71,22 +72,22 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
     """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
     console = make_console()
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
-    record: dict[str, Any] = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(True),
-                              "versions": versions(), "rmm_installed": importlib.util.find_spec("rmm") is not None,
-                              "config": {"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds,
-                                         "devs": devs}, "operations": {}}
+    record = header(True, rmm_installed=importlib.util.find_spec("rmm") is not None,
+                    config={"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds, "devs": devs},
+                    operations={})
     with local_cluster(True, devs) as client, tempfile.TemporaryDirectory() as folder:
         if not record["rmm_installed"]:
             client.register_plugin(NoRMM())
         address = client.scheduler_info()["address"]
         for op in operations.split(","):
-            times: dict[str, list[float]] = {"off": [], "on": []}
-            for r in range(rounds):
-                for state in ("off", "on"):
-                    set_plugin(client, state == "on")
-                    got = run_local_cupy(address, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
-                    console.print(f"{op} round {r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
-                    times[state] += got
+            def one_round(state: str, r: int, op: str = op) -> list[float]:
+                set_plugin(client, state == "on")
+                got = run_local_cupy(address, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
+                console.print(f"{op} round {r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
+                return got
+
+            rounds_run = interleave({s: partial(one_round, s) for s in ("off", "on")}, rounds)
+            times = {s: [t for got in r for t in got] for s, r in rounds_run.items()}
             med = {s: statistics.median(t) for s, t in times.items()}
             record["operations"][op] = {"seconds": times, "median_seconds": med, "on_over_off": med["on"] / med["off"]}
             write_json(path, record)  # what ran so far

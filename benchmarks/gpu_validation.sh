@@ -7,7 +7,9 @@
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
 #   device run, carry [".whl"]:  bash benchmarks/gpu_validation.sh "$OUT"
-#   a subset: STEPS="gpu-tests images" bash benchmarks/gpu_validation.sh "$OUT"
+#   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
+#   suite-compare re-runs matmul_iterate with a co-tenant and prints the change against $COMPARE (a
+#   committed suite JSON): the check that a change left the figures and the JSON fields as they were.
 set -u
 out=${1:?usage: gpu_validation.sh OUTDIR}
 run="$out/run"
@@ -40,6 +42,10 @@ step 300 suite-cotenant python3 benchmarks/local_octopus.py "${suite[@]}" --runs
 step 240 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 --out "$run"
 step 300 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation images --octopus all \
   --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images --out "$run"
+compare=${COMPARE:-benchmarks/results/2026-11-30-h200x2-validation/suite-gpu-cotenant.json}
+step 240 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation matmul_iterate \
+  --size 1000000 --cols 1024 --width 1024 --passes 3 --warmup-runs 1 --octopus all --runs 1 --cotenant 0 \
+  --tag compare --compare "$compare" --out "$run"
 step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --tasks 100000 --runs 2 --out "$run"
 
 cp "$run/steps.txt" "$out/steps.txt"

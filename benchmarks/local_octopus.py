@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,20 +33,20 @@ from rich.progress import Progress
 from rich.table import Table
 
 import dask_octopus
-from dask_octopus.cli import console as make_console
-from dask_octopus.cotenant import CoTenant
-from dask_octopus.environment import hardware, now, versions, write_json
-from dask_octopus.experiment import (
+from dask_octopus.bench.cotenant import CoTenant
+from dask_octopus.bench.experiment import (
     Variant,
     ideal_seconds,
     local_cluster,
     parse_variant,
     run_variants,
 )
-from dask_octopus.image_variants import measure_scenario
-from dask_octopus.operations import OPERATIONS, calibrated_ideal
-from dask_octopus.timeline import plot_timelines
-from dask_octopus.workloads import SCENARIOS, specs
+from dask_octopus.bench.images import measure_scenario
+from dask_octopus.bench.operations import OPERATIONS, calibrated_ideal
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.timeline import plot_timelines
+from dask_octopus.bench.workloads import SCENARIOS, specs
+from dask_octopus.cli import console as make_console
 
 BASELINES = ["defaults", "over-4", "over-16"]
 OCTOPUS = {"off": [], "balance": ["balance", "balance-4"], "streams": ["streams"],
@@ -162,7 +161,8 @@ def run_images(client: Client, names: list[str], scale: float, repeat: int, runs
     for col in ["mix", *names, "ideal"]:
         ends.add_column(col, justify="right")
     for scenario, r in out["scenarios"].items():
-        ends.add_row(scenario, *[f"{r['work_end_seconds'][v] * 1e3:.1f}" for v in names], f"{r['ideal_seconds'] * 1e3:.1f}")
+        ends.add_row(scenario, *[f"{r['work_end_seconds'][v] * 1e3:.1f}" for v in names],
+                     f"{r['ideal_seconds'] * 1e3:.1f}")
     console.print(ends)
     totals = {v: sum(r["median_seconds"][v] for r in out["scenarios"].values()) for v in names}
     ideal_total = sum(r["ideal_seconds"] for r in out["scenarios"].values())
@@ -211,7 +211,8 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
 @click.option("--cols", type=int, default=256, show_default=True)
 @click.option("--square-size", type=int, default=None, help="side of the square operations' array (default: --size)")
 @click.option("--width", type=int, default=128, show_default=True, help="matmul_iterate: subspace width")
-@click.option("--chunk-size", type=int, default=None, help="rows per block of 'defaults' (default: one block per worker)")
+@click.option("--chunk-size", type=int, default=None,
+              help="rows per block of 'defaults' (default: one block per worker)")
 @click.option("--passes", type=int, default=3, show_default=True, help="timed passes per run")
 @click.option("--runs", type=int, default=2, show_default=True)
 @click.option("--warmup-runs", type=int, default=1, show_default=True, help="untimed passes per run")
@@ -229,10 +230,11 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
               help="an earlier JSON of this suite: print the change")
 @click.option("--out", default="benchmark-results", show_default=True, help="folder for JSON and PNGs")
 @click.option("--tag", default="suite", show_default=True, help="name prefix of the output files")
-def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int, chunk_size: int | None, passes: int,
-         runs: int, warmup_runs: int, devs: str | None, n_workers: int, protocol: str | None,
-         scheduler_address: str | None, octopus: str, variants: str | None, cotenant: str, cotenant_procs: int,
-         image_scale: float | None, image_repeat: int, compare_to: str | None, out: str, tag: str) -> None:
+def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int,
+         chunk_size: int | None, passes: int, runs: int, warmup_runs: int, devs: str | None, n_workers: int,
+         protocol: str | None, scheduler_address: str | None, octopus: str, variants: str | None,
+         cotenant: str, cotenant_procs: int, image_scale: float | None, image_repeat: int, compare_to: str | None,
+         out: str, tag: str) -> None:
     """Run the operations' variants and report."""
     console = make_console()
     gpu = kind == "gpu"
@@ -249,14 +251,13 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
     load = CoTenant(gpus=targets, procs=cotenant_procs) if gpu else CoTenant(cores=[int(t) for t in targets],
                                                                              procs=cotenant_procs)
     stem = os.path.join(out, f"{tag}-{kind}-{'cotenant' if targets else 'even'}")
-    record: dict[str, Any] = {
-        "date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
-        "config": {"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,
+    record = header(
+        gpu, config={"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,
                    "width": width,
                    "chunk_size": chunk_size, "passes": passes, "runs": runs, "warmup_runs": warmup_runs,
                    "devs": devs, "protocol": protocol or "tcp", "scheduler_address": scheduler_address,
                    "octopus": octopus, "variants": names, "cotenant": targets, "cotenant_procs": cotenant_procs},
-        "operations": {}}
+        operations={})
     with connect(gpu, devs, n_workers, protocol, scheduler_address) as client, load, \
             Progress(console=console, transient=True) as progress:
         dask_octopus.register(client)

@@ -18,10 +18,10 @@ import psutil
 from distributed import Client
 
 import dask_octopus
+from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.workloads import array_module
 from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions, write_json
-from dask_octopus.experiment import local_cluster
-from dask_octopus.workloads import array_module
 
 
 def plugin_tables(dask_scheduler: Any) -> dict[str, int]:
@@ -80,8 +80,7 @@ def main(kind: str, n: int, devs: str | None, out: str) -> None:
         console.print(f"after {s['iteration']:>5}: process {s['process_rss_mib']:.0f} MiB, tables {s['tables']}, "
                       + "; ".join(f"{w.rsplit(':', 1)[-1]}: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items())
                                   for w, m in sorted(s["workers"].items())))
-    record = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
-              "n": n, "samples": samples}
+    record = header(gpu, n=n, samples=samples)
     console.print(f"wrote {write_json(os.path.join(out, f'long-run-{kind}.json'), record)}")
 
 

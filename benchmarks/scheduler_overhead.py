@@ -1,6 +1,7 @@
 """Scheduler throughput with and without the dask_octopus plugin (CPU, in-process cluster).
 
-Three clusters, measured interleaved (the order rotates from run to run): Dask alone, the plugin registered (no plan), and the plugin with
+Three clusters, measured interleaved (the order rotates from run to run): Dask alone, the plugin
+registered (no plan), and the plugin with
 a balance plan active for another collection (so ``update_graph`` walks every new task). Each run
 computes one graph of about ``--tasks`` tiny tasks; reports tasks per second and the ratio to Dask alone.
 
@@ -12,16 +13,15 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import sys
-import time
 
 import click
 import dask.array as da
 from distributed import Client, LocalCluster
 
 import dask_octopus
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions, write_json
 
 VARIANTS = ("dask", "registered", "plan-active")
 
@@ -43,25 +43,24 @@ def _cluster(variant: str, stack: contextlib.ExitStack) -> Client:
 @click.option("--out", default=None, help="folder for the JSON")
 def main(tasks: int, runs: int, out: str | None) -> None:
     console = make_console()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    n_tasks = 0
+    x = (da.ones(tasks // 2, chunks=1) + 1).sum(split_every=16)
+    n_tasks = len(x.__dask_graph__())
+
+    def one_run(client: Client) -> float:
+        seconds, total = timed(lambda: client.compute(x).result())
+        if total != tasks // 2 * 2:
+            raise AssertionError(f"wrong sum {total}")
+        return seconds
+
     with contextlib.ExitStack() as stack:
         clients = {v: _cluster(v, stack) for v in VARIANTS}
-        for run in range(runs):
-            order = VARIANTS[run % len(VARIANTS):] + VARIANTS[:run % len(VARIANTS)]  # rotate: no variant always first
-            for v in order:
-                x = (da.ones(tasks // 2, chunks=1) + 1).sum(split_every=16)
-                n_tasks = len(x.__dask_graph__())
-                t0 = time.perf_counter()
-                assert clients[v].compute(x).result() == tasks // 2 * 2
-                times[v].append(time.perf_counter() - t0)
+        times = interleave({v: (lambda run, c=c: one_run(c)) for v, c in clients.items()}, runs, rotate=True)
     rate = {v: n_tasks / statistics.median(t) for v, t in times.items()}
     for v in VARIANTS:
         console.print(f"{v:>12}: {rate[v]:8.0f} tasks/s (median of {runs}), {rate[v] / rate['dask']:.3f} of Dask alone")
     if out:
         write_json(os.path.join(out, "scheduler-overhead.json"),
-                   {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(False), "versions": versions(),
-                    "graph_tasks": n_tasks, "seconds": times, "tasks_per_second": rate})
+                   header(False, graph_tasks=n_tasks, seconds=times, tasks_per_second=rate))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,10 +36,10 @@ import numpy as np
 from distributed import Client, wait
 
 import dask_octopus
-from dask_octopus.cli import console as make_console
-from dask_octopus.environment import hardware, now, versions, write_json
-from dask_octopus.experiment import local_cluster
-from dask_octopus.workloads import (
+from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.workloads import (
     array_module,
     frame_pipeline,
     frame_specs,
@@ -51,25 +50,17 @@ from dask_octopus.workloads import (
     stack_to_host,
     to_host,
 )
+from dask_octopus.cli import console as make_console
+from dask_octopus.groups.replay import CaptureRefused, capture
+from dask_octopus.groups.streams import EXTENSION
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
-def interleave(variants: dict[str, Callable[[int], Any]], runs: int, warmup: int) -> dict[str, dict[str, Any]]:
-    """Run each variant once per run, in turn (A B C A B C); the first ``warmup`` runs are not kept.
-    Returns per variant the kept seconds and the value of its last run."""
-    out: dict[str, dict[str, Any]] = {name: {"seconds": []} for name in variants}
-    for run in range(warmup + runs):
-        for name, fn in variants.items():
-            seconds, value = timed(lambda: fn(run))
-            if run >= warmup:
-                out[name]["seconds"].append(seconds)
-            out[name]["value"] = value
-    return out
+def measure(variants: dict[str, Callable[[int], Any]], runs: int, warmup: int) -> dict[str, dict[str, Any]]:
+    """Time the variants interleaved (:func:`~dask_octopus.bench.runner.interleave`); per variant the
+    kept seconds and the value of its last run."""
+    res = interleave({name: (lambda run, fn=fn: timed(lambda: fn(run))) for name, fn in variants.items()},
+                     runs, warmup=warmup)
+    return {name: {"seconds": [s for s, _ in r], "value": r[-1][1]} for name, r in res.items()}
 
 
 def same(a: Any, b: Any) -> bool:
@@ -101,7 +92,7 @@ def op_tiny(client: Client, gpu: bool, blocks: int, group: int, runs: int, warmu
             y = x.map_blocks(scale_shift, name=f"tiny-grouped-{run}")
         return client.compute(y.sum(axis=0)).result()
 
-    res = interleave({"unannotated": plain, "grouped": grouped}, runs, warmup)
+    res = measure({"unannotated": plain, "grouped": grouped}, runs, warmup)
     return {"config": {"blocks": blocks, "block": [64, 8], "group": group},
             "variants": summarise(res, "unannotated")}
 
@@ -121,7 +112,7 @@ def op_dataframe(client: Client, blocks: int, group: int, runs: int, warmup: int
         with dask_octopus.annotate(resource="memory", group=group):
             return client.compute(df.map_partitions(scale_shift, token=f"df-grouped-{run}").a.sum()).result()
 
-    res = interleave({"unannotated": plain, "grouped": grouped}, runs, warmup)
+    res = measure({"unannotated": plain, "grouped": grouped}, runs, warmup)
     return {"config": {"partitions": blocks, "rows_per_partition": 64, "group": group},
             "variants": summarise(res, "unannotated")}
 
@@ -141,7 +132,7 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
     def through_dask(annotate: bool) -> Callable[[int], Any]:
         def run(run_no: int) -> Any:
             out = None
-            for k in range(sets):
+            for _ in range(sets):
                 if annotate:
                     with dask_octopus.annotate(resource="memory", group=group):
                         hists = [dask.delayed(frame_pipeline, pure=False)(f) for f in frames]
@@ -170,7 +161,7 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
     variants["grouped-eager"] = eager
     variants["grouped"] = through_dask(True)
     variants["loop"] = loop
-    res = interleave(variants, runs, warmup)
+    res = measure(variants, runs, warmup)
     for r in res.values():  # per set
         r["seconds"] = [s / sets for s in r["seconds"]]
     out: dict[str, Any] = {"config": {"frames": len(local), "shapes": sorted(set(shapes)), "scale": scale,
@@ -189,16 +180,12 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
 
 def worker_capture(client: Client) -> dict[str, Any]:
     """Each worker's captured, refused and replayed groups, and why its latest capture was refused."""
-    from dask_octopus import graph_replay, streams
-
-    return client.run(lambda: {**streams.capture_stats(), "last_refusal": graph_replay.last_refusal})
+    return client.run(lambda dask_worker: dask_worker.extensions[EXTENSION].stats())
 
 
 def capture_floor(cp: Any, frames: list[Any], runs: int) -> dict[str, Any]:
     """Kernel time of the whole set: captured as one CUDA graph in this process (the frames on one
     stream, and forked over 8 streams as a group runs them) and replayed; the floor is the faster."""
-    from dask_octopus import graph_replay
-
     for f in frames:  # warm the kernels up (compilation, filter weights on the device)
         frame_pipeline(f)
     cp.cuda.Device().synchronize()
@@ -206,10 +193,11 @@ def capture_floor(cp: Any, frames: list[Any], runs: int) -> dict[str, Any]:
                                       "no Python); the faster of 1 and 8 streams"}
     for n in (1, 8):
         streams = [cp.cuda.Stream(non_blocking=True) for _ in range(n)]
-        graph = graph_replay.capture(cp, [frame_pipeline] * len(frames), [[f] for f in frames],
-                                     list(range(len(frames))), streams)
-        if graph is None:
-            out[f"streams_{n}"] = {"seconds": None, "note": f"capture refused: {graph_replay.last_refusal}"}
+        try:
+            graph = capture(cp, [frame_pipeline] * len(frames), [[f] for f in frames], list(range(len(frames))),
+                            streams)
+        except CaptureRefused as e:
+            out[f"streams_{n}"] = {"seconds": None, "note": f"capture refused: {e}"}
             continue
         seconds = []
         for _ in range(runs + 1):
@@ -236,7 +224,7 @@ def op_large(client: Client, gpu: bool, side: int, runs: int, warmup: int) -> di
                 y = x.map_blocks(fn, name=f"large-{label}-grouped-{run}")
             return client.compute(y.sum(axis=0)).result()
 
-        variants[label] = summarise(interleave({"unannotated": plain, "grouped": grouped}, runs, warmup),
+        variants[label] = summarise(measure({"unannotated": plain, "grouped": grouped}, runs, warmup),
                                     "unannotated")
     return {"config": {"blocks": 4, "side": side}, "variants": variants, "worker_capture": worker_capture(client)}
 
@@ -245,8 +233,8 @@ def op_mixed(runs: int) -> dict[str, Any]:
     """One group of GEMMs and elementwise passes, launched three ways (no Dask)."""
     import cupy as cp
 
-    from dask_octopus.grouping import launch_order
-    from dask_octopus.streams import run_on_streams, stream_pool
+    from dask_octopus.groups.planning import launch_order
+    from dask_octopus.groups.streams import StreamRuntime, run_on_streams
 
     mats = [cp.random.default_rng(i).random((n, n), dtype=np.float32) for i, n in enumerate((512, 768, 1024) * 2)]
     vecs = [cp.random.default_rng(9 + i).random(n, dtype=np.float32) for i, n in enumerate((2**20, 2**22, 2**24) * 2)]
@@ -267,22 +255,21 @@ def op_mixed(runs: int) -> dict[str, Any]:
     sizes = [float(sum(x.nbytes for x in xs)) for xs in inputs]
     ways = {"one-stream": (list(range(n)), 1), "round-robin": (list(range(n)), 8),
             "interleaved": (launch_order(classes, sizes), 8)}
-    seconds: dict[str, list[float]] = {w: [] for w in ways}
     reps = 20  # one group takes about a millisecond: time 20 in a row
+    rt = StreamRuntime()
 
-    def launch(order: list[int], streams: list[Any]) -> None:
+    def launch(order: list[int], k: int) -> float:
+        streams = rt.streams(cp, k)
+        cp.cuda.Device().synchronize()
+        start = time.perf_counter()
         for _ in range(reps):
-            run_on_streams(cp, members, [None] * n, inputs, list(classes), order, streams, sizes)
+            run_on_streams(cp, rt, members, [None] * n, inputs, list(classes), order, streams, sizes)
+        return (time.perf_counter() - start) / reps
 
-    for _ in range(runs + 1):
-        for way, (order, k) in ways.items():
-            streams = stream_pool(cp, k)
-            cp.cuda.Device().synchronize()
-            s, _ = timed(lambda: launch(order, streams))
-            seconds[way].append(s / reps)
+    seconds = interleave({w: (lambda run, way=way: launch(*way)) for w, way in ways.items()}, runs, warmup=1)
     compute = sum(t for t, c in zip(alone, classes) if c == "compute")
     memory = sum(t for t, c in zip(alone, classes) if c == "memory")
-    table = {w: {"median_seconds": statistics.median(v[1:]), "seconds": v[1:]} for w, v in seconds.items()}
+    table = {w: {"median_seconds": statistics.median(v), "seconds": v} for w, v in seconds.items()}
     for v in table.values():
         v["gain_of_interleaved"] = v["median_seconds"] / table["interleaved"]["median_seconds"]
     return {"members": {"gemm_sides": [m.shape[0] for m in mats], "elementwise_sizes": [v.size for v in vecs]},
@@ -316,8 +303,7 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
     if "mixed" in ops and not gpu:
         raise click.BadParameter("mixed needs --type gpu (it measures CUDA streams)", param_hint="--operations")
     os.makedirs(out, exist_ok=True)
-    record: dict[str, Any] = {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu),
-                              "versions": versions(), "operations": {}}
+    record = header(gpu, operations={})
     with local_cluster(gpu, devs if gpu else None, n_workers=1) as client:
         dask_octopus.register(client)
         for op in ops:

@@ -1,4 +1,9 @@
-"""dask-octopus: make every worker of a heterogeneous Dask cluster finish together."""
+"""dask-octopus: make every worker of a heterogeneous Dask cluster finish together.
+
+Public API: :func:`register`, :func:`speeds`, :func:`profiles` (profiling), :func:`balance` and
+:func:`map` (placement), :func:`annotate` (stream groups), and the errors they raise. The package
+is also a Dask preload: ``dask scheduler --preload dask_octopus``.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,16 @@ import logging
 from typing import Any
 
 from dask_octopus import config  # noqa: F401  (registers the dask.config defaults)
-from dask_octopus.annotation import annotate
-from dask_octopus.client_api import NotRegisteredError, profiles, register, speeds
-from dask_octopus.mapping import map
-from dask_octopus.planning import PlanningError
+from dask_octopus.groups.marks import annotate
+from dask_octopus.placement.blocks import balance
+from dask_octopus.placement.items import map
+from dask_octopus.placement.planning import PlanningError
+from dask_octopus.plugins.client import NotRegisteredError, profiles, register, speeds
 
 __version__ = "0.1.0"
 __all__ = ["NotRegisteredError", "PlanningError", "annotate", "balance", "map", "profiles", "register", "speeds"]
 
 logger = logging.getLogger(__name__)
-
-
-def balance(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`dask_octopus.balance.balance` (imported lazily: it pulls in dask.dataframe)."""
-    from dask_octopus.balancing import balance as _balance
-
-    return _balance(*args, **kwargs)
 
 
 def dask_setup(service: Any) -> None:
@@ -31,8 +30,8 @@ def dask_setup(service: Any) -> None:
     from distributed import Scheduler
 
     if isinstance(service, Scheduler):
-        from dask_octopus.scheduler_plugin import OctopusScheduler
+        from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
-        service.add_plugin(OctopusScheduler())
+        service.add_plugin(OctopusSchedulerPlugin())
     else:
         logger.info("dask_octopus %s available on %s", __version__, getattr(service, "address", service))

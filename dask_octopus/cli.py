@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import click
+from dask.utils import format_bytes
 from rich.console import Console
 from rich.table import Table
 
-from dask_octopus.probes import gpu_available
+from dask_octopus.profiling.probes import gpu_available
 
 
 def console() -> Console:
@@ -33,14 +34,15 @@ def main() -> None:
 def demo(kind: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
          out: str) -> None:
     """Iterative workload on a local cluster with one slowed worker: Dask defaults vs balance."""
-    from dask_octopus.demo import run_demo
+    from dask_octopus.bench.demo import run_demo  # the harness: the "bench" extra (matplotlib)
 
     gpu = kind == "gpu" or (kind == "auto" and gpu_available())
     rows = rows or (1_000_000 if gpu else 400_000)
     cols = cols or (2048 if gpu else 256)
     width = width or (2048 if gpu else 128)
     try:
-        run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant)
+        run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant,
+                 console=console())
     except KeyboardInterrupt:  # the cluster and the co-tenant were stopped on the way out
         console().print("interrupted: the local cluster and the co-tenant load are stopped")
         raise SystemExit(130) from None
@@ -63,7 +65,8 @@ def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], t
         table.add_column(col)
     for addr, p in sorted(profiles.items()):
         device = p.get("name", "?") if p.get("device") == "gpu" else p.get("device", "?")
-        table.add_row(addr, p["name_on_scheduler"], device, _si(p.get("memory_total"), "B"),
+        memory = format_bytes(p["memory_total"]) if p.get("memory_total") else "-"
+        table.add_row(addr, p["name_on_scheduler"], device, memory,
                       _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
                       f"{memory_weights[addr]:.3f}", str(p["samples"]), p.get("error") or "")
     return table

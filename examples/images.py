@@ -1,6 +1,6 @@
 """Image pipelines of very different sizes on a heterogeneous cluster: dask_octopus.map against Dask.
 
-Each item is an image spec ``(height, width, seed)``; :func:`dask_octopus.workloads.image_pipeline`
+Each item is an image spec ``(height, width, seed)``; :func:`dask_octopus.bench.workloads.image_pipeline`
 makes the image on the worker's device (as a loader would), then Gaussian blur, Sobel edges,
 normalisation and a 64-bin histogram (CuPy on GPU workers, NumPy / SciPy on CPU workers). The size
 mixes follow the octopus-parallel scenarios. Variants: ``octopus`` (dask_octopus.map, group=8), ``one-task-each``
@@ -20,11 +20,11 @@ from typing import Any
 import click
 
 import dask_octopus
+from dask_octopus.bench.cotenant import CoTenant
+from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.images import VARIANTS, measure_scenario
+from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
-from dask_octopus.cotenant import CoTenant
-from dask_octopus.experiment import local_cluster
-from dask_octopus.image_variants import VARIANTS, measure_scenario
-from dask_octopus.workloads import SCENARIOS, specs
 
 
 @click.command()

@@ -1,8 +1,8 @@
 import pytest
+from distributed.utils_test import cleanup, loop, loop_in_thread  # noqa: F401  (fixtures)
 
-import dask_octopus  # noqa: F401  (its dask.config defaults must be in place before utils_test snapshots the config)
-from dask_octopus.probes import gpu_available
-from distributed.utils_test import cleanup, loop, loop_in_thread  # noqa: F401, E402  (fixtures)
+import dask_octopus  # noqa: F401  (registers its dask.config defaults)
+from dask_octopus.profiling.probes import gpu_available
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,3 +12,4 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+

@@ -14,12 +14,11 @@ from dask.utils import key_split
 from distributed import Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster
+from test_balance import WhereRan, run_balance, setup, slow_copy
 
 import dask_octopus
-from dask_octopus import streams
-from dask_octopus.graph_groups import GROUP_PREFIX, group_members
-
-from test_balance import WhereRan, run_balance, setup, slow_copy
+from dask_octopus.groups import streams
+from dask_octopus.groups.rewrite import GROUP_PREFIX, group_members
 
 
 def f(b):
@@ -152,11 +151,12 @@ async def test_groups_of_balanced_blocks_run_where_their_blocks_are(c, s, a, b):
 
 def test_auto_class_is_measured_once_and_remembered():
     block = np.ones(2**20)
-    assert streams.resolve_class("auto", "probe-fn", [block]) is None
-    assert streams.classify("probe-fn", [block], block, seconds=1e-4, bandwidth=1e10) == "memory"  # 16 GB/s
-    assert streams.resolve_class("auto", "probe-fn", [block]) == "memory"
-    assert streams.classify("slow-fn", [block], block, seconds=10.0, bandwidth=1e10) == "compute"
-    assert streams.resolve_class("compute", "probe-fn", [block]) == "compute"  # declared wins
+    rt = streams.StreamRuntime(bandwidth=1e10)
+    assert rt.resolve_class("auto", "probe-fn", [block]) is None
+    assert rt.classify("probe-fn", [block], block, seconds=1e-4) == "memory"  # 16 GB/s
+    assert rt.resolve_class("auto", "probe-fn", [block]) == "memory"
+    assert rt.classify("slow-fn", [block], block, seconds=10.0) == "compute"
+    assert rt.resolve_class("compute", "probe-fn", [block]) == "compute"  # declared wins
 
 
 def test_members_return_in_their_order_whatever_the_launch_order():
@@ -178,15 +178,14 @@ def test_members_return_in_their_order_whatever_the_launch_order():
     ({"group": "8"}, "group must be an integer >= 1"),
 ])
 def test_bad_annotations(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        with dask_octopus.annotate(**kwargs):
-            pass
+    with pytest.raises(ValueError, match=message), dask_octopus.annotate(**kwargs):
+        pass
 
 
 def test_unannotated_graphs_pass_through_unchanged(x):
     from dask.base import collections_to_expr
 
-    dask_octopus.annotation.install()
+    dask_octopus.groups.marks.install()
     y = x.map_blocks(f).sum()
     graph = collections_to_expr([y]).optimize().__dask_graph__()
     assert not any(str(k[0] if isinstance(k, tuple) else k).startswith(GROUP_PREFIX) for k in graph)
@@ -355,7 +354,7 @@ async def test_the_same_work_groups_alike_each_time_it_comes(c, s, a):
 async def test_the_optimizer_groups_when_a_scheduler_of_the_process_has_no_plugin(c, s, a):
     from distributed import Scheduler
 
-    from dask_octopus.scheduler_groups import grouping_here
+    from dask_octopus.groups.scheduler import grouping_here
 
     assert not grouping_here()  # no plugin yet
     await setup(c, s, [1.0])

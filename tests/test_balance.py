@@ -16,7 +16,7 @@ from distributed.utils_test import gen_cluster
 
 import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError
-from dask_octopus.scheduler_plugin import OctopusScheduler
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
 class WhereRan(SchedulerPlugin):
@@ -39,7 +39,7 @@ class WhereRan(SchedulerPlugin):
 async def setup(c, s, speeds):
     """Register without calibration or refinement and give the workers fixed, known speeds."""
     with dask.config.set({"octopus.refine.min-duration": "1h"}):  # no task is long enough to refine
-        await c.register_plugin(OctopusScheduler(calibrate=False))
+        await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
     for w, v in zip(sorted(s.workers), speeds):
         s.plugins["octopus"].model.set_prior(w, {"compute": v, "memory": v})
     rec = WhereRan()
@@ -102,7 +102,8 @@ async def test_dataframe_partitions_run_where_planned(c, s, a, b):
     assert list(lengths) == [600, 200]
     assert total == (pdf.a * 2 + pdf.b).sum()
     fast, slow = sorted(s.workers)
-    blocks = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and key_split(k) in ("mul", "add", "getitem", "octopus-rows")}
+    names = ("mul", "add", "getitem", "octopus-rows")
+    blocks = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and key_split(k) in names}
     assert len(blocks) >= 8 and all(w == (fast, slow)[k[1]] for k, w in blocks.items()), blocks
     pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
 
@@ -173,14 +174,14 @@ async def test_bad_input(c, s, a, b):
     for coll, kwargs, exc, match in cases:
         with pytest.raises(exc, match=match):
             await call(c, coll, **kwargs)
-    with dask.config.set({"octopus.balance.memory-fraction": 1e-12}):
-        with pytest.raises(PlanningError, match="does not fit in the workers' memory"):
-            await call(c, x)
+    with dask.config.set({"octopus.balance.memory-fraction": 1e-12}), \
+            pytest.raises(PlanningError, match="does not fit in the workers' memory"):
+        await call(c, x)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_worker_that_joins_is_used_by_the_next_balance(c, s, a):
-    await c.register_plugin(OctopusScheduler(calibrate=False))
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
     x = da.ones((100, 2), chunks=10)
     assert len((await call(c, x)).chunks[0]) == 1
     from distributed import Worker

@@ -1,15 +1,13 @@
 """Smoke runs of the benchmark CLIs at tiny sizes (CPU): they run, and write what they promise."""
 
 import json
-import sys
-from pathlib import Path
 
 from click.testing import CliRunner
+from scripts import load_script
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import local_octopus  # noqa: E402
-import scheduler_overhead  # noqa: E402
-import stream_groups  # noqa: E402
+local_octopus = load_script("benchmarks/local_octopus.py")
+scheduler_overhead = load_script("benchmarks/scheduler_overhead.py")
+stream_groups = load_script("benchmarks/stream_groups.py")
 
 OPS = ["matmul_iterate", "dot", "transpose_sum", "map_overlap", "images"]
 
@@ -56,8 +54,8 @@ def test_suite_rejects_unknown_variants_and_operations(tmp_path):
 
 def test_stream_groups_benchmark_cpu_smoke(tmp_path):
     result = CliRunner().invoke(stream_groups.main, [
-        "--type", "cpu", "--operations", "tiny,dataframe,frames,large", "--blocks", "64", "--scale", "0.02", "--sets", "1",
-        "--side", "64", "--runs", "1", "--warmup-runs", "0", "--out", str(tmp_path)])
+        "--type", "cpu", "--operations", "tiny,dataframe,frames,large", "--blocks", "64", "--scale", "0.02",
+        "--sets", "1", "--side", "64", "--runs", "1", "--warmup-runs", "0", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     ops = json.loads((tmp_path / "stream-groups-cpu.json").read_text())["operations"]
     assert all(v["same_values_as_reference"] for v in ops["tiny"]["variants"].values())

@@ -7,8 +7,8 @@ import pytest
 from distributed import Client, LocalCluster, wait
 
 import dask_octopus
-from dask_octopus.cotenant import CoTenant, pin_workers
-from dask_octopus.workloads import gemm_repeat
+from dask_octopus.bench.cotenant import CoTenant, pin_workers
+from dask_octopus.bench.workloads import gemm_repeat
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
 

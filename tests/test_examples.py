@@ -1,17 +1,15 @@
 """The examples run on CPU at small sizes (and check their own results across variants)."""
 
 import json
-import sys
-from pathlib import Path
 
 from click.testing import CliRunner
+from scripts import load_script
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import images  # noqa: E402
+images = load_script("examples/images.py")
 
 
 def test_specs_follow_the_scenarios():
-    from dask_octopus.workloads import specs
+    from dask_octopus.bench.workloads import specs
 
     items = specs("video", 1.0, 2)
     assert len({seed for _, _, seed in items}) == len(items) == 60  # every image its own seed
@@ -28,7 +26,8 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     record = json.loads(out.read_text())
     assert set(record["video"]["seconds"]) == {"octopus", "one-task-each", "equal-batches", "loop"}
     video = record["video"]
-    assert len(video["total_alone_seconds"]) == 2 and 0 < video["ideal_seconds"] < min(video["total_alone_seconds"].values())
+    alone = video["total_alone_seconds"]
+    assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
     assert all(0 < video["work_end_seconds"][v] < video["median_seconds"][v] for v in video["seconds"])

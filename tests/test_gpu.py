@@ -6,6 +6,13 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+def capture_stats(dask_worker):
+    """Captured, refused and replayed groups on a worker (its stream-group runtime)."""
+    from dask_octopus.groups.streams import EXTENSION
+
+    return dask_worker.extensions[EXTENSION].stats()
+
+
 def n_gpus():
     import cupy
 
@@ -15,7 +22,7 @@ def n_gpus():
 def test_gpu_probe_figures_and_memory_is_freed():
     import cupy
 
-    from dask_octopus.probes import run_probes
+    from dask_octopus.profiling.probes import run_probes
 
     pool = cupy.get_default_memory_pool()
     before = pool.total_bytes()
@@ -40,7 +47,7 @@ def cuda_client():
 
 def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):
     import dask_octopus
-    from dask_octopus.cotenant import CoTenant
+    from dask_octopus.bench.cotenant import CoTenant
 
     info = cuda_client.scheduler_info(n_workers=-1)["workers"]
     shared = next(w for w, v in info.items() if str(v["name"]) == "0")
@@ -66,7 +73,8 @@ def test_balance_cupy_array_exact_and_pinned(cuda_client):
     rng = da.random.default_rng(cupy.random.default_rng(0))
     x = rng.random((100_000, 256), chunks=(10_000, 256), dtype=np.float32)
     y = dask_octopus.balance(x, per_worker=2)
-    plan = cuda_client.run_on_scheduler(lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
+    plan = cuda_client.run_on_scheduler(
+        lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
     reference = cuda_client.compute((x * 2 + 1).sum(axis=1)).result()
     with get_task_stream(cuda_client) as ts:
         result = cuda_client.compute((y * 2 + 1).sum(axis=1)).result()
@@ -82,8 +90,8 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
     import cupy
 
     import dask_octopus
-    from dask_octopus.cotenant import CoTenant
-    from dask_octopus.workloads import gemm_repeat
+    from dask_octopus.bench.cotenant import CoTenant
+    from dask_octopus.bench.workloads import gemm_repeat
 
     dask_octopus.register(cuda_client)
     info = cuda_client.scheduler_info(n_workers=-1)["workers"]
@@ -106,7 +114,7 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
 
 def test_map_cupy_items_exact_and_placed(cuda_client):
     import dask_octopus
-    from dask_octopus.workloads import image_pipeline, specs, to_host
+    from dask_octopus.bench.workloads import image_pipeline, specs, to_host
 
     dask_octopus.register(cuda_client)
     items = specs("video", 0.5, 2)
@@ -123,7 +131,6 @@ def test_dask_cuda_worker_with_preload(tmp_path):
         pytest.skip("needs two GPUs")
     import cupy
     import dask.array as da
-
     from test_deployment import check_balanced_and_pinned, cli_cluster
 
     with cli_cluster(tmp_path, ["cuda", "worker"], n_workers=2, worker_processes=1) as c:
@@ -166,7 +173,7 @@ def test_groups_never_read_a_block_before_its_slow_producer_finished(cuda_one):
     import dask.array as da
 
     import dask_octopus
-    from dask_octopus.workloads import gemm_repeat
+    from dask_octopus.bench.workloads import gemm_repeat
 
     rng = da.random.default_rng(cupy.random.default_rng(3))
     x = cuda_one.persist(rng.random((8 * 2048, 2048), chunks=(2048, 2048), dtype=np.float32))
@@ -201,8 +208,7 @@ def test_repeated_frames_are_captured_replayed_and_exact(cuda_one):
     from distributed import wait
 
     import dask_octopus
-    from dask_octopus.streams import capture_stats
-    from dask_octopus.workloads import frame_pipeline, frame_specs, make_frame, stack_to_host
+    from dask_octopus.bench.workloads import frame_pipeline, frame_specs, make_frame, stack_to_host
 
     specs = frame_specs(0.25)[::4]
     frames = [cuda_one.submit(make_frame, *s, gpu=True, pure=False) for s in specs]
@@ -223,8 +229,7 @@ def test_groups_that_refuse_capture_run_eagerly_and_exact(cuda_one):
     import dask.array as da
 
     import dask_octopus
-    from dask_octopus.streams import capture_stats
-    from dask_octopus.workloads import square
+    from dask_octopus.bench.workloads import square
 
     rng = da.random.default_rng(cupy.random.default_rng(5))
     x = cuda_one.persist(rng.random((8 * 256, 256), chunks=(256, 256), dtype=np.float32))
@@ -278,7 +283,7 @@ def test_killed_cuda_worker_mid_compute_with_balance_groups_and_map(cuda_client)
     import dask.array as da
 
     import dask_octopus
-    from dask_octopus.workloads import square
+    from dask_octopus.bench.workloads import square
 
     dask_octopus.register(cuda_client)
     rng = da.random.default_rng(cupy.random.default_rng(7))

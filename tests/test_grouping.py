@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.grouping import check_group_spec, depths, launch_order, plan_groups
+from dask_octopus.groups.planning import check_group_spec, depths, launch_order, plan_groups
 
 
 @st.composite

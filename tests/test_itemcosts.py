@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.itemcosts import ItemCost, ItemCostFit
+from dask_octopus.profiling.itemcosts import ItemCost, ItemCostFit
 
 
 def batches(fit: ItemCostFit, truth: ItemCost, shapes: list[tuple[int, float]]) -> None:

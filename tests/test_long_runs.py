@@ -1,17 +1,15 @@
 """1,000 balanced computes and 1,000 grouped map calls: the plugin's tables stay bounded and memory flat."""
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import dask
 from distributed import Client, LocalCluster
+from scripts import load_script
 
 import dask_octopus
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import long_run  # noqa: E402
+long_run = load_script("benchmarks/long_run.py")
 
 N = int(os.environ.get("OCTOPUS_LONG_N", 1000))
 

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster, Nanny, wait
 from distributed.utils_test import gen_cluster
+from test_balance import setup
 
 import dask_octopus
-from dask_octopus import streams
-from dask_octopus.cotenant import CoTenant, pin_workers
-from dask_octopus.itemcosts import ItemCost
-from dask_octopus.workloads import gemm_repeat
-
-from test_balance import setup
+from dask_octopus.bench.cotenant import CoTenant, pin_workers
+from dask_octopus.bench.workloads import gemm_repeat
+from dask_octopus.groups import streams
+from dask_octopus.profiling.itemcosts import ItemCost
 
 
 def call(c, *args, **kwargs):
@@ -49,7 +48,8 @@ async def test_groups_run_one_task_per_worker_thread_and_keep_one_future_per_ite
     rec = await setup(c, s, [1.0, 1.0])
     groups = []
     run_group = streams.run_group
-    monkeypatch.setattr(streams, "run_group", lambda members, *args: groups.append(len(members)) or run_group(members, *args))
+    monkeypatch.setattr(streams, "run_group",
+                        lambda members, *args: groups.append(len(members)) or run_group(members, *args))
     items = list(range(20))
     futs = await call(c, lambda x, k: x * k, items, cost=[1] * 20, group=4, k=3)
     assert await c.gather(futs) == [3 * x for x in items]

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.packing import lower_bound, pack
+from dask_octopus.placement.packing import lower_bound, pack
+
 
 def optimum(costs, speeds):
     best = math.inf
@@ -15,7 +16,7 @@ def optimum(costs, speeds):
         load = [0.0] * len(speeds)
         for c, j in zip(costs, assignment):
             load[j] += c
-        best = min(best, max(l / s for l, s in zip(load, speeds)))
+        best = min(best, max(x / s for x, s in zip(load, speeds)))
     return best
 
 
@@ -36,7 +37,7 @@ def test_uniform_workers_close_to_optimal_and_consistent(costs, speeds):
     opt = optimum(costs, speeds)
     assert len(result.assignment) == len(costs) and all(0 <= j < len(speeds) for j in result.assignment)
     loads = [sum(c for c, j in zip(costs, result.assignment) if j == k) for k in range(len(speeds))]
-    assert result.finish == pytest.approx([l / s for l, s in zip(loads, speeds)])
+    assert result.finish == pytest.approx([x / s for x, s in zip(loads, speeds)])
     assert result.floor <= opt + 1e-9 <= result.makespan + 2e-9
     assert result.makespan <= 1.5 * opt + 1e-9  # LPT's bound on uniform machines is below 1.583 (Gonzalez et al.)
 

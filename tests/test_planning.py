@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.planning import (
+from dask_octopus.placement.planning import (
     PlanningError,
     block_sizes,
     proportional_split,
@@ -47,7 +47,8 @@ def test_monotone_when_one_weight_grows(total, weights, i, factor):
 
 @given(total=st.integers(0, 10_000), weights=weights_st, data=st.data())
 def test_caps_and_minimum_are_respected(total, weights, data):
-    caps = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 5_000)), min_size=len(weights), max_size=len(weights)))
+    caps = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 5_000)), min_size=len(weights),
+                              max_size=len(weights)))
     fits = any(c is None for c in caps) or sum(caps) >= total
     if not fits:
         with pytest.raises(PlanningError, match="does not fit"):
@@ -116,7 +117,8 @@ def test_row_segments_rejects_other_totals():
         row_segments([10], [5, 4])
 
 
-@given(owners=st.lists(st.sampled_from("abcd"), min_size=1, max_size=30), alive=st.sets(st.sampled_from("abcd"), min_size=1))
+@given(owners=st.lists(st.sampled_from("abcd"), min_size=1, max_size=30),
+       alive=st.sets(st.sampled_from("abcd"), min_size=1))
 def test_reassign_moves_only_orphans_proportionally(owners, alive):
     weights = {w: 1.0 for w in alive}
     new = reassign(owners, weights)

@@ -10,20 +10,20 @@ from distributed.utils_test import async_poll_for, captured_logger, cluster, gen
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
-from dask_octopus.scheduler_plugin import OctopusScheduler
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
 
 
-def plugin(s) -> OctopusScheduler:
+def plugin(s) -> OctopusSchedulerPlugin:
     return s.plugins["octopus"]
 
 
 @gen_cluster(client=True, config=FAST)
 async def test_register_twice_is_harmless(c, s, a, b):
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     first = plugin(s)
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     assert plugin(s) is first
     assert set(first.profiles) == {a.address, b.address}
     assert [n for n in s.plugins if n.startswith("octopus")] == ["octopus"]
@@ -33,7 +33,7 @@ async def test_register_twice_is_harmless(c, s, a, b):
 
 @gen_cluster(client=True, config=FAST)
 async def test_calibration_figures_per_worker(c, s, a, b):
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     for w in (a, b):
         p = plugin(s).profiles[w.address]
         assert p["error"] is None and p["device"] == "cpu"
@@ -62,12 +62,13 @@ def test_preload_installs_the_plugin_in_a_separate_scheduler_process(loop):
         assert len(w) == 2 and sum(w.values()) == pytest.approx(1)
         assert all(p["error"] is None for p in dask_octopus.profiles(c).values())
         dask_octopus.register(c)  # harmless on a preloaded scheduler
-        assert c.run_on_scheduler(lambda dask_scheduler: len([n for n in dask_scheduler.plugins if "octopus" in n])) == 1
+        plugins = c.run_on_scheduler(lambda dask_scheduler: [n for n in dask_scheduler.plugins if "octopus" in n])
+        assert len(plugins) == 1
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
 async def test_workers_that_join_are_calibrated_and_those_that_leave_drop_out(c, s, a):
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     async with Worker(s.address, nthreads=1) as b:
         await c.wait_for_workers(2)
         await async_poll_for(lambda: b.address in plugin(s).profiles, timeout=10)  # calibrated on arrival
@@ -81,7 +82,7 @@ async def test_workers_that_join_are_calibrated_and_those_that_leave_drop_out(c,
 
 @gen_cluster(client=True, nthreads=[], config=FAST)
 async def test_no_workers(c, s):
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     with pytest.raises(ValueError, match="no workers"):
         await c.scheduler.octopus_speeds()
 
@@ -98,7 +99,8 @@ def test_speeds_before_register_and_unknown_resource(loop):
 
 @gen_cluster(client=True, config=FAST)
 async def test_probe_failure_on_one_worker_is_reported_and_others_unaffected(c, s, a, b, monkeypatch):
-    from dask_octopus import probes, worker_plugin
+    from dask_octopus.plugins import worker as worker_plugin
+    from dask_octopus.profiling import probes
 
     calls = []
 
@@ -109,8 +111,8 @@ async def test_probe_failure_on_one_worker_is_reported_and_others_unaffected(c, 
         return probes.run_probes(seconds, device)
 
     monkeypatch.setattr(worker_plugin, "run_probes", flaky)
-    with captured_logger("dask_octopus.scheduler_plugin", level=logging.WARNING) as log:
-        await c.register_plugin(OctopusScheduler())
+    with captured_logger("dask_octopus.plugins.scheduler", level=logging.WARNING) as log:
+        await c.register_plugin(OctopusSchedulerPlugin())
     errors = {w: p["error"] for w, p in plugin(s).profiles.items()}
     failed = [w for w, e in errors.items() if e]
     assert len(failed) == 1 and "RuntimeError: no device here" in errors[failed[0]]
@@ -123,8 +125,8 @@ async def test_probe_failure_on_one_worker_is_reported_and_others_unaffected(c, 
 
 @gen_cluster(client=True, config=FAST)
 async def test_invalid_calibration_figures_are_excluded_with_a_warning(c, s, a, b):
-    await c.register_plugin(OctopusScheduler())
-    with captured_logger("dask_octopus.scheduler_plugin", level=logging.WARNING) as log:
+    await c.register_plugin(OctopusSchedulerPlugin())
+    with captured_logger("dask_octopus.plugins.scheduler", level=logging.WARNING) as log:
         plugin(s).report(worker=a.address, profile={"error": None, "compute": math.nan, "memory": 1.0})
     assert "ignoring calibration" in log.getvalue()
     assert "invalid calibration" in plugin(s).profiles[a.address]["error"]
@@ -132,12 +134,12 @@ async def test_invalid_calibration_figures_are_excluded_with_a_warning(c, s, a, 
 
 @gen_cluster(client=True, config=FAST)
 async def test_bad_task_timings_are_ignored_and_warned_once(c, s, a, b):
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     p = plugin(s)
     fut = c.submit(sum, [1, 2], key="t")
     await fut
     before = dict(p.model.rates)
-    with captured_logger("dask_octopus.scheduler_plugin", level=logging.WARNING) as log:
+    with captured_logger("dask_octopus.plugins.scheduler", level=logging.WARNING) as log:
         for start, stop in [(1.0, 1.0), (2.0, 1.0), (math.nan, 1.0), (0.0, math.inf)]:
             p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",
                          startstops=[{"action": "compute", "start": start, "stop": stop}])
@@ -148,9 +150,9 @@ async def test_bad_task_timings_are_ignored_and_warned_once(c, s, a, b):
 
 @gen_cluster(client=True, config=FAST)
 async def test_gpu_event_timings_replace_launch_timings(c, s, a, b):
-    from dask_octopus.gpu_timing import TOPIC
+    from dask_octopus.profiling.gpu_timing import TOPIC
 
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     p = plugin(s)
     for w in (a, b):
         p.profiles[w.address]["event_timing"] = True
@@ -170,9 +172,9 @@ async def test_gpu_event_timings_replace_launch_timings(c, s, a, b):
 
 @gen_cluster(client=True, config=FAST)
 async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
-    from dask_octopus.gpu_timing import TOPIC
+    from dask_octopus.profiling.gpu_timing import TOPIC
 
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     await c.scheduler.octopus_add_plan(name="octopus-map-f-abc", workers=[a.address, b.address], costs=[10, 20])
     s.log_event(TOPIC, {"worker": b.address, "timings": [(["octopus-map-f-abc", 1], "octopus-map-f", 999, 2.0)]})
     s.log_event(TOPIC, {"worker": b.address, "timings": [(["other", 1], "other", 999, 2.0)]})
@@ -183,9 +185,9 @@ async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
 
 @gen_cluster(client=True, config=FAST)
 async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
-    from dask_octopus.gpu_timing import TOPIC
+    from dask_octopus.profiling.gpu_timing import TOPIC
 
-    await c.register_plugin(OctopusScheduler())
+    await c.register_plugin(OctopusSchedulerPlugin())
     shapes = [(1, 10.0), (4, 100.0), (2, 2000.0)]  # (items, total cost) of three batches on b
     await c.scheduler.octopus_add_plan(name="octopus-map-f-abc", workers=[b.address] * 3,
                                        costs=[cost for _, cost in shapes], counts=[n for n, _ in shapes])
@@ -201,3 +203,15 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
         await c.scheduler.octopus_add_plan(name="x", workers=[b.address], counts=[1])
     await c.scheduler.retire_workers(workers=[b.address])
     assert b.address not in plugin(s).item_costs["octopus-map-f"]
+
+
+def test_settings_fall_back_to_the_package_defaults_when_the_config_lacks_them(monkeypatch):
+    import dask
+
+    from dask_octopus import config
+
+    monkeypatch.setattr(dask.config, "config", {})  # as Dask's test utilities do in some tests
+    assert config.get("calibration.seconds") == 0.6 and config.get("streams.max-graphs") == 64
+    with dask.config.set({"octopus.streams.max-graphs": 3}):
+        assert config.get("streams.max-graphs") == 3
+    OctopusSchedulerPlugin(calibrate=False)  # reads its settings without a KeyError

@@ -20,7 +20,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, cluster, gen_cluster, inc
 
 import dask_octopus
-from dask_octopus.scheduler_plugin import OctopusScheduler
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 rng = np.random.default_rng(0)
 X = rng.integers(0, 10, (60, 8)).astype(float)
@@ -72,7 +72,7 @@ class RestrictionsSeen(SchedulerPlugin):
 
 
 async def with_plugin(c, s):
-    await c.register_plugin(OctopusScheduler(calibrate=False))
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
     x = await asyncio.get_running_loop().run_in_executor(
         None, lambda: dask_octopus.balance(da.ones((40, 2), chunks=10), client=c))
     await c.compute(x.sum())  # a plan exists and has pinned tasks before the checks
@@ -158,7 +158,7 @@ async def test_actors(c, s, a, b):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_restart_keeps_the_plugin_and_recalibrates(c, s, a, b):
-    await c.register_plugin(OctopusScheduler(calibration_seconds=0.1))
+    await c.register_plugin(OctopusSchedulerPlugin(calibration_seconds=0.1))
     before = set(s.plugins["octopus"].profiles)
     await c.restart()
     await c.wait_for_workers(2)
@@ -178,7 +178,7 @@ async def test_a_failing_hook_falls_back_to_dask_and_logs_once(c, s, a, b, monke
     monkeypatch.setattr(s.plugins["octopus"].placement, "update_graph", broken)
     x = await asyncio.get_running_loop().run_in_executor(
         None, lambda: dask_octopus.balance(da.from_array(X, chunks=(10, 4)), client=c))
-    with captured_logger("dask_octopus.scheduler_plugin", level=logging.ERROR) as log:
+    with captured_logger("dask_octopus.plugins.scheduler", level=logging.ERROR) as log:
         for _ in range(3):
             equal(await c.compute(x.sum(axis=1)), X.sum(axis=1))
     assert log.getvalue().count("update_graph failed") == 1

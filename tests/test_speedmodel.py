@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dask_octopus.speedmodel import SpeedModel
+from dask_octopus.profiling.speedmodel import SpeedModel
 
 
 def test_priors_give_weights_per_resource():

@@ -1,0 +1,23 @@
+"""Input checks shared by the planning math, the speed models and the plugins (no Dask here)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+
+def is_finite(value: Any, *, positive: bool = False) -> bool:
+    """Whether ``value`` is a real number (not a bool), finite, and ``> 0`` if ``positive`` else ``>= 0``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+def check_finite(value: Any, what: str, *, positive: bool = True,
+                 error: type[Exception] = ValueError) -> float:
+    """Return ``value`` as a float, or raise ``error`` saying that ``what`` must be finite and
+    ``> 0`` (``positive``) or ``>= 0``."""
+    if not is_finite(value, positive=positive):
+        raise error(f"{what} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)

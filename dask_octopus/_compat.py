@@ -1,0 +1,57 @@
+"""Every private Dask and distributed name that dask_octopus uses, imported in one place.
+
+Tested with dask and distributed 2026.7.1 (the GPU machine, with dask-cuda 26.10) and 2026.8.0 (CI).
+When a new release moves one of these, this is the only module to change.
+
+- ``dask._task_spec``: the task classes of Dask's graphs (the stream-group rewrite builds and reads
+  them; ``_execute_subgraph`` is the function of a task that low-level fusion made).
+- ``dask._expr.LLGExpr``: a low-level graph as an expression, so ``map`` submits one graph.
+- ``Scheduler._instances``: the schedulers running in this process (the optimizer asks whether
+  all of them group marked tasks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask._expr import LLGExpr
+from dask._task_spec import (
+    Alias,
+    DataNode,
+    GraphNode,
+    Task,
+    TaskRef,
+    _execute_subgraph,
+    convert_legacy_graph,
+    parse_input,
+    resolve_aliases,
+)
+
+__all__ = [
+    "Alias",
+    "DataNode",
+    "GraphNode",
+    "LLGExpr",
+    "Task",
+    "TaskRef",
+    "convert_legacy_graph",
+    "execute_subgraph",
+    "parse_input",
+    "resolve_aliases",
+    "running_schedulers",
+]
+
+execute_subgraph = _execute_subgraph
+
+
+def running_schedulers() -> list[Any] | None:
+    """The schedulers of this process that are not closing or closed, or ``None`` when this version
+    of distributed does not track its instances."""
+    from distributed.core import Status
+    from distributed.scheduler import Scheduler
+
+    instances = getattr(Scheduler, "_instances", None)
+    if instances is None:
+        return None
+    done = (Status.closing, Status.closed, Status.failed)
+    return [s for s in list(instances) if s.status not in done]

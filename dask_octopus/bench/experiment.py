@@ -1,0 +1,163 @@
+"""The iterative experiment behind the demo and the matmul benchmark.
+
+Variants of the same persisted-array workload (:func:`~dask_octopus.bench.workloads.subspace_iteration`):
+``equal`` (Dask's default: one equal row block per worker), ``over-K`` (K equal blocks per worker,
+work stealing on, generated with Dask's root-task queuing), and ``balance`` (speed-weighted blocks
+pinned by dask_octopus). The ideal is the total rows over the sum of the workers' speeds, each
+measured as rows per second of per-block work in a variant where no task moves (``balance``: every block and its
+consumers are pinned, so a worker's busy time is spent on its own rows, with the others running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import dask.array as da
+from distributed import Client, LocalCluster
+
+import dask_octopus
+from dask_octopus.bench.cotenant import pin_workers
+from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.workloads import (
+    PassRecord,
+    persist_on_workers,
+    random_matrix,
+)
+
+
+@dataclass
+class Variant:
+    """Results of one variant: timed passes, persist time and rows held by each worker."""
+
+    name: str
+    passes: list[PassRecord] = field(default_factory=list)
+    persist_seconds: list[float] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)
+    blocks: int = 0
+    weights: list[dict[str, float]] = field(default_factory=list)  # dask_octopus weights after each run
+
+    def median(self) -> PassRecord:
+        """The pass of median duration."""
+        ordered = sorted(self.passes, key=lambda r: r.seconds)
+        return ordered[len(ordered) // 2]
+
+    def seconds(self) -> float:
+        return statistics.median(r.seconds for r in self.passes)
+
+    def block_makespan(self) -> float:
+        """Median over passes of the latest worker's end of per-block work (from the pass start)."""
+        return statistics.median(max(r.finish().values()) for r in self.passes)
+
+    def speeds(self) -> dict[str, float]:
+        """Rows per second of per-block work of each worker (over all passes)."""
+        busy: dict[str, float] = {}
+        for rec in self.passes:
+            for w, iv in rec.blocks.items():
+                busy[w] = busy.get(w, 0.0) + sum(b - a for a, b in iv)
+        return {w: self.rows[w] * len(self.passes) / busy[w] for w in self.rows if busy.get(w)}
+
+
+@contextlib.contextmanager
+def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2,
+                  protocol: str | None = None) -> Iterator[Client]:
+    """``LocalCUDACluster`` on ``devs`` (all GPUs when None) or a pinned ``LocalCluster``."""
+    extra = {"protocol": protocol} if protocol else {}
+    if gpu:
+        from dask_cuda import LocalCUDACluster
+
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0", **extra)
+    else:
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               **extra)
+    with cluster, Client(cluster) as client:
+        client.wait_for_workers(len(cluster.workers))
+        if not gpu:
+            pin_workers(client)
+        yield client
+
+
+def slowest_target(client: Client, gpu: bool) -> tuple[str, dict]:
+    """The worker to slow down (first by name) and the ``CoTenant`` arguments that do it."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    worker = min(info, key=lambda w: str(info[w]["name"]))
+    if gpu:
+        return worker, {"gpus": [info[worker]["name"]]}
+    core = client.run(lambda: min(__import__("os").sched_getaffinity(0)), workers=[worker])[worker]
+    return worker, {"cores": [core]}
+
+
+def _rows_per_worker(client: Client, x: da.Array) -> dict[str, int]:
+    who = client.who_has(x)
+    rows: dict[str, int] = {}
+    for i, size in enumerate(x.chunks[0]):
+        key = (x.name, i) + (0,) * (x.ndim - 1)
+        for w in who[key][:1]:
+            rows[w] = rows.get(w, 0) + size
+    return rows
+
+
+def parse_variant(variant: str) -> tuple[str, int, bool]:
+    """``(kind, blocks per worker, grouped)`` of a variant name: ``defaults`` (the user's chunking),
+    ``equal``, ``over-K``, ``balance``, ``balance-K``, and any of them with ``-streams`` (its blocks'
+    work in stream groups; ``streams`` alone is ``defaults-streams``)."""
+    base, grouped = (variant[: -len("-streams")], True) if variant.endswith("-streams") else (variant, False)
+    if base == "streams":
+        base, grouped = "defaults", True
+    kind, _, k = base.partition("-")
+    valid = {"defaults": not k, "equal": not k, "over": k.isdigit(), "balance": not k or k.isdigit()}
+    if not valid.get(kind, False):
+        raise ValueError(f"unknown variant {variant!r}: expected defaults, equal, over-K, balance or balance-K, "
+                         f"optionally with -streams")
+    return kind, int(k or 1), grouped
+
+
+def make_input(client: Client, variant: str, rows: int, cols: int, gpu: bool,
+               chunk_rows: int | None = None) -> da.Array:
+    """The persisted input of ``variant`` (see :func:`parse_variant`); ``defaults`` uses
+    ``chunk_rows`` rows per block (one block per worker when None)."""
+    n = len(client.scheduler_info(n_workers=-1)["workers"])
+    kind, per_worker, _ = parse_variant(variant)
+    if kind == "balance":
+        x = random_matrix(rows, cols, chunks=(-(-rows // n), cols), gpu=gpu)
+        x = dask_octopus.balance(x, client=client, per_worker=per_worker)
+    elif kind == "defaults" and chunk_rows:
+        x = random_matrix(rows, cols, chunks=(chunk_rows, cols), gpu=gpu)
+    else:
+        x = random_matrix(rows, cols, chunks=(-(-rows // (n * per_worker)), cols), gpu=gpu)
+    return persist_on_workers(client, x)
+
+
+def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, width: int, passes: int,
+                 runs: int = 1, warmup: int = 1, gpu: bool = False, operation: str = "matmul_iterate",
+                 chunk_rows: int | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Variant]:
+    """Run each variant ``runs`` times, interleaved (:func:`~dask_octopus.bench.runner.interleave`),
+    each run ``warmup`` untimed passes then ``passes`` timed ones; ``progress`` is told each variant
+    run as it starts."""
+    from dask_octopus.bench.operations import OPERATIONS
+
+    op = OPERATIONS[operation]
+    cols = rows if op.square else cols
+    out = {v: Variant(v) for v in variants}
+
+    def one_run(v: str, run: int) -> None:
+        persist_seconds, x = timed(lambda: make_input(client, v, rows, cols, gpu, chunk_rows))
+        out[v].persist_seconds.append(persist_seconds)
+        out[v].rows, out[v].blocks = _rows_per_worker(client, x), len(x.chunks[0])
+        records = op.passes(client, x, width, warmup + passes, gpu, parse_variant(v)[2])
+        out[v].passes.extend(records[warmup:])
+        out[v].weights.append(dask_octopus.speeds(client))
+
+    interleave({v: partial(one_run, v) for v in variants}, runs, progress=progress)
+    return out
+
+
+def ideal_seconds(results: dict[str, Variant], rows: int) -> float:
+    """Total rows over the sum of the workers' speeds measured in the pinned (``balance``) variant,
+    or in the first variant when no balance variant ran (stolen tasks then blur the figure)."""
+    pinned = [v for name, v in results.items() if name.startswith("balance")]
+    reference = pinned[0] if pinned else next(iter(results.values()))
+    return rows / sum(reference.speeds().values())

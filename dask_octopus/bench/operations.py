@@ -1,0 +1,93 @@
+"""The array operations of the benchmark suite, in the shape of dask-cuda's ``local_cupy.py``.
+
+Each operation runs passes over a persisted array ``x`` (``rows x cols``; ``size x size`` for the
+square ones) and says how much work a pass is, so that the ideal time is that work over the sum of
+the workers' calibrated speeds: FLOP over FLOP/s for compute-bound operations, bytes over the
+measured streaming bandwidth for memory-bound ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import dask.array as da
+from distributed import Client, get_task_stream, wait
+
+from dask_octopus.bench.workloads import (
+    PassRecord,
+    intervals,
+    stencil_mean,
+    subspace_iteration,
+)
+from dask_octopus.groups.marks import annotate
+
+
+def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, grouped: bool,
+                 resource: str) -> list[PassRecord]:
+    """``passes`` times: build the result (in stream groups when ``grouped``), persist it, wait."""
+    records = []
+    for _ in range(passes):
+        with get_task_stream(client) as ts:
+            t0 = time.time()
+            start = time.perf_counter()
+            with annotate(resource=resource) if grouped else contextlib.nullcontext():
+                y = build()
+            y = client.persist(y)
+            wait(y)
+            seconds = time.perf_counter() - start
+        del y
+        busy = intervals(ts.data, t0)  # every task of the pass is per-block work here
+        records.append(PassRecord(seconds, busy, busy))
+    return records
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One benchmark operation; ``work(rows, cols, width)`` is FLOP (compute) or bytes (memory) per pass."""
+
+    name: str
+    resource: str
+    square: bool
+    formula: str
+    work: Callable[[int, int, int], float]
+    passes: Callable[[Client, da.Array, int, int, bool, bool], list[PassRecord]]
+    per_block_tasks: bool = False  # its passes time the per-block tasks apart (a measured ideal exists)
+
+
+def _matmul_iterate(client: Client, x: da.Array, width: int, n: int, gpu: bool, grouped: bool) -> list[PassRecord]:
+    return subspace_iteration(client, x, width, n, gpu, grouped)
+
+
+def _transpose_sum(client: Client, x: da.Array, width: int, n: int, gpu: bool, grouped: bool) -> list[PassRecord]:
+    return timed_passes(client, lambda: (x + x.T).sum(), n, grouped, "memory")
+
+
+def _dot(client: Client, x: da.Array, width: int, n: int, gpu: bool, grouped: bool) -> list[PassRecord]:
+    return timed_passes(client, lambda: x.T @ x, n, grouped, "compute")
+
+
+def _map_overlap(client: Client, x: da.Array, width: int, n: int, gpu: bool, grouped: bool) -> list[PassRecord]:
+    return timed_passes(client, lambda: x.map_overlap(stencil_mean, depth={0: 4, 1: 0}, boundary="none"), n,
+                        grouped, "memory")
+
+
+OPERATIONS: dict[str, Operation] = {op.name: op for op in (
+    Operation("matmul_iterate", "compute", False, "4 * rows * cols * width FLOP per pass (X^T (X W))",
+              lambda r, c, w: 4.0 * r * c * w, _matmul_iterate, per_block_tasks=True),
+    Operation("dot", "compute", False, "2 * rows * cols^2 FLOP per pass (X^T X)",
+              lambda r, c, w: 2.0 * r * c * c, _dot),
+    Operation("transpose_sum", "memory", True, "2 * size^2 * 4 bytes per pass ((X + X^T).sum(): X read twice)",
+              lambda r, c, w: 2.0 * r * c * 4, _transpose_sum),
+    Operation("map_overlap", "memory", False, "2 * rows * cols * 4 bytes per pass (9-row mean: read, write)",
+              lambda r, c, w: 2.0 * r * c * 4, _map_overlap),
+)}
+
+
+def calibrated_ideal(op: Operation, rows: int, cols: int, width: int, profiles: dict[str, dict]) -> float:
+    """Seconds per pass if every worker worked at its calibrated speed all the time: the pass's work
+    over the sum of the workers' FLOP/s (compute) or streaming bytes/s (memory)."""
+    cols = rows if op.square else cols
+    return op.work(rows, cols, width) / sum(p[op.resource] for p in profiles.values())

@@ -1,0 +1,52 @@
+"""One result record for every benchmark: when, how and where it ran, written as JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+from distributed.versions import get_versions
+
+PACKAGES = ["cupy", "dask_cuda", "dask_octopus", "ucxx", "rmm"]  # beside distributed's own list
+
+
+def write_json(path: str, record: dict[str, Any]) -> str:
+    """Write a benchmark record (folders made as needed); returns ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    return path
+
+
+def now() -> str:
+    """UTC time, to the second."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def hardware(gpu: bool) -> dict[str, Any]:
+    """CPU and, through distributed's NVML module, GPU names and memory."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0))}
+    if gpu:
+        import pynvml
+        from distributed.diagnostics import nvml
+
+        nvml.init_once()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.device_get_count())]
+        info["gpus"] = [{"name": pynvml.nvmlDeviceGetName(h), "memory": pynvml.nvmlDeviceGetMemoryInfo(h).total,
+                         "driver": pynvml.nvmlSystemGetDriverVersion()} for h in handles]
+    return info
+
+
+def versions() -> dict[str, str | None]:
+    """Python and package versions (distributed's ``get_versions``; ``None`` where not installed)."""
+    return get_versions(PACKAGES)["packages"]
+
+
+def header(gpu: bool, **fields: Any) -> dict[str, Any]:
+    """The start of every record: date, the exact command, hardware and versions, then ``fields``."""
+    return {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
+            **fields}

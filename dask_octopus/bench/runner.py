@@ -1,0 +1,40 @@
+"""The one loop every benchmark runs its variants in: interleaved, so drift hits all alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0, rotate: bool = False,
+               progress: Callable[[str], None] | None = None) -> dict[str, list[T]]:
+    """Call each variant once per run, in turn (A B C A B C ...), with the run's index; return what
+    each call returned, per variant, for the runs after the first ``warmup`` ones. ``rotate`` starts
+    each run one variant later (no variant always first); ``progress`` is told each call as it starts.
+    """
+    names = list(variants)
+    out: dict[str, list[T]] = {name: [] for name in names}
+    for run in range(warmup + runs):
+        order = names[run % len(names):] + names[:run % len(names)] if rotate and names else names
+        for name in order:
+            if progress is not None:
+                progress(f"run {run + 1}/{warmup + runs}: {name}")
+            value = variants[name](run)
+            if run >= warmup:
+                out[name].append(value)
+    return out
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Seconds ``fn`` took (wall clock), and what it returned."""
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def seconds_and_last(results: list[tuple[float, Any]]) -> dict[str, Any]:
+    """``{"seconds": [...], "value": last value}`` of :func:`timed` results."""
+    return {"seconds": [s for s, _ in results], "value": results[-1][1] if results else None}

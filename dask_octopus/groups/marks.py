@@ -1,0 +1,153 @@
+"""``dask_octopus.annotate``: mark the tasks built or computed inside it for stream groups.
+
+The marks are Dask layer annotations (``octopus``). Dask's low-level fusion drops layer
+annotations, so ``annotate`` installs (once, process-wide) a wrapper around the array and delayed
+optimizers: it reads the marks before Dask optimizes, lets Dask optimize as usual (fusion on),
+finds the marked tasks again (also inside fused tasks) and groups them
+(:mod:`dask_octopus.groups.rewrite`). Graphs without marks pass through unchanged. The optimizer
+runs where Dask materializes the graph, which for ``distributed`` is the scheduler.
+
+When every running scheduler of the process has the plugin registered (the optimizer then runs on
+one of them), the optimizer only carries the marks through fusion, as per-key annotations with the
+graph's build order, and the plugin groups the tasks knowing their pins and where their inputs are
+(:mod:`dask_octopus.groups.scheduler`).
+
+Dask also sends the block's annotations with every graph *computed* inside it, as annotations of
+all its tasks. dask-expr dataframes (which ignore layer annotations) are grouped from those, by
+the registered scheduler plugin.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import dask
+import dask.config
+from dask.core import flatten, reverse_dict
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.typing import Key
+from dask.utils import ensure_dict
+
+from dask_octopus._compat import convert_legacy_graph, resolve_aliases
+from dask_octopus.groups.planning import ANNOTATION, check_group_spec
+from dask_octopus.groups.rewrite import group_graph, inner_keys
+from dask_octopus.groups.scheduler import grouping_here
+
+
+class GroupingOptimizer:
+    """A collection optimizer that runs ``base`` and then groups the tasks marked by ``annotate``."""
+
+    def __init__(self, base: Callable):
+        self.base = base
+
+    def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        specs = marked_keys(dsk)
+        optimized = self.base(dsk, keys, **kwargs)
+        keep = set(flatten(keys))
+        if not specs or (specs.keys() <= keep and isinstance(optimized, HighLevelGraph)):
+            return optimized  # nothing to group (yet): the marks stay on the layers
+        graph = convert_legacy_graph(ensure_dict(optimized))
+        graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names
+        marks = inner_marks(graph, specs)
+        if grouping_here():  # on a scheduler whose plugin groups them, knowing where tasks run
+            # the graph's order (the order the user built it) travels with the marks: groups then
+            # form the same way each time the same work comes again, so they can be replayed
+            marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
+        else:
+            graph = group_graph(graph, marks, keep, _dependents(graph))
+            # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
+            # again when it becomes an input of another one (delayed arguments), and they may group then.
+            marks = {k: v for k, v in marks.items() if k in graph}
+        layer = MaterializedLayer(graph, annotations={ANNOTATION: Marks(marks)} if marks else None)
+        return HighLevelGraph({"octopus": layer}, {"octopus": set()})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GroupingOptimizer) and other.base is self.base
+
+    def __hash__(self) -> int:
+        return hash(self.base)
+
+
+def _dependents(graph: Mapping[Key, Any]) -> dict[Key, set[Key]]:
+    return reverse_dict({k: node.dependencies for k, node in graph.items()})
+
+
+class Marks(dict):
+    """Marks of some keys of a layer, as a per-key layer annotation (``None`` for the others)."""
+
+    def __call__(self, key: Key) -> Mapping[str, Any] | None:
+        return self.get(key)
+
+
+def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
+    """Keys of the layers annotated by ``annotate`` and their marks."""
+    if not isinstance(dsk, HighLevelGraph):
+        return {}
+    out = {}
+    for layer in dsk.layers.values():
+        mark = (layer.annotations or {}).get(ANNOTATION)
+        for k in layer if mark is not None else ():
+            value = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
+            if isinstance(value, Mapping):  # not None or Dask's tombstone for unannotated keys
+                out[k] = value
+    return out
+
+
+def inner_marks(graph: Mapping[Key, Any], specs: Mapping[Key, Mapping[str, Any]]) -> dict[Key, Mapping[str, Any]]:
+    """The marks of the tasks of an optimized graph: their own, or that of a task fused into them."""
+    out = {}
+    for k, node in graph.items():
+        spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
+        if spec is not None:
+            out[k] = spec
+    return out
+
+
+def install() -> None:
+    """Wrap the array and delayed optimizers (idempotent; keeps an optimizer the user set)."""
+    from dask.array.optimization import optimize as array_optimize
+    from dask.delayed import optimize as delayed_optimize
+
+    for key, default in (("array_optimize", array_optimize), ("delayed_optimize", delayed_optimize)):
+        current = dask.config.get(key, None)
+        if not isinstance(current, GroupingOptimizer):
+            dask.config.set({key: GroupingOptimizer(current or default)})
+
+
+@contextmanager
+def annotate(resource: str = "auto", group: int = 8) -> Iterator[None]:
+    """Run small independent tasks as stream groups: one task each, over CUDA streams on GPU workers.
+
+    Marks the tasks of the dask arrays and delayed objects built inside this block, and of every
+    collection computed inside it (dataframes: with the scheduler plugin registered). On each
+    worker up to ``group`` independent ones run as one task, launched in an order that interleaves
+    compute- and memory-bound members; a group seen again is replayed as a CUDA graph. Results
+    keep their keys: ``client.gather`` and persisted collections see nothing different.
+
+    Parameters
+    ----------
+    resource
+        The members' class: ``"compute"``, ``"memory"`` or ``"auto"`` (measured on first run).
+    group
+        The most members of one group (an integer >= 1).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``resource`` or a ``group`` that is not an integer >= 1.
+
+    Examples
+    --------
+    >>> with dask_octopus.annotate(resource="memory", group=8):  # doctest: +SKIP
+    ...     z = x.map_blocks(normalise)
+    >>> total = z.sum().compute()  # doctest: +SKIP
+    """
+    check_group_spec(resource, group)
+    install()
+    with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}), warnings.catch_warnings():
+        # dask-expr warns that it ignores annotations; the scheduler plugin applies this one
+        warnings.filterwarnings("ignore", r"Dask annotations \{'octopus': \{[^{}]*\}\} detected", UserWarning)
+        yield

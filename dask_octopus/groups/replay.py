@@ -1,0 +1,112 @@
+"""CUDA graph capture and replay of a repeated stream group.
+
+When a group with the same member functions, input shapes and dtypes runs again, its launches are
+captured once into a CUDA graph (forked over the group's streams and joined back, as Opara does)
+and replayed: new inputs are copied into the graph's own input buffers, the graph is launched and
+its outputs are copied out. Allocations made while capturing come from a memory pool private to
+the graph, so the addresses baked into it are never handed to anything else. Capture refused
+(cuBLAS, cuRAND, a host synchronisation, outputs that are not CuPy arrays) is remembered per group
+signature, and that group keeps running eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+
+class CaptureRefused(RuntimeError):
+    """CUDA or CuPy refused to capture a group; the message says why."""
+
+
+class CapturedGroup:
+    """A captured group: the graph, the buffers it reads and writes, and the pool it allocated from."""
+
+    def __init__(self, graph: Any, inputs: list[list[Any]], outputs: list[Any], pool: Any):
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+        self.pool = pool
+
+    def replay(self, cp: Any, inputs: Sequence[Sequence[Any]], stream: Any) -> list[Any]:
+        """Copy ``inputs`` in, launch, and return copies of the outputs (all on ``stream``)."""
+        with stream:
+            for static, new in zip(self.inputs, inputs, strict=True):
+                for dst, src in zip(static, new, strict=True):
+                    cp.copyto(dst, src)
+            self.graph.launch(stream)
+            return [out.copy() for out in self.outputs]
+
+
+def _is_device_array(cp: Any, obj: Any) -> bool:
+    return isinstance(obj, cp.ndarray)
+
+
+def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], order: Sequence[int],
+            streams: Sequence[Any]) -> CapturedGroup:
+    """Capture the group's launches (not run); raises :class:`CaptureRefused` when CUDA or CuPy
+    refuses. The streams must already wait for the inputs."""
+    if not all(_is_device_array(cp, x) for xs in inputs for x in xs):
+        raise CaptureRefused("an input is not a CuPy array")
+    origin = streams[0]
+    pool = cp.cuda.MemoryPool()
+    with origin:
+        static = [[x.copy() for x in xs] for xs in inputs]
+    outputs: list[Any] = [None] * len(members)
+    graph = None
+    try:
+        with cp.cuda.using_allocator(pool.malloc), origin:
+            origin.begin_capture()
+            try:
+                fork = origin.record()
+                for s in streams[1:]:
+                    s.wait_event(fork)
+                for slot, i in enumerate(order):
+                    with streams[slot % len(streams)]:
+                        outputs[i] = members[i](*static[i])
+                for s in streams[1:]:
+                    origin.wait_event(s.record())
+            finally:
+                graph = origin.end_capture()
+    except Exception as e:
+        raise CaptureRefused(f"{type(e).__name__}: {e}") from e
+    if not all(_is_device_array(cp, out) for out in outputs):
+        raise CaptureRefused("an output is not a CuPy array")
+    return CapturedGroup(graph, static, outputs, pool)
+
+
+class GraphCache:
+    """Cache of one worker thread's captured groups by signature, with the signatures that refused capture.
+    A group is captured the ``after``-th time its signature is seen (the first runs are eager, to
+    warm up and classify its members); at most ``size`` graphs are kept (least recently used go)."""
+
+    def __init__(self, size: int = 64, after: int = 1):
+        self.size = size
+        self.after = after
+        self.graphs: OrderedDict[Hashable, CapturedGroup] = OrderedDict()
+        self.refused: set[Hashable] = set()
+        self.seen: dict[Hashable, int] = {}
+        self.replays = 0
+
+    def get(self, signature: Hashable) -> CapturedGroup | None:
+        graph = self.graphs.get(signature)
+        if graph is not None:
+            self.graphs.move_to_end(signature)
+        return graph
+
+    def should_capture(self, signature: Hashable) -> bool:
+        """Count a sighting; true when it is time to capture this signature."""
+        if signature in self.refused or signature in self.graphs:
+            return False
+        self.seen[signature] = n = self.seen.get(signature, 0) + 1
+        return n > self.after
+
+    def add(self, signature: Hashable, graph: CapturedGroup | None) -> None:
+        self.seen.pop(signature, None)
+        if graph is None:
+            self.refused.add(signature)
+            return
+        self.graphs[signature] = graph
+        while len(self.graphs) > self.size:
+            self.graphs.popitem(last=False)

@@ -1,0 +1,154 @@
+"""Stream groups formed on the scheduler, from task annotations.
+
+Some marks reach the scheduler only as task annotations: dask-expr dataframes ignore layer
+annotations, and a collection *computed* inside ``annotate`` gets the block's annotations as the
+graph's global annotations. :func:`group_new_tasks` groups those tasks in the scheduler plugin's
+``update_graph``: after Dask has made the TaskStates of the new graph and before it transitions any
+of them. The rewrite is :func:`~dask_octopus.groups.rewrite.group_graph`'s, applied to the new
+tasks: each group becomes a TaskState, the consumers of its members read them from it, and the
+members (released, wanted by nothing any more) are forgotten. Only tasks that may run in the same
+places (the same restrictions, e.g. the pins of a balanced collection, and inputs already held by
+the same worker) are grouped together.
+
+Arrays and delayed objects built inside ``annotate`` reach the scheduler with their marks too: the
+optimizer that ``annotate`` installs (:mod:`dask_octopus.groups.marks`) runs there, at
+materialization, and when every running scheduler of its process has the plugin it only carries
+the marks (with the graph's build order, so that the same work groups alike each time and a captured
+group can be replayed) through Dask's fusion and leaves the grouping to this module, which knows
+where tasks will run. (Otherwise, and with local schedulers, the optimizer groups them itself.)
+Group tasks are never regrouped.
+
+Computing the same annotated dataframe twice at once works (the second graph's copies of the
+members, which nothing reads any more, are forgotten), but Dask logs a warning that the run spec
+of a key changed between two ``update_graph`` calls: the consumers we rewrote.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Collection, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dask.typing import Key
+
+from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
+from dask_octopus.groups.rewrite import group_graph, group_members, run_members
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler, TaskState
+
+hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process that group marked tasks
+
+
+def grouping_here() -> bool:
+    """Whether every running scheduler of this process groups marked tasks (has the plugin): the
+    array and delayed optimizer, which runs on the scheduler, then leaves the grouping to it. With
+    several schedulers in one process and one of them without the plugin, the optimizer groups."""
+    ours = {id(p.scheduler) for p in hosts if p.scheduler is not None}
+    schedulers = running_schedulers()
+    if schedulers is None:  # not tracked by this version of distributed
+        return bool(ours)
+    running = {id(s) for s in schedulers}
+    return bool(running) and running <= ours
+
+
+def _inputs(ts: TaskState) -> list[TaskState]:
+    """The tasks whose results ``ts`` reads, looking through aliases (dask-expr reads a persisted
+    collection through one alias task per partition)."""
+    out = []
+    for dts in ts.dependencies:
+        out.extend(_inputs(dts) if isinstance(dts.run_spec, Alias) and dts.state == "released" else [dts])
+    return out
+
+
+def _place(ts: TaskState) -> Hashable:
+    """Where a task may run, as one hashable value: its restrictions and, when its inputs are
+    already in memory, the worker holding most of their bytes (so that a group does not pull the
+    inputs of members that live on different workers to one of them)."""
+    held: dict[str, int] = {}
+    for dts in _inputs(ts):
+        for ws in dts.who_has or ():
+            held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
+    home = max(sorted(held), key=held.__getitem__) if held else None
+    return (frozenset(ts.worker_restrictions or ()), frozenset(ts.host_restrictions or ()),
+            tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions, home)
+
+
+def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
+    """A new task that only tasks of this graph read, that is not an output and not a group already."""
+    return (isinstance(ts.run_spec, Task) and ts.run_spec.func is not run_members and ts.key not in wanted
+            and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
+            and not any(d.exception_blame for d in ts.dependencies))
+
+
+def _relink(ts: TaskState, dependencies: set[Key], tasks: Mapping[Key, TaskState]) -> None:
+    for dts in [d for d in ts.dependencies if d.key not in dependencies]:
+        ts.dependencies.discard(dts)
+        dts.dependents.discard(ts)
+    for key in dependencies:
+        ts.add_dependency(tasks[key])
+
+
+def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Key, Mapping[str, Any]],
+                    wanted: Collection[Key]) -> tuple[dict[Key, list[Key]], list[Key]]:
+    """Group the marked tasks among the new, released tasks ``keys`` of one ``update_graph``.
+
+    ``marks`` are the ``octopus`` annotations of the tasks (``resource``, ``group``); ``wanted`` are
+    the keys the client asked for, which keep their own tasks. Returns each new group task's key
+    with its members' keys, and the keys that nothing reads any more: the members, and the copies
+    a key collision left (the same graph computed twice at once). Forget those with
+    :func:`forget_unread` after ``update_graph``, so that plugins called after this one still find
+    every key they are given.
+    """
+    tasks = scheduler.tasks
+    new = {k: tasks[k] for k in keys
+           if k in tasks and tasks[k].state == "released" and isinstance(tasks[k].run_spec, GraphNode)}
+    orphans = [k for k, ts in new.items() if k in marks and k not in wanted and not ts.dependents
+               and not ts.who_wants]
+    new = {k: ts for k, ts in new.items() if k not in orphans}
+    specs = {k: m for k, m in marks.items() if k in new and _groupable(new[k], new, wanted)}
+    if len(specs) < 2:
+        return {}, orphans
+    # in the order the marks carry (the graph's build order), else Dask's: the same work groups alike
+    ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
+    dsk = {k: new[k].run_spec for k in ranked}
+    dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
+    out = group_graph(dsk, specs, set(), dependents, {k: _place(new[k]) for k in specs})
+    made = {k: group_members(node) for k, node in out.items() if k not in new}
+    if not made or any(k in tasks for k in made):  # the same groups are in flight already
+        return {}, orphans
+    computation = scheduler.computations[-1] if scheduler.computations else None
+    for gkey, members in made.items():
+        first = tasks[members[0]]
+        gts = scheduler.new_task(gkey, out[gkey], "released", computation=computation)
+        gts.priority = min(tasks[m].priority for m in members)
+        gts.annotations = dict(first.annotations or {})
+        gts.worker_restrictions = set(first.worker_restrictions) if first.worker_restrictions else None
+        gts.host_restrictions = set(first.host_restrictions) if first.host_restrictions else None
+        gts.resource_restrictions = dict(first.resource_restrictions or {}) or None
+        gts.loose_restrictions = first.loose_restrictions
+        gts.retries = max(tasks[m].retries for m in members)
+    for gkey in made:  # a group may read members of another group
+        _relink(tasks[gkey], out[gkey].dependencies, tasks)
+    for k, node in out.items():
+        if k in new and node is not dsk[k]:  # reads a member: now from its group task
+            new[k].run_spec = node
+            _relink(new[k], node.dependencies, tasks)
+    members = [m for ms in made.values() for m in ms]
+    for m in members:
+        _relink(tasks[m], set(), tasks)
+    spans = scheduler.extensions.get("spans")
+    if spans is not None:
+        spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
+    return made, orphans + members
+
+
+def forget_unread(scheduler: Scheduler, keys: Iterable[Key], stimulus_id: str) -> None:
+    """Forget the tasks among ``keys`` that are still released and read or wanted by nothing."""
+    recs: dict[Key, str] = {}
+    for k in keys:
+        ts = scheduler.tasks.get(k)
+        if ts is not None and ts.state == "released" and not ts.dependents and not ts.who_wants:
+            recs[k] = "forgotten"
+    if recs:
+        scheduler.transitions(recs, stimulus_id)

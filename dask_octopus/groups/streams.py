@@ -1,0 +1,241 @@
+"""Worker side of stream groups: run a group's members in one Dask task.
+
+On a GPU worker (CuPy imported, a device present) the members are launched from the task's thread
+over a small pool of non-blocking CUDA streams, reused across groups, in the order of
+:func:`~dask_octopus.groups.planning.launch_order`. The pool streams first wait on an event recorded on
+the stream that produced the inputs, so no member reads a block before its producer's kernels
+finished; the group ends with one synchronisation of the streams it used, so results leaving the
+task are complete and memory freed later on another stream cannot be reused early. Members large
+enough to fill the GPU alone run on the task's own stream, as Dask would run them. A group seen
+again with the same members, shapes and dtypes is captured as a CUDA graph and replayed
+(:mod:`dask_octopus.groups.replay`). On a CPU worker (NumPy blocks) the members simply run one
+after the other.
+
+A member whose class is ``"auto"`` is classified from its first run (bytes moved per second
+against the worker's streaming bandwidth) and remembered per function and input shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import dask.config
+import dask.utils
+from dask.sizeof import sizeof
+
+from dask_octopus import config
+from dask_octopus.groups.planning import launch_order
+from dask_octopus.groups.replay import CaptureRefused, GraphCache, capture
+
+logger = logging.getLogger(__name__)
+EXTENSION = "octopus-streams"  #: the name of the :class:`StreamRuntime` in ``Worker.extensions``
+
+
+def _cupy() -> Any | None:
+    """CuPy if the worker already uses it and a device is visible (CPU workers never import it)."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return None
+    try:
+        return cp if cp.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:
+        return None
+
+
+def _signature(token: Hashable, inputs: Sequence[Any]) -> tuple:
+    return (token, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", ""))) for a in inputs))
+
+
+class StreamRuntime:
+    """What stream groups keep on one worker (a worker extension, :data:`EXTENSION`): each worker
+    thread's CUDA stream pool and captured groups (a graph's input buffers must not be shared between
+    threads), and the classes of the members measured so far. Bounded: ``max_graphs`` graphs per
+    thread, ``max_classes`` member classes. Arguments left ``None`` come from ``dask.config``
+    (``octopus.streams.*``), read once here.
+    """
+
+    #: streaming bytes/s of this worker (its calibration, once known): members that move bytes at a
+    #: quarter of it or more are memory-bound
+    bandwidth: float
+    #: captured groups kept per thread, least recently used dropped
+    max_graphs: int
+    #: eager runs of a group before it is captured
+    capture_after: int
+    #: remembered member classes, least recently used dropped
+    max_classes: int
+    #: member signature -> ``"compute"`` or ``"memory"``
+    classes: OrderedDict[tuple, str]
+    #: why the latest capture on this worker was refused
+    last_refusal: str | None
+
+    def __init__(self, max_graphs: int | None = None, capture_after: int | None = None,
+                 max_classes: int = 4096, bandwidth: float = 100e9):
+        self.max_graphs = max_graphs if max_graphs is not None else config.get("streams.max-graphs")
+        self.capture_after = (capture_after if capture_after is not None
+                              else config.get("streams.capture-after"))
+        self.max_classes = max_classes
+        self.bandwidth = bandwidth
+        self.classes = OrderedDict()
+        self.last_refusal = None
+        self._local = threading.local()
+        self._caches: list[GraphCache] = []
+        self._lock = threading.Lock()
+
+    def streams(self, cp: Any, n: int, fresh: bool = False) -> list[Any]:
+        """This thread's non-blocking streams on the current device (created once, reused; ``fresh``
+        replaces them, e.g. after a refused capture)."""
+        pools = getattr(self._local, "pools", None)
+        if pools is None:
+            pools = self._local.pools = {}
+        device = cp.cuda.runtime.getDevice()
+        if fresh:
+            pools.pop(device, None)
+        pool = pools.setdefault(device, [])
+        while len(pool) < n:
+            pool.append(cp.cuda.Stream(non_blocking=True))
+        return pool[:n]
+
+    def graph_cache(self) -> GraphCache:
+        """This thread's captured groups."""
+        cache = getattr(self._local, "graphs", None)
+        if cache is None:
+            cache = self._local.graphs = GraphCache(self.max_graphs, self.capture_after)
+            with self._lock:
+                self._caches.append(cache)
+        return cache
+
+    def stats(self) -> dict[str, Any]:
+        """Captured and refused group signatures and graph replays on this worker (all threads), and
+        why the latest capture was refused."""
+        with self._lock:
+            caches = list(self._caches)
+        return {"graphs": sum(len(c.graphs) for c in caches), "refused": sum(len(c.refused) for c in caches),
+                "replays": sum(c.replays for c in caches), "last_refusal": self.last_refusal}
+
+    def resolve_class(self, declared: str, token: Hashable, inputs: Sequence[Any]) -> str | None:
+        """The member's class: declared, remembered for its signature, or ``None`` (not measured yet)."""
+        if declared != "auto":
+            return declared
+        signature = _signature(token, inputs)
+        cls = self.classes.get(signature)
+        if cls is not None:
+            self.classes.move_to_end(signature)
+        return cls
+
+    def classify(self, token: Hashable, inputs: Sequence[Any], output: Any, seconds: float) -> str:
+        """Remember the class of member ``token`` on inputs of these shapes from one run: memory-bound
+        when it moved bytes at a quarter or more of :attr:`bandwidth`, else compute-bound."""
+        moved = sizeof(list(inputs)) + sizeof(output)
+        cls = "memory" if seconds > 0 and moved / seconds >= 0.25 * self.bandwidth else "compute"
+        self.classes[_signature(token, inputs)] = cls
+        while len(self.classes) > self.max_classes:
+            self.classes.popitem(last=False)
+        return cls
+
+    def close(self) -> None:
+        """Drop the captured graphs and stream pools (the worker plugin's teardown)."""
+        with self._lock:
+            for cache in self._caches:
+                cache.graphs.clear()
+            self._caches.clear()
+        self._local = threading.local()
+
+
+_process_runtime = StreamRuntime()  # outside a worker (a local scheduler in this process)
+
+
+def runtime() -> StreamRuntime:
+    """The :class:`StreamRuntime` of the worker running this task (made on first use if the worker
+    plugin did not install one), or the process's own outside a worker."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        return _process_runtime
+    rt = worker.extensions.get(EXTENSION)
+    if rt is None:
+        rt = worker.extensions.setdefault(EXTENSION, StreamRuntime())
+    return rt
+
+
+def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], declared: Sequence[str],
+              tokens: Callable[[], Sequence[Hashable]]) -> list[Any]:
+    """Return ``[members[i](*inputs[i]) for i ...]``, run as a group. ``declared[i]`` is the member's
+    class: ``"compute"``, ``"memory"`` or ``"auto"``; ``tokens()`` (asked only on GPU workers) gives
+    what identifies each member's function and constants: members with equal tokens and input
+    shapes do the same work. On a CPU worker members run in launch order, ``"auto"`` as memory-bound."""
+    sizes = [float(sizeof(list(x))) for x in inputs]
+    cp = _cupy()
+    if cp is None:
+        order = launch_order([d if d != "auto" else "memory" for d in declared], sizes)
+        results: list[Any] = [None] * len(members)
+        for i in order:
+            results[i] = members[i](*inputs[i])
+        return results
+    rt = runtime()
+    member_tokens = tokens()
+    known = [rt.resolve_class(d, t, x) for d, t, x in zip(declared, member_tokens, inputs, strict=True)]
+    order = launch_order([c or "memory" for c in known], sizes)
+    streams = rt.streams(cp, max(1, min(len(members), config.get("streams.max-streams"))))
+    ready = cp.cuda.get_current_stream().record()
+    for s in streams:
+        s.wait_event(ready)
+    if None not in known and config.get("streams.capture"):
+        signature = (tuple(_signature(t, x) for t, x in zip(member_tokens, inputs)), tuple(known))
+        cache = rt.graph_cache()
+        graph = cache.get(signature)
+        if graph is None and cache.should_capture(signature):
+            try:
+                graph = capture(cp, members, inputs, order, streams)
+            except CaptureRefused as e:
+                rt.last_refusal = str(e)
+                logger.debug("dask_octopus: group not captured, it runs eagerly: %s", e)
+                streams = rt.streams(cp, len(streams), fresh=True)
+                for s in streams:
+                    s.wait_event(ready)
+            cache.add(signature, graph)
+        if graph is not None:
+            cache.replays += 1
+            results = graph.replay(cp, inputs, streams[0])
+            streams[0].synchronize()
+            return results
+    return run_on_streams(cp, rt, members, member_tokens, inputs, known, order, streams, sizes)
+
+
+def run_on_streams(cp: Any, rt: StreamRuntime, members: Sequence[Callable[..., Any]], tokens: Sequence[Hashable],
+                   inputs: Sequence[Sequence[Any]], known: list[str | None], order: list[int],
+                   streams: list[Any], sizes: Sequence[float]) -> list[Any]:
+    """Launch the members in ``order``: the small ones round-robin over ``streams``, then one
+    synchronisation of those streams; members whose inputs (``sizes[i]`` bytes) are
+    ``octopus.streams.large-bytes`` or more each fill the GPU alone, so they run on the task's
+    current stream exactly as Dask would run them (in order, returned at launch, no extra
+    synchronisation). Members of unknown class
+    (``known[i] is None``) are timed with events and classified in ``rt``."""
+    large = dask.utils.parse_bytes(config.get("streams.large-bytes"))
+    current = cp.cuda.get_current_stream()
+    results: list[Any] = [None] * len(members)
+    timed: dict[int, tuple[Any, Any]] = {}
+    small = 0
+    for i in order:
+        if sizes[i] >= large:
+            s = current
+        else:
+            s = streams[small % len(streams)]
+            small += 1
+        with s:
+            start = s.record() if known[i] is None else None
+            results[i] = members[i](*inputs[i])
+            if start is not None:
+                timed[i] = (start, s.record())
+    for s in streams[:small]:
+        s.synchronize()
+    for i, (start, end) in timed.items():
+        end.synchronize()
+        rt.classify(tokens[i], inputs[i], results[i], cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return results

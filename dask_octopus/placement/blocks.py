@@ -1,0 +1,201 @@
+"""``balance``: re-chunk a Dask array or dataframe into speed-weighted blocks pinned to workers.
+
+The plan is made on the client before the graph is submitted: the scheduler plugin supplies the
+workers' current weights and memory, :mod:`dask_octopus.placement.planning` turns them into block sizes,
+and the plan (block ``i`` of the new collection -> worker) is sent to the plugin, which pins those
+blocks and the tasks that consume only them when the graph arrives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import dask
+import dask.array as da
+from dask.base import is_dask_collection, tokenize
+from dask.utils import format_bytes
+from distributed import Client, default_client
+
+from dask_octopus import config
+from dask_octopus.placement.planning import (
+    PlanningError,
+    block_sizes,
+    row_segments,
+    worth_moving,
+)
+from dask_octopus.plugins.client import call_scheduler
+from dask_octopus.profiling.speedmodel import check_resource
+
+
+def _workers_and_caps(client: Client, resource: str,
+                      row_bytes: float) -> tuple[list[str], list[float], list[int | None]]:
+    """Sorted worker addresses, their weights, and how many rows each may hold."""
+    profiles = call_scheduler(client, "octopus_profiles", resource=resource)
+    workers = sorted(profiles)
+    fraction = config.get("balance.memory-fraction")
+    caps: list[int | None] = []
+    for w in workers:
+        p = profiles[w]
+        memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
+        caps.append(int(memory * fraction // row_bytes) if memory and row_bytes > 0 else None)
+    return workers, [profiles[w]["weight"] for w in workers], caps
+
+
+def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int, align: int,
+          current: list[int]) -> tuple[list[int], list[str]]:
+    """Flat block sizes and the worker of each block; the ``current`` sizes when moving data to the
+    planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain``."""
+    row_bytes = nbytes / total if total else 0.0
+    workers, weights, caps = _workers_and_caps(client, resource, row_bytes)
+    if total < len(workers) * per_worker:
+        raise PlanningError(f"{total} rows are fewer than the {len(workers)} workers x per_worker={per_worker} blocks")
+    if all(c is not None for c in caps) and sum(caps) < total:
+        fraction = config.get("balance.memory-fraction")
+        raise PlanningError(
+            f"the collection ({format_bytes(nbytes)}) does not fit in the workers' memory: they can hold "
+            f"{format_bytes(sum(caps) * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
+            "add workers or process it in pieces"
+        )
+    plan = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
+    owners = [w for w, blocks in zip(workers, plan) for _ in blocks]
+    fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
+    if fits and not worth_moving(current, plan, weights, config.get("balance.min-gain")):
+        return list(current), owners
+    return [s for blocks in plan for s in blocks], owners
+
+
+def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per_worker: int = 1,
+            resource: str = "compute", align: int = 1) -> Any:
+    """Same collection and values, in blocks sized by the workers' speeds and pinned to them.
+
+    Arrays are re-chunked along ``axis`` (task-based rechunk; other axes keep their chunks),
+    dataframes and series by rows. When the existing blocks are already close to the plan
+    (predicted makespan within ``octopus.balance.min-gain``), they are kept and only pinned: no
+    data moves. The scheduler plugin pins each block, and the tasks that consume only it, to the
+    planned worker. Needs :func:`dask_octopus.register` on the client's scheduler.
+
+    Parameters
+    ----------
+    collection
+        A dask array (NumPy or CuPy blocks), dataframe or series.
+    client
+        The client of the cluster (default: the default client).
+    axis
+        The array axis to split by speed (dataframes: 0, rows).
+    per_worker
+        Blocks per worker.
+    resource
+        Weights to plan by: ``"compute"`` or ``"memory"``.
+    align
+        Block sizes are multiples of it (the last block also takes the remainder).
+
+    Returns
+    -------
+    collection
+        The same type and values, re-chunked (or only renamed) and planned. Each worker's share
+        respects its memory (``octopus.balance.memory-fraction`` of device memory on GPU workers,
+        of the memory limit on CPU workers).
+
+    Raises
+    ------
+    TypeError
+        When ``collection`` is not a dask array, dataframe or series.
+    ValueError
+        For a bad ``axis``, ``per_worker``, ``resource``, or unknown chunk sizes.
+    PlanningError
+        When there are fewer rows than blocks, ``align`` is larger than a share, or the
+        collection does not fit in the workers' memory.
+    NotRegisteredError
+        When the scheduler has no dask_octopus plugin.
+
+    Examples
+    --------
+    >>> x = dask_octopus.balance(x, axis=0)  # doctest: +SKIP
+    >>> (x @ w).sum(axis=1).persist()  # doctest: +SKIP
+    """
+    check_resource(resource)
+    if not is_dask_collection(collection):
+        raise TypeError(f"balance expects a dask array or dataframe, got {type(collection).__name__}")
+    if isinstance(per_worker, bool) or not isinstance(per_worker, int) or per_worker < 1:
+        raise ValueError(f"per_worker must be an integer >= 1, got {per_worker!r}")
+    client = client or default_client()
+    if isinstance(collection, da.Array):
+        return _balance_array(collection, client, axis, per_worker, resource, align)
+    import dask.dataframe as dd
+
+    if isinstance(collection, (dd.DataFrame, dd.Series)):
+        if axis != 0:
+            raise ValueError(f"dataframes are balanced by rows: axis must be 0, got {axis!r}")
+        return _balance_frame(collection, client, per_worker, resource, align)
+    raise TypeError(f"balance supports dask arrays, dataframes and series, not {type(collection).__name__}")
+
+
+def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int, resource: str, align: int) -> da.Array:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis!r} is out of range for a {x.ndim}-d array")
+    axis %= x.ndim
+    if any(math.isnan(c) for chunks in x.chunks for c in chunks):
+        raise ValueError("the array has unknown chunk sizes (NaN, e.g. after boolean indexing): "
+                         "call x.compute_chunk_sizes() first")
+    sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align, list(x.chunks[axis]))
+    chunks = list(x.chunks)
+    chunks[axis] = tuple(sizes)
+    y = x.rechunk(tuple(chunks), method="tasks") if tuple(sizes) != x.chunks[axis] else _named_blocks(x)
+    call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis)
+    return y
+
+
+def _named_blocks(x: da.Array) -> da.Array:
+    """``x`` under a new name, one alias task per block: a layer that blockwise fusion cannot
+    swallow, so the plan can find its blocks (inside low-level fused tasks too)."""
+    from dask.highlevelgraph import HighLevelGraph
+
+    from dask_octopus._compat import Alias
+
+    name = "octopus-blocks-" + tokenize(x)
+    layer = {(name, *k[1:]): Alias((name, *k[1:]), k) for k in dask.core.flatten(x.__dask_keys__())}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    return da.Array(graph, name, x.chunks, meta=x._meta)
+
+
+def _take_rows(pieces: list[tuple[Any, int, int]]) -> Any:
+    """Concatenate row ranges of partitions (pandas or cuDF, through Dask's concat dispatch)."""
+    from dask.dataframe.methods import concat
+
+    parts = [p.iloc[a:b] for p, a, b in pieces]
+    return parts[0] if len(parts) == 1 else concat(parts)
+
+
+def _index_at(part: Any, row: int) -> Any:
+    return part.index[row]
+
+
+def _balance_frame(df: Any, client: Client, per_worker: int, resource: str, align: int) -> Any:
+    import dask.dataframe as dd
+    from dask import delayed
+
+    lengths, memory = client.gather(client.compute([df.map_partitions(len), df.memory_usage_per_partition(deep=True)]))
+    lengths = [int(n) for n in lengths]
+    sizes, workers = _plan(client, sum(lengths), float(sum(memory)), resource, per_worker, align, lengths)
+    segments = row_segments(lengths, sizes)
+    parts = df.to_delayed()
+    name = "octopus-rows-" + tokenize(df, sizes)
+    blocks = [delayed(_take_rows)([(parts[i], a, b) for i, a, b in seg], dask_key_name=(name, j))
+              for j, seg in enumerate(segments)]
+    divisions = _divisions(client, df, parts, segments) if df.known_divisions else None
+    call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0)
+    return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
+
+
+def _divisions(client: Client, df: Any, parts: list, segments: list[list[tuple[int, int, int]]]) -> list | None:
+    """Divisions of the new partitions when the cuts fall between distinct index values, else None."""
+    from dask import delayed
+
+    firsts = [delayed(_index_at)(parts[seg[0][0]], seg[0][1]) for seg in segments]
+    lasts = [delayed(_index_at)(parts[seg[-1][0]], seg[-1][2] - 1) for seg in segments]
+    values = client.gather(client.compute(firsts + lasts))
+    firsts, lasts = values[: len(segments)], values[len(segments):]
+    if any(not last < first for last, first in zip(lasts[:-1], firsts[1:])):
+        return None  # equal index values straddle a cut: divisions would lie
+    return [*firsts, df.divisions[-1]]

@@ -1,0 +1,105 @@
+"""Pure packing of indivisible items onto workers of different speeds (no Dask here).
+
+The uniform-machines makespan problem: item ``i`` costs ``c_i`` units, worker ``j`` processes
+``s_j`` units per second, and a worker finishes at ``sum(c_i on j) / s_j`` (plus, optionally, a
+penalty per item and worker, such as moving the item's data there). :func:`pack` runs LPT (largest
+item first, to the worker where it would finish earliest) and then improves the result locally by
+moving or swapping items off the worker that finishes last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dask_octopus._checks import check_finite, is_finite
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Worker index of each item, each worker's finish time, and the lower bound of any packing."""
+
+    assignment: list[int]
+    finish: list[float]
+    floor: float
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish)
+
+
+def check_costs(costs: Sequence[float]) -> None:
+    """Raise ``ValueError`` naming the first item whose cost is not a finite number >= 0."""
+    for i, c in enumerate(costs):
+        check_finite(c, f"cost of item {i}", positive=False)
+
+
+def _check(costs: Sequence[float], speeds: Sequence[float], penalty: Sequence[Sequence[float]] | None) -> None:
+    if not speeds:
+        raise ValueError("no workers to pack onto")
+    for j, s in enumerate(speeds):
+        check_finite(s, f"speed of worker {j}")
+    check_costs(costs)
+    if penalty is None:
+        return
+    if len(penalty) != len(costs) or any(len(row) != len(speeds) for row in penalty):
+        raise ValueError(f"penalty must be {len(costs)} rows (items) of {len(speeds)} numbers (workers)")
+    for i, row in enumerate(penalty):
+        if not all(is_finite(p) for p in row):
+            raise ValueError(f"penalties of item {i} must be finite numbers >= 0, got {list(row)!r}")
+
+
+def lower_bound(costs: Sequence[float], speeds: Sequence[float]) -> float:
+    """No packing finishes before all work on all speeds, nor before the largest item on the fastest."""
+    return max(sum(costs) / sum(speeds), max(costs, default=0.0) / max(speeds))
+
+
+def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[Sequence[float]] | None = None,
+         rounds: int = 200) -> Packing:
+    """Assign every item to a worker, minimising the latest finish (LPT + local improvement).
+
+    ``penalty[i][j]`` (>= 0, optional) is time item ``i`` costs on worker ``j`` beyond its work, in the
+    unit of ``cost / speed``: moving the item's data to a worker that does not hold it, for instance.
+    """
+    _check(costs, speeds, penalty)
+    n = len(speeds)
+
+    def time(i: int, j: int) -> float:
+        return costs[i] / speeds[j] + (penalty[i][j] if penalty is not None else 0.0)
+
+    finish = [0.0] * n
+    assignment = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        j = min(range(n), key=lambda j: (finish[j] + time(i, j), -speeds[j], j))
+        assignment[i] = j
+        finish[j] += time(i, j)
+    for _ in range(rounds):
+        if not _improve(time, assignment, finish):
+            break
+    return Packing(assignment, finish, lower_bound(costs, speeds))
+
+
+def _improve(time: Callable[[int, int], float], assignment: list[int], finish: list[float]) -> bool:
+    """One move or swap that lowers the later finish of the last worker and a partner; False if none."""
+    n = len(finish)
+    last = max(range(n), key=lambda j: finish[j])
+    worst = finish[last] - 1e-12 * max(1.0, finish[last])
+    mine = [i for i, j in enumerate(assignment) if j == last]
+    for i in sorted(mine, key=lambda i: -time(i, last)):
+        for j in range(n):
+            if j != last and max(finish[last] - time(i, last), finish[j] + time(i, j)) < worst:
+                assignment[i] = j
+                finish[last] -= time(i, last)
+                finish[j] += time(i, j)
+                return True
+    for i in mine:
+        for k, j in enumerate(assignment):
+            if j == last:
+                continue
+            new_last = finish[last] - time(i, last) + time(k, last)
+            new_j = finish[j] - time(k, j) + time(i, j)
+            if max(new_last, new_j) < worst:
+                assignment[i], assignment[k] = j, last
+                finish[last], finish[j] = new_last, new_j
+                return True
+    return False

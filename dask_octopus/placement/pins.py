@@ -1,0 +1,169 @@
+"""Scheduler-side placement of planned blocks and of the tasks that consume only one block.
+
+A *plan* maps the blocks of one collection (its key name, and the position of the block index
+in its keys) to workers. When a graph arrives, :meth:`Placement.update_graph` finds each planned
+block, also inside tasks that low-level fusion merged (their run spec keeps the inner keys), and
+pins it with ``worker_restrictions``; a task whose planned dependencies all sit on one worker
+follows them. Tasks with user-set restrictions are never touched. Pins are kept per key until
+the task is forgotten, so a lost worker's blocks can be moved to the survivors.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dask_octopus.groups.rewrite import inner_keys
+from dask_octopus.placement.planning import reassign
+
+if TYPE_CHECKING:
+    from dask.typing import Key
+    from distributed.scheduler import Scheduler, TaskState
+
+Block = tuple[str, int]
+_DONE = frozenset({"memory", "processing", "erred", "forgotten"})
+
+
+@dataclass
+class Plan:
+    """Worker of each block of the collection whose keys are ``(name, *index)``, and optionally the
+    planned cost of each block (``map``), which then measures the work of its task, and its number
+    of items."""
+
+    workers: list[str]
+    index: int  # position of the block index in the key tuple
+    costs: list[float] | None = None
+    counts: list[int] | None = None
+
+
+def _key_name(key: Any) -> Any:
+    return key[0] if isinstance(key, tuple) else key
+
+
+class Placement:
+    """Plans, pins and their upkeep; owned by :class:`~dask_octopus.plugins.scheduler.OctopusSchedulerPlugin`."""
+
+    def __init__(self, max_plans: int = 1000):
+        self.max_plans = max_plans
+        self.plans: OrderedDict[str, Plan] = OrderedDict()
+        self.pins: dict[Key, Block] = {}
+
+    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
+                 counts: list[int] | None = None) -> None:
+        """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``."""
+        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts)
+        self.plans.move_to_end(name)
+        while len(self.plans) > self.max_plans:
+            self.plans.popitem(last=False)
+
+    def cost_of(self, key: Key) -> tuple[float, int | None] | None:
+        """The planned cost of the task ``key`` and its number of items (``None`` if not given), if it
+        is a block of a plan with costs."""
+        plan = self.plans.get(_key_name(key))
+        if plan is None or plan.costs is None or not isinstance(key, tuple):
+            return None
+        i = key[plan.index]
+        return plan.costs[i], (plan.counts[i] if plan.counts is not None else None)
+
+    def worker_of(self, block: Block) -> str | None:
+        plan = self.plans.get(block[0])
+        return plan.workers[block[1]] if plan and block[1] < len(plan.workers) else None
+
+    def _planned_block(self, key: Key, run_spec: Any) -> Block | None:
+        for k in inner_keys(key, run_spec):  # also the keys fused or grouped into this task
+            plan = self.plans.get(_key_name(k))
+            if plan is not None and isinstance(k, tuple) and len(k) > plan.index:
+                return (_key_name(k), k[plan.index])
+        return None
+
+    def update_graph(self, scheduler: Scheduler, keys: Iterable[Key]) -> int:
+        """Pin the planned blocks among ``keys`` and the tasks that consume only one worker's blocks.
+
+        Returns the number of tasks pinned.
+        """
+        if not self.plans:
+            return 0
+        todo = [scheduler.tasks[k] for k in keys if k in scheduler.tasks]
+        origin: dict[Key, Block | None] = {}
+        pinned = 0
+        for root in todo:
+            stack = [root]
+            while stack:  # post-order over the new tasks: dependencies first
+                ts = stack[-1]
+                if ts.key in origin:
+                    stack.pop()
+                    continue
+                pending = [d for d in ts.dependencies if d.key not in origin and d.key not in self.pins
+                           and d.state not in _DONE]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                stack.pop()
+                origin[ts.key] = block = self._origin(ts, origin)
+                if block is not None and self._pin(ts, block):
+                    pinned += 1
+        return pinned
+
+    def _origin(self, ts: TaskState, origin: dict[Key, Block | None]) -> Block | None:
+        if ts.key in self.pins:
+            return self.pins[ts.key]
+        if ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
+            return None
+        block = self._planned_block(ts.key, ts.run_spec)
+        if block is not None:
+            return block
+        found: dict[str | None, Block] = {}
+        for dts in ts.dependencies:
+            b = origin.get(dts.key) or self.pins.get(dts.key)
+            if b is not None:
+                found.setdefault(self.worker_of(b), b)
+        return next(iter(found.values())) if len(found) == 1 else None
+
+    def _pin(self, ts: TaskState, block: Block) -> bool:
+        worker = self.worker_of(block)
+        if worker is None:
+            return False
+        self.pins[ts.key] = block
+        ts.worker_restrictions = {worker}
+        ts.loose_restrictions = False
+        return True
+
+    def inherit(self, key: Key, member: Key) -> None:
+        """Pin the new task ``key``, which does the work of ``member``, with ``member``'s block."""
+        if member in self.pins:
+            self.pins[key] = self.pins[member]
+
+    def forget(self, key: Key) -> None:
+        """Drop the pin of a task that the scheduler forgot."""
+        self.pins.pop(key, None)
+
+    def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
+        """Move blocks planned on workers that left to the live ones in proportion to ``weights``.
+
+        Updates the restrictions of their pinned tasks and reschedules those stuck in
+        ``no-worker``. Returns the number of tasks re-pinned.
+        """
+        if not weights:
+            return 0
+        moved: set[Block] = set()
+        for name, plan in self.plans.items():
+            if all(w in weights for w in plan.workers):
+                continue
+            new = reassign(plan.workers, weights)
+            moved.update((name, i) for i, (a, b) in enumerate(zip(plan.workers, new)) if a != b)
+            plan.workers = new
+        recs = {}
+        count = 0
+        for key, block in self.pins.items():
+            if block not in moved or key not in scheduler.tasks:
+                continue
+            ts = scheduler.tasks[key]
+            ts.worker_restrictions = {self.worker_of(block)}
+            count += 1
+            if ts in scheduler.unrunnable:
+                recs[key] = "processing"
+        if recs:
+            scheduler.transitions(recs, stimulus_id)
+        return count

@@ -1,0 +1,182 @@
+"""Pure planning math: split a total into integer shares proportional to weights.
+
+No Dask here. Sizes are planned in units of ``align`` with bounds per part (a minimum of one
+unit per block and an optional cap from the worker's memory), fractional quotas are found by
+water-filling between the bounds and rounded with the largest-remainder method.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dask_octopus._checks import is_finite
+
+
+class PlanningError(ValueError):
+    """The requested plan cannot be made (bad weights, too little data or memory)."""
+
+
+def _check_weights(weights: Sequence[float]) -> list[float]:
+    if not weights:
+        raise PlanningError("no weights: there is no worker to plan for")
+    bad = [w for w in weights if not is_finite(w, positive=True)]
+    if bad:
+        raise PlanningError(f"weights must be finite and > 0, got {bad}")
+    return [float(w) for w in weights]
+
+
+def _quotas(total: int, weights: list[float], lo: list[int], hi: list[float]) -> list[float]:
+    """Fractional shares ``clamp(t * w_i, lo_i, hi_i)`` summing to ``total`` (water-filling)."""
+    free = set(range(len(weights)))
+    quota = [0.0] * len(weights)
+    remaining = float(total)
+    while True:
+        wsum = sum(weights[i] for i in free)
+        scale = remaining / wsum if wsum else 0.0
+        clamped = {i for i in free if not lo[i] <= weights[i] * scale <= hi[i]}
+        if not clamped:
+            for i in free:
+                quota[i] = weights[i] * scale
+            return quota
+        for i in clamped:
+            quota[i] = lo[i] if weights[i] * scale < lo[i] else hi[i]
+            remaining -= quota[i]
+        free -= clamped
+
+
+def proportional_split(
+    total: int,
+    weights: Sequence[float],
+    *,
+    minimum: Sequence[int] | int = 0,
+    caps: Sequence[int | None] | None = None,
+) -> list[int]:
+    """Integers summing to ``total``, proportional to ``weights`` within ``[minimum, caps]``.
+
+    Largest-remainder rounding of the water-filled quotas. Raises :class:`PlanningError` when
+    the bounds make it impossible (total below the minimums, or above the sum of the caps).
+    """
+    w = _check_weights(weights)
+    if total < 0 or int(total) != total:
+        raise PlanningError(f"total must be a non-negative integer, got {total!r}")
+    total = int(total)
+    n = len(w)
+    lo = [int(minimum)] * n if isinstance(minimum, int) else [int(m) for m in minimum]
+    hi: list[float] = [math.inf if c is None else float(c) for c in (caps or [None] * n)]
+    if len(lo) != n or len(hi) != n:
+        raise PlanningError("minimum and caps must have one entry per weight")
+    if any(h < m for h, m in zip(hi, lo)):
+        raise PlanningError(f"a cap is below its minimum: caps={list(hi)}, minimum={lo}")
+    if total < sum(lo):
+        raise PlanningError(f"cannot split {total} into {n} parts of at least {lo}")
+    if total > sum(hi):
+        raise PlanningError(f"{total} does not fit: the caps hold only {int(sum(hi))}")
+    quota = _quotas(total, w, lo, hi)
+    sizes = [max(lo[i], min(math.floor(quota[i] + 1e-9), int(min(hi[i], total)))) for i in range(n)]
+    left = total - sum(sizes)  # < n, and only parts with a fractional quota (hence room) get one
+    order = sorted(range(n), key=lambda i: (-(quota[i] - sizes[i]), -w[i], i))
+    for i in order[:left]:
+        sizes[i] += 1
+    return sizes
+
+
+def block_sizes(
+    total: int,
+    weights: Sequence[float],
+    *,
+    per_worker: int = 1,
+    align: int = 1,
+    caps: Sequence[int | None] | None = None,
+) -> list[list[int]]:
+    """Sizes of ``per_worker`` blocks for each worker, proportional to ``weights``.
+
+    Every size is a multiple of ``align`` except the last block, which also takes
+    ``total % align``. ``caps`` bound each worker's whole share (e.g. from its memory).
+    Returns one list of block sizes per worker, in the order of ``weights``.
+    """
+    if per_worker < 1 or int(per_worker) != per_worker:
+        raise PlanningError(f"per_worker must be an integer >= 1, got {per_worker!r}")
+    if align < 1 or int(align) != align:
+        raise PlanningError(f"align must be an integer >= 1, got {align!r}")
+    w = _check_weights(weights)
+    nblocks = len(w) * per_worker
+    if total < nblocks:
+        raise PlanningError(
+            f"{total} rows cannot make {nblocks} blocks ({len(w)} workers x per_worker={per_worker})"
+        )
+    units, rest = divmod(total, align)
+    share = total * min(w) / sum(w) / per_worker
+    if units < nblocks or align > share:
+        raise PlanningError(
+            f"align={align} is larger than the smallest block's share ({share:.1f} of {total}); "
+            "use a smaller align or per_worker"
+        )
+    unit_caps = None
+    if caps is not None:
+        unit_caps = [None if c is None else c // align for c in caps]
+    shares = proportional_split(units, w, minimum=per_worker, caps=unit_caps)
+    plan = [[s * align for s in proportional_split(u, [1.0] * per_worker, minimum=1)] for u in shares]
+    plan[-1][-1] += rest
+    if caps is not None and caps[-1] is not None and sum(plan[-1]) > caps[-1]:
+        raise PlanningError(f"the last {rest} rows do not fit under the memory cap of the last worker")
+    return plan
+
+
+def reassign(owners: Sequence[str], weights: dict[str, float]) -> list[str]:
+    """Move the blocks of ``owners`` whose worker is not in ``weights`` to workers that are.
+
+    Blocks on surviving workers stay; the orphaned ones are shared among the survivors in
+    proportion to their weights (largest remainder), in block order. Returns the new owners.
+    """
+    alive = sorted(weights)
+    if not alive:
+        raise PlanningError("no surviving worker to take the blocks")
+    orphans = [i for i, w in enumerate(owners) if w not in weights]
+    counts = proportional_split(len(orphans), [weights[w] for w in alive])
+    targets = [w for w, c in zip(alive, counts) for _ in range(c)]
+    new = list(owners)
+    for i, w in zip(orphans, targets, strict=True):
+        new[i] = w
+    return new
+
+
+def row_segments(old: Sequence[int], new: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+    """For each new partition, the ``(old_partition, start, stop)`` row ranges it is made of.
+
+    ``old`` and ``new`` are partition lengths with the same sum; empty ranges are left out.
+    """
+    if sum(old) != sum(new):
+        raise PlanningError(f"old and new partitions hold different row counts ({sum(old)} != {sum(new)})")
+    out: list[list[tuple[int, int, int]]] = []
+    i, offset = 0, 0  # current old partition and the first row of it not yet used
+    for size in new:
+        parts = []
+        while size > 0:
+            while old[i] == offset:
+                i, offset = i + 1, 0
+            take = min(size, old[i] - offset)
+            parts.append((i, offset, offset + take))
+            offset += take
+            size -= take
+        out.append(parts)
+    return out
+
+
+def makespan(blocks: Sequence[Sequence[int]], weights: Sequence[float]) -> float:
+    """Predicted finish time of the slowest worker: its rows over its weight."""
+    return max(sum(b) / w for b, w in zip(blocks, _check_weights(weights), strict=True))
+
+
+def worth_moving(current: Sequence[int], planned: Sequence[Sequence[int]], weights: Sequence[float],
+                 min_gain: float) -> bool:
+    """Whether re-chunking ``current`` blocks (assigned in order, as ``planned`` groups them) into
+    ``planned`` shortens the predicted makespan by more than ``min_gain`` (a fraction)."""
+    counts = [len(b) for b in planned]
+    if len(current) != sum(counts):
+        return True
+    groups, start = [], 0
+    for n in counts:
+        groups.append(current[start:start + n])
+        start += n
+    return makespan(groups, weights) > (1 + min_gain) * makespan(planned, weights)

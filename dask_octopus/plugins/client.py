@@ -1,0 +1,127 @@
+"""Client-side entry points: register the plugins, read speeds and profiles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Client, default_client
+
+from dask_octopus.plugins.messages import Profile
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+from dask_octopus.profiling.speedmodel import check_resource
+
+
+class NotRegisteredError(RuntimeError):
+    """The scheduler has no dask_octopus plugin."""
+
+
+def register(client: Client | None = None, *, calibrate: bool = True, **options: Any) -> None:
+    """Install the octopus scheduler plugin (and through it the worker plugin) in one call.
+
+    Idempotent: a second call, or a call on a scheduler started with ``--preload dask_octopus``,
+    changes nothing. Workers that join later are calibrated when they arrive.
+
+    Parameters
+    ----------
+    client
+        The client of the cluster (default: the default client).
+    calibrate
+        Run the calibration probes on every worker and return once they are done. ``False``: the
+        weights start equal and come from task timings alone.
+    **options
+        ``calibration_seconds`` (probe budget per worker, default ``octopus.calibration.seconds``)
+        and ``device`` (``"auto"``, ``"cpu"``, ``"gpu"``, default ``octopus.calibration.device``).
+
+    Raises
+    ------
+    TypeError
+        For an unknown option.
+
+    Examples
+    --------
+    >>> from dask_cuda import LocalCUDACluster  # doctest: +SKIP
+    >>> client = Client(LocalCUDACluster())  # doctest: +SKIP
+    >>> dask_octopus.register(client)  # doctest: +SKIP
+    """
+    client = client or default_client()
+    unknown = set(options) - {"calibration_seconds", "device"}
+    if unknown:
+        raise TypeError(f"unknown register options: {sorted(unknown)}")
+    client.register_plugin(OctopusSchedulerPlugin(calibrate=calibrate, **options))
+
+
+def _has_plugin(dask_scheduler: Any) -> bool:
+    return OctopusSchedulerPlugin.name in dask_scheduler.plugins
+
+
+def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
+    """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
+    client = client or default_client()
+    if not client.run_on_scheduler(_has_plugin):
+        raise NotRegisteredError(
+            "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
+            "or start the scheduler with --preload dask_octopus"
+        )
+    return client.sync(getattr(client.scheduler, handler), **kwargs)
+
+
+def speeds(client: Client | None = None, resource: str = "compute") -> dict[str, float]:
+    """Current relative weights of the live workers for ``resource``.
+
+    Parameters
+    ----------
+    client
+        The client of the cluster (default: the default client).
+    resource
+        ``"compute"`` (GEMM FLOP/s, refined by task timings) or ``"memory"`` (streaming bytes/s).
+
+    Returns
+    -------
+    dict
+        Worker address -> weight; the weights sum to 1.
+
+    Raises
+    ------
+    NotRegisteredError
+        When the scheduler has no dask_octopus plugin.
+    ValueError
+        For an unknown ``resource``, or a cluster with no workers.
+
+    Examples
+    --------
+    >>> dask_octopus.speeds(client)  # doctest: +SKIP
+    {'tcp://10.0.0.1:40001': 0.7, 'tcp://10.0.0.2:40002': 0.3}
+    """
+    check_resource(resource)
+    return call_scheduler(client, "octopus_speeds", resource=resource)
+
+
+def profiles(client: Client | None = None, resource: str = "compute") -> dict[str, Profile]:
+    """Each worker's device, calibration figures, memory, current weight and task samples.
+
+    Parameters
+    ----------
+    client
+        The client of the cluster (default: the default client).
+    resource
+        The resource whose weight each profile carries: ``"compute"`` or ``"memory"``.
+
+    Returns
+    -------
+    dict
+        Worker address -> :class:`~dask_octopus.plugins.messages.Profile`.
+
+    Raises
+    ------
+    NotRegisteredError
+        When the scheduler has no dask_octopus plugin.
+    ValueError
+        For an unknown ``resource``, or a cluster with no workers.
+
+    Examples
+    --------
+    >>> dask_octopus.profiles(client)["tcp://10.0.0.1:40001"]["compute"]  # doctest: +SKIP
+    5.1e+13
+    """
+    check_resource(resource)
+    return call_scheduler(client, "octopus_profiles", resource=resource)

@@ -1,0 +1,40 @@
+"""Typed payloads of the scheduler plugin's RPC handlers (msgpack sends tuples as lists: the
+client side rebuilds :class:`WorkerInfo` with ``WorkerInfo.of``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypedDict
+
+
+class Profile(TypedDict, total=False):
+    """A worker's calibration as the worker plugin reports it, and, from ``octopus_profiles``, its
+    place in the cluster."""
+
+    device: str  #: ``"gpu"`` or ``"cpu"``
+    name: str  #: the GPU's name, or ``"CPU"``
+    compute: float  #: GEMM FLOP/s
+    memory: float  #: streaming bytes/s
+    memory_total: int  #: bytes of device memory (GPU) or of the memory limit / RAM (CPU)
+    memory_free: int  #: bytes free at calibration (GPU) or the memory limit (CPU)
+    probe_seconds: float  #: how long the probes took
+    error: str | None  #: why the calibration failed, if it did
+    calibrated: bool  #: ``False`` when registered with ``calibrate=False``
+    event_timing: bool  #: tasks timed with CUDA events on this worker
+    name_on_scheduler: str  #: the worker's name (``octopus_profiles``)
+    weight: float  #: current weight for the asked resource (``octopus_profiles``)
+    samples: int  #: task timings behind the weight (``octopus_profiles``)
+
+
+class WorkerInfo(NamedTuple):
+    """What ``map`` needs to know of one worker (``octopus_workers``)."""
+
+    weight: float  #: relative weight, as ``speeds`` gives it
+    threads: int  #: worker threads
+    fit: tuple[float, float] | None  #: ``(fixed, per_unit)`` seconds per item, once fitted
+
+    @classmethod
+    def of(cls, values: Sequence[Any]) -> WorkerInfo:
+        """Rebuild one from what came over the wire."""
+        weight, threads, fit = values
+        return cls(weight, threads, None if fit is None else (fit[0], fit[1]))

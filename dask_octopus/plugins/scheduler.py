@@ -1,0 +1,258 @@
+"""The scheduler plugin: worker profiles, online speed refinement, and block placement.
+
+Modelled on distributed's ``ShuffleSchedulerPlugin`` and ``ActiveMemoryManagerExtension``: it
+registers RPC handlers on the scheduler, pushes its worker plugin from :meth:`start`, and is
+idempotent (registering it again is a no-op). Errors inside its hooks are logged once per hook
+and never reach Dask: the computation then runs with Dask's own placement.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from dask.utils import parse_timedelta
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from dask_octopus import config
+from dask_octopus._checks import is_finite
+from dask_octopus.groups import scheduler as scheduler_groups
+from dask_octopus.groups.planning import ANNOTATION
+from dask_octopus.placement.pins import Placement
+from dask_octopus.plugins.messages import Profile, WorkerInfo
+from dask_octopus.plugins.worker import OctopusWorkerPlugin
+from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
+from dask_octopus.profiling.itemcosts import ItemCostFit
+from dask_octopus.profiling.speedmodel import SpeedModel, check_resource
+
+if TYPE_CHECKING:
+    from distributed.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guarded(func: F) -> F:
+    """Run a hook; on error log it once per hook and carry on as if the plugin were absent."""
+
+    @functools.wraps(func)
+    def wrapper(self: OctopusSchedulerPlugin, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(self, *args, **kwargs)
+        except Exception:
+            if func.__name__ not in self.failed_hooks:
+                self.failed_hooks.add(func.__name__)
+                logger.exception("dask_octopus: %s failed; Dask's default placement applies", func.__name__)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class OctopusSchedulerPlugin(SchedulerPlugin):
+    """Profiles workers, refines their speeds from task timings and pins planned blocks.
+
+    Configuration (``octopus.refine.*``, ``octopus.max-plans``) is read once, here, on the process
+    that makes the plugin, unless given as arguments; the worker plugin it sends reads
+    ``octopus.calibration.*`` likewise.
+    """
+
+    name = "octopus"
+    idempotent = True
+
+    #: sent to every worker from :meth:`start`
+    worker_plugin: OctopusWorkerPlugin
+    #: calibration priors refined by task timings
+    model: SpeedModel
+    #: shorter tasks are dominated by overhead and do not refine the speeds (seconds)
+    min_duration: float
+    #: balance and map plans, and the pins of their tasks
+    placement: Placement
+    #: per task prefix and worker: the per-item cost fit of ``map`` batches
+    item_costs: defaultdict[str, defaultdict[str, ItemCostFit]]
+    #: each live worker's calibration, as its worker plugin reported it
+    profiles: dict[str, Profile]
+    #: hooks that raised once (logged once each)
+    failed_hooks: set[str]
+    #: workers that sent a bad timing (warned once each)
+    bad_timings: set[str]
+    scheduler: Scheduler | None
+
+    def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
+                 device: str | None = None, *, alpha: float | None = None, confidence_samples: int | None = None,
+                 min_duration: str | float | None = None, max_plans: int | None = None):
+        def setting(value: Any, key: str) -> Any:
+            return value if value is not None else config.get(key)
+
+        self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
+        self.model = SpeedModel(alpha=setting(alpha, "refine.alpha"),
+                                confidence_samples=setting(confidence_samples, "refine.confidence-samples"))
+        self.min_duration = parse_timedelta(setting(min_duration, "refine.min-duration"))
+        self.placement = Placement(setting(max_plans, "max-plans"))
+        self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
+        self.profiles = {}
+        self.failed_hooks = set()
+        self.bad_timings = set()
+        self.scheduler = None
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler_groups.hosts.add(self)
+        scheduler.handlers.update({
+            "octopus_report": self.report,
+            "octopus_speeds": self.speeds,
+            "octopus_workers": self.workers,
+            "octopus_profiles": self.get_profiles,
+            "octopus_add_plan": self.add_plan,
+            "octopus_rates": self.model.table,
+        })
+        await scheduler.register_worker_plugin(
+            None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
+        )
+
+    async def close(self) -> None:
+        scheduler_groups.hosts.discard(self)
+
+    # -- RPC handlers -------------------------------------------------------------------------
+
+    def report(self, worker: str, profile: Profile) -> None:
+        """Store a worker's calibration; called by :class:`OctopusWorkerPlugin`."""
+        if worker not in self.scheduler.workers:
+            return  # it left while calibrating
+        self.profiles[worker] = profile
+        if profile.get("calibrated") is False:
+            return  # registered with calibrate=False: task timings alone set the weights
+        if profile.get("error"):
+            logger.warning("dask_octopus: worker %s has no calibration (%s); it gets the mean weight "
+                           "until task timings refine it", worker, profile["error"])
+            return
+        try:
+            self.model.set_prior(worker, {r: profile[r] for r in ("compute", "memory")})
+        except (KeyError, ValueError) as e:
+            profile["error"] = f"invalid calibration: {e}"
+            logger.warning("dask_octopus: ignoring calibration of %s: %s", worker, e)
+
+    def speeds(self, resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
+        """Relative weights of the live workers for ``resource`` (or for the tasks of ``prefix``
+        once every worker ran enough of them), summing to 1."""
+        check_resource(resource)
+        if not self.scheduler.workers:
+            raise ValueError("the cluster has no workers")
+        return self.model.weights(self.scheduler.workers, resource, prefix)
+
+    def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
+        """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, and the
+        ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
+        (:mod:`dask_octopus.profiling.itemcosts`)."""
+        weights = self.speeds(resource, prefix)
+        fits = self.item_costs.get(prefix, {}) if prefix is not None else {}
+        out = {}
+        for addr, ws in self.scheduler.workers.items():
+            fit = fits[addr].fit() if addr in fits else None
+            out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit))
+        return out
+
+    def get_profiles(self, resource: str = "compute") -> dict[str, Profile]:
+        """Per live worker: calibration figures, memory, current weight and refining samples."""
+        weights = self.speeds(resource)
+        out = {}
+        for addr, ws in self.scheduler.workers.items():
+            profile = Profile(**self.profiles.get(addr, {"error": "not calibrated"}))
+            if profile.get("device") != "gpu" and ws.memory_limit:
+                profile["memory_total"] = profile["memory_free"] = ws.memory_limit
+            profile.update(name_on_scheduler=str(ws.name), weight=weights[addr],
+                           samples=self.model.samples(addr))
+            out[addr] = profile
+        return out
+
+    def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
+                 counts: list[int] | None = None) -> None:
+        """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
+        ``costs[i]``, for ``counts[i]`` items)."""
+        unknown = sorted(set(workers) - set(self.scheduler.workers))
+        if unknown:
+            raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
+        for label, values in (("costs", costs), ("counts", counts)):
+            if values is not None and len(values) != len(workers):
+                raise ValueError(f"plan has {len(values)} {label} for {len(workers)} blocks")
+        if counts is not None and costs is None:
+            raise ValueError("plan has item counts without costs")
+        self.placement.add_plan(name, workers, axis, costs, counts)
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    @_guarded
+    def update_graph(self, scheduler: Scheduler, *, tasks: list, keys: set | None = None,
+                     annotations: dict | None = None, stimulus_id: str = "octopus-update-graph",
+                     **kwargs: Any) -> None:
+        self.placement.update_graph(scheduler, tasks)
+        marks = (annotations or {}).get(ANNOTATION)
+        if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
+            made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or ())
+            for gkey, members in made.items():
+                self.placement.inherit(gkey, members[0])
+            if unread:  # after update_graph: later plugins are still given these keys
+                scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
+
+    @_guarded
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "forgotten":
+            self.placement.forget(key)
+        elif finish == "memory" and start == "processing" and "startstops" in kwargs:
+            worker = kwargs["worker"]
+            if self.profiles.get(worker, {}).get("event_timing"):
+                return  # CuPy tasks return at launch: this worker reports CUDA-event timings instead
+            ts = self.scheduler.tasks.get(key)
+            if ts is None:
+                return
+            seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
+            if seconds < self.min_duration:
+                return  # most tasks: skip the bytes count (_observe would drop the timing anyway)
+            nbytes = kwargs.get("nbytes")
+            units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+            units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+            self._observe(worker, key, ts.prefix.name, units, seconds)
+
+    @_guarded
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic == GPU_TIMINGS and msg.get("worker") in self.scheduler.workers:
+            for key, prefix, units, seconds in msg["timings"]:
+                key = tuple(key) if isinstance(key, list) else key  # msgpack turned tuple keys into lists
+                self._observe(msg["worker"], key, prefix, units, seconds)
+
+    def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float) -> None:
+        """Feed one task timing to the model; a planned task's cost replaces its bytes as work units."""
+        if not is_finite(seconds, positive=True):
+            if worker not in self.bad_timings:
+                self.bad_timings.add(worker)
+                logger.warning("dask_octopus: ignoring task timings of %s that are not finite and > 0 "
+                               "(got %r for %s)", worker, seconds, prefix)
+            return
+        if seconds >= self.min_duration:
+            planned = self.placement.cost_of(key)
+            cost, count = planned if planned is not None else (None, None)
+            self.model.observe(worker, prefix, max(units if cost is None else cost, 1), seconds)
+            if count is not None:
+                self.item_costs[prefix][worker].add(count, cost, seconds)
+
+    @_guarded
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self._rehome("add-worker")
+
+    @_guarded
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        self.profiles.pop(worker, None)
+        self.model.remove(worker)
+        for fits in self.item_costs.values():
+            fits.pop(worker, None)
+        self.bad_timings.discard(worker)
+        self._rehome(stimulus_id)
+
+    def _rehome(self, stimulus_id: str) -> None:
+        if self.scheduler.workers:
+            n = self.placement.rehome(self.scheduler, self.speeds(), stimulus_id)
+            if n:
+                logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left", n)

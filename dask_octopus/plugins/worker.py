@@ -1,0 +1,118 @@
+"""Worker plugin: calibrate the worker when it starts, report to the scheduler, time GPU tasks, and
+own the worker's stream-group state (:class:`~dask_octopus.groups.streams.StreamRuntime`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import pickle
+
+from dask_octopus import config
+from dask_octopus.groups.streams import EXTENSION, StreamRuntime
+from dask_octopus.plugins.messages import Profile
+from dask_octopus.profiling.gpu_timing import GpuTaskTimer
+from dask_octopus.profiling.probes import gpu_available, run_probes
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class OctopusWorkerPlugin(WorkerPlugin):
+    """Runs the calibration probes once per worker (also on workers that join later), unless
+    ``calibrate=False``, when weights come from task timings alone.
+
+    Figures, or the probe's error, go to the scheduler plugin through its ``octopus_report``
+    handler before :meth:`setup` returns, so registration waits for the calibration. On a GPU
+    worker with one thread it also times tasks with CUDA events (:mod:`dask_octopus.profiling.gpu_timing`).
+    A task that runs out of memory gets a note naming the worker, the bytes of its block and what
+    to change in the plan. It installs the worker's :class:`~dask_octopus.groups.streams.StreamRuntime`
+    (stream pools, captured graphs) as the worker extension ``octopus-streams`` and drops it on
+    teardown.
+
+    Arguments left ``None`` come from ``dask.config`` (``octopus.calibration.*``), read once here, on
+    the client or scheduler that makes the plugin.
+    """
+
+    name = "octopus-worker"
+    idempotent = True
+
+    #: run the probes (else the weights come from task timings alone)
+    calibrate: bool
+    #: probe budget in seconds
+    seconds: float
+    #: ``"auto"``, ``"cpu"`` or ``"gpu"``
+    device: str
+    #: CUDA-event task timer (GPU workers with one thread)
+    timer: GpuTaskTimer | None
+    worker: Worker | None
+    #: this worker's calibration, as sent to the scheduler
+    profile: Profile
+
+    def __init__(self, seconds: float | None = None, device: str | None = None, calibrate: bool = True):
+        self.calibrate = calibrate
+        self.seconds = seconds if seconds is not None else config.get("calibration.seconds")
+        self.device = device or config.get("calibration.device")
+        self.timer = None
+        self.worker = None
+        self.profile = {}
+
+    async def setup(self, worker: Worker) -> None:
+        self.worker = worker
+        runtime = worker.extensions.setdefault(EXTENSION, StreamRuntime())
+        profile: Profile
+        if not self.calibrate:
+            gpu = self.device == "gpu" or (self.device == "auto" and gpu_available())
+            profile = {"calibrated": False, "device": "gpu" if gpu else "cpu", "error": None}
+        else:
+            try:
+                profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, self.device)
+                profile["error"] = None
+            except Exception as e:  # reported to the scheduler; the worker keeps working
+                logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
+                profile = {"error": f"{type(e).__name__}: {e}"}
+        if profile.get("device") == "gpu" and worker.state.nthreads == 1:
+            self.timer = GpuTaskTimer(worker)
+        profile["event_timing"] = self.timer is not None
+        if profile.get("memory"):
+            runtime.bandwidth = profile["memory"]
+        self.profile = profile
+        await worker.scheduler.octopus_report(worker=worker.address, profile=profile)
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        if self.timer is not None:
+            self.timer.transition(key, start, finish)
+        if finish == "error" and self.worker is not None:
+            self._explain_out_of_memory(key)
+
+    def _explain_out_of_memory(self, key: Any) -> None:
+        """Add the note to an out-of-memory error; the worker holds it pickled inside a ``Serialize``
+        that the task-erred message shares, so the note travels to the client with it."""
+        ts = self.worker.state.tasks.get(key)
+        wrapped = getattr(ts, "exception", None)
+        try:
+            exc = pickle.loads(wrapped.data)
+        except Exception:
+            return
+        if not (isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__):
+            return
+        nbytes = sum(d.nbytes or 0 for d in ts.dependencies)
+        fraction = config.get("balance.memory-fraction")
+        exc.add_note(
+            f"dask_octopus: worker {self.worker.address} ran out of memory on task {key!r}, whose inputs "
+            f"hold {nbytes / 2**20:.1f} MiB. If dask_octopus.balance planned this block, make blocks "
+            f"smaller with per_worker=2 or more, or lower octopus.balance.memory-fraction (now {fraction})."
+        )
+        wrapped.data = pickle.dumps(exc)
+
+    def teardown(self, worker: Worker) -> None:
+        if self.timer is not None:
+            self.timer.stop()
+            self.timer = None
+        runtime = worker.extensions.pop(EXTENSION, None)
+        if runtime is not None:
+            runtime.close()

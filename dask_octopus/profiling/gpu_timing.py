@@ -1,0 +1,68 @@
+"""Real GPU time of each task on a CuPy worker, from CUDA events.
+
+A CuPy task returns as soon as its kernels are launched, so the ``startstops`` the scheduler sees
+measure launches, not work. On a GPU worker with one thread (dask-cuda's default) the worker plugin
+records an event on the default stream when a task starts executing and another when it finishes;
+the elapsed time between them is the GPU time of that task's kernels. Finished pairs are polled
+without blocking and sent to the scheduler plugin as ``octopus-gpu-timings`` events of
+``(key, prefix, bytes, seconds)``.
+Assumes the legacy default stream (no per-thread default stream), as dask-cuda sets it up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from dask.utils import key_split
+from tornado.ioloop import PeriodicCallback
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+TOPIC = "octopus-gpu-timings"
+
+
+class GpuTaskTimer:
+    """Brackets each executing task with CUDA events and reports ``(key, prefix, bytes, seconds)``."""
+
+    def __init__(self, worker: Worker, interval_ms: float = 200):
+        import cupy
+
+        self.cupy = cupy
+        self.worker = worker
+        self.started: dict[Any, Any] = {}
+        self.finished: deque[tuple[Any, int, Any, Any]] = deque()
+        # the worker stops its periodic callbacks when it closes
+        self.callback = worker.periodic_callbacks[TOPIC] = PeriodicCallback(self.flush, interval_ms)
+        self.callback.start()
+
+    def _event(self) -> Any:
+        ev = self.cupy.cuda.Event(block=False, disable_timing=False)
+        ev.record()
+        return ev
+
+    def transition(self, key: Any, start: str, finish: str) -> None:
+        if finish == "executing":
+            self.started[key] = self._event()
+        elif start == "executing":
+            begin = self.started.pop(key, None)
+            ts = self.worker.state.tasks.get(key)
+            if begin is not None and finish == "memory" and ts is not None:
+                units = (ts.nbytes or 0) + sum(d.nbytes or 0 for d in ts.dependencies)
+                self.finished.append((key, max(units, 1), begin, self._event()))
+
+    def flush(self) -> None:
+        """Send the timings whose end event has completed."""
+        out = []
+        while self.finished and self.finished[0][3].done:
+            key, units, begin, end = self.finished.popleft()
+            out.append((key, key_split(key), units, self.cupy.cuda.get_elapsed_time(begin, end) / 1000))
+        if out:
+            self.worker.log_event(TOPIC, {"worker": self.worker.address, "timings": out})
+
+    def stop(self) -> None:
+        self.callback.stop()
+        self.worker.periodic_callbacks.pop(TOPIC, None)
+        self.started.clear()
+        self.finished.clear()

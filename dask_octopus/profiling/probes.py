@@ -1,0 +1,106 @@
+"""Calibration probes run on a worker: one compute-bound GEMM, one memory-bound streaming pass.
+
+CuPy on a GPU worker (device 0 of the worker's ``CUDA_VISIBLE_DEVICES``, as dask-cuda sets it),
+NumPy on a CPU worker. Each probe warms up, then repeats its operation for a time budget and
+reports throughput (total work / elapsed time), synchronising the device before reading a clock
+so a co-tenant that time-slices the device shows up as a lower figure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dask_octopus._checks import check_finite
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float, seconds: float) -> float:
+    """Work per second of ``step`` repeated for about ``seconds`` after two warm-up calls."""
+    step()
+    step()
+    sync()
+    reps = 0
+    start = time.perf_counter()
+    while True:
+        step()
+        reps += 1
+        if reps % 4 == 0 or reps < 4:
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    return check_finite(work * reps / elapsed, f"the probe's rate over {elapsed!r} s", error=RuntimeError)
+
+
+def _gemm_rate(xp: Any, n: int, sync: Callable[[], None], seconds: float) -> float:
+    """FLOP/s of an ``n x n`` float32 matrix product with the array module ``xp``."""
+    a = xp.random.default_rng(0).random((n, n), dtype=xp.float32)
+    b = a.T.copy()
+    out = xp.empty_like(a)
+    return _throughput(lambda: xp.matmul(a, b, out=out), sync, 2.0 * n**3, seconds)
+
+
+def _stream_rate(xp: Any, elements: int, sync: Callable[[], None], seconds: float) -> float:
+    """Bytes/s of an elementwise ``sqrt(x) * 2 + 1`` over ``elements`` float32 values (three passes,
+    each reading and writing the array)."""
+    x = xp.ones(elements, dtype=xp.float32)
+    y = xp.empty_like(x)
+
+    def stream() -> None:
+        xp.sqrt(x, out=y)
+        xp.multiply(y, 2, out=y)
+        xp.add(y, 1, out=y)
+
+    return _throughput(stream, sync, 6.0 * x.nbytes, seconds)
+
+
+def _probe_cpu(seconds: float) -> dict[str, Any]:
+    import numpy as np
+    import psutil
+
+    compute = _gemm_rate(np, 384, lambda: None, seconds / 2)
+    memory = _stream_rate(np, 4 * 2**20, lambda: None, seconds / 2)  # 16 MiB: larger than caches
+    vm = psutil.virtual_memory()
+    return {"device": "cpu", "name": "CPU", "compute": compute, "memory": memory,
+            "memory_total": int(vm.total), "memory_free": int(vm.available)}
+
+
+def _probe_gpu(seconds: float) -> dict[str, Any]:
+    import cupy
+
+    sync = cupy.cuda.get_current_stream().synchronize
+    try:
+        compute = _gemm_rate(cupy, 4096, sync, seconds / 2)
+        memory = _stream_rate(cupy, 64 * 2**20, sync, seconds / 2)  # 256 MiB
+    finally:
+        cupy.get_default_memory_pool().free_all_blocks()
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    free, total = cupy.cuda.runtime.memGetInfo()
+    name = props["name"]
+    return {"device": "gpu", "name": name.decode() if isinstance(name, bytes) else str(name),
+            "compute": compute, "memory": memory, "memory_total": int(total), "memory_free": int(free)}
+
+
+def run_probes(seconds: float = 0.6, device: str = "auto") -> dict[str, Any]:
+    """Calibrate this process's device; returns figures (FLOP/s, bytes/s, memory) and timing.
+
+    ``device`` is ``"auto"`` (GPU when CuPy sees one), ``"gpu"`` or ``"cpu"``.
+    """
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"unknown calibration device {device!r}: expected auto, cpu or gpu")
+    use_gpu = device == "gpu" or (device == "auto" and gpu_available())
+    start = time.perf_counter()
+    result = _probe_gpu(seconds) if use_gpu else _probe_cpu(seconds)
+    result["probe_seconds"] = time.perf_counter() - start
+    return result

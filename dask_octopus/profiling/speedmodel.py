@@ -1,0 +1,130 @@
+"""Pure speed model: calibration priors refined by observed task timings.
+
+No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
+``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
+prefix): an exponentially weighted average of the task's rate (work units per second, units being
+the bytes it read and wrote). For a prefix seen on several workers, each worker's rate relative to
+the geometric mean of the others is its observed relative speed. Prefixes count in proportion to
+the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial
+results, which latency dominates). A prefix counts only on workers that ran it
+``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
+steady work. The observed speed then replaces the prior, so a worker that slows down mid-run
+loses weight within a few tasks of each prefix. Asked for one prefix, the model answers with that
+prefix's speeds alone once every worker has them (``map`` plans a function by its own speeds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dask_octopus._checks import check_finite
+
+RESOURCES = ("compute", "memory")
+
+
+def check_resource(resource: str) -> str:
+    """Return ``resource`` if it is a known resource class, else raise ``ValueError``."""
+    if resource not in RESOURCES:
+        raise ValueError(f"unknown resource {resource!r}: expected one of {', '.join(RESOURCES)}")
+    return resource
+
+
+@dataclass
+class _Rate:
+    value: float  # moving average of units per second
+    seconds: float  # moving average of one task's duration
+    count: int = 1
+
+
+@dataclass
+class SpeedModel:
+    """Per-worker speed estimates; see the module docstring for the model.
+
+    ``alpha`` is the weight of a new observation in the moving average; a worker's observed
+    speed replaces its prior once a prefix it shares with another worker has ``confidence_samples``
+    observations on both.
+    """
+
+    alpha: float = 0.5
+    confidence_samples: int = 3
+    priors: dict[str, dict[str, float]] = field(default_factory=dict)
+    rates: defaultdict[str, dict[str, _Rate]] = field(default_factory=lambda: defaultdict(dict))
+
+    def set_prior(self, worker: str, speeds: dict[str, float]) -> None:
+        """Record the calibrated speeds of ``worker``; non-finite or non-positive ones are refused."""
+        for resource, value in speeds.items():
+            check_resource(resource)
+            check_finite(value, f"{resource} speed of {worker}")
+        self.priors[worker] = dict(speeds)
+
+    def remove(self, worker: str) -> None:
+        """Forget everything about ``worker``."""
+        self.priors.pop(worker, None)
+        for per_worker in self.rates.values():
+            per_worker.pop(worker, None)
+
+    def observe(self, worker: str, prefix: str, units: float, seconds: float) -> None:
+        """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
+        check_finite(seconds, "task duration")
+        check_finite(units, "task work units")
+        rate = units / seconds
+        current = self.rates[prefix].get(worker)
+        if current is None:
+            self.rates[prefix][worker] = _Rate(rate, seconds)
+        else:
+            current.value = self.alpha * rate + (1 - self.alpha) * current.value
+            current.seconds = self.alpha * seconds + (1 - self.alpha) * current.seconds
+            current.count += 1
+
+    def _observed(self, workers: list[str],
+                  prefixes: Iterable[str] | None = None) -> tuple[dict[str, float], dict[str, int]]:
+        """Observed relative speed (geometric mean 1 per prefix) and sample count per worker, over
+        ``prefixes`` (default: all)."""
+        logsum: dict[str, float] = defaultdict(float)
+        wsum: dict[str, float] = defaultdict(float)
+        samples: dict[str, int] = defaultdict(int)
+        chosen = self.rates.values() if prefixes is None else [self.rates[p] for p in prefixes if p in self.rates]
+        for per_worker in chosen:
+            seen = {w: r for w, r in per_worker.items() if w in workers and r.count >= self.confidence_samples}
+            if len(seen) < 2:
+                continue
+            mean = sum(math.log(r.value) for r in seen.values()) / len(seen)
+            duration = sum(r.seconds for r in seen.values()) / len(seen)
+            for w, r in seen.items():
+                weight = min(r.count, self.confidence_samples) * duration
+                logsum[w] += weight * (math.log(r.value) - mean)
+                wsum[w] += weight
+                samples[w] += r.count
+        return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
+
+    def table(self) -> dict[str, dict[str, tuple[float, float, int]]]:
+        """Observed ``(units per second, seconds per task, count)`` per prefix and worker."""
+        return {p: {w: (r.value, r.seconds, r.count) for w, r in per.items()} for p, per in self.rates.items()}
+
+    def samples(self, worker: str) -> int:
+        """Number of task timings of ``worker`` that count (prefixes seen often enough on two workers or more)."""
+        return self._observed(list({w for r in self.rates.values() for w in r}))[1].get(worker, 0)
+
+    def weights(self, workers: Iterable[str], resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
+        """Relative weights of ``workers`` for ``resource``, summing to 1. With ``prefix``, and when
+        every one of ``workers`` ran that prefix ``confidence_samples`` times, that prefix's own
+        observed speeds alone (the speeds of that kind of work)."""
+        check_resource(resource)
+        workers = sorted(workers)
+        if not workers:
+            raise ValueError("no workers to weigh")
+        if prefix is not None:
+            own = self._observed(workers, [prefix])[0]
+            if len(own) == len(workers):
+                total = sum(own.values())
+                return {w: own[w] / total for w in workers}
+        prior = {w: self.priors.get(w, {}).get(resource) for w in workers}
+        known = [math.log(v) for v in prior.values() if v]
+        mean = sum(known) / len(known) if known else 0.0
+        observed = self._observed(workers)[0]
+        speed = {w: observed.get(w) or math.exp(math.log(prior[w]) - mean if prior[w] else 0.0) for w in workers}
+        total = sum(speed.values())
+        return {w: s / total for w, s in speed.items()}

@@ -1,0 +1,13 @@
+"""The package as a user imports it: light, and the harness apart from the product."""
+
+import subprocess
+import sys
+
+
+def test_import_adds_nothing_heavy_to_what_dask_array_and_distributed_load():
+    code = ("import sys, distributed, dask.array; before = set(sys.modules); import dask_octopus; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    added = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "dask_octopus.plugins.scheduler" in added  # the product is there
+    assert [m for m in added if not m.startswith("dask_octopus")] == []  # no matplotlib, rich, dataframe...
+    assert not [m for m in added if m.startswith("dask_octopus.bench")]  # the harness stays out
