@@ -44,7 +44,7 @@ from dask_octopus.bench.experiment import (
 from dask_octopus.bench.images import measure_scenario
 from dask_octopus.bench.operations import OPERATIONS, calibrated_ideal
 from dask_octopus.bench.record import header, write_json
-from dask_octopus.bench.timeline import plot_timelines
+from dask_octopus.bench.timeline import bar_chart, plot_timelines
 from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
 
@@ -52,26 +52,6 @@ BASELINES = ["defaults", "over-4", "over-16"]
 OCTOPUS = {"off": [], "balance": ["balance", "balance-4"], "streams": ["streams"],
            "all": ["balance", "balance-4", "streams", "balance-4-streams"]}
 UNITS = {"compute": ("GFLOP/s", 1e9), "memory": ("GB/s", 1e9)}
-
-
-def speedup_chart(seconds: dict[str, float], ideal: float | None, path: str, ylabel: str) -> str:
-    """Bars of each variant's median seconds, the ideal as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(seconds), 3))
-    ax.bar(list(seconds), list(seconds.values()), color=[f"C{i}" for i in range(len(seconds))])
-    if ideal:
-        ax.axhline(ideal, color="k", ls="--", label=f"ideal {ideal:.3f} s")
-        ax.legend()
-    ax.set_ylabel(ylabel)
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def spread(values: list[float]) -> float:
@@ -114,7 +94,7 @@ def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int
     console.print(array_table(op, results, ideal, measured, work))
     plot_timelines({v.name: v.median() for v in results.values()}, stem + "-timeline.png",
                    title=f"{op}, {size}x{ncols}" + (f", width {width}" if op == "matmul_iterate" else ""))
-    speedup_chart({n: v.seconds() for n, v in results.items()}, ideal, stem + "-speedup.png", "seconds per pass")
+    bar_chart({n: v.seconds() for n, v in results.items()}, ideal, stem + "-speedup.png", "seconds per pass")
     return {
         "resource": spec.resource, "work_per_pass": work, "work_formula": spec.formula,
         "ideal_seconds": ideal, "ideal_formula": "work per pass / sum of the workers' calibrated speeds "
@@ -166,7 +146,7 @@ def run_images(client: Client, names: list[str], scale: float, repeat: int, runs
     console.print(ends)
     totals = {v: sum(r["median_seconds"][v] for r in out["scenarios"].values()) for v in names}
     ideal_total = sum(r["ideal_seconds"] for r in out["scenarios"].values())
-    speedup_chart(totals, ideal_total, stem + "-speedup.png", "seconds, all five mixes (medians)")
+    bar_chart(totals, ideal_total, stem + "-speedup.png", "seconds, all five mixes (medians)")
     return out
 
 

@@ -7,7 +7,7 @@ from dask.utils import format_bytes
 from rich.console import Console
 from rich.table import Table
 
-from dask_octopus.profiling.probes import gpu_available
+from dask_octopus.profiling.probes import gpu_count
 
 
 def console() -> Console:
@@ -24,25 +24,32 @@ def main() -> None:
 
 @main.command()
 @click.option("--type", "kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              help="gpu: LocalCUDACluster on all GPUs; cpu: 2-worker LocalCluster; auto: gpu when CuPy sees one")
-@click.option("--rows", type=int, default=None, help="rows of the array [default: 400000 cpu, 1000000 gpu]")
-@click.option("--cols", type=int, default=None, help="columns [default: 256 cpu, 2048 gpu]")
-@click.option("--width", type=int, default=None, help="subspace width [default: 128 cpu, 2048 gpu]")
-@click.option("--passes", type=int, default=5, show_default=True)
-@click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="slow one worker down")
-@click.option("--out", default="octopus-demo", show_default=True, help="folder for the timeline PNG")
-def demo(kind: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
-         out: str) -> None:
-    """Iterative workload on a local cluster with one slowed worker: Dask defaults vs balance."""
-    from dask_octopus.bench.demo import run_demo  # the harness: the "bench" extra (matplotlib)
+              help="auto: GPUs where CuPy sees them (balance needs two); cpu: CPU workers; gpu: GPU workers only")
+@click.option("--part", type=click.Choice(["all", "balance", "tasks"]), default="all", show_default=True,
+              help="balance: two workers, one slowed down; tasks: many small tasks on one worker")
+@click.option("--rows", type=int, default=None, help="balance: rows of the array [default: 400000 cpu, 1000000 gpu]")
+@click.option("--cols", type=int, default=None, help="balance: columns [default: 256 cpu, 2048 gpu]")
+@click.option("--width", type=int, default=None, help="balance: subspace width [default: 128 cpu, 2048 gpu]")
+@click.option("--passes", type=int, default=3, show_default=True, help="balance: timed passes per variant")
+@click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="balance: slow one worker down")
+@click.option("--blocks", type=int, default=None, help="tasks: number of small blocks [default: 512 cpu, 1024 gpu]")
+@click.option("--runs", type=int, default=3, show_default=True, help="tasks: timed runs per variant")
+@click.option("--group", type=int, default=64, show_default=True, help="tasks: most tasks per stream group")
+@click.option("--out", default="octopus-demo", show_default=True, help="folder for the PNGs")
+def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
+         blocks: int | None, runs: int, group: int, out: str) -> None:
+    """Both halves of dask_octopus on this machine: balance (two workers, one slowed by a co-tenant) and
+    small tasks (Dask's per-task cost against stream groups and a plain loop), each with a table and a PNG."""
+    from dask_octopus.bench.demo import place_parts, run_demo  # the harness: the "bench" extra (matplotlib)
 
-    gpu = kind == "gpu" or (kind == "auto" and gpu_available())
-    rows = rows or (1_000_000 if gpu else 400_000)
-    cols = cols or (2048 if gpu else 256)
-    width = width or (2048 if gpu else 128)
+    gpus = gpu_count()
     try:
-        run_demo(gpu=gpu, rows=rows, cols=cols, width=width, passes=passes, out=out, cotenant=cotenant,
-                 console=console())
+        where = place_parts(kind, gpus, part)
+    except ValueError as e:  # the machine cannot run what was asked
+        raise click.UsageError(str(e)) from None
+    try:
+        run_demo(where, gpus=gpus, rows=rows, cols=cols, width=width, passes=passes, blocks=blocks, runs=runs,
+                 group=group, out=out, cotenant=cotenant, console=console())
     except KeyboardInterrupt:  # the cluster and the co-tenant were stopped on the way out
         console().print("interrupted: the local cluster and the co-tenant load are stopped")
         raise SystemExit(130) from None

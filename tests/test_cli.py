@@ -1,25 +1,73 @@
 """The command line: demo (small), profile, and the module entry point."""
 
 import os
+import re
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 from distributed import Client
 from distributed.utils_test import cluster
 
 import dask_octopus
+from dask_octopus.bench.demo import place_parts
 from dask_octopus.cli import main
+from dask_octopus.profiling.probes import gpu_count
 
 
-def test_demo_runs_on_cpu_and_writes_a_timeline(tmp_path):
-    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--rows", "20000", "--passes", "2",
+def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path):
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--rows", "20000", "--passes", "2", "--blocks", "64",
+                                       "--runs", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "machine: " in out and "CPU cores" in out and "GPUs: none" in out and "protocol: tcp" in out
+    assert "parts: balance on 2 CPU workers; small tasks on 1 CPU worker" in out
+    for text in ("calibrated weights", "equal", "balance", "speedup vs equal", "ideal", "timeline written"):
+        assert text in out
+    balance_rows = re.findall(r"│\s+(equal|balance) │\s+\d+ │\s+\d+\.\d{3} │", out)
+    assert balance_rows == ["equal", "balance"]  # each with its blocks and seconds per pass
+    assert "Small tasks: 64 blocks, one worker" in out
+    for label in ("Dask, unannotated", "annotated, first run", "annotated, repeated", "plain loop in the client"):
+        assert re.search(re.escape(label) + r" │.*│\s+\d+\.\d{4} │\s+\d+\.\d\dx │\s+\d+\.\d\d │", out), label
+    for png in ("demo-timeline.png", "demo-tasks.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_parts_run_one_at_a_time(tmp_path):
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--part", "tasks", "--blocks", "32", "--runs", "1",
                                        "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    for text in ("calibrated weights", "equal", "balance", "speedup vs equal", "ideal", "timeline written"):
-        assert text in result.output
-    png = tmp_path / "demo-timeline.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "balance not run; small tasks on 1 CPU worker" in result.output
+    assert "Small tasks: 32 blocks" in result.output and "calibrated weights" not in result.output
+    assert not (tmp_path / "demo-timeline.png").exists() and (tmp_path / "demo-tasks.png").exists()
+
+
+@pytest.mark.parametrize("kind, gpus, part, balance, tasks, note", [
+    ("auto", 0, "all", "cpu", "cpu", ""),
+    ("cpu", 2, "all", "cpu", "cpu", ""),
+    ("auto", 2, "all", "gpu", "gpu", ""),
+    ("gpu", 4, "all", "gpu", "gpu", ""),
+    ("auto", 1, "all", "cpu", "gpu", "one GPU: balance needs two workers"),
+    ("gpu", 1, "all", None, "gpu", "balance needs two workers or more and this machine has one GPU"),
+    ("gpu", 1, "balance", None, None, "balance needs two workers or more"),
+    ("auto", 1, "tasks", None, "gpu", ""),
+    ("auto", 2, "balance", "gpu", None, ""),
+])
+def test_demo_places_each_part_where_the_machine_allows(kind, gpus, part, balance, tasks, note):
+    where = place_parts(kind, gpus, part)
+    assert (where.balance, where.tasks) == (balance, tasks)
+    assert note in where.note and (note or not where.note)
+
+
+def test_demo_refuses_what_the_machine_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="unknown part 'fft'"):
+        place_parts("auto", 0, "fft")
+    with pytest.raises(ValueError, match="CuPy sees no GPU"):
+        place_parts("gpu", 0)
+    if gpu_count() == 0:
+        result = CliRunner().invoke(main, ["demo", "--type", "gpu", "--out", str(tmp_path)])
+        assert result.exit_code == 2 and "--type gpu: CuPy sees no GPU on this machine" in result.output
 
 
 def test_profile_prints_every_worker(loop):

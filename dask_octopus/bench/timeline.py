@@ -1,4 +1,4 @@
-"""Per-worker timelines (busy intervals of one pass) as a PNG."""
+"""The harness's PNGs: per-worker timelines (busy intervals of one pass) and bar charts."""
 
 from __future__ import annotations
 
@@ -30,6 +30,34 @@ def plot_timelines(panels: Mapping[str, PassRecord], path: str, title: str = "")
     axes[-1, 0].set_xlabel("seconds from pass start")
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bar_chart(seconds: Mapping[str, float], ideal: float | None, path: str, ylabel: str, log: bool = False,
+              title: str = "") -> str:
+    """Bars of each variant's median seconds, labelled, the ideal (if any) as a dashed line; returns
+    ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(seconds), 3.2))
+    bars = ax.bar(list(seconds), list(seconds.values()), color=[f"C{i}" for i in range(len(seconds))])
+    ax.bar_label(bars, labels=[f"{s:.3g} s" for s in seconds.values()], fontsize=8)
+    if ideal:
+        ax.axhline(ideal, color="k", ls="--", label=f"ideal {ideal:.3f} s")
+        ax.legend()
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", rotation=30)
+    plt.setp(ax.get_xticklabels(), ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -277,6 +277,15 @@ def scale_shift(block: Any) -> Any:
     return block * 2 + 1
 
 
+def elementwise_chain(block: Any) -> Any:
+    """Eight elementwise kernels on one block (NumPy or CuPy): ``sqrt(|(1.5 b + 0.5)^2 - 0.25|)
+    * 0.9 + 0.1``. Each is a memory pass; on a small block Dask's per-task cost dwarfs them all."""
+    y = block * 1.5 + 0.5
+    y = y * y - 0.25
+    y = abs(y) ** 0.5
+    return y * 0.9 + 0.1
+
+
 def square(block: Any) -> Any:
     """``b @ b`` of a square block: one GEMM that fills the GPU on large blocks."""
     return block @ block

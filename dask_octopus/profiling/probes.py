@@ -15,14 +15,19 @@ from typing import Any
 from dask_octopus._checks import check_finite
 
 
-def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+def gpu_count() -> int:
+    """The CUDA devices CuPy sees (0 when CuPy is not installed or sees none)."""
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
-        return False
+        return 0
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    return gpu_count() > 0
 
 
 def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float, seconds: float) -> float:
