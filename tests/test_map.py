@@ -9,6 +9,7 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, Nanny, wait
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster
 from test_balance import setup
 
@@ -195,3 +196,74 @@ async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(
     # by weights (equal) each would take one big item (10 s on crunches); by their seconds per
     # item both big ones go to launches (2 x 2 s) and the ten small ones to crunches (0.1 s)
     assert sorted(zip(plan.workers, plan.costs, plan.counts)) == sorted([(launches, 2000, 2), (crunches, 10, 10)])
+
+
+def fails_on_seven(x):
+    if x == 7:
+        raise ZeroDivisionError(f"item {x} is bad")
+    return x * 2
+
+
+@pytest.mark.parametrize("group", [None, 8])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_failing_item_fails_alone_with_its_own_exception_and_traceback(c, s, a, b, group):
+    import traceback
+
+    await setup(c, s, [1.0, 1.0])
+    futs = await call(c, fails_on_seven, list(range(40)), group=group)
+    await wait(futs)
+    assert [f.status for f in futs].count("error") == 1 and futs[7].status == "error"
+    assert await c.gather(futs[:7] + futs[8:]) == [2 * x for x in range(40) if x != 7]
+    with pytest.raises(ZeroDivisionError, match="item 7 is bad"):
+        await futs[7]
+    assert "fails_on_seven" in "".join(traceback.format_tb(await futs[7].traceback()))
+    assert await c.gather(futs, errors="skip") == [2 * x for x in range(40) if x != 7]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_delayed_items_with_the_default_cost_and_a_cost_callable(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    items = [dask.delayed(np.ones)(n) for n in (10, 20, 30)]
+    assert await c.gather(await call(c, np.sum, items)) == [10.0, 20.0, 30.0]
+    futs = await call(c, np.sum, items, cost=len, group=2)  # len runs on the worker that holds the item
+    assert await c.gather(futs) == [10.0, 20.0, 30.0]
+    _, plan = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if "-octopus-map-" in n][-1]
+    assert sum(plan.costs) == 60.0  # the items' lengths
+    with pytest.raises(ValueError, match="cost raised for item 1") as info:
+        await call(c, np.sum, items, cost=lambda a: 1 / (len(a) - 20))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+class InputsWhereRun(SchedulerPlugin):
+    """For each task of a map batch: where its inputs were when it ran, and where it ran."""
+
+    name = "inputs-where-run"
+
+    def __init__(self):
+        self.seen = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "memory" and "-octopus-map-" in str(key):
+            ts = self.scheduler.tasks[key]
+            self.seen[key] = ({ws.address for d in ts.dependencies for ws in d.who_has}, kwargs["worker"],
+                              len(ts.dependencies))
+
+    async def start(self, scheduler):
+        self.scheduler = scheduler
+
+
+def test_large_local_items_go_to_their_planned_worker_not_into_the_graph(recwarn):
+    items = [np.full(2**18, float(i)) for i in range(60)]  # 2 MiB each: 120 MiB in all
+    with dask.config.set({"octopus.refine.min-duration": "1h"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c, calibrate=False)
+        rec = InputsWhereRun()
+        c.register_plugin(rec)
+        rec = cluster.scheduler.plugins[rec.name]
+        futs = dask_octopus.map(np.sum, items, group=4)
+        assert c.gather(futs) == [2**18 * float(i) for i in range(60)]
+    assert sum(n for _, _, n in rec.seen.values()) == 60  # every item is a key: its data is not in the graph
+    assert len({worker for _, worker, _ in rec.seen.values()}) == 2
+    assert all(holders == {worker} for holders, worker, _ in rec.seen.values())  # and sat where it ran
+    assert not [w for w in recwarn if "Sending large graph" in str(w.message)]

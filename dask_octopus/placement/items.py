@@ -9,10 +9,11 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
+import cloudpickle
 from dask.base import is_dask_collection, tokenize
+from dask.sizeof import sizeof
 from dask.utils import funcname, key_split
 from distributed import Client, Future, default_client
-from distributed.protocol.pickle import dumps
 
 from dask_octopus._compat import LLGExpr, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
@@ -24,14 +25,38 @@ from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
 
 ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item's result from its batch
+SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
+
+
+class ItemError:
+    """The exception one item of a batch raised, in place of its result: the item's pick task raises it
+    (with its traceback), and the other items of the batch keep their results."""
+
+    __slots__ = ("exception",)
+
+    def __init__(self, exception: BaseException):
+        self.exception = exception
+
+
+def _each_on_its_own(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``call``, returning an :class:`ItemError` instead of raising."""
+
+    def run(item: Any) -> Any:
+        try:
+            return call(item)
+        except Exception as e:
+            return ItemError(e)
+
+    return run
 
 
 def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str, group: int) -> list[Any]:
-    """Run ``func`` on each item in one task, ``group`` items at a time as a stream group. The
-    token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is
-    computed once for the whole batch, when a group first asks for it."""
+    """Run ``func`` on each item in one task, ``group`` items at a time as a stream group; an item that
+    raises gives an :class:`ItemError` in its place. The token of ``func`` and ``kwargs`` (which
+    identifies the members' work on a GPU worker) is computed once for the whole batch, when a group
+    first asks for it."""
     token = functools.cache(lambda: tokenize(func, kwargs))
-    call = partial(func, **kwargs)
+    call = _each_on_its_own(partial(func, **kwargs))
     out: list[Any] = []
     for k in range(0, len(items), group):
         chunk = items[k:k + group]
@@ -41,21 +66,38 @@ def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
 
 
 async def _pick(batch: Sequence[Any], i: int) -> Any:
-    """Item ``i`` of a batch's results. A coroutine, so the worker runs it on its event loop instead
-    of handing it to its thread (120 items in groups of 8 on 2 CPU workers: 107 -> 64 ms)."""
-    return batch[i]
+    """Item ``i`` of a batch's results, or its exception raised. A coroutine, so the worker runs it on
+    its event loop instead of handing it to its thread (120 items in groups of 8 on 2 CPU workers:
+    107 -> 64 ms)."""
+    result = batch[i]
+    if isinstance(result, ItemError):
+        raise result.exception
+    return result
 
 
-def _costs(items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
+def _cost_of(cost: Callable[[Any], float], item: Any) -> tuple[bool, Any]:
+    """``(True, cost(item))``, or ``(False, the exception)``: run on the worker that holds the item."""
+    try:
+        return True, cost(item)
+    except Exception as e:
+        return False, e
+
+
+def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
+    """One cost per item. Futures (delayed items are futures by now) are equal by default, and a
+    ``cost`` callable runs on the worker that holds them (one task each, gathered at once)."""
     if cost is None:
-        return [float(getattr(it, "nbytes", 1)) if not isinstance(it, Future) else 1.0 for it in items]
+        return [1.0 if isinstance(it, Future) else float(getattr(it, "nbytes", 1)) for it in items]
     if callable(cost):
+        remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
+        found = dict(zip(remote, client.gather(client.map(partial(_cost_of, cost), [items[i] for i in remote],
+                                                          pure=False))))
         out = []
         for i, it in enumerate(items):
-            try:
-                out.append(cost(it))
-            except Exception as e:
-                raise ValueError(f"cost raised for item {i}: {e!r}") from e
+            ok, value = found[i] if i in found else _cost_of(cost, it)
+            if not ok:
+                raise ValueError(f"cost raised for item {i}: {value!r}") from value
+            out.append(value)
     else:
         out = list(cost)
         if len(out) != len(items):
@@ -141,6 +183,20 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], group: in
     return out
 
 
+def _scatter_to_plan(client: Client, items: list[Any], batches: list[tuple[str, list[int]]]) -> None:
+    """Replace the local items by futures of their data on the worker planned for them (one scatter per
+    worker), when they hold :data:`SCATTER_BYTES` or more in all: the graph then carries keys, not data."""
+    local = [i for i, it in enumerate(items) if not isinstance(it, Future)]
+    if sum(sizeof(items[i]) for i in local) < SCATTER_BYTES:
+        return
+    planned: dict[str, list[int]] = {}
+    for worker, idx in batches:
+        planned.setdefault(worker, []).extend(i for i in idx if not isinstance(items[i], Future))
+    for worker, idx in planned.items():
+        for i, fut in zip(idx, client.scatter([items[i] for i in idx], workers=[worker], hash=False)):
+            items[i] = fut
+
+
 def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
@@ -204,24 +260,25 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     if group is not None:
         check_group_spec(resource, group)
     try:
-        dumps(func)
+        cloudpickle.dumps(func)  # distributed's dumps would log its own tracebacks first
     except Exception as e:
         raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
     items = list(items)
     if not items:
         return []
     client = client or default_client()
-    costs = _costs(items, cost)
     delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
+    costs = _costs(client, items, cost)
     # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
     # under which its speeds are kept) stops at the first word with a character that is not a letter
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
     workers, threads, unfitted, packing = _plan_items(client, costs, resource, items, prefix)
     batches = _batches(costs, packing, threads, group, unfitted)
     token = tokenize(func, items, costs, kwargs, group, workers, batches)
+    _scatter_to_plan(client, items, [(workers[j], idx) for j, idx in batches])
     name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx in batches], counts=[len(idx) for _, idx in batches])
