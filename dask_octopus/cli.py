@@ -88,6 +88,9 @@ def profile(scheduler_address: str) -> None:
     import dask_octopus
 
     with Client(scheduler_address, timeout="10s") as client:
-        table = profile_table(dask_octopus.profiles(client, "compute"), dask_octopus.speeds(client, "memory"),
-                              f"dask_octopus profiles at {scheduler_address}")
+        try:
+            table = profile_table(dask_octopus.profiles(client, "compute"), dask_octopus.speeds(client, "memory"),
+                                  f"dask_octopus profiles at {scheduler_address}")
+        except (dask_octopus.NotRegisteredError, ValueError) as e:  # no plugin, no workers: say so, exit 1
+            raise click.ClickException(str(e)) from None
     console().print(table)

@@ -1,12 +1,17 @@
-"""dask_octopus defaults in ``dask.config`` under the ``octopus`` key (see ``octopus.yaml``)."""
+"""dask_octopus defaults in ``dask.config`` under the ``octopus`` key (see ``octopus.yaml``), and the
+one place that reads and checks them."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import dask.config
 import yaml
+from dask.utils import parse_bytes, parse_timedelta
+
+from dask_octopus._checks import is_finite
 
 with open(os.path.join(os.path.dirname(__file__), "octopus.yaml")) as f:
     defaults = yaml.safe_load(f)
@@ -14,7 +19,47 @@ with open(os.path.join(os.path.dirname(__file__), "octopus.yaml")) as f:
 dask.config.update_defaults(defaults)
 
 
-def get(key: str) -> Any:
-    """``octopus.<key>`` from ``dask.config``, or the package's default where the configuration has
-    no such key (Dask's test utilities, for one, replace the whole configuration)."""
-    return dask.config.get(f"octopus.{key}", default=dask.config.get(f"octopus.{key}", config=defaults))
+def _parses(parse: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    def ok(value: Any) -> bool:
+        try:
+            return is_finite(parse(value))
+        except (TypeError, ValueError, KeyError):
+            return False
+
+    return ok
+
+
+def _integer(minimum: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+_FRACTION = ("a number in (0, 1]", lambda v: is_finite(v, positive=True) and v <= 1)
+CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must be, check)
+    "calibration.seconds": ("a number > 0", lambda v: is_finite(v, positive=True)),
+    "calibration.device": ("one of auto, cpu, gpu", lambda v: v in ("auto", "cpu", "gpu")),
+    "refine.alpha": _FRACTION,
+    "refine.confidence-samples": ("an integer >= 1", _integer(1)),
+    "refine.min-duration": ("a duration such as 2ms", _parses(parse_timedelta)),
+    "balance.memory-fraction": _FRACTION,
+    "balance.min-gain": ("a number >= 0", is_finite),
+    "max-plans": ("an integer >= 1", _integer(1)),
+    "streams.max-streams": ("an integer >= 1", _integer(1)),
+    "streams.large-bytes": ("a size such as 128MiB", _parses(parse_bytes)),
+    "streams.capture": ("true or false", lambda v: isinstance(v, bool)),
+    "streams.capture-after": ("an integer >= 0", _integer(0)),
+    "streams.max-graphs": ("an integer >= 1", _integer(1)),
+}
+
+
+def get(key: str, override: Any = None) -> Any:
+    """``override`` if given, else ``octopus.<key>`` from ``dask.config``, else the package's default
+    (Dask's test utilities, for one, replace the whole configuration); raises ``ValueError`` naming
+    the key when the value is not what the key takes."""
+    if override is not None:
+        value = override
+    else:
+        value = dask.config.get(f"octopus.{key}", default=dask.config.get(f"octopus.{key}", config=defaults))
+    what, ok = CHECKS[key]
+    if not ok(value):
+        raise ValueError(f"octopus.{key} must be {what}, got {value!r}")
+    return value

@@ -174,6 +174,7 @@ def test_members_return_in_their_order_whatever_the_launch_order():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"resource": "disk"}, "unknown resource 'disk'"),
+    ({"resource": "disk"}, "expected one of auto, compute, memory"),
     ({"group": 0}, "group must be an integer >= 1"),
     ({"group": "8"}, "group must be an integer >= 1"),
 ])

@@ -222,3 +222,32 @@ async def test_out_of_memory_on_a_planned_block_names_worker_size_and_remedy(c, 
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert ("worker tcp://" in note and "0.5 MiB" in note and "per_worker=2" in note
             and "octopus.balance.memory-fraction" in note), note
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_dataframe_cuts_move_to_value_boundaries_and_keep_divisions(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    pdf = pd.DataFrame({"a": np.arange(5000), "b": np.arange(5000) * 0.5}, index=np.repeat(np.arange(50), 100))
+    df = dd.from_pandas(pdf, npartitions=4)
+    assert df.known_divisions
+    bdf = await run_balance(c, df)  # planned 3750 | 1250: the cut falls inside the run of value 37
+    assert bdf.npartitions == 2 and bdf.known_divisions, bdf.divisions
+    parts = await c.gather(c.compute(bdf.to_delayed()))
+    assert list(bdf.divisions[:-1]) == [p.index[0] for p in parts]
+    assert bdf.divisions[-1] == 49
+    assert all(abs(len(p) - n) <= 50 for p, n in zip(parts, [3750, 1250]))  # the nearer end of a 100-row run
+    assert all(len(p) % 100 == 0 for p in parts)
+    pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_dataframe_cuts_that_cannot_move_leave_divisions_unknown(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    pdf = pd.DataFrame({"a": np.arange(100)}, index=np.repeat([0, 1], [30, 70]))
+    df = dd.from_pandas(pdf, npartitions=2)
+    assert df.known_divisions
+    bdf = await run_balance(c, df, per_worker=2)  # planned 38, 37, 13, 12: all three cuts inside the run of 1
+    assert bdf.npartitions == 4 and not bdf.known_divisions and bdf.divisions == (None,) * 5
+    lengths = await c.compute(bdf.map_partitions(len))
+    assert list(lengths) == [38, 37, 13, 12]  # the plan is kept as it is
+    pd.testing.assert_frame_equal(await c.compute(bdf), pdf)

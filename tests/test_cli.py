@@ -83,8 +83,17 @@ def test_profile_prints_every_worker(loop):
 def test_profile_without_the_plugin_says_how_to_register(loop):
     with cluster(nworkers=1) as (s, _):
         result = CliRunner().invoke(main, ["profile", "--scheduler-address", s["address"]])
-    assert result.exit_code != 0
-    assert "dask_octopus.register(client)" in str(result.exception)
+    assert result.exit_code == 1
+    assert "dask_octopus.register(client)" in result.output and "Traceback" not in result.output
+    assert len(result.output.splitlines()) <= 2  # the message, not 54 lines of traceback
+
+
+def test_profile_without_workers_says_so(loop):
+    with cluster(nworkers=0) as (s, _), Client(s["address"], loop=loop) as c:
+        dask_octopus.register(c)
+        result = CliRunner().invoke(main, ["profile", "--scheduler-address", s["address"]])
+    assert result.exit_code == 1 and "Error: the cluster has no workers" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_module_entry_point():

@@ -1,6 +1,7 @@
 """dask_octopus.map: order, exact results, placement per plan, groups, faults, feedback, bad input."""
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster, Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 from test_balance import setup
 
 import dask_octopus
@@ -139,8 +140,10 @@ async def test_bad_input(c, s, a, b):
     for kwargs, exc, match in cases:
         with pytest.raises(exc, match=match):
             await call(c, np.sum, [0, 1, 2], **kwargs)
-    with pytest.raises(TypeError, match="cannot be pickled"):
+    with captured_logger("distributed", level=logging.ERROR) as log, \
+            pytest.raises(TypeError, match="cannot be pickled"):
         await call(c, lambda x: lock, [1])
+    assert log.getvalue() == ""  # our TypeError alone, no serialisation traceback before it
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")

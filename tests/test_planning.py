@@ -1,6 +1,8 @@
 """Properties of the pure planning math (hypothesis) and its errors."""
 
 import math
+from bisect import bisect_left, bisect_right
+from itertools import accumulate, pairwise
 
 import pytest
 from hypothesis import assume, given, settings
@@ -12,6 +14,7 @@ from dask_octopus.placement.planning import (
     proportional_split,
     reassign,
     row_segments,
+    snap_cuts,
     worth_moving,
 )
 
@@ -145,3 +148,37 @@ def test_the_plan_itself_is_never_worth_moving(weights, total):
     plan = block_sizes(total, weights) if total >= len(weights) and total * min(weights) / sum(weights) >= 1 else None
     assume(plan is not None)
     assert not worth_moving([b for blocks in plan for b in blocks], plan, weights, 0.0)
+
+
+@given(runs=st.lists(st.integers(1, 30), min_size=1, max_size=40), weights=weights_st)
+def test_snap_cuts_moves_each_cut_to_the_nearer_end_of_its_run(runs, weights):
+    total = sum(runs)
+    assume(total >= len(weights))
+    sizes = proportional_split(total, weights, minimum=1)
+    bounds = [0, *accumulate(runs)]  # where the value changes
+    cuts = list(accumulate(sizes[:-1]))
+    around = [(bounds[bisect_right(bounds, c) - 1], bounds[bisect_left(bounds, c)]) for c in cuts]
+    new = snap_cuts(sizes, around)
+    if new is None:  # only when two cuts, or a cut and an end, share a run
+        assert any(r >= l2 for (_, r), (l2, _) in pairwise(around)) or around[0][0] == 0 \
+            or around[-1][1] == total
+        return
+    assert sum(new) == total and all(n > 0 for n in new)
+    for moved, cut, (left, right) in zip(accumulate(new[:-1]), cuts, around):
+        assert moved in bounds and moved in (left, right)
+        assert abs(moved - cut) <= min(cut - left, right - cut)
+
+
+def test_snap_cuts_ties_and_failures():
+    assert snap_cuts([50, 50], [(40, 60)]) == [40, 60]  # a tie with nothing before it: the left end
+    assert snap_cuts([50, 50], [(50, 50)]) == [50, 50]  # already on a boundary
+    # the first cut moves 10 left; the second is a tie: the left end keeps the middle block at 50
+    assert snap_cuts([50, 50, 50], [(40, 70), (90, 110)]) == [40, 50, 60]
+    assert snap_cuts([50, 50, 50], [(30, 60), (90, 110)]) == [60, 50, 40]
+    assert snap_cuts([10, 10, 10], [(5, 30), (5, 30)]) is None  # the second cut would empty the last block
+    assert snap_cuts([8, 12], [(0, 20)]) is None  # the cut would empty the first block
+    assert snap_cuts([7], []) == [7]
+    with pytest.raises(PlanningError, match="does not hold the cut"):
+        snap_cuts([10, 10], [(12, 15)])
+    with pytest.raises(PlanningError, match="2 blocks have 1 cuts, got 0 runs"):
+        snap_cuts([10, 10], [])

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import warnings
 
 import pytest
 from distributed import Client, Worker
@@ -10,7 +11,7 @@ from distributed.utils_test import async_poll_for, captured_logger, cluster, gen
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
-from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
 
@@ -83,8 +84,12 @@ async def test_workers_that_join_are_calibrated_and_those_that_leave_drop_out(c,
 @gen_cluster(client=True, nthreads=[], config=FAST)
 async def test_no_workers(c, s):
     await c.register_plugin(OctopusSchedulerPlugin())
-    with pytest.raises(ValueError, match="no workers"):
-        await c.scheduler.octopus_speeds()
+    with captured_logger("distributed", level=logging.ERROR) as log:
+        with pytest.raises(ValueError, match="the cluster has no workers"):
+            await dask_octopus.speeds(c)
+        with pytest.raises(ValueError, match="the cluster has no workers"):
+            await dask_octopus.profiles(c)
+    assert log.getvalue() == ""  # a clear error for the caller, no traceback in the scheduler's log
 
 
 def test_speeds_before_register_and_unknown_resource(loop):
@@ -197,10 +202,11 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
     info = await c.scheduler.octopus_workers(prefix="octopus-map-f")
     assert info[a.address][2] is None  # never ran a batch
     assert info[b.address][2] == pytest.approx((0.01, 0.001))
-    with pytest.raises(ValueError, match="2 counts for 3 blocks"):
-        await c.scheduler.octopus_add_plan(name="x", workers=[b.address] * 3, costs=[1, 1, 1], counts=[1, 1])
-    with pytest.raises(ValueError, match="counts without costs"):
-        await c.scheduler.octopus_add_plan(name="x", workers=[b.address], counts=[1])
+    # bad plans are refused with a ValueError's message (the client raises it again)
+    reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address] * 3, costs=[1, 1, 1], counts=[1, 1])
+    assert "2 counts for 3 blocks" in reply[ERROR]
+    reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address], counts=[1])
+    assert "counts without costs" in reply[ERROR]
     await c.scheduler.retire_workers(workers=[b.address])
     assert b.address not in plugin(s).item_costs["octopus-map-f"]
 
@@ -215,3 +221,57 @@ def test_settings_fall_back_to_the_package_defaults_when_the_config_lacks_them(m
     with dask.config.set({"octopus.streams.max-graphs": 3}):
         assert config.get("streams.max-graphs") == 3
     OctopusSchedulerPlugin(calibrate=False)  # reads its settings without a KeyError
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_an_asynchronous_client_awaits_every_call(c, s, a, b):
+    import numpy as np
+
+    with pytest.raises(NotRegisteredError):
+        await dask_octopus.speeds(c)
+    assert await dask_octopus.register(c, calibrate=False) is None
+    assert "octopus" in s.plugins
+    weights = await dask_octopus.speeds(c, "memory")
+    assert set(weights) == {a.address, b.address} and math.isclose(sum(weights.values()), 1.0)
+    assert set(await dask_octopus.profiles(c)) == {a.address, b.address}
+    futs = await dask_octopus.map(np.sum, [np.ones(n) for n in (3, 5, 7)], client=c)
+    assert await c.gather(futs) == [3.0, 5.0, 7.0]
+    import dask.array as da
+
+    x = da.arange(40.0, chunks=10)
+    y = await dask_octopus.balance(x, client=c)
+    assert await c.compute(y.sum()) == float(np.arange(40.0).sum())
+    assert y.name in plugin(s).placement.plans
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_registering_again_with_other_options_says_it_changes_nothing(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    with pytest.warns(UserWarning, match=r"already registered .* changes nothing.*unregister_scheduler_plugin"):
+        await dask_octopus.register(c, calibration_seconds=0.2)
+    assert plugin(s).worker_plugin.calibrate is False  # the first registration stands
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await dask_octopus.register(c, calibrate=False)  # the same options: silent
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("balance.memory-fraction", "half", r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 'half'"),
+    ("balance.memory-fraction", 2, r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 2"),
+    ("refine.alpha", 0, "octopus.refine.alpha must be a number in"),
+    ("refine.confidence-samples", 1.5, "octopus.refine.confidence-samples must be an integer >= 1"),
+    ("refine.min-duration", "soon", "octopus.refine.min-duration must be a duration"),
+    ("calibration.device", "tpu", "octopus.calibration.device must be one of auto, cpu, gpu"),
+    ("streams.large-bytes", "big", "octopus.streams.large-bytes must be a size"),
+    ("streams.capture", "yes", "octopus.streams.capture must be true or false"),
+    ("max-plans", 0, "octopus.max-plans must be an integer >= 1"),
+])
+def test_bad_settings_raise_a_value_error_naming_the_key(key, value, message):
+    import dask
+
+    from dask_octopus import config
+
+    with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
+        config.get(key)
+    with pytest.raises(ValueError, match=r"octopus\.refine\.alpha must be"):
+        OctopusSchedulerPlugin(alpha=1.5)  # arguments are checked like the configuration

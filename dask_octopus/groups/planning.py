@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import zip_longest
 
-from dask_octopus.profiling.speedmodel import check_resource
+from dask_octopus.profiling.speedmodel import RESOURCES
 
 ANNOTATION = "octopus"  # the Dask annotation that carries a task's group spec
 
 
 def check_group_spec(resource: str, group: int) -> None:
     """Raise ``ValueError`` naming the problem for an unknown resource class or a group below 1."""
-    if resource != "auto":
-        check_resource(resource)
+    if resource != "auto" and resource not in RESOURCES:
+        raise ValueError(f"unknown resource {resource!r}: expected one of auto, {', '.join(RESOURCES)}")
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be an integer >= 1, got {group!r}")
 

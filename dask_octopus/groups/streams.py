@@ -75,9 +75,8 @@ class StreamRuntime:
 
     def __init__(self, max_graphs: int | None = None, capture_after: int | None = None,
                  max_classes: int = 4096, bandwidth: float = 100e9):
-        self.max_graphs = max_graphs if max_graphs is not None else config.get("streams.max-graphs")
-        self.capture_after = (capture_after if capture_after is not None
-                              else config.get("streams.capture-after"))
+        self.max_graphs = config.get("streams.max-graphs", max_graphs)
+        self.capture_after = config.get("streams.capture-after", capture_after)
         self.max_classes = max_classes
         self.bandwidth = bandwidth
         self.classes = OrderedDict()

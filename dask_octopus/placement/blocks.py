@@ -15,16 +15,17 @@ import dask
 import dask.array as da
 from dask.base import is_dask_collection, tokenize
 from dask.utils import format_bytes
-from distributed import Client, default_client
+from distributed import Client
 
 from dask_octopus import config
 from dask_octopus.placement.planning import (
     PlanningError,
     block_sizes,
     row_segments,
+    snap_cuts,
     worth_moving,
 )
-from dask_octopus.plugins.client import call_scheduler
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.profiling.speedmodel import check_resource
 
 
@@ -65,6 +66,7 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     return [s for blocks in plan for s in blocks], owners
 
 
+@awaitable_on_async_clients
 def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per_worker: int = 1,
             resource: str = "compute", align: int = 1) -> Any:
     """Same collection and values, in blocks sized by the workers' speeds and pinned to them.
@@ -119,7 +121,6 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
         raise TypeError(f"balance expects a dask array or dataframe, got {type(collection).__name__}")
     if isinstance(per_worker, bool) or not isinstance(per_worker, int) or per_worker < 1:
         raise ValueError(f"per_worker must be an integer >= 1, got {per_worker!r}")
-    client = client or default_client()
     if isinstance(collection, da.Array):
         return _balance_array(collection, client, axis, per_worker, resource, align)
     import dask.dataframe as dd
@@ -167,35 +168,76 @@ def _take_rows(pieces: list[tuple[Any, int, int]]) -> Any:
     return parts[0] if len(parts) == 1 else concat(parts)
 
 
-def _index_at(part: Any, row: int) -> Any:
-    return part.index[row]
+def _run_at(part: Any, row: int) -> tuple[int, int, Any, Any] | None:
+    """The run of index values equal to the one at ``row`` of a partition: its ``(start, stop)`` rows,
+    that value and the value after the run (None at the partition's end); None when the index is
+    not sorted (pandas or cuDF)."""
+    index = part.index
+    if not index.is_monotonic_increasing:
+        return None
+    value = index[row]
+    start, stop = int(index.searchsorted(value, side="left")), int(index.searchsorted(value, side="right"))
+    return start, stop, value, index[stop] if stop < len(index) else None
 
 
 def _balance_frame(df: Any, client: Client, per_worker: int, resource: str, align: int) -> Any:
+    """Rows in the planned partitions. With known divisions, each cut between new partitions moves to
+    the nearer end of the run of equal index values it falls in, so that the divisions stay known: a
+    partition then differs from the plan by less than the runs at its two cuts (the plan's balance is
+    kept to within one run of equal values). Divisions become unknown only when moving a cut would
+    empty a partition or pass another cut."""
     import dask.dataframe as dd
     from dask import delayed
 
     lengths, memory = client.gather(client.compute([df.map_partitions(len), df.memory_usage_per_partition(deep=True)]))
     lengths = [int(n) for n in lengths]
     sizes, workers = _plan(client, sum(lengths), float(sum(memory)), resource, per_worker, align, lengths)
-    segments = row_segments(lengths, sizes)
     parts = df.to_delayed()
+    divisions = None
+    if df.known_divisions:
+        sizes, divisions = _snapped(client, df, parts, lengths, sizes)
+    segments = row_segments(lengths, sizes)
     name = "octopus-rows-" + tokenize(df, sizes)
     blocks = [delayed(_take_rows)([(parts[i], a, b) for i, a, b in seg], dask_key_name=(name, j))
               for j, seg in enumerate(segments)]
-    divisions = _divisions(client, df, parts, segments) if df.known_divisions else None
     call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0)
     return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
 
 
-def _divisions(client: Client, df: Any, parts: list, segments: list[list[tuple[int, int, int]]]) -> list | None:
-    """Divisions of the new partitions when the cuts fall between distinct index values, else None."""
+def _snapped(client: Client, df: Any, parts: list, lengths: list[int],
+             sizes: list[int]) -> tuple[list[int], list | None]:
+    """Sizes whose cuts sit on index value boundaries and the divisions they give; the planned sizes
+    and None when a cut cannot move (see :func:`snap_cuts`) or a partition's index is not sorted.
+
+    Old partition edges are boundaries already (a value never spans two partitions of known
+    divisions); for the other cuts, one small task per cut on the partition holding it, all
+    computed in one round trip."""
+    from bisect import bisect_right
+    from itertools import accumulate
+
     from dask import delayed
 
-    firsts = [delayed(_index_at)(parts[seg[0][0]], seg[0][1]) for seg in segments]
-    lasts = [delayed(_index_at)(parts[seg[-1][0]], seg[-1][2] - 1) for seg in segments]
-    values = client.gather(client.compute(firsts + lasts))
-    firsts, lasts = values[: len(segments)], values[len(segments):]
-    if any(not last < first for last, first in zip(lasts[:-1], firsts[1:])):
-        return None  # equal index values straddle a cut: divisions would lie
-    return [*firsts, df.divisions[-1]]
+    ends = list(accumulate(lengths))
+    starts = [*(e - n for e, n in zip(ends, lengths)), ends[-1]]  # and the end, as a partition to come
+    where = []  # (old partition, row in it) of the first row after each cut
+    for cut in accumulate(sizes[:-1]):
+        i = bisect_right(ends, cut)  # the first partition ending after the cut (not empty), or the end
+        where.append((i, cut - starts[i]))
+    inner = [(i, r) for i, r in where if r > 0]
+    found = client.gather(client.compute([delayed(_run_at)(parts[i], r) for i, r in inner])) if inner else []
+    if any(f is None for f in found):
+        return sizes, None
+    runs, firsts, found = [], [], iter(found)
+    for i, r in where:
+        if r == 0:
+            runs.append((starts[i], starts[i]))
+            firsts.append({starts[i]: df.divisions[i]})
+            continue
+        start, stop, value, after = next(found)
+        runs.append((starts[i] + start, starts[i] + stop))
+        firsts.append({starts[i] + start: value, starts[i] + stop: df.divisions[i + 1] if after is None else after})
+    new = snap_cuts(sizes, runs)
+    if new is None:
+        return sizes, None
+    cuts = accumulate(new[:-1])
+    return new, [df.divisions[0], *(first[cut] for first, cut in zip(firsts, cuts)), df.divisions[-1]]

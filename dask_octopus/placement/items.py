@@ -13,13 +13,13 @@ import cloudpickle
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split
-from distributed import Client, Future, default_client
+from distributed import Client, Future
 
 from dask_octopus._compat import LLGExpr, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement.packing import Packing, check_costs, pack
-from dask_octopus.plugins.client import call_scheduler
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.plugins.messages import WorkerInfo
 from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
@@ -201,6 +201,7 @@ def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
 
+@awaitable_on_async_clients
 def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
         client: Client | None = None, group: int | None = None, resource: str = "compute",
         **kwargs: Any) -> list[Future]:
@@ -266,7 +267,6 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     items = list(items)
     if not items:
         return []
-    client = client or default_client()
     delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):

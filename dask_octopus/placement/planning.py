@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
 from dask_octopus._checks import is_finite
 
@@ -161,6 +162,34 @@ def row_segments(old: Sequence[int], new: Sequence[int]) -> list[list[tuple[int,
             size -= take
         out.append(parts)
     return out
+
+
+def snap_cuts(sizes: Sequence[int], runs: Sequence[tuple[int, int]]) -> list[int] | None:
+    """``sizes`` with every cut moved to the nearer end of the run of equal values around it.
+
+    Cut ``j`` is the row position after block ``j`` (``sum(sizes[:j + 1])``); ``runs[j]`` are the
+    global positions ``(left, right)`` where the run of equal values around it starts and ends
+    (``left == right``, the cut itself, when it already sits on a value boundary). Ties go to the
+    end that keeps the block before the cut (whose start is settled) closer to its planned size,
+    then to the left end. Each cut moves by at most half its run. Returns the new sizes, or None
+    when a moved cut would empty a planned block or pass another cut.
+    """
+    if len(runs) != max(len(sizes) - 1, 0):
+        raise PlanningError(f"{len(sizes)} blocks have {len(sizes) - 1} cuts, got {len(runs)} runs")
+    cuts, position, shift = [], 0, 0  # shift: how far the previous cut moved
+    for size, (left, right) in zip(sizes, runs):
+        position += size
+        if not left <= position <= right:
+            raise PlanningError(f"the run {(left, right)} does not hold the cut at row {position}")
+        # the block before the cut deviates from its planned size by (end - position) - shift
+        choice = min((left, right), key=lambda end: (abs(end - position), abs(end - position - shift), end))
+        shift = choice - position
+        cuts.append(choice)
+    edges = [0, *cuts, sum(sizes)]
+    new = [b - a for a, b in pairwise(edges)]
+    if any(n < 0 or n == 0 < s for n, s in zip(new, sizes)):
+        return None
+    return new
 
 
 def makespan(blocks: Sequence[Sequence[int]], weights: Sequence[float]) -> float:

@@ -1,20 +1,55 @@
-"""Client-side entry points: register the plugins, read speeds and profiles."""
+"""Client-side entry points: register the plugins, read speeds and profiles.
+
+Like distributed's own API, every public call returns its result with a synchronous client and an
+awaitable with an asynchronous one used in its event loop (:func:`awaitable_on_async_clients`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from distributed import Client, default_client
 
 from dask_octopus.plugins.messages import Profile
-from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin
 from dask_octopus.profiling.speedmodel import check_resource
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class NotRegisteredError(RuntimeError):
     """The scheduler has no dask_octopus plugin."""
 
 
+def awaitable_on_async_clients(func: F) -> F:
+    """Make ``func`` (which takes a ``client`` argument, default: the default client) return an
+    awaitable when its client is asynchronous and called from its event loop, as distributed's own
+    API does: ``func`` then runs in a thread, where the client's calls block as usual."""
+    signature = inspect.signature(func)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        client = bound.arguments.get("client") or default_client()
+        bound.arguments["client"] = client
+        if client.asynchronous:
+            return asyncio.to_thread(func, *bound.args, **bound.kwargs)
+        return func(*bound.args, **bound.kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _registered_options(dask_scheduler: Any) -> dict[str, Any] | None:
+    plugin = dask_scheduler.plugins.get(OctopusSchedulerPlugin.name)
+    return plugin.options() if plugin is not None else None
+
+
+@awaitable_on_async_clients
 def register(client: Client | None = None, *, calibrate: bool = True, **options: Any) -> None:
     """Install the octopus scheduler plugin (and through it the worker plugin) in one call.
 
@@ -43,11 +78,18 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     >>> client = Client(LocalCUDACluster())  # doctest: +SKIP
     >>> dask_octopus.register(client)  # doctest: +SKIP
     """
-    client = client or default_client()
     unknown = set(options) - {"calibration_seconds", "device"}
     if unknown:
         raise TypeError(f"unknown register options: {sorted(unknown)}")
-    client.register_plugin(OctopusSchedulerPlugin(calibrate=calibrate, **options))
+    plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)
+    current = client.run_on_scheduler(_registered_options)
+    if current is not None and current != plugin.options():
+        warnings.warn(
+            f"dask_octopus is already registered on this scheduler with {current}; register() with "
+            f"{plugin.options()} changes nothing. To change them, first call "
+            "client.unregister_scheduler_plugin('octopus') and client.unregister_worker_plugin('octopus-worker')",
+            UserWarning, stacklevel=3)
+    client.register_plugin(plugin)
 
 
 def _has_plugin(dask_scheduler: Any) -> bool:
@@ -62,9 +104,13 @@ def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
             "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
             "or start the scheduler with --preload dask_octopus"
         )
-    return client.sync(getattr(client.scheduler, handler), **kwargs)
+    reply = client.sync(getattr(client.scheduler, handler), **kwargs)
+    if isinstance(reply, dict) and ERROR in reply:
+        raise ValueError(reply[ERROR])
+    return reply
 
 
+@awaitable_on_async_clients
 def speeds(client: Client | None = None, resource: str = "compute") -> dict[str, float]:
     """Current relative weights of the live workers for ``resource``.
 
@@ -96,6 +142,7 @@ def speeds(client: Client | None = None, resource: str = "compute") -> dict[str,
     return call_scheduler(client, "octopus_speeds", resource=resource)
 
 
+@awaitable_on_async_clients
 def profiles(client: Client | None = None, resource: str = "compute") -> dict[str, Profile]:
     """Each worker's device, calibration figures, memory, current weight and task samples.
 

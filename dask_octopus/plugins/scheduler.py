@@ -52,6 +52,24 @@ def _guarded(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
+
+
+def _replying(handler: F) -> F:
+    """The RPC handler ``handler``, replying ``{ERROR: message}`` for a ``ValueError`` (bad input, no
+    workers) instead of raising it, which distributed would log on the scheduler as an error with its
+    traceback; the client raises it again (:func:`dask_octopus.plugins.client.call_scheduler`)."""
+
+    @functools.wraps(handler)
+    def reply(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return handler(*args, **kwargs)
+        except ValueError as e:
+            return {ERROR: str(e)}
+
+    return reply  # type: ignore[return-value]
+
+
 class OctopusSchedulerPlugin(SchedulerPlugin):
     """Profiles workers, refines their speeds from task timings and pins planned blocks.
 
@@ -84,14 +102,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
                  device: str | None = None, *, alpha: float | None = None, confidence_samples: int | None = None,
                  min_duration: str | float | None = None, max_plans: int | None = None):
-        def setting(value: Any, key: str) -> Any:
-            return value if value is not None else config.get(key)
-
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
-        self.model = SpeedModel(alpha=setting(alpha, "refine.alpha"),
-                                confidence_samples=setting(confidence_samples, "refine.confidence-samples"))
-        self.min_duration = parse_timedelta(setting(min_duration, "refine.min-duration"))
-        self.placement = Placement(setting(max_plans, "max-plans"))
+        self.model = SpeedModel(alpha=config.get("refine.alpha", alpha),
+                                confidence_samples=config.get("refine.confidence-samples", confidence_samples))
+        self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
+        self.placement = Placement(config.get("max-plans", max_plans))
         self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
         self.profiles = {}
         self.failed_hooks = set()
@@ -103,11 +118,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         scheduler_groups.hosts.add(self)
         scheduler.handlers.update({
             "octopus_report": self.report,
-            "octopus_speeds": self.speeds,
-            "octopus_workers": self.workers,
-            "octopus_profiles": self.get_profiles,
-            "octopus_add_plan": self.add_plan,
+            "octopus_speeds": _replying(self.speeds),
+            "octopus_workers": _replying(self.workers),
+            "octopus_profiles": _replying(self.get_profiles),
+            "octopus_add_plan": _replying(self.add_plan),
             "octopus_rates": self.model.table,
+            "octopus_options": self.options,
         })
         await scheduler.register_worker_plugin(
             None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
@@ -117,6 +133,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         scheduler_groups.hosts.discard(self)
 
     # -- RPC handlers -------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        """The options this plugin was registered with (``register`` compares them with its own)."""
+        wp = self.worker_plugin
+        return {"calibrate": wp.calibrate, "calibration_seconds": wp.seconds, "device": wp.device}
 
     def report(self, worker: str, profile: Profile) -> None:
         """Store a worker's calibration; called by :class:`OctopusWorkerPlugin`."""

@@ -55,8 +55,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
 
     def __init__(self, seconds: float | None = None, device: str | None = None, calibrate: bool = True):
         self.calibrate = calibrate
-        self.seconds = seconds if seconds is not None else config.get("calibration.seconds")
-        self.device = device or config.get("calibration.device")
+        self.seconds = config.get("calibration.seconds", seconds)
+        self.device = config.get("calibration.device", device)
         self.timer = None
         self.worker = None
         self.profile = {}
