@@ -251,3 +251,29 @@ async def test_dataframe_cuts_that_cannot_move_leave_divisions_unknown(c, s, a, 
     lengths = await c.compute(bdf.map_partitions(len))
     assert list(lengths) == [38, 37, 13, 12]  # the plan is kept as it is
     pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
+
+
+calls = []
+
+
+def counted(part):
+    calls.append(len(part))
+    return part * 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_dataframe_is_computed_once_by_balance_and_its_compute(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    pdf = pd.DataFrame({"a": np.arange(800.0)})
+    df = dd.from_pandas(pdf, npartitions=8).map_partitions(counted)
+    calls.clear()
+    bdf = await run_balance(c, df)
+    assert sorted(calls) == [100] * 8  # planning needs the rows of every partition
+    assert await c.compute(bdf.a.sum()) == (pdf.a * 2).sum()
+    pd.testing.assert_frame_equal(await c.compute(bdf), pdf * 2)
+    assert sorted(calls) == [100] * 8  # ... and nothing runs the input again
+    persisted = c.persist(dd.from_pandas(pdf, npartitions=8).map_partitions(counted))
+    await wait(persisted)
+    calls.clear()
+    bdf = await run_balance(c, persisted)  # already persisted: nothing runs again
+    assert calls == [] and await c.compute(bdf.a.sum()) == (pdf.a * 2).sum() and calls == []

@@ -168,6 +168,12 @@ def _take_rows(pieces: list[tuple[Any, int, int]]) -> Any:
     return parts[0] if len(parts) == 1 else concat(parts)
 
 
+def _rows_and_bytes(part: Any) -> tuple[int, int]:
+    """Rows and bytes of a partition (pandas or cuDF, frame or series)."""
+    usage = part.memory_usage(deep=True)
+    return len(part), int(usage.sum() if hasattr(usage, "sum") else usage)
+
+
 def _run_at(part: Any, row: int) -> tuple[int, int, Any, Any] | None:
     """The run of index values equal to the one at ``row`` of a partition: its ``(start, stop)`` rows,
     that value and the value after the run (None at the partition's end); None when the index is
@@ -181,18 +187,23 @@ def _run_at(part: Any, row: int) -> tuple[int, int, Any, Any] | None:
 
 
 def _balance_frame(df: Any, client: Client, per_worker: int, resource: str, align: int) -> Any:
-    """Rows in the planned partitions. With known divisions, each cut between new partitions moves to
-    the nearer end of the run of equal index values it falls in, so that the divisions stay known: a
-    partition then differs from the plan by less than the runs at its two cuts (the plan's balance is
-    kept to within one run of equal values). Divisions become unknown only when moving a cut would
+    """Rows in the planned partitions, cut from the input's partitions computed once. With known
+    divisions, each cut between new partitions moves to the nearer end of the run of equal index
+    values it falls in, so that the divisions stay known: a partition then differs from the plan by
+    less than the runs at its two cuts (the plan's balance is kept to within one run of equal
+    values). Divisions become unknown only when moving a cut would
     empty a partition or pass another cut."""
     import dask.dataframe as dd
     from dask import delayed
 
-    lengths, memory = client.gather(client.compute([df.map_partitions(len), df.memory_usage_per_partition(deep=True)]))
-    lengths = [int(n) for n in lengths]
-    sizes, workers = _plan(client, sum(lengths), float(sum(memory)), resource, per_worker, align, lengths)
-    parts = df.to_delayed()
+    # Planning needs each partition's rows, so the partitions are computed now, once: the balanced
+    # collection is cut from these futures (which it keeps alive) instead of computing the input a
+    # second time; an input already persisted is only read.
+    parts = client.compute(df.to_delayed())
+    shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
+    lengths = [n for n, _ in shapes]
+    sizes, workers = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker, align,
+                           lengths)
     divisions = None
     if df.known_divisions:
         sizes, divisions = _snapped(client, df, parts, lengths, sizes)
