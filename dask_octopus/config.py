@@ -40,6 +40,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "refine.alpha": _FRACTION,
     "refine.confidence-samples": ("an integer >= 1", _integer(1)),
     "refine.min-duration": ("a duration such as 2ms", _parses(parse_timedelta)),
+    "refine.significance": ("a number >= 0", is_finite),
     "balance.memory-fraction": _FRACTION,
     "balance.min-gain": ("a number >= 0", is_finite),
     "max-plans": ("an integer >= 1", _integer(1)),

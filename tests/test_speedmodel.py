@@ -1,6 +1,7 @@
 """The speed model: priors, online refinement, and refused inputs."""
 
 import math
+import random
 
 import pytest
 
@@ -115,3 +116,23 @@ def test_long_tasks_outweigh_short_ones():
     m.observe("b", "sum", 100, 0.003)
     w = m.weights(["a", "b"])
     assert w["a"] / w["b"] == pytest.approx(0.5, rel=0.02)
+
+
+def test_identical_workers_keep_equal_weights_whatever_the_noise_of_their_timings():
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    for i in range(12):  # +-20% noise, out of phase: the moving averages end 1.16x apart
+        m.observe("a", "sum", 100, 0.004 * (1.2 if i % 2 else 0.8))
+        m.observe("b", "sum", 100, 0.004 * (0.8 if i % 2 else 1.2))
+    assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}
+
+
+def test_a_steady_difference_counts_in_full_however_noisy():
+    rng = random.Random(0)
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    for _ in range(10):  # b is twice as slow, +-5% noise on both
+        m.observe("a", "mul", 100, math.exp(rng.gauss(0, 0.05)))
+        m.observe("b", "mul", 100, 2 * math.exp(rng.gauss(0, 0.05)))
+    w = m.weights(["a", "b"])
+    assert w["a"] / w["b"] > 1.5  # (the moving average of these noisy rates ends at 1.78)
+    m.significance = 0.0  # no evidence asked for: the same, the difference is far beyond the noise
+    assert m.weights(["a", "b"]) == w

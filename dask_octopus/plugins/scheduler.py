@@ -104,7 +104,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                  min_duration: str | float | None = None, max_plans: int | None = None):
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
         self.model = SpeedModel(alpha=config.get("refine.alpha", alpha),
-                                confidence_samples=config.get("refine.confidence-samples", confidence_samples))
+                                confidence_samples=config.get("refine.confidence-samples", confidence_samples),
+                                significance=config.get("refine.significance"))
         self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
         self.placement = Placement(config.get("max-plans", max_plans))
         self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))

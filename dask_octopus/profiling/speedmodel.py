@@ -16,9 +16,11 @@ prefix's speeds alone once every worker has them (``map`` plans a function by it
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from dask_octopus._checks import check_finite
 
@@ -32,11 +34,24 @@ def check_resource(resource: str) -> str:
     return resource
 
 
+NOISE_WINDOW = 8  # recent timings of a (prefix, worker) from which the noise of its rate is estimated
+
+
 @dataclass
 class _Rate:
     value: float  # moving average of units per second
     seconds: float  # moving average of one task's duration
     count: int = 1
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=NOISE_WINDOW))  # log rates
+
+    def noise(self) -> float:
+        """Standard deviation of one timing's log rate, from the median change between successive
+        timings (robust to a step change: a worker that slows down is one large change, not noise);
+        0 while fewer than three timings are known."""
+        if len(self.recent) < 3:
+            return 0.0
+        changes = [abs(b - a) for a, b in pairwise(self.recent)]
+        return statistics.median(changes) / 0.954  # median |x - y| of two N(0, s^2) is 0.954 s
 
 
 @dataclass
@@ -45,11 +60,15 @@ class SpeedModel:
 
     ``alpha`` is the weight of a new observation in the moving average; a worker's observed
     speed replaces its prior once a prefix it shares with another worker has ``confidence_samples``
-    observations on both.
+    observations on both. A worker's rate counts as different from the others' only on evidence:
+    when it is more than ``significance`` standard errors of its own timings' noise away from their
+    geometric mean; closer, it counts as equal (identical workers keep equal weights, however
+    noisy their short tasks).
     """
 
     alpha: float = 0.5
     confidence_samples: int = 3
+    significance: float = 2.5
     priors: dict[str, dict[str, float]] = field(default_factory=dict)
     rates: defaultdict[str, dict[str, _Rate]] = field(default_factory=lambda: defaultdict(dict))
 
@@ -73,11 +92,12 @@ class SpeedModel:
         rate = units / seconds
         current = self.rates[prefix].get(worker)
         if current is None:
-            self.rates[prefix][worker] = _Rate(rate, seconds)
+            current = self.rates[prefix][worker] = _Rate(rate, seconds)
         else:
             current.value = self.alpha * rate + (1 - self.alpha) * current.value
             current.seconds = self.alpha * seconds + (1 - self.alpha) * current.seconds
             current.count += 1
+        current.recent.append(math.log(rate))
 
     def _observed(self, workers: list[str],
                   prefixes: Iterable[str] | None = None) -> tuple[dict[str, float], dict[str, int]]:
@@ -93,9 +113,13 @@ class SpeedModel:
                 continue
             mean = sum(math.log(r.value) for r in seen.values()) / len(seen)
             duration = sum(r.seconds for r in seen.values()) / len(seen)
+            spread = math.sqrt(self.alpha / (2 - self.alpha))  # standard error of the moving average, per noise
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration
-                logsum[w] += weight * (math.log(r.value) - mean)
+                difference = math.log(r.value) - mean
+                if abs(difference) <= self.significance * spread * r.noise():
+                    difference = 0.0  # within the noise of this worker's timings: no evidence of a difference
+                logsum[w] += weight * difference
                 wsum[w] += weight
                 samples[w] += r.count
         return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
