@@ -18,7 +18,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-steps=${STEPS:-gpu-tests stream-groups long-run local-cupy suite-cotenant suite-even suite-images scheduler-overhead}
+steps=${STEPS:-gpu-tests demo fft-filter stream-groups long-run local-cupy suite-cotenant suite-even suite-images scheduler-overhead}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -32,6 +32,8 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; } > "$run/env.txt" 2>&1
 
 step 200 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
+step 200 demo env COLUMNS=160 python3 -m dask_octopus demo --out "$run/demo"
+step 200 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 --out "$run"
 step 200 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 --out "$run"
 step 150 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 --out "$run"
 step 200 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \

@@ -80,7 +80,7 @@ async def test_array_blocks_and_their_consumers_run_where_planned(c, s, a, b, fu
 async def test_persisted_balance_pins_downstream_passes(c, s, a, b):
     rec = await setup(c, s, [1.0, 3.0])
     x = da.ones((400, 8), chunks=(50, 8))
-    y = c.persist(await run_balance(c, x))
+    y = c.persist(await run_balance(c, x, per_worker=1))
     await wait(y)
     slow, fast = sorted(s.workers)
     assert {key[1]: rec.worker[key] for key in y.__dask_keys__() for key in key} == {0: slow, 1: fast}
@@ -96,7 +96,7 @@ async def test_dataframe_partitions_run_where_planned(c, s, a, b):
     rec = await setup(c, s, [3.0, 1.0])
     pdf = pd.DataFrame({"a": np.arange(800), "b": np.arange(800) * 0.5})
     df = dd.from_pandas(pdf, npartitions=7)
-    bdf = await run_balance(c, df)
+    bdf = await run_balance(c, df, per_worker=1)
     assert bdf.npartitions == 2 and bdf.known_divisions and bdf.divisions == (0, 600, 799)
     lengths, total = await c.gather(c.compute([bdf.map_partitions(len), (bdf.a * 2 + bdf.b).sum()]))
     assert list(lengths) == [600, 200]
@@ -183,12 +183,12 @@ async def test_bad_input(c, s, a, b):
 async def test_a_worker_that_joins_is_used_by_the_next_balance(c, s, a):
     await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
     x = da.ones((100, 2), chunks=10)
-    assert len((await call(c, x)).chunks[0]) == 1
+    assert len((await call(c, x, per_worker=1)).chunks[0]) == 1
     from distributed import Worker
 
     async with Worker(s.address, nthreads=1):
         await c.wait_for_workers(2)
-        y = await call(c, x)
+        y = await call(c, x, per_worker=1)
         assert y.chunks[0] == (50, 50)
         assert (await c.compute(y.sum())) == 200
 
@@ -230,7 +230,7 @@ async def test_dataframe_cuts_move_to_value_boundaries_and_keep_divisions(c, s, 
     pdf = pd.DataFrame({"a": np.arange(5000), "b": np.arange(5000) * 0.5}, index=np.repeat(np.arange(50), 100))
     df = dd.from_pandas(pdf, npartitions=4)
     assert df.known_divisions
-    bdf = await run_balance(c, df)  # planned 3750 | 1250: the cut falls inside the run of value 37
+    bdf = await run_balance(c, df, per_worker=1)  # planned 3750 | 1250: the cut falls inside the run of value 37
     assert bdf.npartitions == 2 and bdf.known_divisions, bdf.divisions
     parts = await c.gather(c.compute(bdf.to_delayed()))
     assert list(bdf.divisions[:-1]) == [p.index[0] for p in parts]
@@ -277,3 +277,20 @@ async def test_a_dataframe_is_computed_once_by_balance_and_its_compute(c, s, a, 
     calls.clear()
     bdf = await run_balance(c, persisted)  # already persisted: nothing runs again
     assert calls == [] and await c.compute(bdf.a.sum()) == (pdf.a * 2).sum() and calls == []
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_no_planned_block_is_larger_than_the_users_largest_block(c, s, a, b):
+    await setup(c, s, [3.5, 1.0])
+    x = da.random.default_rng(2).random((1600, 8), chunks=(800, 8))  # two blocks, as Dask chunked it
+    y = await run_balance(c, x)
+    assert max(y.chunks[0]) <= 800 and len(y.chunks[0]) == 4  # 1244 rows for the fast worker: 2 blocks each
+    plan = s.plugins["octopus"].placement.plans[y.name].workers
+    fast, slow = sorted(s.workers)
+    assert plan == [fast, fast, slow, slow] and sum(y.chunks[0][:2]) == 1244
+    np.testing.assert_array_equal(await c.compute(y.sum(axis=1)), await c.compute(x.sum(axis=1)))
+    pdf = pd.DataFrame({"a": np.arange(900.0)})
+    bdf = await run_balance(c, dd.from_pandas(pdf, npartitions=9))  # partitions of 100 rows
+    lengths = await c.compute(bdf.map_partitions(len))
+    assert max(lengths) <= 100 and sum(lengths) == 900 and len(lengths) % 2 == 0
+    assert await run_balance(c, x, per_worker=1) is not None  # asked for: one block per worker, 1244 rows

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from dask_octopus.placement.planning import (
     PlanningError,
     block_sizes,
+    block_sizes_within,
     proportional_split,
     reassign,
     row_segments,
@@ -182,3 +183,21 @@ def test_snap_cuts_ties_and_failures():
         snap_cuts([10, 10], [(12, 15)])
     with pytest.raises(PlanningError, match="2 blocks have 1 cuts, got 0 runs"):
         snap_cuts([10, 10], [])
+
+
+@given(total=st.integers(2, 20_000), weights=st.lists(st.floats(0.05, 20), min_size=1, max_size=6),
+       largest=st.integers(1, 5_000), align=st.sampled_from([1, 1, 4]))
+def test_blocks_within_the_largest_block(total, weights, largest, align):
+    try:
+        plan = block_sizes_within(total, weights, largest, align=align)
+    except PlanningError:
+        return  # too few rows for the blocks that would fit (each block needs a unit)
+    sizes = [b for blocks in plan for b in blocks]
+    assert sum(sizes) == total and len({len(blocks) for blocks in plan}) == 1  # as many blocks per worker
+    sizes[-1] -= total % align  # the remainder rides on the last block
+    assert max(sizes) <= max(largest, align)
+    if len(plan[0]) > 1:  # and one block fewer per worker would not do
+        smaller = [b for blocks in block_sizes(total, weights, per_worker=len(plan[0]) - 1, align=align)
+                   for b in blocks]
+        smaller[-1] -= total % align
+        assert max(smaller) > max(largest, align)

@@ -21,6 +21,7 @@ from dask_octopus import config
 from dask_octopus.placement.planning import (
     PlanningError,
     block_sizes,
+    block_sizes_within,
     row_segments,
     snap_cuts,
     worth_moving,
@@ -43,14 +44,16 @@ def _workers_and_caps(client: Client, resource: str,
     return workers, [profiles[w]["weight"] for w in workers], caps
 
 
-def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int, align: int,
+def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
           current: list[int]) -> tuple[list[int], list[str]]:
     """Flat block sizes and the worker of each block; the ``current`` sizes when moving data to the
-    planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain``."""
+    planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain``. Without
+    ``per_worker``, as few blocks per worker as keep every block within the largest current one."""
     row_bytes = nbytes / total if total else 0.0
     workers, weights, caps = _workers_and_caps(client, resource, row_bytes)
-    if total < len(workers) * per_worker:
-        raise PlanningError(f"{total} rows are fewer than the {len(workers)} workers x per_worker={per_worker} blocks")
+    if total < len(workers) * (per_worker or 1):
+        raise PlanningError(f"{total} rows are fewer than the {len(workers)} workers x "
+                            f"per_worker={per_worker or 1} blocks")
     if all(c is not None for c in caps) and sum(caps) < total:
         fraction = config.get("balance.memory-fraction")
         raise PlanningError(
@@ -58,16 +61,29 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
             f"{format_bytes(sum(caps) * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
             "add workers or process it in pieces"
         )
-    plan = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
-    owners = [w for w, blocks in zip(workers, plan) for _ in blocks]
+    if per_worker is None:
+        plan = block_sizes_within(total, weights, max(current), align=align, caps=caps)
+        per_worker = len(current) // len(workers)  # the current blocks, if kept: this many per worker
+        reference = _plan_or_none(total, weights, per_worker, align, caps) if len(current) % len(workers) == 0 else None
+    else:
+        plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
     fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
-    if fits and not worth_moving(current, plan, weights, config.get("balance.min-gain")):
-        return list(current), owners
-    return [s for blocks in plan for s in blocks], owners
+    if reference and fits and not worth_moving(current, reference, weights, config.get("balance.min-gain")):
+        return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks]
+    return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
+
+
+def _plan_or_none(total: int, weights: list[float], per_worker: int, align: int,
+                  caps: list[int | None]) -> list[list[int]] | None:
+    """The plan with ``per_worker`` blocks each, or None where none can be made."""
+    try:
+        return block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
+    except PlanningError:
+        return None
 
 
 @awaitable_on_async_clients
-def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per_worker: int = 1,
+def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per_worker: int | None = None,
             resource: str = "compute", align: int = 1) -> Any:
     """Same collection and values, in blocks sized by the workers' speeds and pinned to them.
 
@@ -86,7 +102,9 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     axis
         The array axis to split by speed (dataframes: 0, rows).
     per_worker
-        Blocks per worker.
+        Blocks per worker. ``None``: the fewest (the same number for every worker) that keep every
+        block within the collection's largest block along ``axis``, so that no worker is asked to
+        hold a block larger than the user's own.
     resource
         Weights to plan by: ``"compute"`` or ``"memory"``.
     align
@@ -119,8 +137,9 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     check_resource(resource)
     if not is_dask_collection(collection):
         raise TypeError(f"balance expects a dask array or dataframe, got {type(collection).__name__}")
-    if isinstance(per_worker, bool) or not isinstance(per_worker, int) or per_worker < 1:
-        raise ValueError(f"per_worker must be an integer >= 1, got {per_worker!r}")
+    if per_worker is not None and (isinstance(per_worker, bool) or not isinstance(per_worker, int)
+                                   or per_worker < 1):
+        raise ValueError(f"per_worker must be an integer >= 1 or None, got {per_worker!r}")
     if isinstance(collection, da.Array):
         return _balance_array(collection, client, axis, per_worker, resource, align)
     import dask.dataframe as dd

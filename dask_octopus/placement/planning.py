@@ -124,6 +124,25 @@ def block_sizes(
     return plan
 
 
+def block_sizes_within(total: int, weights: Sequence[float], largest: int, *, align: int = 1,
+                       caps: Sequence[int | None] | None = None) -> list[list[int]]:
+    """:func:`block_sizes` with the fewest blocks per worker (the same number for every worker) that
+    keep every block within ``largest`` units, e.g. the largest block of the collection as its user
+    chunked it: a plan never asks a worker to hold a block larger than the user's own (the last
+    block may also hold the ``total % align`` remainder)."""
+    w = _check_weights(weights)
+    if largest < 1:
+        raise PlanningError(f"largest must be >= 1, got {largest!r}")
+    per_worker = max(1, math.ceil((total - total % align) * max(w) / sum(w) / largest))  # its largest share fits
+    while True:
+        plan = block_sizes(total, w, per_worker=per_worker, align=align, caps=caps)
+        sizes = [b for blocks in plan for b in blocks]
+        sizes[-1] -= total % align
+        if max(sizes) <= max(largest, align):
+            return plan
+        per_worker += 1  # rounding put a row or an align unit over: one block more each
+
+
 def reassign(owners: Sequence[str], weights: dict[str, float]) -> list[str]:
     """Move the blocks of ``owners`` whose worker is not in ``weights`` to workers that are.
 

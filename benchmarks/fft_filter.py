@@ -1,0 +1,90 @@
+"""An FFT row filter over a large array whose blocks fill a good part of each GPU, with co-tenants on the
+first worker: Dask's chunks against ``balance`` (by default no block larger than the user's own) and
+``balance(per_worker=1)`` (one block per worker: the fast worker's block outgrows the user's chunks).
+
+Each variant persists the array in its blocks, then times ``passes`` of ``irfft(rfft(x) * lowpass)``
+summed by row. A variant that runs out of device memory is reported as such (its error), not timed.
+
+    python benchmarks/fft_filter.py --rows 131072 --cols 32768 --chunk-rows 65536 --cotenant-procs 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+import click
+from distributed import Client, wait
+
+import dask_octopus
+from dask_octopus.bench.cotenant import CoTenant
+from dask_octopus.bench.experiment import local_cluster, slowest_target
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.workloads import random_matrix
+from dask_octopus.cli import console as make_console
+
+
+def lowpass(block: Any, keep: float = 0.25) -> Any:
+    """Zero the upper ``1 - keep`` of each row's spectrum (rfft, mask, irfft), on the block's device."""
+    import cupy as cp
+
+    spectrum = cp.fft.rfft(block, axis=1)
+    spectrum[:, int(spectrum.shape[1] * keep):] = 0
+    return cp.fft.irfft(spectrum, n=block.shape[1], axis=1).astype(block.dtype)
+
+
+def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: int, passes: int) -> dict[str, Any]:
+    """Blocks of ``variant`` and the seconds of each pass, or the error that stopped it."""
+    x = random_matrix(rows, cols, chunks=(chunk_rows, cols), gpu=True)
+    if variant != "defaults":
+        x = dask_octopus.balance(x, client=client, per_worker=1 if variant == "balance-1" else None)
+    blocks = [float(b) * cols * 4 / 2**30 for b in x.chunks[0]]
+    try:
+        x = client.persist(x)
+        wait(x)
+        seconds = [timed(lambda: client.compute(x.map_blocks(lowpass).sum(axis=1)).result())[0]
+                   for _ in range(passes)]
+        return {"block_gib": blocks, "seconds": seconds, "median_seconds": statistics.median(seconds)}
+    except Exception as e:  # out of memory on a block too large for its worker: the point of the variant
+        return {"block_gib": blocks, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        client.cancel(x)  # release the blocks (CuPy's pool frees its cached blocks when it runs short)
+
+
+@click.command()
+@click.option("--rows", type=int, default=131072, show_default=True)
+@click.option("--cols", type=int, default=32768, show_default=True)
+@click.option("--chunk-rows", type=int, default=65536, show_default=True, help="the user's chunks (rows)")
+@click.option("--passes", type=int, default=3, show_default=True)
+@click.option("--runs", type=int, default=1, show_default=True)
+@click.option("--devs", default="0,1", show_default=True)
+@click.option("--protocol", default="tcp", show_default=True)
+@click.option("--cotenant-procs", type=int, default=2, show_default=True, help="co-tenants on the first worker's GPU")
+@click.option("--out", default="benchmark-results", show_default=True)
+def main(rows: int, cols: int, chunk_rows: int, passes: int, runs: int, devs: str, protocol: str,
+         cotenant_procs: int, out: str) -> None:
+    """Time the variants and write fft-filter-gpu.json."""
+    console = make_console()
+    variants = ["defaults", "balance", "balance-1"]
+    record = header(True, config={"rows": rows, "cols": cols, "chunk_rows": chunk_rows, "passes": passes,
+                                  "runs": runs, "devs": devs, "protocol": protocol,
+                                  "cotenant_procs": cotenant_procs, "array_gib": rows * cols * 4 / 2**30})
+    with local_cluster(True, devs, protocol=protocol) as client:
+        _, load = slowest_target(client, True)
+        with CoTenant(**load, procs=cotenant_procs):
+            dask_octopus.register(client)
+            record["weights"] = dask_octopus.speeds(client)
+            results = interleave({v: (lambda run, v=v: run_variant(client, v, rows, cols, chunk_rows, passes))
+                                  for v in variants}, runs)
+    record["variants"] = {v: r[-1] for v, r in results.items()}
+    for v, r in record["variants"].items():
+        blocks = ", ".join(f"{b:.2f}" for b in r["block_gib"])
+        outcome = f"{r['median_seconds']:.3f} s per pass" if "median_seconds" in r else r["error"][:120]
+        console.print(f"{v:>10}: blocks {blocks} GiB; {outcome}")
+    console.print(f"weights {record['weights']}; wrote {write_json(os.path.join(out, 'fft-filter-gpu.json'), record)}")
+
+
+if __name__ == "__main__":
+    main()
