@@ -51,8 +51,12 @@ def bar_chart(seconds: Mapping[str, float], ideal: float | None, path: str, ylab
     if ideal:
         ax.axhline(ideal, color="k", ls="--", label=f"ideal {ideal:.3f} s")
         ax.legend()
+    top = max(seconds.values(), default=1.0)
     if log:
         ax.set_yscale("log")
+        ax.set_ylim(top=top * 4)  # room for the labels
+    else:
+        ax.set_ylim(top=top * 1.2)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=10)

@@ -129,8 +129,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
     """
     xp = array_module(gpu)
     cols = x.shape[1]
-    w = client.persist(da.from_array(xp.full((cols, width), 1 / np.sqrt(cols), dtype=np.float32),
-                                     chunks=(cols, width), asarray=False))
+    # made on a worker: a (cols x width) array in the graph is 16 MiB at 2048 x 2048
+    w = client.persist((da.ones((cols, width), dtype=np.float32, chunks=(cols, width)) / np.float32(np.sqrt(cols)))
+                       .map_blocks(xp.asarray, dtype=np.float32))
     records = []
     for _ in range(passes):
         with get_task_stream(client) as ts:
