@@ -14,7 +14,7 @@ from dask.utils import key_split
 from distributed import Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster
-from test_balance import WhereRan, run_balance, setup, slow_copy
+from test_balance import WhereRan, mid_compute, run_balance, setup, slow_copy
 
 import dask_octopus
 from dask_octopus.groups import streams
@@ -107,10 +107,12 @@ async def test_grouped_reduction_is_exact_with_fewer_tasks(c, s, a, x):
 async def test_grouped_blocks_keep_their_keys_for_gather_persist_and_other_consumers(c, s, a, b, x):
     plain = x.map_blocks(f)  # computed locally: the same keys must not be in flight twice
     ref, gram = plain.compute(scheduler="sync"), (plain.T @ plain).compute(scheduler="sync")
+    log = GroupLog.on(s)
     with dask_octopus.annotate(group=4):
         y = x.map_blocks(f)
-    assert np.array_equal(await c.compute(y), ref)  # the blocks are the output
+    assert np.array_equal(await c.compute(y), ref)  # the blocks are the output (read by finalize)
     assert np.array_equal(await c.compute(y.T @ y), gram)  # two consumers of each block
+    assert log.groups and all(len(members) <= 4 for members, _, _ in log.groups.values())  # they ran grouped
     yp = c.persist(y)
     await wait(yp)
     assert all(s.tasks[k].state == "memory" for k in flatten(yp.__dask_keys__()))  # each block under its key
@@ -145,6 +147,7 @@ async def test_groups_of_balanced_blocks_run_where_their_blocks_are(c, s, a, b):
     got = await c.compute(y.sum())
     assert got == pytest.approx(float(await c.compute(x.map_blocks(f).sum())), rel=1e-12)
     assert {w for _, w, _ in log.groups.values()} == set(s.workers)
+    assert sorted(len(m) for m, _, _ in log.groups.values()) == [4, 4]  # one group of its 4 blocks per worker
     for members, worker, holders in log.groups.values():
         assert holders == {worker}, members
 
@@ -195,16 +198,16 @@ def test_unannotated_graphs_pass_through_unchanged(x):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_killed_worker_mid_compute_with_groups_and_balance(c, s, a, b):
-    await setup(c, s, [1.0, 1.0])
+    rec = await setup(c, s, [1.0, 1.0])
     x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((25, 10))
     y = await run_balance(c, x, per_worker=8)
     with dask_octopus.annotate(group=4):
         z = y.map_blocks(slow_copy, 0.15, dtype=y.dtype)
     fut = c.compute(z.sum(axis=1))
-    await asyncio.sleep(1.0)  # 16 blocks of 0.15 s in groups of 4 on 2 workers: under half done
+    victim = min(s.workers)
+    await mid_compute(rec, victim, GROUP_PREFIX)  # the victim finished a group of 4 blocks of 0.15 s
     assert not fut.done()
     assert any(isinstance(k, tuple) and str(k[0]).startswith(GROUP_PREFIX) for k in s.tasks)
-    victim = min(s.workers)
     await (a if a.worker_address == victim else b).kill()
     np.testing.assert_array_equal(await fut, np.arange(4000).reshape(400, 10).sum(axis=1))
     assert not s.unrunnable
@@ -257,9 +260,11 @@ async def test_same_annotated_dataframe_computed_twice_at_once(c, s, a, frame):
     await setup(c, s, [1.0])
     y = dd.from_pandas(frame, npartitions=16).map_partitions(with_root).c.sum()
     expected = y.compute(scheduler="sync")
+    log = GroupLog.on(s)
     with dask_octopus.annotate(group=4):
         first, second = c.compute(y), c.compute(y)
         assert await c.gather([first, second]) == [expected, expected]
+    assert log.groups  # the partitions ran in groups
     del first, second
     await forgotten(s)
 
@@ -281,11 +286,11 @@ async def test_array_built_outside_and_computed_inside_groups_on_the_scheduler(c
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_killed_worker_mid_compute_with_balanced_dataframe_groups(c, s, a, b, frame):
-    await setup(c, s, [1.0, 1.0])
+    rec = await setup(c, s, [1.0, 1.0])
     df = await run_balance(c, dd.from_pandas(frame, npartitions=4), per_worker=8)
     with dask_octopus.annotate(group=4):
         fut = c.compute(df.map_partitions(slow_copy, 0.15, meta=df._meta).a.sum())
-    await asyncio.sleep(1.0)  # 16 partitions of 0.15 s in groups of 4 on 2 workers: under half done
+    await mid_compute(rec, min(s.workers), GROUP_PREFIX)  # the victim finished a group of 4 partitions
     assert not fut.done()
     groups = [ts for k, ts in s.tasks.items() if key_split(k) == GROUP_PREFIX]
     assert groups and all(ts.worker_restrictions for ts in groups)  # pinned where their partitions are
@@ -306,11 +311,14 @@ async def test_p2p_shuffles_inside_annotate_stay_exact(c, s, a, b, frame, x):
         expected = await c.gather(c.compute([df.shuffle("b").a.sum(), df.merge(other, on="b").w.sum(),
                                              x.rechunk((64, 3)).sum(axis=0)]))
         await forgotten(s)
+        log = GroupLog.on(s)
         with dask_octopus.annotate(group=4):
             y = x.rechunk((64, 3)) + 0  # built inside: grouped by the array optimizer
             got = await c.gather(c.compute([df.shuffle("b").a.sum(), df.merge(other, on="b").w.sum(),
                                             y.sum(axis=0)]))
     assert got[:2] == expected[:2] and np.array_equal(got[2], expected[2])
+    members = {key_split(m) for ms, _, _ in log.groups.values() for m in ms}
+    assert members and not any("transfer" in m or "barrier" in m or "unpack" in m for m in members), members
     del y
     await forgotten(s)
 

@@ -12,7 +12,7 @@ import pytest
 from dask.utils import key_split
 from distributed import Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import async_poll_for, gen_cluster
 
 import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError
@@ -45,6 +45,13 @@ async def setup(c, s, speeds):
     rec = WhereRan()
     s.add_plugin(rec)
     return rec
+
+
+async def mid_compute(rec, victim, name, timeout=30):
+    """Wait until the worker ``victim`` finished a task whose key contains ``name`` (``rec`` is the
+    :class:`WhereRan` of the test): it did some of the work, so a kill after this lands mid-compute,
+    not before the worker started."""
+    await async_poll_for(lambda: any(w == victim and name in str(k) for k, w in list(rec.worker.items())), timeout)
 
 
 def run_balance(c, x, **kwargs):
@@ -133,14 +140,14 @@ def slow_copy(block, delay):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_killed_worker_blocks_move_to_survivors(c, s, a, b):
-    await setup(c, s, [1.0, 1.0])
+    rec = await setup(c, s, [1.0, 1.0])
     x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((50, 10))
     y = await run_balance(c, x, per_worker=4)
     z = y.map_blocks(slow_copy, 0.3, dtype=y.dtype).sum(axis=1)
     fut = c.compute(z)
-    await asyncio.sleep(1.0)  # 16 blocks of 0.3 s on 2 workers: about a third done
-    assert not fut.done()
     victim = sorted(s.workers)[0]
+    await mid_compute(rec, victim, "octopus-blocks")  # a block (its slow_copy fused in) is done
+    assert not fut.done()  # 16 blocks of 0.3 s on 2 workers: the victim has done one, not all
     nanny = a if a.worker_address == victim else b
     await nanny.kill()
     result = await fut
@@ -294,3 +301,29 @@ async def test_no_planned_block_is_larger_than_the_users_largest_block(c, s, a, 
     lengths = await c.compute(bdf.map_partitions(len))
     assert max(lengths) <= 100 and sum(lengths) == 900 and len(lengths) % 2 == 0
     assert await run_balance(c, x, per_worker=1) is not None  # asked for: one block per worker, 1244 rows
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_a_lost_worker_blocks_go_to_the_survivors_in_proportion_to_their_weights(c, s, a, b, w):
+    await setup(c, s, [3.0, 1.0, 1.0])
+    first, second, third = sorted(s.workers)
+    plugin = s.plugins["octopus"]
+    plugin.add_plan("planned", [third] * 10)  # ten blocks, all on the worker that will leave
+    await (a, b, w)[[x.address for x in (a, b, w)].index(third)].close()
+    await async_poll_for(lambda: third not in s.workers, timeout=10)
+    moved = plugin.placement.plans["planned"].workers
+    assert moved.count(first) == 8 and moved.count(second) == 2  # 3:1 of ten, largest remainder to the faster
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, worker_kwargs={"memory_limit": "6 MB"},
+             config={"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+                     "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False})
+async def test_a_worker_is_planned_no_more_than_its_memory_allows(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    x = da.ones((100_000, 8), chunks=(50_000, 8))  # 6.4 MB; each worker may hold 0.6 x 6 MB = 3.6 MB
+    y = await run_balance(c, x, per_worker=1)
+    assert y.chunks[0] == (56_250, 43_750)  # the faster worker's 75,000 rows capped at 3.6 MB / 64 B
+    assert await c.compute(y.sum()) == 800_000
+    with dask.config.set({"octopus.balance.memory-fraction": 0.3}), \
+            pytest.raises(PlanningError, match="does not fit in the workers' memory"):
+        await run_balance(c, x, per_worker=1)  # 2 x 1.8 MB < 6.4 MB

@@ -47,6 +47,7 @@ def cli_cluster(tmp_path, worker_command, n_workers, worker_processes):
 
 
 def check_balanced_and_pinned(c, x):
+    weights = dask_octopus.speeds(c)
     y = c.persist(dask_octopus.balance(x, per_worker=2))
     wait(y)
     assert len(y.chunks[0]) == 4
@@ -54,6 +55,9 @@ def check_balanced_and_pinned(c, x):
         lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
     who = c.who_has(y)
     assert [who[(y.name, i, 0)][0] for i in range(4)] == plan
+    for w, weight in weights.items():  # each worker's rows follow its calibrated weight (to a row)
+        rows = sum(n for n, owner in zip(y.chunks[0], plan) if owner == w)
+        assert abs(rows / x.shape[0] - weight) <= 1 / x.shape[0] + 1e-9, (rows, weights)
     return y
 
 

@@ -72,9 +72,13 @@ def test_balance_cupy_array_exact_and_pinned(cuda_client):
     dask_octopus.register(cuda_client)
     rng = da.random.default_rng(cupy.random.default_rng(0))
     x = rng.random((100_000, 256), chunks=(10_000, 256), dtype=np.float32)
+    weights = dask_octopus.speeds(cuda_client)
     y = dask_octopus.balance(x, per_worker=2)
     plan = cuda_client.run_on_scheduler(
         lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
+    for w, weight in weights.items():  # each GPU's rows follow its calibrated weight (to a row)
+        rows = sum(n for n, owner in zip(y.chunks[0], plan) if owner == w)
+        assert abs(rows / 100_000 - weight) <= 1e-5 + 1e-9, (rows, weights)
     reference = cuda_client.compute((x * 2 + 1).sum(axis=1)).result()
     with get_task_stream(cuda_client) as ts:
         result = cuda_client.compute((y * 2 + 1).sum(axis=1)).result()
@@ -109,6 +113,10 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
         profiles = dask_octopus.profiles(cuda_client)
     print("weights after slowdown", weights, {w: p["samples"] for w, p in profiles.items()})
     assert all(p["event_timing"] for p in profiles.values())
+    rates = cuda_client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["octopus"].model.table())
+    timed = rates["gemm_repeat"]  # the tasks returned at launch: these timings are the CUDA events'
+    assert set(timed) == set(info) and all(count >= 3 for _, seconds, count in timed.values())
+    assert all(seconds > 0.01 for _, seconds, _ in timed.values())  # 20 GEMMs of 4096^2, not a launch's us
     assert weights[shared] < 0.4
 
 
@@ -118,12 +126,19 @@ def test_map_cupy_items_exact_and_placed(cuda_client):
 
     dask_octopus.register(cuda_client)
     items = specs("video", 0.5, 2)
+    weights = dask_octopus.speeds(cuda_client)
     futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8)
     got = cuda_client.gather(futs)
     expected = [image_pipeline(it) for it in items]  # the same pipeline, in this process
     assert all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(got, expected, strict=True))
-    who = cuda_client.who_has(futs)
-    assert len({who[f.key][0] for f in futs}) == 2
+    plan = cuda_client.run_on_scheduler(lambda dask_scheduler: next(
+        p for n, p in dask_scheduler.plugins["octopus"].placement.plans.items() if "-octopus-map-" in n))
+    load = {w: 0.0 for w in weights}  # the planned cost of each worker's batches
+    for w, c in zip(plan.workers, plan.costs):
+        load[w] += c
+    total = sum(load.values())
+    # indivisible items, 60 of them: each GPU's share of the cost within 0.15 of its weight
+    assert all(abs(load[w] / total - weights[w]) < 0.15 for w in weights), (load, weights)
 
 
 def test_dask_cuda_worker_with_preload(tmp_path):
@@ -190,6 +205,7 @@ def test_groups_never_read_a_block_before_its_slow_producer_finished(cuda_one):
 
 def test_grouped_results_exact_with_memory_reused_across_many_groups(cuda_one):
     import cupy
+    import dask
     import dask.array as da
 
     import dask_octopus
@@ -197,10 +213,14 @@ def test_grouped_results_exact_with_memory_reused_across_many_groups(cuda_one):
     rng = da.random.default_rng(cupy.random.default_rng(4))
     x = cuda_one.persist(rng.random((64 * 512, 512), chunks=(512, 512), dtype=np.float32))
     expected = cuda_one.compute(da.map_blocks(add_sqrt, x, x, name="ref-mem").sum(axis=0)).result()
+    # eager runs only: replays would draw from a graph's private pool, not from the streams' reuse
+    cuda_one.run(lambda: dask.config.set({"octopus.streams.capture": False}))
     for run in range(20):  # temporaries freed on the group streams are reused by the next groups
         with dask_octopus.annotate(resource="auto", group=8):
             y = da.map_blocks(add_sqrt, x, x, name=f"mem-{run}")
         cupy.testing.assert_array_equal(cuda_one.compute(y.sum(axis=0)).result(), expected)
+    (s,) = cuda_one.run(capture_stats).values()
+    assert s["graphs"] == 0 and s["replays"] == 0  # every group ran eagerly on the streams
 
 
 def test_repeated_frames_are_captured_replayed_and_exact(cuda_one):
@@ -221,7 +241,7 @@ def test_repeated_frames_are_captured_replayed_and_exact(cuda_one):
     stats = cuda_one.run(capture_stats)
     print("capture stats", stats)
     (s,) = stats.values()
-    assert s["graphs"] >= 1 and s["replays"] >= 1
+    assert s["graphs"] >= 1 and s["replays"] > s["graphs"]  # captured once, then replayed from the cache
 
 
 def test_groups_that_refuse_capture_run_eagerly_and_exact(cuda_one):
@@ -302,3 +322,25 @@ def test_killed_cuda_worker_mid_compute_with_balance_groups_and_map(cuda_client)
     items = [cupy.full((256, 256), float(i), dtype=cupy.float32) for i in range(12)]
     got = cuda_client.gather(dask_octopus.map(square, items, group=4))
     assert all(cupy.array_equal(g, square(i)) for g, i in zip(got, items))
+
+
+def stream_of(block):
+    """The block unchanged, and the CUDA stream this member was launched on."""
+    import cupy
+
+    return block + 0, cupy.cuda.get_current_stream().ptr
+
+
+def test_a_group_spreads_its_members_over_non_default_streams(cuda_one):
+    import cupy
+    import dask
+
+    import dask_octopus
+
+    blocks = [cuda_one.submit(cupy.full, (256, 256), float(i), pure=False) for i in range(16)]
+    with dask_octopus.annotate(resource="memory", group=8):
+        ran = [dask.delayed(stream_of, pure=False)(b) for b in blocks]
+    got = cuda_one.compute(dask.delayed(list)(ran)).result()
+    streams = {ptr for _, ptr in got}
+    assert [float(a[0, 0]) for a, _ in got] == [float(i) for i in range(16)]
+    assert len(streams) >= 4 and 0 not in streams  # the pool's streams, not the legacy default stream

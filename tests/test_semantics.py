@@ -190,6 +190,8 @@ async def test_cancel_leaves_no_pins_and_a_second_run_works(c, s, a, b):
     x = await asyncio.get_running_loop().run_in_executor(
         None, lambda: dask_octopus.balance(da.from_array(X, chunks=(10, 4)), client=c))
     fut = c.compute(x.map_blocks(lambda b: b * 3).sum())
+    while not s.plugins["octopus"].placement.pins:  # the blocks and their consumers were pinned
+        await asyncio.sleep(0.01)
     await c.cancel(fut)
     while s.tasks:
         await asyncio.sleep(0.01)

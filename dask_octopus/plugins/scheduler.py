@@ -231,8 +231,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if ts is None:
                 return
             seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
-            if seconds < self.min_duration:
-                return  # most tasks: skip the bytes count (_observe would drop the timing anyway)
+            if 0 < seconds < self.min_duration:
+                return  # most tasks: skip the bytes count (_observe would drop the timing anyway); bad
+                # timings (zero, negative, NaN) go on to _observe, which warns about them
             nbytes = kwargs.get("nbytes")
             units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
             units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0

@@ -53,6 +53,10 @@ class _Rate:
         changes = [abs(b - a) for a, b in pairwise(self.recent)]
         return statistics.median(changes) / 0.954  # median |x - y| of two N(0, s^2) is 0.954 s
 
+    def recent_mean(self) -> tuple[float, float]:
+        """Mean log rate of the recent timings and its standard error."""
+        return statistics.fmean(self.recent), self.noise() / math.sqrt(len(self.recent))
+
 
 @dataclass
 class SpeedModel:
@@ -61,9 +65,9 @@ class SpeedModel:
     ``alpha`` is the weight of a new observation in the moving average; a worker's observed
     speed replaces its prior once a prefix it shares with another worker has ``confidence_samples``
     observations on both. A worker's rate counts as different from the others' only on evidence:
-    when it is more than ``significance`` standard errors of its own timings' noise away from their
-    geometric mean; closer, it counts as equal (identical workers keep equal weights, however
-    noisy their short tasks).
+    when the mean of its recent log rates is more than ``significance`` standard errors away from
+    the mean over the workers (errors from the noise of each worker's timings); closer, it counts as
+    equal (identical workers keep equal weights, however noisy their short tasks).
     """
 
     alpha: float = 0.5
@@ -111,14 +115,20 @@ class SpeedModel:
             seen = {w: r for w, r in per_worker.items() if w in workers and r.count >= self.confidence_samples}
             if len(seen) < 2:
                 continue
-            mean = sum(math.log(r.value) for r in seen.values()) / len(seen)
-            duration = sum(r.seconds for r in seen.values()) / len(seen)
-            spread = math.sqrt(self.alpha / (2 - self.alpha))  # standard error of the moving average, per noise
+            n = len(seen)
+            mean = sum(math.log(r.value) for r in seen.values()) / n
+            duration = sum(r.seconds for r in seen.values()) / n
+            recent = {w: r.recent_mean() for w, r in seen.items()}
+            recent_mean = sum(m for m, _ in recent.values()) / n
+            errors = sum(se**2 for _, se in recent.values())
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration
                 difference = math.log(r.value) - mean
-                if abs(difference) <= self.significance * spread * r.noise():
-                    difference = 0.0  # within the noise of this worker's timings: no evidence of a difference
+                m, se = recent[w]
+                # standard error of (its recent mean - the mean of all n): its own share and the others'
+                error = math.sqrt(((n - 1) / n) ** 2 * se**2 + (errors - se**2) / n**2)
+                if abs(m - recent_mean) <= self.significance * error:
+                    difference = 0.0  # within the noise of the recent timings: no evidence of a difference
                 logsum[w] += weight * difference
                 wsum[w] += weight
                 samples[w] += r.count

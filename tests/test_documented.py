@@ -1,0 +1,484 @@
+"""README rows (Configuration, Errors, the balance / map options) that no other test file covers.
+
+docs/tested-behaviour.md maps every row of the README's two tables to the test(s) that cover it.
+"""
+
+import asyncio
+import logging
+import sys
+import types
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import wait
+from distributed.utils_test import captured_logger, gen_cluster
+from test_balance import run_balance, setup
+
+import dask_octopus
+from dask_octopus import NotRegisteredError, PlanningError, config
+from dask_octopus.groups import streams
+from dask_octopus.groups.replay import GraphCache
+from dask_octopus.profiling import probes
+from dask_octopus.profiling.gpu_timing import TOPIC
+
+TWO = [("127.0.0.1", 1)] * 2
+FAST = {"octopus.calibration.seconds": 0.1}
+MEMORY_LIMIT = 2**32  # bytes per worker: the memory a CPU worker's plan is capped by
+
+
+def plugin(s):
+    return s.plugins["octopus"]
+
+
+def timing(s, worker, prefix, units, seconds, key=0):
+    """A task timing as a GPU worker reports it (CUDA events), straight to the scheduler plugin."""
+    s.log_event(TOPIC, {"worker": worker, "timings": [([prefix, key], prefix, units, seconds)]})
+
+
+def call_map(c, *args, **kwargs):
+    return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.map(*args, client=c, **kwargs))
+
+
+# -- Configuration ---------------------------------------------------------------------------------
+
+
+def test_calibration_seconds_is_split_between_the_two_probes(monkeypatch):
+    budgets = []
+
+    def fake_throughput(step, sync, work, seconds):
+        budgets.append(seconds)
+        return 1.0
+
+    monkeypatch.setattr(probes, "_throughput", fake_throughput)
+    probes.run_probes(0.4, "cpu")
+    assert budgets == [0.2, 0.2]  # half GEMM, half streaming pass
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.calibration.seconds": 0.3})
+async def test_calibration_seconds_from_dask_config_is_each_worker_s_probe_budget(c, s, a, b):
+    await dask_octopus.register(c)
+    assert plugin(s).worker_plugin.seconds == 0.3
+    profiles = await dask_octopus.profiles(c)
+    assert set(profiles) == {a.address, b.address}
+    for p in profiles.values():  # each probe repeats until it has run for half the budget
+        assert p["error"] is None and 0.3 <= p["probe_seconds"] < 5
+
+
+@pytest.mark.parametrize("device, probed", [("cpu", "cpu"), ("auto", "gpu"), ("gpu", "gpu")])
+@gen_cluster(client=True, nthreads=TWO)
+async def test_calibration_device_cpu_forces_numpy_probes_where_a_gpu_is_seen(c, s, a, b, monkeypatch, device,
+                                                                               probed):
+    def gpu_probe(seconds):
+        raise RuntimeError("the CuPy probe ran")
+
+    monkeypatch.setattr(probes, "gpu_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(probes, "_probe_gpu", gpu_probe)
+    with dask.config.set({**FAST, "octopus.calibration.device": device}):
+        await dask_octopus.register(c)
+    assert plugin(s).worker_plugin.device == device
+    profiles = await dask_octopus.profiles(c)
+    assert set(profiles) == {a.address, b.address}
+    for p in profiles.values():
+        if probed == "cpu":
+            assert p["error"] is None and p["device"] == "cpu" and p["name"] == "CPU" and p["compute"] > 0
+        else:
+            assert p["error"] == "RuntimeError: the CuPy probe ran"
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25})
+async def test_refine_alpha_from_dask_config_weighs_each_new_timing(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    p = plugin(s)
+    assert p.model.alpha == 0.25
+    timing(s, a.address, "gemm", 100, 1.0)  # 100 units per second
+    timing(s, a.address, "gemm", 100, 0.5, key=1)  # then 200
+    rate, seconds, count = p.model.table()["gemm"][a.address]
+    assert (rate, seconds, count) == (125.0, 0.875, 2)  # 0.25 * new + 0.75 * old (0.5 would give 150)
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.confidence-samples": 1})
+async def test_refine_confidence_samples_one_makes_one_timing_count(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    p = plugin(s)
+    assert p.model.confidence_samples == 1
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
+    timing(s, a.address, "gemm", 100, 0.5)  # one timing each: a twice as fast as b
+    timing(s, b.address, "gemm", 100, 1.0)
+    weights = await dask_octopus.speeds(c)
+    assert weights[a.address] == pytest.approx(2 / 3) and weights[b.address] == pytest.approx(1 / 3)
+    profiles = await dask_octopus.profiles(c)
+    assert profiles[a.address]["samples"] == profiles[b.address]["samples"] == 1
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_refine_confidence_samples_default_needs_three_timings(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    assert plugin(s).model.confidence_samples == 3
+    for i in range(2):
+        timing(s, a.address, "gemm", 100, 0.5, key=i)
+        timing(s, b.address, "gemm", 100, 1.0, key=i)
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}  # two timings: not yet
+    timing(s, a.address, "gemm", 100, 0.5, key=2)
+    timing(s, b.address, "gemm", 100, 1.0, key=2)
+    weights = await dask_octopus.speeds(c)
+    assert weights[a.address] == pytest.approx(2 / 3)  # three: the observed speeds count
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.min-duration": "500ms"})
+async def test_refine_min_duration_from_dask_config_drops_shorter_timings(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    p = plugin(s)
+    assert p.min_duration == 0.5
+    timing(s, a.address, "gemm", 100, 0.4)  # a GPU event timing below the minimum
+    await c.submit(sum, [1, 2], key="t")
+    p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",  # a task-stream timing
+                 startstops=[{"action": "compute", "start": 0.0, "stop": 0.4}])
+    assert p.model.table() == {}
+    timing(s, a.address, "gemm", 100, 0.6)
+    p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",
+                 startstops=[{"action": "compute", "start": 0.0, "stop": 0.6}])
+    assert set(p.model.table()) == {"gemm", "t"}
+    assert p.model.table()["gemm"][a.address][2] == 1
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.significance": 1000.0})
+async def test_refine_significance_from_dask_config_asks_for_more_evidence(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    assert plugin(s).model.significance == 1000.0
+    for i, noise in enumerate([1.0, 1.1, 0.9, 1.05, 0.95]):  # b twice as slow, with +-10% noise
+        timing(s, a.address, "gemm", 100, noise, key=i)
+        timing(s, b.address, "gemm", 100, 2 * noise, key=i)
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}  # within 1000 standard errors
+    plugin(s).model.significance = 2.5  # the default: the same timings are evidence
+    assert (await dask_octopus.speeds(c))[a.address] == pytest.approx(2 / 3)
+
+
+@gen_cluster(client=True, nthreads=TWO, worker_kwargs={"memory_limit": MEMORY_LIMIT})
+async def test_balance_memory_fraction_caps_each_worker_s_share_of_its_memory(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    x = da.ones((800, 30), chunks=(100, 30))  # 240 bytes per row
+    assert (await run_balance(c, x, per_worker=1)).chunks[0] == (600, 200)  # by weight
+    with dask.config.set({"octopus.balance.memory-fraction": 480.5 * 240 / MEMORY_LIMIT}):  # 480 rows each
+        y = await run_balance(c, x, per_worker=1)
+    assert y.chunks[0] == (480, 320)
+    assert await c.compute(y.sum()) == 800 * 30
+
+
+@gen_cluster(client=True, nthreads=TWO, worker_kwargs={"memory_limit": MEMORY_LIMIT})
+async def test_balance_larger_than_the_workers_memory_names_both_sizes(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    x = da.ones((800, 30), chunks=(100, 30))  # 187.50 kiB
+    with dask.config.set({"octopus.balance.memory-fraction": 40.5 * 240 / MEMORY_LIMIT}), \
+            pytest.raises(PlanningError) as info:  # 40 rows each: 18.75 kiB in all
+        await run_balance(c, x)
+    message = str(info.value)
+    assert "the collection (187.50 kiB) does not fit in the workers' memory" in message
+    assert "they can hold 18.75 kiB" in message
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_balance_min_gain_from_dask_config_keeps_blocks(c, s, a, b):
+    await setup(c, s, [3.0, 2.0])
+    x = da.ones((1000, 4), chunks=(500, 4))  # equal blocks: makespan 1250 against 1000 planned (25% shorter)
+    moved = await run_balance(c, x)
+    assert moved.chunks[0] == (300, 300, 200, 200)  # 25% > 3%: re-chunked, within the user's 500-row blocks
+    with dask.config.set({"octopus.balance.min-gain": 0.3}):
+        kept = await run_balance(c, x)
+    assert kept.chunks == x.chunks and "rechunk" not in str(dict(kept.dask))  # 25% < 30%: kept, only pinned
+    fast, slow = sorted(s.workers)
+    assert plugin(s).placement.plans[kept.name].workers == [fast, slow]
+    assert await c.compute(kept.sum()) == 4000
+
+
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.max-plans": 2})
+async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    assert plugin(s).placement.max_plans == 2
+    names = []
+    for n in (40, 60, 80):
+        y = await run_balance(c, da.ones((n, 2), chunks=10))
+        names.append(y.name)
+    assert list(plugin(s).placement.plans) == names[1:]
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("calibration.seconds", 0, "octopus.calibration.seconds must be a number > 0, got 0"),
+    ("refine.significance", -1, "octopus.refine.significance must be a number >= 0, got -1"),
+    ("balance.min-gain", "some", "octopus.balance.min-gain must be a number >= 0, got 'some'"),
+    ("streams.max-streams", 0, "octopus.streams.max-streams must be an integer >= 1, got 0"),
+    ("streams.max-streams", 2.5, "octopus.streams.max-streams must be an integer >= 1, got 2.5"),
+    ("streams.capture-after", -1, "octopus.streams.capture-after must be an integer >= 0, got -1"),
+    ("streams.max-graphs", 0, "octopus.streams.max-graphs must be an integer >= 1, got 0"),
+])
+def test_the_other_settings_are_validated_naming_the_key(key, value, message):
+    with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
+        config.get(key)
+
+
+def test_readme_defaults():
+    expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "refine.alpha": 0.5,
+                "refine.confidence-samples": 3, "refine.min-duration": "2ms", "refine.significance": 2.5,
+                "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "max-plans": 1000,
+                "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,
+                "streams.capture-after": 1, "streams.max-graphs": 64}
+    assert {key: config.get(key) for key in expected} == expected
+    assert set(config.CHECKS) == set(expected)  # every setting is in the README's table
+
+
+def test_max_streams_is_read_from_dask_config():
+    assert config.get("streams.max-streams") == 8
+    with dask.config.set({"octopus.streams.max-streams": 3}):
+        assert config.get("streams.max-streams") == 3
+
+
+class FakeStream:
+    """A CUDA stream of :class:`FakeCupy`: ``with stream`` makes it current."""
+
+    def __init__(self, cp, name):
+        self.cp, self.name = cp, name
+
+    def __enter__(self):
+        self.cp.current.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.cp.current.pop()
+
+    def record(self):
+        return object()
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class FakeCupy(types.ModuleType):
+    """Just enough of CuPy for run_group's GPU path on a CPU machine: streams that record which is
+    current, and no device arrays (so capture is refused: 'an input is not a CuPy array')."""
+
+    class ndarray:  # CuPy's name
+        pass
+
+    def __init__(self):
+        super().__init__("cupy")
+        self.current = [FakeStream(self, "task's own")]
+        self.made = 0
+
+        def stream(non_blocking=False):
+            self.made += 1
+            return FakeStream(self, f"pool {self.made}")
+
+        runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0)
+        self.cuda = types.SimpleNamespace(runtime=runtime, Stream=stream, get_current_stream=lambda: self.current[-1])
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """run_group takes its GPU path (a fresh process runtime, made under the test's config)."""
+    cp = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+
+    def fresh_runtime():
+        monkeypatch.setattr(streams, "_process_runtime", streams.StreamRuntime())
+
+    return cp, fresh_runtime
+
+
+def run_fake_group(cp, inputs):
+    """Run one group of ``len(inputs)`` members; the name of the stream each member ran on."""
+    ran_on = [None] * len(inputs)
+
+    def member(i):
+        def run(x):
+            ran_on[i] = cp.cuda.get_current_stream().name
+            return x
+
+        return run
+
+    out = streams.run_group([member(i) for i in range(len(inputs))], [[x] for x in inputs], ["memory"] * len(inputs),
+                            lambda: [f"token-{i}" for i in range(len(inputs))])
+    assert all(o is x for o, x in zip(out, inputs))
+    return ran_on
+
+
+@pytest.mark.parametrize("max_streams, used", [(8, 5), (2, 2), (1, 1)])
+def test_max_streams_bounds_the_streams_of_a_group(fake_gpu, max_streams, used):
+    cp, fresh_runtime = fake_gpu
+    with dask.config.set({"octopus.streams.max-streams": max_streams}):
+        fresh_runtime()
+        ran_on = run_fake_group(cp, [np.ones(10) for _ in range(5)])
+    assert len(set(ran_on)) == used and "task's own" not in ran_on
+
+
+def test_large_bytes_members_run_on_the_task_s_own_stream(fake_gpu):
+    cp, fresh_runtime = fake_gpu
+    with dask.config.set({"octopus.streams.large-bytes": "1KiB"}):
+        fresh_runtime()
+        ran_on = run_fake_group(cp, [np.ones(10), np.ones(1000), np.ones(20)])  # 8 kB: large
+    assert ran_on[1] == "task's own" and ran_on[0] != "task's own" and ran_on[2] != "task's own"
+
+
+@pytest.mark.parametrize("settings, refused_on_run", [
+    ({}, 2),  # capture-after 1: one eager run, then captured (here: refused)
+    ({"octopus.streams.capture-after": 2}, 3),
+    ({"octopus.streams.capture-after": 0}, 1),
+    ({"octopus.streams.capture": False}, None),  # never captured
+])
+def test_capture_settings_decide_when_a_group_is_captured(fake_gpu, settings, refused_on_run):
+    cp, fresh_runtime = fake_gpu
+    inputs = [np.ones(10), np.ones(10)]
+    logs = []
+    with dask.config.set(settings):
+        fresh_runtime()
+        for _ in range(4):
+            with captured_logger("dask_octopus.groups.streams", level=logging.DEBUG) as log:
+                run_fake_group(cp, inputs)
+            logs.append(log.getvalue())
+    refusal = "dask_octopus: group not captured, it runs eagerly: an input is not a CuPy array"
+    assert [refusal in text for text in logs] == [i + 1 == refused_on_run for i in range(4)]
+    assert streams.runtime().stats()["refused"] == (0 if refused_on_run is None else 1)
+
+
+def test_stream_runtime_reads_capture_after_and_max_graphs_from_dask_config():
+    rt = streams.StreamRuntime()
+    assert (rt.graph_cache().after, rt.graph_cache().size) == (1, 64)
+    with dask.config.set({"octopus.streams.capture-after": 3, "octopus.streams.max-graphs": 5}):
+        rt = streams.StreamRuntime()
+    assert (rt.graph_cache().after, rt.graph_cache().size) == (3, 5)
+
+
+def test_graph_cache_captures_after_the_configured_sightings():
+    cache = GraphCache(size=4, after=1)
+    assert [cache.should_capture("g") for _ in range(2)] == [False, True]  # one eager run, then capture
+    cache.add("g", "graph")
+    assert cache.get("g") == "graph" and not cache.should_capture("g") and "g" not in cache.seen
+    three = GraphCache(after=3)
+    assert [three.should_capture("g") for _ in range(4)] == [False, False, False, True]
+    assert GraphCache(after=0).should_capture("g")  # captured the first time it runs
+
+
+def test_graph_cache_drops_the_least_recently_used_graph_beyond_its_size():
+    cache = GraphCache(size=2, after=0)
+    cache.add("a", "graph a")
+    cache.add("b", "graph b")
+    assert cache.get("a") == "graph a"  # a is now the most recently used
+    cache.add("c", "graph c")
+    assert list(cache.graphs) == ["a", "c"] and cache.get("b") is None
+    cache.add("d", "graph d")
+    assert list(cache.graphs) == ["c", "d"]
+
+
+def test_graph_cache_never_captures_a_refused_signature():
+    cache = GraphCache(size=2, after=1)
+    cache.should_capture("r")
+    assert cache.should_capture("r")
+    cache.add("r", None)  # capture refused
+    assert cache.refused == {"r"} and cache.get("r") is None and not cache.graphs
+    assert not any(cache.should_capture("r") for _ in range(5)) and "r" not in cache.seen
+
+
+# -- Errors ----------------------------------------------------------------------------------------
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_not_registered_error_names_register_and_the_preload(c, s, a, b):
+    calls = {"speeds": lambda: dask_octopus.speeds(c), "profiles": lambda: dask_octopus.profiles(c),
+             "balance": lambda: run_balance(c, da.ones((10, 2), chunks=5))}
+    for name, call in calls.items():
+        with pytest.raises(NotRegisteredError) as info:
+            await call()
+        message = str(info.value)
+        assert "dask_octopus.register(client)" in message and "--preload dask_octopus" in message, name
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_profiles_with_an_unknown_resource(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    with pytest.raises(ValueError, match="unknown resource 'disk': expected one of compute, memory"):
+        await dask_octopus.profiles(c, resource="disk")
+    assert set(await dask_octopus.profiles(c, resource="memory")) == {a.address, b.address}
+
+
+# -- balance and map options of the README's Use section -------------------------------------------
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_balance_along_axis_1_pins_column_blocks(c, s, a, b):
+    rec = await setup(c, s, [3.0, 1.0])
+    x = da.random.default_rng(3).random((30, 800), chunks=(15, 100))
+    y = await run_balance(c, x, axis=1, per_worker=2)
+    assert y.chunks == ((15, 15), (300, 300, 100, 100))
+    fast, slow = sorted(s.workers)
+    plan = plugin(s).placement.plans[y.name]
+    assert plan.workers == [fast, fast, slow, slow] and plan.index == 2  # the block index is the key's third
+    reference = await c.compute((x * 2 + 1).sum(axis=0))
+    rec.worker.clear()
+    np.testing.assert_array_equal(await c.compute((y * 2 + 1).sum(axis=0)), reference)
+    ran = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and "sum" in str(k[0])}
+    blocks = {k: w for k, w in ran.items() if len(k) == 3}  # (fused) per-block tasks: (name, i, j)
+    aggregates = {k: w for k, w in ran.items() if len(k) == 2}  # (name, j): sums of blocks (0, j) and (1, j)
+    assert len(blocks) >= 8 and all(w == plan.workers[k[2]] for k, w in blocks.items()), blocks
+    assert len(aggregates) == 4 and all(w == plan.workers[k[1]] for k, w in aggregates.items()), aggregates
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_balance_align_makes_block_sizes_multiples(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    x = da.arange(800.0 * 4, chunks=400).reshape(800, 4)
+    y = await run_balance(c, x, per_worker=1, align=64)
+    assert y.chunks[0] == (576, 224)  # 9 and 3 units of 64; the last block takes the 32 left over
+    y2 = await run_balance(c, x, per_worker=2, align=64)
+    assert y2.chunks[0] == (320, 256, 128, 96)  # 5 + 4 and 2 + 1 units; the last also takes the 32
+    np.testing.assert_array_equal(await c.compute(y2.sum(axis=1)), np.arange(3200.0).reshape(800, 4).sum(axis=1))
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_balance_by_memory_weights_uses_the_memory_priors(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    first, second = sorted(s.workers)
+    model = plugin(s).model
+    model.set_prior(first, {"compute": 3.0, "memory": 1.0})  # first computes faster, second streams faster
+    model.set_prior(second, {"compute": 1.0, "memory": 3.0})
+    x = da.ones((800, 4), chunks=(100, 4))
+    by_compute = await run_balance(c, x, per_worker=1)
+    by_memory = await run_balance(c, x, per_worker=1, resource="memory")
+    assert by_compute.chunks[0] == (600, 200) and by_memory.chunks[0] == (200, 600)
+    assert plugin(s).placement.plans[by_memory.name].workers == [first, second]
+    assert await c.compute(by_memory.sum()) == 3200
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_tasks_that_combine_blocks_of_two_workers_are_left_to_dask(c, s, a, b):
+    rec = await setup(c, s, [3.0, 1.0])
+    x = da.arange(800.0 * 4, chunks=400).reshape(800, 4)
+    y = await run_balance(c, x, per_worker=1)
+    assert y.chunks[0] == (600, 200)
+    z = c.persist((y * 2).sum(axis=0))  # the aggregate combines the partial sums of both workers' blocks
+    await wait(z)
+    np.testing.assert_array_equal(await c.compute(z), np.arange(3200.0).reshape(800, 4).sum(axis=0) * 2)
+    fast, slow = sorted(s.workers)
+    aggregate = (z.name, 0)
+    assert aggregate in rec.worker and aggregate not in rec.restricted  # no worker_restrictions: Dask places it
+    assert not s.tasks[aggregate].worker_restrictions
+    partials = {k for k in rec.restricted if isinstance(k, tuple) and str(k[0]).startswith("sum-")}
+    assert {k[1] for k in partials} == {0, 1}  # each block's partial sum is pinned to its block's worker
+    assert all(rec.worker[k] == (fast, slow)[k[1]] for k in partials)
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_map_by_memory_weights_uses_the_memory_priors(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    first, second = sorted(s.workers)
+    model = plugin(s).model
+    model.set_prior(first, {"compute": 3.0, "memory": 1.0})
+    model.set_prior(second, {"compute": 1.0, "memory": 3.0})
+    plans = plugin(s).placement.plans
+    for resource, on_first, item in (("compute", 6, np.ones(4)), ("memory", 2, np.ones(5))):
+        futs = await call_map(c, np.sum, [item] * 8, cost=[1] * 8, resource=resource)
+        assert await c.gather(futs) == [float(item.size)] * 8
+        workers = plans[next(reversed(plans))].workers  # the latest plan: one worker per item
+        assert (workers.count(first), workers.count(second)) == (on_first, 8 - on_first), resource
