@@ -55,9 +55,11 @@ def check_balanced_and_pinned(c, x):
         lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
     who = c.who_has(y)
     assert [who[(y.name, i, 0)][0] for i in range(4)] == plan
-    for w, weight in weights.items():  # each worker's rows follow its calibrated weight (to a row)
-        rows = sum(n for n, owner in zip(y.chunks[0], plan) if owner == w)
-        assert abs(rows / x.shape[0] - weight) <= 1 / x.shape[0] + 1e-9, (rows, weights)
+    # the rows follow the calibrated weights: the predicted makespan (a worker's rows over its weight)
+    # within octopus.balance.min-gain (3%) of the best split, one row of rounding aside (equal blocks
+    # that close to the plan are kept as they are)
+    rows = {w: sum(n for n, owner in zip(y.chunks[0], plan) if owner == w) for w in weights}
+    assert max(rows[w] / weights[w] for w in weights) <= 1.03 * (x.shape[0] + len(weights)), (rows, weights)
     return y
 
 

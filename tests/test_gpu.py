@@ -76,9 +76,9 @@ def test_balance_cupy_array_exact_and_pinned(cuda_client):
     y = dask_octopus.balance(x, per_worker=2)
     plan = cuda_client.run_on_scheduler(
         lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
-    for w, weight in weights.items():  # each GPU's rows follow its calibrated weight (to a row)
-        rows = sum(n for n, owner in zip(y.chunks[0], plan) if owner == w)
-        assert abs(rows / 100_000 - weight) <= 1e-5 + 1e-9, (rows, weights)
+    # each GPU's rows follow its calibrated weight: predicted makespan within min-gain (3%) of the best
+    rows = {w: sum(n for n, owner in zip(y.chunks[0], plan) if owner == w) for w in weights}
+    assert max(rows[w] / weights[w] for w in weights) <= 1.03 * (100_000 + len(weights)), (rows, weights)
     reference = cuda_client.compute((x * 2 + 1).sum(axis=1)).result()
     with get_task_stream(cuda_client) as ts:
         result = cuda_client.compute((y * 2 + 1).sum(axis=1)).result()
