@@ -3,6 +3,7 @@ one place that reads and checks them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,10 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
 }
 
 
+_MISSING = object()
+_checked: set[tuple[str, Any]] = set()  # (key, value) pairs that passed their check
+
+
 def get(key: str, override: Any = None) -> Any:
     """``override`` if given, else ``octopus.<key>`` from ``dask.config``, else the package's default
     (Dask's test utilities, for one, replace the whole configuration); raises ``ValueError`` naming
@@ -59,8 +64,17 @@ def get(key: str, override: Any = None) -> Any:
     if override is not None:
         value = override
     else:
-        value = dask.config.get(f"octopus.{key}", default=dask.config.get(f"octopus.{key}", config=defaults))
+        value = dask.config.get(f"octopus.{key}", default=_MISSING)
+        if value is _MISSING:
+            value = dask.config.get(f"octopus.{key}", config=defaults)
+    try:
+        if (key, value) in _checked:  # the hot paths read settings per call: check each value once
+            return value
+    except TypeError:  # not hashable: check it every time
+        pass
     what, ok = CHECKS[key]
     if not ok(value):
         raise ValueError(f"octopus.{key} must be {what}, got {value!r}")
+    with contextlib.suppress(TypeError):
+        _checked.add((key, value))
     return value

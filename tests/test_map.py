@@ -279,3 +279,12 @@ def test_large_local_items_go_to_their_planned_worker_not_into_the_graph(recwarn
     assert len({worker for _, worker, _ in rec.seen.values()}) == 2
     assert all(holders == {worker} for holders, worker, _ in rec.seen.values())  # and sat where it ran
     assert not [w for w in recwarn if "Sending large graph" in str(w.message)]
+
+
+@pytest.mark.parametrize("group", [None, 3])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_futures_in_kwargs_reach_func_as_their_values(c, s, a, b, group):
+    await setup(c, s, [1.0, 1.0])
+    scale = c.submit(lambda: 10.0)
+    futs = await call(c, lambda x, k: x * k, [1.0, 2.0, 3.0, 4.0], group=group, k=scale)
+    assert await c.gather(futs) == [10.0, 20.0, 30.0, 40.0]

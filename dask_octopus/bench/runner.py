@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -34,7 +34,3 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     out = fn()
     return time.perf_counter() - start, out
 
-
-def seconds_and_last(results: list[tuple[float, Any]]) -> dict[str, Any]:
-    """``{"seconds": [...], "value": last value}`` of :func:`timed` results."""
-    return {"seconds": [s for s, _ in results], "value": results[-1][1] if results else None}

@@ -17,6 +17,7 @@ against the worker's streaming bandwidth) and remembered per function and input 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -24,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import dask.config
 import dask.utils
 from dask.sizeof import sizeof
 
@@ -45,6 +45,12 @@ def _cupy() -> Any | None:
         return cp if cp.cuda.runtime.getDeviceCount() > 0 else None
     except Exception:
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def _bytes(size: str | int) -> int:
+    """``size`` in bytes (``parse_bytes`` on the hot path of every group, parsed once per value)."""
+    return dask.utils.parse_bytes(size)
 
 
 def _signature(token: Hashable, inputs: Sequence[Any]) -> tuple:
@@ -121,9 +127,10 @@ class StreamRuntime:
         if declared != "auto":
             return declared
         signature = _signature(token, inputs)
-        cls = self.classes.get(signature)
-        if cls is not None:
-            self.classes.move_to_end(signature)
+        with self._lock:  # threads of a worker share the classes
+            cls = self.classes.get(signature)
+            if cls is not None:
+                self.classes.move_to_end(signature)
         return cls
 
     def classify(self, token: Hashable, inputs: Sequence[Any], output: Any, seconds: float) -> str:
@@ -131,9 +138,10 @@ class StreamRuntime:
         when it moved bytes at a quarter or more of :attr:`bandwidth`, else compute-bound."""
         moved = sizeof(list(inputs)) + sizeof(output)
         cls = "memory" if seconds > 0 and moved / seconds >= 0.25 * self.bandwidth else "compute"
-        self.classes[_signature(token, inputs)] = cls
-        while len(self.classes) > self.max_classes:
-            self.classes.popitem(last=False)
+        with self._lock:
+            self.classes[_signature(token, inputs)] = cls
+            while len(self.classes) > self.max_classes:
+                self.classes.popitem(last=False)
         return cls
 
     def close(self) -> None:
@@ -145,7 +153,7 @@ class StreamRuntime:
         self._local = threading.local()
 
 
-_process_runtime = StreamRuntime()  # outside a worker (a local scheduler in this process)
+_process_runtime: StreamRuntime | None = None  # outside a worker (a local scheduler in this process)
 
 
 def runtime() -> StreamRuntime:
@@ -153,9 +161,12 @@ def runtime() -> StreamRuntime:
     plugin did not install one), or the process's own outside a worker."""
     from distributed import get_worker
 
+    global _process_runtime
     try:
         worker = get_worker()
     except ValueError:
+        if _process_runtime is None:
+            _process_runtime = StreamRuntime()
         return _process_runtime
     rt = worker.extensions.get(EXTENSION)
     if rt is None:
@@ -216,24 +227,26 @@ def run_on_streams(cp: Any, rt: StreamRuntime, members: Sequence[Callable[..., A
     current stream exactly as Dask would run them (in order, returned at launch, no extra
     synchronisation). Members of unknown class
     (``known[i] is None``) are timed with events and classified in ``rt``."""
-    large = dask.utils.parse_bytes(config.get("streams.large-bytes"))
+    large = _bytes(config.get("streams.large-bytes"))
     current = cp.cuda.get_current_stream()
     results: list[Any] = [None] * len(members)
     timed: dict[int, tuple[Any, Any]] = {}
     small = 0
-    for i in order:
-        if sizes[i] >= large:
-            s = current
-        else:
-            s = streams[small % len(streams)]
-            small += 1
-        with s:
-            start = s.record() if known[i] is None else None
-            results[i] = members[i](*inputs[i])
-            if start is not None:
-                timed[i] = (start, s.record())
-    for s in streams[:small]:
-        s.synchronize()
+    try:
+        for i in order:
+            if sizes[i] >= large:
+                s = current
+            else:
+                s = streams[small % len(streams)]
+                small += 1
+            with s:
+                start = s.record() if known[i] is None else None
+                results[i] = members[i](*inputs[i])
+                if start is not None:
+                    timed[i] = (start, s.record())
+    finally:  # also when a member raises: the members launched before it must end before their inputs go
+        for s in streams[:small]:
+            s.synchronize()
     for i, (start, end) in timed.items():
         end.synchronize()
         rt.classify(tokens[i], inputs[i], results[i], cp.cuda.get_elapsed_time(start, end) / 1e3)

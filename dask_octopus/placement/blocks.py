@@ -68,6 +68,7 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     else:
         plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
     fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
+    fits = fits and all(n % align == 0 for n in current[:-1])  # kept blocks must also honour align
     if reference and fits and not worth_moving(current, reference, weights, config.get("balance.min-gain")):
         return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks]
     return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
@@ -102,9 +103,9 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     axis
         The array axis to split by speed (dataframes: 0, rows).
     per_worker
-        Blocks per worker. ``None``: the fewest (the same number for every worker) that keep every
-        block within the collection's largest block along ``axis``, so that no worker is asked to
-        hold a block larger than the user's own.
+        Blocks per worker. ``None``: for each worker, the fewest that keep each of its blocks within
+        the collection's largest block along ``axis``, so that no worker is asked to hold a block
+        larger than the user's own.
     resource
         Weights to plan by: ``"compute"`` or ``"memory"``.
     align
@@ -151,7 +152,8 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     raise TypeError(f"balance supports dask arrays, dataframes and series, not {type(collection).__name__}")
 
 
-def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int, resource: str, align: int) -> da.Array:
+def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | None, resource: str,
+                   align: int) -> da.Array:
     if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis!r} is out of range for a {x.ndim}-d array")
     axis %= x.ndim
@@ -205,7 +207,7 @@ def _run_at(part: Any, row: int) -> tuple[int, int, Any, Any] | None:
     return start, stop, value, index[stop] if stop < len(index) else None
 
 
-def _balance_frame(df: Any, client: Client, per_worker: int, resource: str, align: int) -> Any:
+def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: str, align: int) -> Any:
     """Rows in the planned partitions, cut from the input's partitions computed once. With known
     divisions, each cut between new partitions moves to the nearer end of the run of equal index
     values it falls in, so that the divisions stay known: a partition then differs from the plan by

@@ -288,10 +288,13 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     for b, (_, idx) in enumerate(batches):
         if group is None:
             (i,) = idx
-            dsk[(name, b)] = Task((name, b), func, parse_input(items[i]), **kwargs)  # futures become dependencies
+            # futures, in the item or in kwargs, become dependencies
+            resolved = {k: parse_input(v) for k, v in kwargs.items()}
+            dsk[(name, b)] = Task((name, b), func, parse_input(items[i]), **resolved)
             keys[i] = (name, b)
             continue
-        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([items[i] for i in idx]), kwargs, resource, group)
+        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([items[i] for i in idx]), parse_input(kwargs),
+                              resource, group)
         for k, i in enumerate(idx):
             keys[i] = (item_name, i)
             dsk[keys[i]] = Task(keys[i], _pick, TaskRef((name, b)), k)

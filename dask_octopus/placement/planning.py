@@ -86,28 +86,30 @@ def block_sizes(
     total: int,
     weights: Sequence[float],
     *,
-    per_worker: int = 1,
+    per_worker: int | Sequence[int] = 1,
     align: int = 1,
     caps: Sequence[int | None] | None = None,
 ) -> list[list[int]]:
-    """Sizes of ``per_worker`` blocks for each worker, proportional to ``weights``.
+    """Sizes of ``per_worker`` blocks for each worker (one count for all, or one per worker),
+    proportional to ``weights``.
 
     Every size is a multiple of ``align`` except the last block, which also takes
     ``total % align``. ``caps`` bound each worker's whole share (e.g. from its memory).
     Returns one list of block sizes per worker, in the order of ``weights``.
     """
-    if per_worker < 1 or int(per_worker) != per_worker:
-        raise PlanningError(f"per_worker must be an integer >= 1, got {per_worker!r}")
+    w = _check_weights(weights)
+    counts = [per_worker] * len(w) if isinstance(per_worker, int) else list(per_worker)
+    if len(counts) != len(w) or any(isinstance(k, bool) or int(k) != k or k < 1 for k in counts):
+        raise PlanningError(f"per_worker must be an integer >= 1 (or one per worker), got {per_worker!r}")
     if align < 1 or int(align) != align:
         raise PlanningError(f"align must be an integer >= 1, got {align!r}")
-    w = _check_weights(weights)
-    nblocks = len(w) * per_worker
+    nblocks = sum(counts)
     if total < nblocks:
         raise PlanningError(
             f"{total} rows cannot make {nblocks} blocks ({len(w)} workers x per_worker={per_worker})"
         )
     units, rest = divmod(total, align)
-    share = total * min(w) / sum(w) / per_worker
+    share = min(total * wi / sum(w) / k for wi, k in zip(w, counts))
     if units < nblocks or align > share:
         raise PlanningError(
             f"align={align} is larger than the smallest block's share ({share:.1f} of {total}); "
@@ -116,8 +118,8 @@ def block_sizes(
     unit_caps = None
     if caps is not None:
         unit_caps = [None if c is None else c // align for c in caps]
-    shares = proportional_split(units, w, minimum=per_worker, caps=unit_caps)
-    plan = [[s * align for s in proportional_split(u, [1.0] * per_worker, minimum=1)] for u in shares]
+    shares = proportional_split(units, w, minimum=counts, caps=unit_caps)
+    plan = [[s * align for s in proportional_split(u, [1.0] * k, minimum=1)] for u, k in zip(shares, counts)]
     plan[-1][-1] += rest
     if caps is not None and caps[-1] is not None and sum(plan[-1]) > caps[-1]:
         raise PlanningError(f"the last {rest} rows do not fit under the memory cap of the last worker")
@@ -126,21 +128,25 @@ def block_sizes(
 
 def block_sizes_within(total: int, weights: Sequence[float], largest: int, *, align: int = 1,
                        caps: Sequence[int | None] | None = None) -> list[list[int]]:
-    """:func:`block_sizes` with the fewest blocks per worker (the same number for every worker) that
-    keep every block within ``largest`` units, e.g. the largest block of the collection as its user
-    chunked it: a plan never asks a worker to hold a block larger than the user's own (the last
-    block may also hold the ``total % align`` remainder)."""
+    """:func:`block_sizes` with, for each worker, the fewest blocks that keep each of its blocks within
+    ``largest`` units, e.g. the largest block of the collection as its user chunked it: a plan never
+    asks a worker to hold a block larger than the user's own (the last block may also hold the
+    ``total % align`` remainder)."""
     w = _check_weights(weights)
     if largest < 1:
         raise PlanningError(f"largest must be >= 1, got {largest!r}")
-    per_worker = max(1, math.ceil((total - total % align) * max(w) / sum(w) / largest))  # its largest share fits
+    bound = max(largest, align)
+    body = total - total % align
+    # from below (the rounded shares can undercut the real-valued ones), one block more where one is over
+    counts = [max(1, math.floor(body * wi / sum(w) / bound)) for wi in w]
     while True:
-        plan = block_sizes(total, w, per_worker=per_worker, align=align, caps=caps)
-        sizes = [b for blocks in plan for b in blocks]
-        sizes[-1] -= total % align
-        if max(sizes) <= max(largest, align):
+        plan = block_sizes(total, w, per_worker=counts, align=align, caps=caps)
+        over = [i for i, blocks in enumerate(plan)
+                if max([*blocks[:-1], blocks[-1] - (total % align if i == len(plan) - 1 else 0)]) > bound]
+        if not over:
             return plan
-        per_worker += 1  # rounding put a row or an align unit over: one block more each
+        for i in over:  # rounding put a row or an align unit over: one block more there
+            counts[i] += 1
 
 
 def reassign(owners: Sequence[str], weights: dict[str, float]) -> list[str]:

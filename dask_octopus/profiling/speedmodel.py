@@ -64,9 +64,9 @@ class SpeedModel:
 
     ``alpha`` is the weight of a new observation in the moving average; a worker's observed
     speed replaces its prior once a prefix it shares with another worker has ``confidence_samples``
-    observations on both. A worker's rate counts as different from the others' only on evidence:
-    when the mean of its recent log rates is more than ``significance`` standard errors away from
-    the mean over the workers (errors from the noise of each worker's timings); closer, it counts as
+    observations on both. A prefix shows the workers' differences only on evidence: when the mean of
+    some worker's recent log rates is more than ``significance`` standard errors away from the mean
+    over the workers (errors from the noise of each worker's timings); otherwise its workers count as
     equal (identical workers keep equal weights, however noisy their short tasks).
     """
 
@@ -121,14 +121,15 @@ class SpeedModel:
             recent = {w: r.recent_mean() for w, r in seen.items()}
             recent_mean = sum(m for m, _ in recent.values()) / n
             errors = sum(se**2 for _, se in recent.values())
+            # the standard error of (a worker's recent mean - the mean of all n): its own share and the others'
+            evidence = any(abs(m - recent_mean) > self.significance * math.sqrt(((n - 1) / n) ** 2 * se**2
+                                                                               + (errors - se**2) / n**2)
+                           for m, se in recent.values())
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration
-                difference = math.log(r.value) - mean
-                m, se = recent[w]
-                # standard error of (its recent mean - the mean of all n): its own share and the others'
-                error = math.sqrt(((n - 1) / n) ** 2 * se**2 + (errors - se**2) / n**2)
-                if abs(m - recent_mean) <= self.significance * error:
-                    difference = 0.0  # within the noise of the recent timings: no evidence of a difference
+                # no worker beyond the noise of the recent timings: no evidence of a difference, they count
+                # as equal; else every worker's own difference counts (none pinned to the mean)
+                difference = math.log(r.value) - mean if evidence else 0.0
                 logsum[w] += weight * difference
                 wsum[w] += weight
                 samples[w] += r.count
