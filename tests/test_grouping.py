@@ -91,3 +91,42 @@ def test_bad_launch_classes():
         launch_order(["auto"], [1.0])
     with pytest.raises(ValueError, match="2 classes for 1 sizes"):
         launch_order(["memory", "compute"], [1.0])
+
+
+# Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
+
+
+def test_group_of_one_is_valid_and_errors_name_the_valid_resources():
+    check_group_spec("auto", 1)  # 1 is the smallest group (the task runs alone)
+    check_group_spec("compute", 1)
+    with pytest.raises(ValueError, match=r"^unknown resource 'disk': expected one of auto, compute, memory$"):
+        check_group_spec("disk", 1)
+
+
+def test_depths_of_keys_listed_before_their_dependencies_and_outside_dependencies():
+    # "c" is listed first but depends on later keys; "x" is outside the mapping: a source
+    deps = {"c": ["b", "x"], "b": ["a"], "a": ["x"], "d": []}
+    assert depths(deps) == {"a": 0, "b": 1, "c": 2, "d": 0}
+    assert depths({"a": ["x", "y"]}) == {"a": 0}
+
+
+def test_a_cycle_that_does_not_pass_through_the_first_key_is_reported():
+    with pytest.raises(ValueError, match="cycle through"):
+        depths({"a": ["b"], "b": ["c"], "c": ["b"]})
+
+
+def test_the_class_with_more_work_leads_whatever_its_members_positions():
+    # memory holds one member of 1, compute one of 5: compute leads although memory comes first
+    assert launch_order(["memory", "compute"], [1.0, 5.0]) == [1, 0]
+    assert launch_order(["compute", "memory", "memory"], [1.0, 2.0, 3.0]) == [2, 0, 1]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["compute", "memory"]), st.floats(0, 1e9)), min_size=1, max_size=20))
+def test_launch_order_starts_with_the_largest_member_of_the_class_with_more_work(members):
+    classes = [c for c, _ in members]
+    sizes = [s for _, s in members]
+    work = {c: sum(s for k, s in members if k == c) for c in ("compute", "memory")}
+    order = launch_order(classes, sizes)
+    lead = classes[order[0]]
+    assert work[lead] >= work["memory" if lead == "compute" else "compute"]
+    assert sizes[order[0]] == max(s for k, s in members if k == lead)

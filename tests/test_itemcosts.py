@@ -83,3 +83,51 @@ def test_a_slowdown_shows_within_a_few_batches_while_older_sizes_keep_the_slope(
 def test_bad_batches_are_refused(items, cost, seconds, match):
     with pytest.raises(ValueError, match=match):
         ItemCostFit().add(items, cost, seconds)
+
+
+# Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
+
+
+def test_seconds_per_item_is_the_fixed_part_plus_the_cost_times_the_rate():
+    assert ItemCost(0.5, 2.0).seconds(3.0) == 6.5
+    assert ItemCost(0.5, 2.0).seconds(0.0) == 0.5
+
+
+def test_batches_of_zero_cost_or_zero_seconds_are_accepted():
+    fit = ItemCostFit()
+    fit.add(3, 0.0, 1.0)  # items that cost nothing (e.g. empty ones)
+    fit.add(1, 10.0, 0.0)  # a batch too fast for the clock
+    assert list(fit.points) == [(0.0, 1 / 3), (10.0, 0.0)]
+
+
+def test_the_window_keeps_exactly_its_number_of_batches():
+    fit = ItemCostFit(window=3)
+    batches(fit, ItemCost(0.001, 1e-5), [(1, 100.0), (1, 400.0), (1, 1000.0)])
+    assert len(fit.points) == 3 and fit.fit() is not None  # the three batches it may hold suffice
+    batches(fit, ItemCost(0.001, 1e-5), [(1, 50.0)])
+    assert list(fit.points) == [(400.0, 0.001 + 400 * 1e-5), (1000.0, 0.001 + 1000 * 1e-5), (50.0, 0.001 + 50 * 1e-5)]
+
+
+def test_a_spread_of_exactly_the_threshold_is_enough():
+    fit = ItemCostFit()  # spread 1.5: mean costs per item of 100 and 150 tell the parts apart
+    batches(fit, ItemCost(0.002, 1e-5), [(1, 100.0), (1, 150.0), (2, 200.0)])
+    got = fit.fit()
+    assert got.fixed == pytest.approx(0.002) and got.per_unit == pytest.approx(1e-5)
+
+
+def test_costs_in_any_unit_fit_the_same_line():
+    truth = ItemCost(0.002, 1e-6)
+    scale = 1e-6  # the same items, their costs counted in millions of units
+    fine, coarse = ItemCostFit(), ItemCostFit()
+    shapes = [(10, 1000.0), (10, 100_000.0), (4, 4000.0)]
+    batches(fine, truth, shapes)
+    batches(coarse, ItemCost(truth.fixed, truth.per_unit / scale), [(n, c * scale) for n, c in shapes])
+    got = coarse.fit()
+    assert got is not None
+    assert got.fixed == pytest.approx(fine.fit().fixed) and got.per_unit == pytest.approx(fine.fit().per_unit / scale)
+
+
+def test_all_weight_on_the_newest_batch_abstains():
+    fit = ItemCostFit(alpha=1.0)  # older batches weigh 0: one point cannot give a slope
+    batches(fit, ItemCost(0.002, 1e-6), [(1, 100.0), (1, 1000.0), (1, 10_000.0)])
+    assert fit.fit() is None

@@ -98,3 +98,80 @@ def test_finish_times_include_the_penalties_and_zero_penalties_change_nothing(co
 def test_bad_penalties(penalty, match):
     with pytest.raises(ValueError, match=match):
         pack([1.0, 2.0], [1.0, 1.0], penalty=penalty)
+
+
+# Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
+
+
+def optimum_with_penalty(costs, speeds, penalty):
+    best = math.inf
+    for assignment in itertools.product(range(len(speeds)), repeat=len(costs)):
+        finish = [0.0] * len(speeds)
+        for i, j in enumerate(assignment):
+            finish[j] += costs[i] / speeds[j] + penalty[i][j]
+        best = min(best, max(finish))
+    return best
+
+
+# Small instances on which pack reaches the optimum while weaker variants of its search do not (found by
+# searching random instances against the mutants of tools/mutation.sh): items in input order or smallest
+# first instead of largest first, ties to the slower worker, no moves, no swaps, stopping after one step.
+@pytest.mark.parametrize("costs, speeds, penalty", [
+    ([4, 6, 1, 1], [1, 2], None),
+    ([2, 6, 6, 7], [3, 2, 1], None),
+    ([8, 7, 4], [3, 2, 2], None),
+    ([7, 7, 9, 8], [1, 1, 3], None),
+    ([3, 4, 8, 7], [3, 2], None),
+    ([1, 8, 6, 6], [3, 2], None),
+    ([7, 9, 6], [1, 3, 2], None),
+    ([9, 5, 8], [1, 3, 2], None),
+    ([5, 5, 8], [3, 2], None),
+    ([3, 3, 2, 2, 2], [1, 1], None),  # LPT alone ends at 7: one swap makes 6
+    ([0, 7, 7, 6], [3, 1], [[2, 2], [0, 0], [2, 1], [2, 5]]),
+    ([4, 3, 3], [3, 2, 2], [[0, 5, 0], [0, 1, 1], [0, 5, 2]]),
+    ([2, 3], [3, 1, 3], [[2, 5, 5], [1, 0, 1]]),
+])
+def test_pack_reaches_the_optimum_on_small_instances(costs, speeds, penalty):
+    costs, speeds = [float(c) for c in costs], [float(s) for s in speeds]
+    if penalty is None:
+        result, best = pack(costs, speeds), optimum(costs, speeds)
+    else:
+        penalty = [[float(p) for p in row] for row in penalty]
+        result, best = pack(costs, speeds, penalty=penalty), optimum_with_penalty(costs, speeds, penalty)
+    assert result.makespan == pytest.approx(best)
+
+
+@given(costs=costs_st, speeds=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=3), data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_no_single_move_or_swap_shortens_the_packing(costs, speeds, data):
+    penalty = None
+    if data.draw(st.booleans()):
+        penalty = [[data.draw(st.floats(0.0, 50.0)) for _ in speeds] for _ in costs]
+    result = pack(costs, speeds, penalty=penalty)
+
+    def makespan(assignment):
+        finish = [0.0] * len(speeds)
+        for i, j in enumerate(assignment):
+            finish[j] += costs[i] / speeds[j] + (penalty[i][j] if penalty else 0.0)
+        return max(finish)
+
+    best = makespan(result.assignment) * (1 - 1e-9)
+    for i, j in itertools.product(range(len(costs)), range(len(speeds))):
+        moved = list(result.assignment)
+        moved[i] = j
+        assert makespan(moved) >= best
+    for i, k in itertools.combinations(range(len(costs)), 2):
+        swapped = list(result.assignment)
+        swapped[i], swapped[k] = swapped[k], swapped[i]
+        assert makespan(swapped) >= best
+
+
+def test_on_a_tie_the_item_goes_to_the_faster_worker():
+    # the second item of 4 ends at 4 on either worker: the faster one takes it
+    assert pack([4.0, 4.0], [2.0, 1.0]).assignment == [0, 0]
+    assert pack([4.0, 4.0], [1.0, 2.0]).assignment == [1, 1]
+
+
+def test_no_workers_says_so():
+    with pytest.raises(ValueError, match=r"^no workers to pack onto$"):
+        pack([1.0], [])

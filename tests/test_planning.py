@@ -193,11 +193,57 @@ def test_blocks_within_the_largest_block(total, weights, largest, align):
     except PlanningError:
         return  # too few rows for the blocks that would fit (each block needs a unit)
     sizes = [b for blocks in plan for b in blocks]
-    assert sum(sizes) == total and len({len(blocks) for blocks in plan}) == 1  # as many blocks per worker
+    assert sum(sizes) == total
     sizes[-1] -= total % align  # the remainder rides on the last block
     assert max(sizes) <= max(largest, align)
-    if len(plan[0]) > 1:  # and one block fewer per worker would not do
-        smaller = [b for blocks in block_sizes(total, weights, per_worker=len(plan[0]) - 1, align=align)
-                   for b in blocks]
-        smaller[-1] -= total % align
-        assert max(smaller) > max(largest, align)
+    for blocks in plan:  # and no worker has a block more than its rows need (+1 for rounding)
+        assert len(blocks) <= math.ceil(sum(blocks) / max(largest, align)) + 1
+
+
+# Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
+
+
+def test_blocks_within_the_largest_block_exactly():
+    assert block_sizes_within(100, [1, 3], 30) == [[25], [25, 25, 25]]  # 25 rows fit one block, 75 need 3
+    assert block_sizes_within(101, [1, 1], 60) == [[51], [50]]  # align 1 by default: one row each unit
+    assert block_sizes_within(4, [1, 1], 1) == [[1, 1], [1, 1]]  # blocks of one row are allowed
+    # the remainder (5 rows) rides on the last block and does not count against the largest
+    assert block_sizes_within(105, [1, 1], 50, align=10) == [[50], [55]]
+
+
+def test_blocks_within_the_largest_block_under_a_memory_cap():
+    # worker 0 holds at most 20 rows: worker 1 takes 80, which needs two blocks of 40 each
+    assert block_sizes_within(100, [1, 1], 50, caps=[20, None]) == [[20], [40, 40]]
+
+
+@pytest.mark.parametrize("largest", [0, -3])
+def test_blocks_within_a_largest_below_one(largest):
+    with pytest.raises(PlanningError, match=rf"^largest must be >= 1, got {largest}$"):
+        block_sizes_within(100, [1, 1], largest)
+
+
+def test_snap_cuts_keeps_a_planned_empty_block_empty():
+    assert snap_cuts([10, 0, 10], [(10, 10), (10, 10)]) == [10, 0, 10]
+    assert snap_cuts([0, 10], [(0, 0)]) == [0, 10]
+
+
+def test_makespan_is_the_slowest_workers_rows_over_weight_and_needs_one_weight_per_worker():
+    from dask_octopus.placement.planning import makespan
+
+    assert makespan([[10, 20], [60]], [1.0, 3.0]) == 30.0
+    with pytest.raises(ValueError):
+        makespan([[1], [2]], [1.0])
+    with pytest.raises(ValueError):
+        makespan([[1]], [1.0, 1.0])
+
+
+def test_reassign_without_survivors_says_so():
+    with pytest.raises(PlanningError, match=r"^no surviving worker to take the blocks$"):
+        reassign(["a", "b"], {})
+
+
+def test_blocks_within_the_largest_block_are_the_fewest_that_fit():
+    # one block per worker fits in both: 3 rows within 3; 333, 666 and 998 rows within 998
+    assert block_sizes(3, [0.05]) == [[3]] and block_sizes(1997, [0.1, 0.2, 0.3]) == [[333], [666], [998]]
+    assert block_sizes_within(3, [0.05], 3) == [[3]]  # 3 * 0.05 / 0.05 / 3 rounds to 1.0000000000000002
+    assert block_sizes_within(1997, [0.1, 0.2, 0.3], 998) == [[333], [666], [998]]  # the share 998.5 > 998

@@ -136,3 +136,109 @@ def test_a_steady_difference_counts_in_full_however_noisy():
     assert w["a"] / w["b"] > 1.5  # (the moving average of these noisy rates ends at 1.78)
     m.significance = 0.0  # no evidence asked for: the same, the difference is far beyond the noise
     assert m.weights(["a", "b"]) == w
+
+
+# Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
+
+
+def test_errors_name_the_problem_in_full():
+    with pytest.raises(ValueError, match=r"^unknown resource 'disk': expected one of compute, memory$"):
+        SpeedModel().weights(["a"], "disk")
+    with pytest.raises(ValueError, match=r"^no workers to weigh$"):
+        SpeedModel().weights([])
+    with pytest.raises(ValueError, match=r"^task duration must be finite and > 0, got 0\.0$"):
+        SpeedModel().observe("a", "p", 1, 0.0)
+    with pytest.raises(ValueError, match=r"^task work units must be finite and > 0, got 0$"):
+        SpeedModel().observe("a", "p", 0, 1.0)
+
+
+def test_removing_a_worker_the_model_does_not_know_is_harmless():
+    m = SpeedModel(confidence_samples=1)
+    m.set_prior("a", {"compute": 1.0})
+    m.observe("b", "p", 1, 1.0)  # a never ran "p"
+    m.remove("a")
+    m.remove("ghost")
+    assert m.priors == {} and m.table() == {"p": {"b": (1.0, 1.0, 1)}}
+
+
+def test_the_table_holds_moving_averages_of_rate_and_duration():
+    m = SpeedModel(alpha=0.25)
+    m.observe("a", "p", 100, 2.0)  # 50 units/s
+    m.observe("a", "p", 100, 4.0)  # 25 units/s
+    rate, seconds, count = m.table()["p"]["a"]
+    assert rate == pytest.approx(0.25 * 25 + 0.75 * 50)
+    assert seconds == pytest.approx(0.25 * 4.0 + 0.75 * 2.0)
+    assert count == 2
+
+
+def test_a_prefix_seen_on_one_worker_does_not_hide_the_prefixes_after_it():
+    m = SpeedModel(confidence_samples=1)
+    m.observe("a", "only-a", 1, 100.0)  # the first prefix the model saw
+    m.observe("a", "mul", 200, 1.0)  # a twice as fast as b
+    m.observe("b", "mul", 100, 1.0)
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+
+
+def test_samples_add_up_over_prefixes():
+    m = SpeedModel(confidence_samples=2)
+    for prefix, n in (("p", 2), ("q", 3)):
+        for _ in range(n):
+            m.observe("a", prefix, 100, 1.0)
+            m.observe("b", prefix, 100, 1.0)
+    assert m.samples("a") == 5 and m.samples("b") == 5
+
+
+def test_a_prefix_counts_by_the_duration_of_its_tasks_not_by_how_many_workers_ran_it():
+    m = SpeedModel(confidence_samples=1)
+    m.observe("a", "gemm", 200, 1.0)  # on gemm a is twice as fast as b: log speeds +-ln(2)/2
+    m.observe("b", "gemm", 100, 1.0)
+    for w in "abc":  # on sum, as long per task, the three are equal
+        m.observe(w, "sum", 100, 1.0)
+    raw = {"a": 2 ** 0.25, "b": 2 ** -0.25, "c": 1.0}  # a and b: the mean of their two prefixes
+    assert m.weights(["a", "b", "c"]) == pytest.approx({w: s / sum(raw.values()) for w, s in raw.items()})
+
+
+def test_three_noisy_timings_are_enough_to_keep_identical_workers_equal():
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    for i in range(3):  # +-20% noise, out of phase: the moving averages end 1.22x apart
+        m.observe("a", "sum", 100, 0.004 * (1.2 if i % 2 else 0.8))
+        m.observe("b", "sum", 100, 0.004 * (0.8 if i % 2 else 1.2))
+    assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}
+
+
+@pytest.mark.parametrize("factor, counts", [(1.02, False), (0.98, True)])
+def test_a_difference_counts_beyond_significance_standard_errors_of_the_recent_timings(factor, counts):
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, moving average 87.5
+        m.observe("a", "mul", 100, seconds)
+    for _ in range(3):  # b: a steady 40 units/s, no noise
+        m.observe("b", "mul", 100, 2.5)
+    gap = (2 * math.log(100) + math.log(50)) / 3 - math.log(40)  # between the mean recent log rates of a and b
+    noise = math.log(2) / 0.954  # of one timing of a, whose log rate changes by ln 2 each time
+    standard_error = noise / math.sqrt(3)  # of the gap: a's mean of three timings (b has no noise)
+    m.significance = factor * gap / standard_error  # just above, or just below, the gap
+    w = m.weights(["a", "b"])
+    if counts:  # the moving averages decide
+        assert w["a"] / w["b"] == pytest.approx(87.5 / 40.0)
+    else:  # within the noise: no evidence of a difference
+        assert w == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+def test_the_same_recent_timings_in_another_order_are_no_evidence_of_a_difference():
+    m = SpeedModel(alpha=0.25, confidence_samples=2)
+    for seconds in (1.0, 2.0):  # a: 100 then 50 units/s, moving average 87.5
+        m.observe("a", "mul", 100, seconds)
+    for seconds in (2.0, 1.0):  # b: 50 then 100 units/s, moving average 62.5
+        m.observe("b", "mul", 100, seconds)
+    assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}
+
+
+def test_with_three_workers_one_significant_difference_keeps_the_others_differences_unbiased():
+    rng = random.Random(1)
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    for _ in range(8):  # a twice as fast as b and c, which are equal; 3% noise
+        m.observe("a", "mul", 200, math.exp(rng.gauss(0, 0.03)))
+        m.observe("b", "mul", 100, math.exp(rng.gauss(0, 0.03)))
+        m.observe("c", "mul", 100, math.exp(rng.gauss(0, 0.03)))
+    w = m.weights(["a", "b", "c"])
+    assert w["a"] / w["b"] == pytest.approx(2.0, rel=0.1) and w["b"] / w["c"] == pytest.approx(1.0, rel=0.1)
