@@ -66,21 +66,28 @@ def per_block_tasks(rec, skip=("random", "rechunk-split", "finalize")):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_array_blocks_and_their_consumers_run_where_planned(c, s, a, b, fuse):
     rec = await setup(c, s, [3.0, 1.0])
-    x = da.random.default_rng(1).random((800, 30), chunks=(100, 15))
     with dask.config.set({"optimization.fuse.active": fuse}):
-        y = await run_balance(c, x, per_worker=2)
-        assert y.chunks == ((300, 300, 100, 100), (15, 15))
-        fast, slow = sorted(s.workers)
-        planned = s.plugins["octopus"].placement.plans[y.name].workers
-        assert planned == [fast, fast, slow, slow]
-        reference = await c.compute((x * 2 + 1).sum(axis=1))
-        rec.worker.clear()
-        result = await c.compute((y * 2 + 1).sum(axis=1))
+        await blocks_run_where_planned(c, s, rec)
+    assert not any("p2p" in key_split(k) for k in rec.worker)
+
+
+async def blocks_run_where_planned(c, s, rec):
+    """Balance 800 rows over workers of speeds 3:1 in two blocks each: the planned sizes and workers,
+    exact results, and every per-block task on its block's worker. Returns the input and the plan."""
+    x = da.random.default_rng(1).random((800, 30), chunks=(100, 15))
+    y = await run_balance(c, x, per_worker=2)
+    assert y.chunks == ((300, 300, 100, 100), (15, 15))
+    fast, slow = sorted(s.workers)
+    planned = s.plugins["octopus"].placement.plans[y.name].workers
+    assert planned == [fast, fast, slow, slow]
+    reference = await c.compute((x * 2 + 1).sum(axis=1))
+    rec.worker.clear()
+    result = await c.compute((y * 2 + 1).sum(axis=1))
     np.testing.assert_array_equal(result, reference)
     blocks = per_block_tasks(rec)
     assert len(blocks) >= 8
     assert all(w == planned[k[1]] for k, w in blocks.items()), blocks
-    assert not any("p2p" in key_split(k) for k in rec.worker)
+    return x, y, planned
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

@@ -11,7 +11,7 @@ from distributed import Client, Scheduler, Worker, wait
 from distributed.security import Security
 from distributed.utils_test import async_poll_for, gen_cluster, gen_test
 from test_annotate import GroupLog, f
-from test_balance import run_balance, setup
+from test_balance import blocks_run_where_planned, run_balance, setup
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
@@ -67,20 +67,7 @@ async def test_balance_over_tls_is_exact_and_pinned(c, s, a, b):
     rec = await setup(c, s, [3.0, 1.0])
     assert await in_thread(lambda: dask_octopus.speeds(c)) == pytest.approx(
         dict(zip(sorted(s.workers), [0.75, 0.25])))
-    x = da.random.default_rng(1).random((800, 30), chunks=(100, 15))
-    y = await run_balance(c, x, per_worker=2)
-    assert y.chunks == ((300, 300, 100, 100), (15, 15))
-    fast, slow = sorted(s.workers)
-    planned = s.plugins["octopus"].placement.plans[y.name].workers
-    assert planned == [fast, fast, slow, slow]
-    reference = await c.compute((x * 2 + 1).sum(axis=1))
-    rec.worker.clear()
-    result = await c.compute((y * 2 + 1).sum(axis=1))
-    np.testing.assert_array_equal(result, reference)
-    blocks = {k: w for k, w in rec.worker.items()
-              if isinstance(k, tuple) and not key_split(k).startswith(("random", "rechunk-split", "finalize"))}
-    assert len(blocks) >= 8
-    assert all(w == planned[k[1]] for k, w in blocks.items()), blocks
+    x, y, planned = await blocks_run_where_planned(c, s, rec)
     yp = c.persist(y)  # the blocks themselves sit on the planned workers
     await wait(yp)
     who = await c.who_has(yp)
