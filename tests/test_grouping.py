@@ -130,3 +130,8 @@ def test_launch_order_starts_with_the_largest_member_of_the_class_with_more_work
     lead = classes[order[0]]
     assert work[lead] >= work["memory" if lead == "compute" else "compute"]
     assert sizes[order[0]] == max(s for k, s in members if k == lead)
+
+
+def test_on_equal_work_the_compute_class_leads():
+    assert launch_order(["memory", "compute"], [2.0, 2.0]) == [1, 0]
+    assert launch_order(["memory", "memory", "compute"], [1.0, 1.0, 2.0]) == [2, 0, 1]

@@ -185,6 +185,7 @@ def test_snap_cuts_ties_and_failures():
         snap_cuts([10, 10], [])
 
 
+@settings(deadline=None)  # largest=1 makes up to 20,000 one-row blocks
 @given(total=st.integers(2, 20_000), weights=st.lists(st.floats(0.05, 20), min_size=1, max_size=6),
        largest=st.integers(1, 5_000), align=st.sampled_from([1, 1, 4]))
 def test_blocks_within_the_largest_block(total, weights, largest, align):
@@ -196,8 +197,9 @@ def test_blocks_within_the_largest_block(total, weights, largest, align):
     assert sum(sizes) == total
     sizes[-1] -= total % align  # the remainder rides on the last block
     assert max(sizes) <= max(largest, align)
+    within = max(largest, align) // align * align  # the largest block made of whole align units
     for blocks in plan:  # and no worker has a block more than its rows need (+1 for rounding)
-        assert len(blocks) <= math.ceil(sum(blocks) / max(largest, align)) + 1
+        assert len(blocks) <= math.ceil(sum(blocks) / within) + 1
 
 
 # Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
@@ -247,3 +249,29 @@ def test_blocks_within_the_largest_block_are_the_fewest_that_fit():
     assert block_sizes(3, [0.05]) == [[3]] and block_sizes(1997, [0.1, 0.2, 0.3]) == [[333], [666], [998]]
     assert block_sizes_within(3, [0.05], 3) == [[3]]  # 3 * 0.05 / 0.05 / 3 rounds to 1.0000000000000002
     assert block_sizes_within(1997, [0.1, 0.2, 0.3], 998) == [[333], [666], [998]]  # the share 998.5 > 998
+
+
+def test_block_sizes_at_their_bounds():
+    assert block_sizes(4, [1, 1], per_worker=2) == [[1, 1], [1, 1]]  # as many rows as blocks: one row each
+    assert block_sizes(20, [1, 1], align=10) == [[10], [10]]  # align equal to the smallest share
+
+
+def test_block_sizes_under_memory_caps():
+    assert block_sizes(100, [1, 1], caps=[30, None]) == [[30], [70]]  # None: no cap on that worker
+    assert block_sizes(100, [1, 1], align=10, caps=[35, None]) == [[30], [70]]  # a cap holds whole align units
+    assert block_sizes(150, [1, 1, 1], align=10, caps=[None, None, 50]) == [[50], [50], [50]]  # exactly at the cap
+
+
+def test_block_sizes_errors_in_full():
+    with pytest.raises(PlanningError, match=r"^the last 5 rows do not fit under the memory cap of the last worker$"):
+        block_sizes(155, [1, 1, 1], align=10, caps=[None, None, 50])  # 50 + the 5 rows of remainder
+    with pytest.raises(PlanningError, match=r"^align=10 is larger than the smallest block's share \(1\.0 of 100\); "
+                                            r"use a smaller align or per_worker$"):
+        block_sizes(100, [1, 99], align=10)
+
+
+def test_a_split_with_both_a_minimum_and_a_cap_in_play():
+    # worker 1 is capped at 5; the other two then share 12, well above their minimum of 2
+    assert proportional_split(17, [1, 10, 1], minimum=2, caps=[None, 5, None]) == [6, 5, 6]  # gives [3, 6, 3]
+    assert proportional_split(17, [0.1, 1.5, 0.1], minimum=1, caps=[None, 5, None]) == [6, 5, 6]  # gives [2, 6, 2]
+    assert block_sizes(45, [2, 7], align=10, caps=[None, 27]) == [[20], [25]]  # raises PlanningError

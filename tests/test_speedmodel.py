@@ -242,3 +242,21 @@ def test_with_three_workers_one_significant_difference_keeps_the_others_differen
         m.observe("c", "mul", 100, math.exp(rng.gauss(0, 0.03)))
     w = m.weights(["a", "b", "c"])
     assert w["a"] / w["b"] == pytest.approx(2.0, rel=0.1) and w["b"] / w["c"] == pytest.approx(1.0, rel=0.1)
+
+
+@pytest.mark.parametrize("factor, counts", [(1.02, False), (0.98, True)])
+def test_the_gap_between_two_noisy_workers_counts_beyond_significance_standard_errors_of_the_gap(factor, counts):
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, moving average 87.5
+        m.observe("a", "mul", 100, seconds)
+    for seconds in (2.5, 3.75, 2.5):  # b: 40, 26.7, 40 units/s, moving average 36.7
+        m.observe("b", "mul", 100, seconds)
+    gap = (2 * math.log(100) + math.log(50)) / 3 - (2 * math.log(40) + math.log(40 / 1.5)) / 3
+    se_a = math.log(2) / 0.954 / math.sqrt(3)  # each: the noise of one timing over the root of three timings
+    se_b = math.log(1.5) / 0.954 / math.sqrt(3)
+    m.significance = factor * gap / math.sqrt(se_a**2 + se_b**2)  # just above, or just below, the gap
+    w = m.weights(["a", "b"])
+    if counts:
+        assert w["a"] / w["b"] == pytest.approx(87.5 / (0.5 * 40 + 0.25 * 40 / 1.5 + 0.25 * 40))
+    else:
+        assert w == pytest.approx({"a": 0.5, "b": 0.5})

@@ -28,22 +28,26 @@ def _check_weights(weights: Sequence[float]) -> list[float]:
 
 
 def _quotas(total: int, weights: list[float], lo: list[int], hi: list[float]) -> list[float]:
-    """Fractional shares ``clamp(t * w_i, lo_i, hi_i)`` summing to ``total`` (water-filling)."""
-    free = set(range(len(weights)))
-    quota = [0.0] * len(weights)
-    remaining = float(total)
-    while True:
-        wsum = sum(weights[i] for i in free)
-        scale = remaining / wsum if wsum else 0.0
-        clamped = {i for i in free if not lo[i] <= weights[i] * scale <= hi[i]}
-        if not clamped:
-            for i in free:
-                quota[i] = weights[i] * scale
-            return quota
-        for i in clamped:
-            quota[i] = lo[i] if weights[i] * scale < lo[i] else hi[i]
-            remaining -= quota[i]
-        free -= clamped
+    """Fractional shares ``clamp(t * w_i, lo_i, hi_i)`` summing to ``total``: the scale ``t`` found by
+    bisection (the sum grows with ``t``; the callers checked that ``sum(lo) <= total <= sum(hi)``).
+    (Clamping the parts below their minimum and those above their cap in the same round of a
+    water-filling lost rows when both bounds were in play.)"""
+
+    def filled(scale: float) -> float:
+        return sum(min(max(w * scale, low), high) for w, low, high in zip(weights, lo, hi))
+
+    scale = total / sum(weights)
+    if all(low <= w * scale <= high for w, low, high in zip(weights, lo, hi)):
+        return [w * scale for w in weights]  # no bound in play: the plain proportional shares
+    below, above = 0.0, 1.0
+    while filled(above) < total:
+        above *= 2
+    for _ in range(200):
+        middle = (below + above) / 2
+        if middle in (below, above):
+            break
+        below, above = (middle, above) if filled(middle) < total else (below, middle)
+    return [min(max(w * above, low), high) for w, low, high in zip(weights, lo, hi)]
 
 
 def proportional_split(
