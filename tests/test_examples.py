@@ -30,4 +30,6 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
-    assert all(0 < video["work_end_seconds"][v] < video["median_seconds"][v] for v in video["seconds"])
+    # the last pipeline ends before the results are on the client; the task stream's times are the
+    # workers' clocks corrected by Dask's estimate of their offset, good to a few ms (50 ms allowed)
+    assert all(0 < video["work_end_seconds"][v] < video["median_seconds"][v] + 0.05 for v in video["seconds"])
