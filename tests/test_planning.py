@@ -275,3 +275,10 @@ def test_a_split_with_both_a_minimum_and_a_cap_in_play():
     assert proportional_split(17, [1, 10, 1], minimum=2, caps=[None, 5, None]) == [6, 5, 6]  # gives [3, 6, 3]
     assert proportional_split(17, [0.1, 1.5, 0.1], minimum=1, caps=[None, 5, None]) == [6, 5, 6]  # gives [2, 6, 2]
     assert block_sizes(45, [2, 7], align=10, caps=[None, 27]) == [[20], [25]]  # raises PlanningError
+
+
+def test_block_counts_per_worker():
+    assert block_sizes(100, [1, 3], per_worker=[1, 3]) == [[25], [25, 25, 25]]
+    for bad in ([1, 2.5], [True, 1], [1], [0, 1]):
+        with pytest.raises(PlanningError, match=r"^per_worker must be an integer >= 1 \(or one per worker\), got "):
+            block_sizes(100, [1, 1], per_worker=bad)
