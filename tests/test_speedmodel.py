@@ -260,3 +260,32 @@ def test_the_gap_between_two_noisy_workers_counts_beyond_significance_standard_e
         assert w["a"] / w["b"] == pytest.approx(87.5 / (0.5 * 40 + 0.25 * 40 / 1.5 + 0.25 * 40))
     else:
         assert w == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+def test_timings_too_noisy_to_show_a_difference_leave_the_calibrated_one_in_place():
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m.set_prior("a", {"compute": 2.0, "memory": 2.0})  # calibration: b half as fast (a co-tenant on it)
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    for i in range(8):  # b takes 10 or 40 ms by turns (time-sliced): twice a's 10 ms on (geometric) average
+        m.observe("a", "mul", 100, 0.01)
+        m.observe("b", "mul", 100, 0.04 if i % 2 else 0.01)
+    # the gap is within the noise of b's timings: no evidence against equal weights, nor against the
+    # calibration, which therefore stands
+    assert m._difference(m.rates["mul"], {"a": 0.0, "b": 0.0}) == {"a": 0.0, "b": 0.0}
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+    assert m.weights(["a", "b"], prefix="mul") == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+
+
+def test_steady_timings_that_contradict_the_calibration_replace_it():
+    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m.set_prior("a", {"compute": 2.0, "memory": 2.0})  # the co-tenant on b left after calibration
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    rng = random.Random(4)
+    for _ in range(8):  # both equally fast now, 5% noise
+        m.observe("a", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
+        m.observe("b", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
+    assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}  # no difference beyond the noise: equal
+    for _ in range(8):  # then b slows to a third, steadily: beyond calibration and equality
+        m.observe("b", "mul", 100, 0.03 * math.exp(rng.gauss(0, 0.05)))
+    w = m.weights(["a", "b"])
+    assert 2.5 < w["a"] / w["b"] < 3.5  # the moving averages decide

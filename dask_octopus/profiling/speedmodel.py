@@ -103,10 +103,11 @@ class SpeedModel:
             current.count += 1
         current.recent.append(math.log(rate))
 
-    def _observed(self, workers: list[str],
-                  prefixes: Iterable[str] | None = None) -> tuple[dict[str, float], dict[str, int]]:
+    def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
+                  prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
         """Observed relative speed (geometric mean 1 per prefix) and sample count per worker, over
-        ``prefixes`` (default: all)."""
+        ``prefixes`` (default: all). ``prior``: each worker's log prior speed; a prefix whose recent
+        timings agree with the prior's differences keeps them."""
         logsum: dict[str, float] = defaultdict(float)
         wsum: dict[str, float] = defaultdict(float)
         samples: dict[str, int] = defaultdict(int)
@@ -118,22 +119,37 @@ class SpeedModel:
             n = len(seen)
             mean = sum(math.log(r.value) for r in seen.values()) / n
             duration = sum(r.seconds for r in seen.values()) / n
-            recent = {w: r.recent_mean() for w, r in seen.items()}
-            recent_mean = sum(m for m, _ in recent.values()) / n
-            errors = sum(se**2 for _, se in recent.values())
-            # the standard error of (a worker's recent mean - the mean of all n): its own share and the others'
-            evidence = any(abs(m - recent_mean) > self.significance * math.sqrt(((n - 1) / n) ** 2 * se**2
-                                                                               + (errors - se**2) / n**2)
-                           for m, se in recent.values())
+            expected = {w: (prior or {}).get(w, 0.0) for w in seen}
+            expected_mean = sum(expected.values()) / n
+            expected = {w: e - expected_mean for w, e in expected.items()}
+            difference = self._difference(seen, expected)
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration
-                # no worker beyond the noise of the recent timings: no evidence of a difference, they count
-                # as equal; else every worker's own difference counts (none pinned to the mean)
-                difference = math.log(r.value) - mean if evidence else 0.0
-                logsum[w] += weight * difference
+                logsum[w] += weight * (math.log(r.value) - mean if difference is None else difference[w])
                 wsum[w] += weight
                 samples[w] += r.count
         return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
+
+    def _difference(self, seen: dict[str, _Rate], expected: dict[str, float]) -> dict[str, float] | None:
+        """The workers' log speeds relative to their mean on one prefix, as its recent timings show them:
+        the prior's (``expected``) while no worker's recent mean departs from it by more than
+        ``significance`` standard errors, else equal (0) while none departs from equality that far,
+        else ``None``: the observed moving averages count."""
+        n = len(seen)
+        recent = {w: r.recent_mean() for w, r in seen.items()}
+        recent_mean = sum(m for m, _ in recent.values()) / n
+        errors = sum(se**2 for _, se in recent.values())
+
+        def departs(centre: dict[str, float]) -> bool:
+            # the standard error of (a worker's recent mean - the mean of all n): its own share and the others'
+            return any(abs(m - recent_mean - centre[w])
+                       > self.significance * math.sqrt(((n - 1) / n) ** 2 * se**2 + (errors - se**2) / n**2)
+                       for w, (m, se) in recent.items())
+
+        if not departs(expected):
+            return expected
+        equal = dict.fromkeys(seen, 0.0)
+        return None if departs(equal) else equal
 
     def table(self) -> dict[str, dict[str, tuple[float, float, int]]]:
         """Observed ``(units per second, seconds per task, count)`` per prefix and worker."""
@@ -151,15 +167,16 @@ class SpeedModel:
         workers = sorted(workers)
         if not workers:
             raise ValueError("no workers to weigh")
-        if prefix is not None:
-            own = self._observed(workers, [prefix])[0]
-            if len(own) == len(workers):
-                total = sum(own.values())
-                return {w: own[w] / total for w in workers}
         prior = {w: self.priors.get(w, {}).get(resource) for w in workers}
         known = [math.log(v) for v in prior.values() if v]
         mean = sum(known) / len(known) if known else 0.0
-        observed = self._observed(workers)[0]
-        speed = {w: observed.get(w) or math.exp(math.log(prior[w]) - mean if prior[w] else 0.0) for w in workers}
+        logs = {w: math.log(prior[w]) - mean if prior[w] else 0.0 for w in workers}  # uncalibrated: the mean
+        if prefix is not None:
+            own = self._observed(workers, [prefix], prior=logs)[0]
+            if len(own) == len(workers):
+                total = sum(own.values())
+                return {w: own[w] / total for w in workers}
+        observed = self._observed(workers, prior=logs)[0]
+        speed = {w: observed.get(w) or math.exp(logs[w]) for w in workers}
         total = sum(speed.values())
         return {w: s / total for w, s in speed.items()}
