@@ -12,6 +12,7 @@ import click
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
+from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.cli import console as make_console
 from dask_octopus.cli import profile_table
@@ -21,12 +22,14 @@ from dask_octopus.cli import profile_table
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster")
 @click.option("--out", default="benchmark-results", show_default=True)
-def main(kind: str, devs: str | None, out: str) -> None:
+@protocol_option
+def main(kind: str, devs: str | None, out: str, protocol: str) -> None:
     gpu = kind == "gpu"
     console = make_console()
-    record = header(gpu)
+    record: dict = {}
     for case in ("alone", "cotenant"):
-        with local_cluster(gpu, devs) as client:
+        with local_cluster(gpu, devs, protocol=protocol) as client:
+            record = record or header(gpu, protocol_of(client))
             slow, load = slowest_target(client, gpu)
             with CoTenant(**load) if case == "cotenant" else CoTenant():
                 dask_octopus.register(client)

@@ -27,6 +27,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave
 from dask_octopus.cli import console as make_console
@@ -47,11 +48,13 @@ def set_plugin(client: Client, on: bool) -> None:
         client.unregister_worker_plugin("octopus-worker")
 
 
-def run_local_cupy(address: str, operation: str, size: int, chunk_size: int, runs: int, folder: str,
+def run_local_cupy(address: str, protocol: str, operation: str, size: int, chunk_size: int, runs: int, folder: str,
                    label: str) -> list[float]:
-    """Wall-clock seconds of each of ``local_cupy.py``'s runs."""
+    """Wall-clock seconds of each of ``local_cupy.py``'s runs against the cluster at ``address``, which
+    talks over ``protocol``."""
     base = os.path.join(folder, label)
     cmd = [sys.executable, "-m", "dask_cuda.benchmarks.local_cupy", "--scheduler-address", address,
+           "--protocol", protocol,
            "--operation", operation, "--size", str(size), "--chunk-size", str(chunk_size), "--runs", str(runs),
            "--disable-rmm", "--output-basename", base]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -68,21 +71,24 @@ def run_local_cupy(address: str, operation: str, size: int, chunk_size: int, run
 @click.option("--runs", type=int, default=3, show_default=True, help="local_cupy runs per call")
 @click.option("--rounds", type=int, default=3, show_default=True, help="off/on alternations")
 @click.option("--out", default="benchmark-results", show_default=True)
-def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, out: str) -> None:
+@protocol_option
+def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, out: str,
+         protocol: str) -> None:
     """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
     console = make_console()
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
-    record = header(True, rmm_installed=importlib.util.find_spec("rmm") is not None,
-                    config={"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds, "devs": devs},
-                    operations={})
-    with local_cluster(True, devs) as client, tempfile.TemporaryDirectory() as folder:
+    with local_cluster(True, devs, protocol=protocol) as client, tempfile.TemporaryDirectory() as folder:
+        used = protocol_of(client)
+        record = header(True, used, rmm_installed=importlib.util.find_spec("rmm") is not None,
+                        config={"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds, "devs": devs,
+                                "protocol": protocol}, operations={})
         if not record["rmm_installed"]:
             client.register_plugin(NoRMM())
         address = client.scheduler_info()["address"]
         for op in operations.split(","):
             def one_round(state: str, r: int, op: str = op) -> list[float]:
                 set_plugin(client, state == "on")
-                got = run_local_cupy(address, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
+                got = run_local_cupy(address, used, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
                 console.print(f"{op} round {r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
                 return got
 

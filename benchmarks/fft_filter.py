@@ -20,6 +20,7 @@ from distributed import Client, wait
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
+from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.bench.workloads import random_matrix
@@ -60,7 +61,7 @@ def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: 
 @click.option("--passes", type=int, default=3, show_default=True)
 @click.option("--runs", type=int, default=1, show_default=True)
 @click.option("--devs", default="0,1", show_default=True)
-@click.option("--protocol", default="tcp", show_default=True)
+@protocol_option
 @click.option("--cotenant-procs", type=int, default=2, show_default=True, help="co-tenants on the first worker's GPU")
 @click.option("--out", default="benchmark-results", show_default=True)
 def main(rows: int, cols: int, chunk_rows: int, passes: int, runs: int, devs: str, protocol: str,
@@ -68,10 +69,10 @@ def main(rows: int, cols: int, chunk_rows: int, passes: int, runs: int, devs: st
     """Time the variants and write fft-filter-gpu.json."""
     console = make_console()
     variants = ["defaults", "balance", "balance-1"]
-    record = header(True, config={"rows": rows, "cols": cols, "chunk_rows": chunk_rows, "passes": passes,
-                                  "runs": runs, "devs": devs, "protocol": protocol,
-                                  "cotenant_procs": cotenant_procs, "array_gib": rows * cols * 4 / 2**30})
+    config = {"rows": rows, "cols": cols, "chunk_rows": chunk_rows, "passes": passes, "runs": runs, "devs": devs,
+              "protocol": protocol, "cotenant_procs": cotenant_procs, "array_gib": rows * cols * 4 / 2**30}
     with local_cluster(True, devs, protocol=protocol) as client:
+        record = header(True, protocol_of(client), config=config)
         _, load = slowest_target(client, True)
         with CoTenant(**load, procs=cotenant_procs):
             dask_octopus.register(client)

@@ -1,24 +1,40 @@
 #!/usr/bin/env bash
-# The whole GPU validation on the GPU machine (2 x H200): GPU tests, stream groups on one GPU, a long
-# run (device memory), dask-cuda's local_cupy.py with and without the plugin, the benchmark suite with
-# and without a co-tenant, the image mixes alone (co-tenant on GPU 0, with their ideal), and the
-# scheduler's throughput at 100,000 tasks. Everything lands in one folder,
-# packed as results.tar.gz (the device tool returns at most 8 files).
+# The whole GPU validation on the GPU machine (2 x H200): GPU tests (UCX ones included), the demo, the
+# FFT filter, stream groups on one GPU, a long run (device memory), dask-cuda's local_cupy.py with and
+# without the plugin, the benchmark suite with and without a co-tenant and the image mixes alone
+# (co-tenant on GPU 0, with their ideal), all over $PROTOCOL (default ucx: what dask-cuda users run on
+# NVLink), and beside them the operations that move data between GPUs over tcp (suite-tcp). Everything
+# lands in one folder, packed as results.tar.gz (the device tool returns at most 8 files). The default
+# steps' time limits add up to about 26 minutes: run them as a few STEPS subsets (a command may run 10).
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
-#   device run, carry [".whl"]:  bash benchmarks/gpu_validation.sh "$OUT"
+#   device run, carry [".whl"] (and ".whl-ucx", where the UCX wheels are carried apart):
+#       bash benchmarks/gpu_validation.sh "$OUT"
 #   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
-#   suite-compare re-runs matmul_iterate with a co-tenant and prints the change against $COMPARE (a
-#   committed suite JSON): the check that a change left the figures and the JSON fields as they were.
+#   all over tcp: PROTOCOL=tcp bash benchmarks/gpu_validation.sh "$OUT"
+#   not run by default: suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
+#   change against $COMPARE (a committed suite JSON, measured over tcp): the check that a change left the
+#   figures and the JSON fields as they were; scheduler-overhead (CPU only: the scheduler's throughput
+#   at 100,000 tasks, minutes per run).
 set -u
 out=${1:?usage: gpu_validation.sh OUTDIR}
 run="$out/run"
 mkdir -p "$run"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+protocol=${PROTOCOL:-ucx}
+shopt -s nullglob
+wheels=(.whl/*.whl)
+for w in .whl-ucx/*.whl; do [[ -e .whl/${w##*/} ]] || wheels+=("$w"); done  # the UCX wheels, when carried apart
+shopt -u nullglob
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${wheels[@]}" \
   && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [[ $protocol == ucx ]] && ! python3 -c 'import distributed_ucxx' 2> "$run/ucx-import.log"; then
+  echo "PROTOCOL=ucx but distributed_ucxx does not import (see $run/ucx-import.log): carry the UCX wheels" \
+    "(.whl or .whl-ucx) or run with PROTOCOL=tcp" | tee "$run/steps.txt"
+  exit 1
+fi
 
-steps=${STEPS:-gpu-tests demo fft-filter stream-groups long-run local-cupy suite-cotenant suite-even suite-images scheduler-overhead}
+steps=${STEPS:-gpu-tests demo fft-filter stream-groups long-run local-cupy suite-cotenant suite-even suite-images suite-tcp dashboard}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -29,25 +45,32 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
   tar czf "$out/results.tar.gz" -C "$out" run  # what ran so far survives a later time-out
 }
 
-{ date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; } > "$run/env.txt" 2>&1
+{ date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; python3 -c 'import distributed_ucxx, ucxx; print("distributed_ucxx", distributed_ucxx.__version__, "ucxx", ucxx.__version__)'; echo "PROTOCOL=$protocol"; } > "$run/env.txt" 2>&1
 
-step 200 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
-step 200 demo env COLUMNS=160 python3 -m dask_octopus demo --out "$run/demo"
-step 200 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 --out "$run"
-step 200 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 --out "$run"
-step 150 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 --out "$run"
-step 200 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
-  --chunk-size 5000 --runs 3 --rounds 2 --out "$run"
-suite=(--type gpu --devs 0,1 --operation matmul_iterate,dot,transpose_sum,map_overlap,images --size 1000000
-       --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1 --octopus all --image-repeat 2)
-step 300 suite-cotenant python3 benchmarks/local_octopus.py "${suite[@]}" --runs 2 --cotenant 0 --out "$run"
-step 240 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 --out "$run"
-step 300 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation images --octopus all \
-  --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images --out "$run"
+p=(--protocol "$protocol")
+step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
+step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
+step 80 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 "${p[@]}" --out "$run"
+step 180 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 "${p[@]}" --out "$run"
+step 140 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
+step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
+  --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
+sizes=(--type gpu --devs 0,1 --size 1000000 --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1
+       --octopus all)
+moving=matmul_iterate,dot,transpose_sum,map_overlap  # the operations that move data between the GPUs
+suite=("${sizes[@]}" --operation "$moving,images" --image-repeat 2)
+step 240 suite-cotenant python3 benchmarks/local_octopus.py "${suite[@]}" --runs 2 --cotenant 0 "${p[@]}" --out "$run"
+step 120 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 "${p[@]}" --out "$run"
+step 90 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation images --octopus all \
+  --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images "${p[@]}" --out "$run"
+step 150 suite-tcp python3 benchmarks/local_octopus.py "${sizes[@]}" --operation "$moving" --runs 1 --cotenant 0 \
+  --protocol tcp --tag suite-tcp --out "$run"  # beside the suite: what moves data, over tcp
+step 90 dashboard python3 benchmarks/dashboard_screenshot.py --type gpu --devs 0,1 --seconds 30 --no-png \
+  --html "$run/octopus-gpu.html" "${p[@]}"  # screenshot it here: --from-html octopus-gpu.html --png ...
 compare=${COMPARE:-benchmarks/results/2026-11-30-h200x2-validation/suite-gpu-cotenant.json}
-step 240 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation matmul_iterate \
+step 120 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation matmul_iterate \
   --size 1000000 --cols 1024 --width 1024 --passes 3 --warmup-runs 1 --octopus all --runs 1 --cotenant 0 \
-  --tag compare --compare "$compare" --out "$run"
+  --protocol tcp --tag compare --compare "$compare" --out "$run"
 step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --tasks 100000 --runs 2 --out "$run"
 
 cp "$run/steps.txt" "$out/steps.txt"

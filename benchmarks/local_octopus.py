@@ -43,6 +43,7 @@ from dask_octopus.bench.experiment import (
 )
 from dask_octopus.bench.images import measure_scenario
 from dask_octopus.bench.operations import OPERATIONS, calibrated_ideal
+from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.timeline import bar_chart, plot_timelines
 from dask_octopus.bench.workloads import SCENARIOS, specs
@@ -124,18 +125,20 @@ def run_images(client: Client, names: list[str], scale: float, repeat: int, runs
         plot_timelines(last, f"{stem}-{scenario}-timeline.png",
                        f"images, {scenario}: last run of each variant (ideal {record['ideal_seconds'] * 1e3:.1f} ms)")
         progress.advance(task)
-    others = [v for v in names if v != "octopus" and "octopus" in names]
+    # the comparisons are made for map with its results gathered per batch when it ran, else for its futures
+    lead = next((v for v in ("octopus-gather", "octopus") if v in names), None)
+    others = [v for v in names if lead and not v.startswith("octopus")]
     table = Table(title="images: ms per mix (median), ideal = items' times alone shared by speed")
-    for col in ["mix", "images", *names, "ideal", "largest item", "round trip", *[f"octopus vs {v}" for v in others],
-                *(["octopus / ideal"] if "octopus" in names else [])]:
+    for col in ["mix", "images", *names, "ideal", "largest item", "round trip", *[f"{lead} vs {v}" for v in others],
+                *([f"{lead} / ideal"] if lead else [])]:
         table.add_column(col, justify="right")
     for scenario, r in out["scenarios"].items():
         med = r["median_seconds"]
         table.add_row(scenario, str(r["images"]), *[f"{med[v] * 1e3:.1f}" for v in names],
                       f"{r['ideal_seconds'] * 1e3:.1f}", f"{r['largest_item_seconds'] * 1e3:.1f}",
                       f"{r['round_trip_seconds'] * 1e3:.1f}",
-                      *[f"{med[v] / med['octopus']:.2f}x" for v in others],
-                      *([f"{r['ratio_to_ideal']['octopus']:.2f}"] if "octopus" in names else []))
+                      *[f"{med[v] / med[lead]:.2f}x" for v in others],
+                      *([f"{r['ratio_to_ideal'][lead]:.2f}"] if lead else []))
     console.print(table)
     ends = Table(title="images: ms until the last pipeline ended (median; before results are picked and gathered)")
     for col in ["mix", *names, "ideal"]:
@@ -173,7 +176,7 @@ def compare(console: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
+def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
             scheduler_address: str | None) -> Iterator[Client]:
     if scheduler_address:
         with Client(scheduler_address) as client:
@@ -198,7 +201,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
 @click.option("--warmup-runs", type=int, default=1, show_default=True, help="untimed passes per run")
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster (CUDA_VISIBLE_DEVICES form)")
 @click.option("--n-workers", type=int, default=2, show_default=True, help="CPU workers")
-@click.option("--protocol", default=None, help="tcp (default), ucx, ... for the local cluster")
+@protocol_option
 @click.option("--scheduler-address", default=None, help="run against an existing cluster instead")
 @click.option("--octopus", "octopus", type=click.Choice(list(OCTOPUS)), default="balance", show_default=True)
 @click.option("--variants", default=None, help="explicit variant list (overrides --octopus)")
@@ -212,7 +215,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str | None,
 @click.option("--tag", default="suite", show_default=True, help="name prefix of the output files")
 def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int,
          chunk_size: int | None, passes: int, runs: int, warmup_runs: int, devs: str | None, n_workers: int,
-         protocol: str | None, scheduler_address: str | None, octopus: str, variants: str | None,
+         protocol: str, scheduler_address: str | None, octopus: str, variants: str | None,
          cotenant: str, cotenant_procs: int, image_scale: float | None, image_repeat: int, compare_to: str | None,
          out: str, tag: str) -> None:
     """Run the operations' variants and report."""
@@ -225,21 +228,21 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
     names = variants.split(",") if variants else BASELINES + OCTOPUS[octopus]
     for name in names:
         parse_variant(name)
-    image_names = ["one-task-each", "equal-batches", "loop"] + (["octopus"] if octopus != "off" else [])
+    image_names = ["one-task-each", "equal-batches", "loop"] + (
+        ["octopus", "octopus-gather", "octopus-gather-host"] if octopus != "off" else [])
     os.makedirs(out, exist_ok=True)
     targets = [t for t in cotenant.split(",") if t]
     load = CoTenant(gpus=targets, procs=cotenant_procs) if gpu else CoTenant(cores=[int(t) for t in targets],
                                                                              procs=cotenant_procs)
     stem = os.path.join(out, f"{tag}-{kind}-{'cotenant' if targets else 'even'}")
-    record = header(
-        gpu, config={"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,
-                   "width": width,
-                   "chunk_size": chunk_size, "passes": passes, "runs": runs, "warmup_runs": warmup_runs,
-                   "devs": devs, "protocol": protocol or "tcp", "scheduler_address": scheduler_address,
-                   "octopus": octopus, "variants": names, "cotenant": targets, "cotenant_procs": cotenant_procs},
-        operations={})
+    config = {"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,
+              "width": width, "chunk_size": chunk_size, "passes": passes, "runs": runs, "warmup_runs": warmup_runs,
+              "devs": devs, "protocol": protocol, "scheduler_address": scheduler_address, "octopus": octopus,
+              "variants": names, "cotenant": targets, "cotenant_procs": cotenant_procs}
     with connect(gpu, devs, n_workers, protocol, scheduler_address) as client, load, \
             Progress(console=console, transient=True) as progress:
+        record = header(gpu, protocol_of(client), config=config, operations={})
+        console.print(f"protocol: {record['protocol']}")
         dask_octopus.register(client)
         record["weights_calibrated"] = dask_octopus.speeds(client)
         record["profiles"] = dask_octopus.profiles(client)

@@ -19,6 +19,7 @@ from distributed import Client
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.workloads import array_module
 from dask_octopus.cli import console as make_console
@@ -69,18 +70,20 @@ def loop(client: Client, n: int, gpu: bool) -> list[dict[str, Any]]:
 @click.option("--n", type=int, default=1000, show_default=True)
 @click.option("--devs", default=None)
 @click.option("--out", default="benchmark-results", show_default=True)
-def main(kind: str, n: int, devs: str | None, out: str) -> None:
+@protocol_option
+def main(kind: str, n: int, devs: str | None, out: str, protocol: str) -> None:
     """Run the long loop on a local cluster and write the samples."""
     console = make_console()
     gpu = kind == "gpu"
-    with local_cluster(gpu, devs) as client:
+    with local_cluster(gpu, devs, protocol=protocol) as client:
+        used = protocol_of(client)
         dask_octopus.register(client, calibrate=False)
         samples = loop(client, n, gpu)
     for s in samples:
         console.print(f"after {s['iteration']:>5}: process {s['process_rss_mib']:.0f} MiB, tables {s['tables']}, "
                       + "; ".join(f"{w.rsplit(':', 1)[-1]}: " + ", ".join(f"{k} {v:.1f}" for k, v in m.items())
                                   for w, m in sorted(s["workers"].items())))
-    record = header(gpu, n=n, samples=samples)
+    record = header(gpu, used, n=n, samples=samples)
     console.print(f"wrote {write_json(os.path.join(out, f'long-run-{kind}.json'), record)}")
 
 

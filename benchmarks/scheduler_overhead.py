@@ -19,6 +19,7 @@ import dask.array as da
 from distributed import Client, LocalCluster
 
 import dask_octopus
+from dask_octopus.bench.protocol import protocol_of
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.cli import console as make_console
@@ -54,13 +55,14 @@ def main(tasks: int, runs: int, out: str | None) -> None:
 
     with contextlib.ExitStack() as stack:
         clients = {v: _cluster(v, stack) for v in VARIANTS}
+        protocol = protocol_of(clients["dask"])  # in-process clusters: inproc
         times = interleave({v: (lambda run, c=c: one_run(c)) for v, c in clients.items()}, runs, rotate=True)
     rate = {v: n_tasks / statistics.median(t) for v, t in times.items()}
     for v in VARIANTS:
         console.print(f"{v:>12}: {rate[v]:8.0f} tasks/s (median of {runs}), {rate[v] / rate['dask']:.3f} of Dask alone")
     if out:
         write_json(os.path.join(out, "scheduler-overhead.json"),
-                   header(False, graph_tasks=n_tasks, seconds=times, tasks_per_second=rate))
+                   header(False, protocol, graph_tasks=n_tasks, seconds=times, tasks_per_second=rate))
 
 
 if __name__ == "__main__":

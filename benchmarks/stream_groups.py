@@ -37,6 +37,7 @@ from distributed import Client, wait
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.bench.workloads import (
@@ -291,8 +292,9 @@ def op_mixed(runs: int) -> dict[str, Any]:
 @click.option("--warmup-runs", type=int, default=1, show_default=True)
 @click.option("--out", default="benchmark-results", show_default=True)
 @click.option("--tag", default="stream-groups", show_default=True)
+@protocol_option
 def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: float, sets: int, side: int,
-         runs: int, warmup_runs: int, out: str, tag: str) -> None:
+         runs: int, warmup_runs: int, out: str, tag: str, protocol: str) -> None:
     """Run the operations and write one JSON file."""
     console = make_console()
     gpu = kind == "gpu"
@@ -303,8 +305,8 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
     if "mixed" in ops and not gpu:
         raise click.BadParameter("mixed needs --type gpu (it measures CUDA streams)", param_hint="--operations")
     os.makedirs(out, exist_ok=True)
-    record = header(gpu, operations={})
-    with local_cluster(gpu, devs if gpu else None, n_workers=1) as client:
+    with local_cluster(gpu, devs if gpu else None, n_workers=1, protocol=protocol) as client:
+        record = header(gpu, protocol_of(client), operations={})
         dask_octopus.register(client)
         for op in ops:
             console.print(f"[bold]{op}[/bold]")

@@ -5,9 +5,12 @@ When a new release moves one of these, this is the only module to change.
 
 - ``dask._task_spec``: the task classes of Dask's graphs (the stream-group rewrite builds and reads
   them; ``_execute_subgraph`` is the function of a task that low-level fusion made).
-- ``dask._expr.LLGExpr``: a low-level graph as an expression, so ``map`` submits one graph.
+- ``dask._expr.LLGExpr``: a low-level graph as an expression, so ``map`` submits one graph
+  (:class:`AnnotatedLLGExpr` adds per-key annotations, such as the priorities of its tasks).
 - ``Scheduler._instances``: the schedulers running in this process (the optimizer asks whether
   all of them group marked tasks).
+- ``distributed.dashboard.scheduler.template_variables``: the variables of the dashboard's page
+  template, whose ``plots`` list is its "More..." menu (the ``/octopus`` page adds itself there).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from dask._task_spec import (
 
 __all__ = [
     "Alias",
+    "AnnotatedLLGExpr",
     "DataNode",
     "GraphNode",
     "LLGExpr",
     "Task",
     "TaskRef",
     "convert_legacy_graph",
+    "dashboard_menu",
     "execute_subgraph",
     "parse_input",
     "resolve_aliases",
@@ -42,6 +47,16 @@ __all__ = [
 ]
 
 execute_subgraph = _execute_subgraph
+
+
+class AnnotatedLLGExpr(LLGExpr):
+    """A low-level graph with per-key annotations (``{"priority": {key: value}}``), which the scheduler
+    applies as it does a layer's annotations."""
+
+    _parameters = ["dsk", "annotations"]  # noqa: RUF012 (as Dask's own expressions declare them)
+
+    def __dask_annotations__(self) -> dict[str, dict[Any, Any]]:
+        return self.operand("annotations")
 
 
 def running_schedulers() -> list[Any] | None:
@@ -55,3 +70,19 @@ def running_schedulers() -> list[Any] | None:
         return None
     done = (Status.closing, Status.closed, Status.failed)
     return [s for s in list(instances) if s.status not in done]
+
+
+def dashboard_menu(scheduler: Any) -> list[dict[str, str]] | None:
+    """The "More..." menu of distributed's Bokeh dashboard on ``scheduler`` (``{"url", "name"}`` items,
+    one list that all its pages render), or ``None`` when that dashboard does not run there."""
+    try:
+        from bokeh.server.server import BokehTornado
+    except ImportError:
+        return None
+    applications = getattr(getattr(scheduler, "http_application", None), "applications", [])
+    if not any(isinstance(app, BokehTornado) for app in applications):
+        return None
+    from distributed.dashboard.scheduler import template_variables
+
+    plots = template_variables(scheduler).get("plots")
+    return plots if isinstance(plots, list) else None

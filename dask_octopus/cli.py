@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import click
 from dask.utils import format_bytes
 from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
+from dask_octopus.bench.protocol import protocol_option
 from dask_octopus.profiling.probes import gpu_count
 
 
@@ -36,15 +41,16 @@ def main() -> None:
 @click.option("--runs", type=int, default=3, show_default=True, help="tasks: timed runs per variant")
 @click.option("--group", type=int, default=64, show_default=True, help="tasks: most tasks per stream group")
 @click.option("--out", default="octopus-demo", show_default=True, help="folder for the PNGs")
+@protocol_option
 def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
-         blocks: int | None, runs: int, group: int, out: str) -> None:
+         blocks: int | None, runs: int, group: int, out: str, protocol: str) -> None:
     """Both halves of dask_octopus on this machine: balance (two workers, one slowed by a co-tenant) and
     small tasks (Dask's per-task cost against stream groups and a plain loop), each with a table and a PNG."""
     from dask_octopus.bench.demo import place_parts, run_demo  # the harness: the "bench" extra (matplotlib)
 
     gpus = gpu_count()
     try:
-        where = place_parts(kind, gpus, part)
+        where = place_parts(kind, gpus, part, protocol)
     except ValueError as e:  # the machine cannot run what was asked
         raise click.UsageError(str(e)) from None
     try:
@@ -79,18 +85,44 @@ def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], t
     return table
 
 
+def watch(make: Callable[[], Table], interval: float, out: Console) -> None:
+    """Show ``make()`` every ``interval`` seconds until Ctrl-C: redrawn in place on a terminal, one
+    table after the other elsewhere (a pipe, a log)."""
+    try:
+        if out.is_terminal:
+            with Live(make(), console=out, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(make(), refresh=True)
+        else:
+            while True:
+                out.print(make())
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
 @main.command()
 @click.option("--scheduler-address", required=True, help="address of a scheduler running dask_octopus")
-def profile(scheduler_address: str) -> None:
+@click.option("--watch", "watching", is_flag=True, help="refresh the table until Ctrl-C")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="--watch: seconds between refreshes")
+def profile(scheduler_address: str, watching: bool, interval: float) -> None:
     """Print each worker's device, calibration figures, current weights and refining samples."""
     from distributed import Client
 
     import dask_octopus
 
-    with Client(scheduler_address, timeout="10s") as client:
+    def make() -> Table:
+        when = f", {time.strftime('%H:%M:%S')}, every {interval:g} s (Ctrl-C stops)" if watching else ""
         try:
-            table = profile_table(dask_octopus.profiles(client, "compute"), dask_octopus.speeds(client, "memory"),
-                                  f"dask_octopus profiles at {scheduler_address}")
+            return profile_table(dask_octopus.profiles(client, "compute"), dask_octopus.speeds(client, "memory"),
+                                 f"dask_octopus profiles at {scheduler_address}{when}")
         except (dask_octopus.NotRegisteredError, ValueError) as e:  # no plugin, no workers: say so, exit 1
             raise click.ClickException(str(e)) from None
-    console().print(table)
+
+    with Client(scheduler_address, timeout="10s") as client:
+        if watching:
+            watch(make, interval, console())
+        else:
+            console().print(make())

@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from scripts import load_script
+
+from dask_octopus.bench import protocol
 
 local_octopus = load_script("benchmarks/local_octopus.py")
 scheduler_overhead = load_script("benchmarks/scheduler_overhead.py")
@@ -19,7 +22,8 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
         "--image-repeat", "1", "--out", str(tmp_path), "--tag", "smoke"])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "smoke-cpu-even.json").read_text())
-    assert list(record["operations"]) == OPS and record["versions"]["dask"] and record["config"]["protocol"] == "tcp"
+    assert list(record["operations"]) == OPS and record["versions"]["dask"]
+    assert record["protocol"] == "tcp" and record["config"]["protocol"] == "auto"  # used, and asked for
     for op in OPS[:-1]:
         rec = record["operations"][op]
         assert list(rec["variants"]) == ["defaults", "over-4", "over-16", "balance", "balance-4", "streams",
@@ -30,7 +34,8 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
         for png in (f"smoke-cpu-even-{op}-timeline.png", f"smoke-cpu-even-{op}-speedup.png"):
             assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     video = record["operations"]["images"]["scenarios"]["video"]
-    assert set(video["seconds"]) == {"one-task-each", "equal-batches", "loop", "octopus"}
+    assert set(video["seconds"]) == {"one-task-each", "equal-batches", "loop", "octopus", "octopus-gather",
+                                     "octopus-gather-host"}
     assert video["ideal_seconds"] > 0 and set(video["ratio_to_ideal"]) == set(video["seconds"])
     assert (tmp_path / "smoke-cpu-even-images-video-timeline.png").read_bytes()[:4] == b"\x89PNG"
     again = CliRunner().invoke(local_octopus.main, [
@@ -57,7 +62,9 @@ def test_stream_groups_benchmark_cpu_smoke(tmp_path):
         "--type", "cpu", "--operations", "tiny,dataframe,frames,large", "--blocks", "64", "--scale", "0.02",
         "--sets", "1", "--side", "64", "--runs", "1", "--warmup-runs", "0", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    ops = json.loads((tmp_path / "stream-groups-cpu.json").read_text())["operations"]
+    record = json.loads((tmp_path / "stream-groups-cpu.json").read_text())
+    ops = record["operations"]
+    assert record["protocol"] == "tcp"
     assert all(v["same_values_as_reference"] for v in ops["tiny"]["variants"].values())
     assert all(v["same_values_as_reference"] for v in ops["dataframe"]["variants"].values())
     assert set(ops["frames"]["variants"]) == {"one-task-each", "grouped-eager", "grouped", "loop"}
@@ -72,6 +79,7 @@ def test_scheduler_overhead_smoke(tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "scheduler-overhead.json").read_text())
     assert set(record["tasks_per_second"]) == {"dask", "registered", "plan-active"}
+    assert record["protocol"] == "inproc"  # in-process clusters
 
 
 def test_suite_runs_against_an_existing_cluster(tmp_path):
@@ -84,5 +92,36 @@ def test_suite_runs_against_an_existing_cluster(tmp_path):
             "--octopus", "off", "--out", str(tmp_path), "--tag", "external"])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "external-cpu-even.json").read_text())
-    assert record["config"]["scheduler_address"] == cluster.scheduler_address
+    assert record["config"]["scheduler_address"] == cluster.scheduler_address and record["protocol"] == "tcp"
     assert list(record["operations"]["dot"]["variants"]) == ["defaults", "over-4", "over-16"]
+
+
+@pytest.mark.parametrize("asked, gpus, ucx, used", [
+    ("auto", 2, True, "ucx"), ("auto", 8, True, "ucx"),
+    ("auto", 1, True, "tcp"), ("auto", 0, True, "tcp"), ("auto", 2, False, "tcp"),  # nothing moves / no UCX
+    ("tcp", 2, True, "tcp"), ("tcp", 0, False, "tcp"), ("ucx", 1, True, "ucx"), ("ucx", 2, True, "ucx"),
+])
+def test_the_protocol_a_local_cluster_talks_over(monkeypatch, asked, gpus, ucx, used):
+    monkeypatch.setattr(protocol, "ucx_available", lambda: ucx)
+    assert protocol.resolve_protocol(asked, gpus) == used
+
+
+@pytest.mark.parametrize("asked, gpus, ucx, error", [
+    ("ucx", 0, True, "protocol ucx needs GPU workers"),
+    ("ucx", 2, False, "protocol ucx needs distributed-ucxx"),
+    ("inproc", 2, True, "unknown protocol 'inproc'"),
+])
+def test_a_protocol_the_cluster_cannot_talk_is_refused_before_it_starts(monkeypatch, asked, gpus, ucx, error):
+    monkeypatch.setattr(protocol, "ucx_available", lambda: ucx)
+    with pytest.raises(ValueError, match=error):
+        protocol.resolve_protocol(asked, gpus)
+
+
+def test_ucx_on_cpu_workers_fails_with_the_reason(tmp_path):
+    from dask_octopus.bench.experiment import local_cluster
+
+    with pytest.raises(ValueError, match="protocol ucx needs GPU workers"), local_cluster(False, protocol="ucx"):
+        pass
+    result = CliRunner().invoke(local_octopus.main, ["--type", "cpu", "--protocol", "ucx", "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "protocol ucx needs GPU workers" in str(result.exception)
+    assert not list(tmp_path.iterdir())  # no record of a run that did not happen

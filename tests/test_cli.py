@@ -70,6 +70,30 @@ def test_demo_refuses_what_the_machine_cannot_run(tmp_path):
         assert result.exit_code == 2 and "--type gpu: CuPy sees no GPU on this machine" in result.output
 
 
+@pytest.mark.parametrize("kind, gpus, part, asked, ucx, used", [
+    ("auto", 2, "all", "auto", True, "ucx"),  # two GPUs and distributed-ucxx: UCX
+    ("auto", 2, "all", "auto", False, "tcp"),  # no distributed-ucxx
+    ("auto", 1, "all", "auto", True, "tcp"),  # balance on CPU workers, one GPU for the small tasks
+    ("gpu", 1, "tasks", "ucx", True, "ucx"),  # asked for: one GPU worker talks UCX
+    ("auto", 2, "all", "tcp", True, "tcp"),
+    ("cpu", 2, "all", "auto", True, "tcp"),
+])
+def test_demo_picks_its_protocol(monkeypatch, kind, gpus, part, asked, ucx, used):
+    from dask_octopus.bench import protocol
+
+    monkeypatch.setattr(protocol, "ucx_available", lambda: ucx)
+    assert place_parts(kind, gpus, part, asked).protocol == used
+
+
+def test_demo_with_ucx_on_cpu_workers_says_why_not(tmp_path, monkeypatch):
+    from dask_octopus.bench import protocol
+
+    monkeypatch.setattr(protocol, "ucx_available", lambda: True)
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--protocol", "ucx", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "protocol ucx needs GPU workers" in result.output
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
 def test_profile_prints_every_worker(loop):
     with cluster(nworkers=2) as (s, workers), Client(s["address"], loop=loop) as c:
         dask_octopus.register(c, calibration_seconds=0.1)

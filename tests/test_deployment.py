@@ -15,12 +15,13 @@ DASK = [sys.executable, "-m", "dask"]
 
 
 @contextlib.contextmanager
-def cli_cluster(tmp_path, worker_command, n_workers, worker_processes):
-    """``dask scheduler`` and ``worker_processes`` worker commands, all with ``--preload dask_octopus``."""
+def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler_args=()):
+    """``dask scheduler`` (with ``scheduler_args``, e.g. ``--protocol ucx``) and ``worker_processes``
+    worker commands, all with ``--preload dask_octopus``."""
     sched_file = str(tmp_path / "scheduler.json")
     preload = ["--preload", "dask_octopus", "--no-dashboard"]
     procs = [subprocess.Popen([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0",
-                               "--host", "127.0.0.1", *preload])]
+                               "--host", "127.0.0.1", *scheduler_args, *preload])]
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "scheduler.json").exists():

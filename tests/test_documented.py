@@ -211,6 +211,7 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.max-streams", 2.5, "octopus.streams.max-streams must be an integer >= 1, got 2.5"),
     ("streams.capture-after", -1, "octopus.streams.capture-after must be an integer >= 0, got -1"),
     ("streams.max-graphs", 0, "octopus.streams.max-graphs must be an integer >= 1, got 0"),
+    ("map.steal-fraction", 1.5, r"octopus.map.steal-fraction must be a number in \[0, 1\], got 1.5"),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
@@ -220,7 +221,7 @@ def test_the_other_settings_are_validated_naming_the_key(key, value, message):
 def test_readme_defaults():
     expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "refine.alpha": 0.5,
                 "refine.confidence-samples": 3, "refine.min-duration": "2ms", "refine.significance": 2.5,
-                "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "max-plans": 1000,
+                "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "map.steal-fraction": 0.25, "max-plans": 1000,
                 "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,
                 "streams.capture-after": 1, "streams.max-graphs": 64}
     assert {key: config.get(key) for key in expected} == expected

@@ -24,12 +24,15 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert result.exit_code == 0, result.output
     assert "video: 30 images" in result.output and "vs one-task-each" in result.output
     record = json.loads(out.read_text())
-    assert set(record["video"]["seconds"]) == {"octopus", "one-task-each", "equal-batches", "loop"}
+    assert set(record["video"]["seconds"]) == {"octopus", "octopus-gather", "octopus-gather-host", "one-task-each",
+                                               "equal-batches", "loop"}
     video = record["video"]
     alone = video["total_alone_seconds"]
     assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
     # the last pipeline ends before the results are on the client; the task stream's times are the
-    # workers' clocks corrected by Dask's estimate of their offset, good to a few ms (50 ms allowed)
-    assert all(0 < video["work_end_seconds"][v] < video["median_seconds"][v] + 0.05 for v in video["seconds"])
+    # workers' clocks corrected by Dask's estimate of their offset, taken from heartbeats: good to a few
+    # ms on a quiet machine, tens of ms on 2 cores busy with a test suite (100 ms allowed)
+    ends = {v: (video["work_end_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
+    assert all(0 < end < total + 0.1 for end, total in ends.values()), ends

@@ -1,4 +1,8 @@
-"""GPU tests (marked ``gpu``; skipped without CuPy and a CUDA device). Run on the GPU machine."""
+"""GPU tests (marked ``gpu``; skipped without CuPy and a CUDA device). Run on the GPU machine. The UCX
+tests also skip without distributed-ucxx (``protocol="ucx"``)."""
+
+import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -33,15 +37,38 @@ def test_gpu_probe_figures_and_memory_is_freed():
     assert pool.total_bytes() == before
 
 
-@pytest.fixture
-def cuda_client():
+def needs_two_gpus(protocol="tcp"):
+    """Skip without two GPUs, and for ``protocol="ucx"`` without distributed-ucxx."""
     if n_gpus() < 2:
         pytest.skip("needs two GPUs")
+    if protocol == "ucx":
+        pytest.importorskip("distributed_ucxx", reason="protocol ucx needs distributed-ucxx")
+
+
+@contextlib.contextmanager
+def two_gpu_cluster(protocol):
+    """A client of a ``LocalCUDACluster`` on GPUs 0 and 1 whose workers talk over ``protocol``."""
+    needs_two_gpus(protocol)
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", dashboard_address=":0") as cluster, Client(cluster) as c:
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", dashboard_address=":0", protocol=protocol) as cluster, \
+            Client(cluster) as c:
         c.wait_for_workers(2)
+        assert c.scheduler.address.startswith(f"{protocol}://")
+        yield c
+
+
+@pytest.fixture
+def cuda_client():
+    with two_gpu_cluster("tcp") as c:
+        yield c
+
+
+@pytest.fixture
+def ucx_client():
+    """Two dask-cuda workers talking UCX (NVLink between the GPUs where it links them)."""
+    with two_gpu_cluster("ucx") as c:
         yield c
 
 
@@ -62,6 +89,15 @@ def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):
 
 
 def test_balance_cupy_array_exact_and_pinned(cuda_client):
+    import dask_octopus
+
+    dask_octopus.register(cuda_client)
+    balance_exact_and_pinned(cuda_client)
+
+
+def balance_exact_and_pinned(cuda_client):
+    """Balance a CuPy array in two blocks per GPU: each GPU's rows follow its weight, the values are
+    exact, and every per-block task ran on its block's GPU."""
     import cupy
     import dask.array as da
     from dask.utils import key_split
@@ -69,7 +105,6 @@ def test_balance_cupy_array_exact_and_pinned(cuda_client):
 
     import dask_octopus
 
-    dask_octopus.register(cuda_client)
     rng = da.random.default_rng(cupy.random.default_rng(0))
     x = rng.random((100_000, 256), chunks=(10_000, 256), dtype=np.float32)
     weights = dask_octopus.speeds(cuda_client)
@@ -122,9 +157,16 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
 
 def test_map_cupy_items_exact_and_placed(cuda_client):
     import dask_octopus
-    from dask_octopus.bench.workloads import image_pipeline, specs, to_host
 
     dask_octopus.register(cuda_client)
+    map_exact_and_placed(cuda_client)
+
+
+def map_exact_and_placed(cuda_client):
+    """``map`` image pipelines over the GPUs: exact histograms, each GPU's share of the cost near its weight."""
+    import dask_octopus
+    from dask_octopus.bench.workloads import image_pipeline, specs, to_host
+
     items = specs("video", 0.5, 2)
     weights = dask_octopus.speeds(cuda_client)
     futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8)
@@ -295,9 +337,13 @@ def slow_copy(block, delay):
 
 def test_killed_cuda_worker_mid_compute_with_balance_groups_and_map(cuda_client):
     """A dask-cuda worker process dies mid-compute (its nanny restarts it): results complete and exact."""
-    import contextlib
+    killed_worker_mid_compute(cuda_client)
+
+
+def killed_worker_mid_compute(cuda_client):
+    """Kill a worker process during a balanced, grouped compute, then ``map`` on the restarted cluster:
+    both exact."""
     import os
-    import time
 
     import cupy
     import dask.array as da
@@ -344,3 +390,91 @@ def test_a_group_spreads_its_members_over_non_default_streams(cuda_one):
     streams = {ptr for _, ptr in got}
     assert [float(a[0, 0]) for a, _ in got] == [float(i) for i in range(16)]
     assert len(streams) >= 4 and 0 not in streams  # the pool's streams, not the legacy default stream
+
+
+def scaled_pair(block, k):
+    """Two CuPy results of one item, one of them not contiguous."""
+    return {"scaled": block * k, "transposed": (block + k).T}
+
+
+@pytest.mark.parametrize("group", [None, 4])
+def test_map_to_host_returns_numpy_copies_of_cupy_results(cuda_one, group):
+    import cupy
+
+    import dask_octopus
+
+    items = [cuda_one.submit(cupy.full, (64, 32), float(i), dtype=cupy.float32, pure=False) for i in range(10)]
+    got = dask_octopus.map(scaled_pair, items, group=group, gather=True, to_host=True, k=3.0)
+    for i, r in enumerate(got):
+        assert isinstance(r["scaled"], np.ndarray) and isinstance(r["transposed"], np.ndarray)
+        np.testing.assert_array_equal(r["scaled"], np.full((64, 32), 3.0 * i, dtype=np.float32))
+        np.testing.assert_array_equal(r["transposed"], np.full((32, 64), i + 3.0, dtype=np.float32))
+    pairs = dict(dask_octopus.imap(scaled_pair, items, group=group, to_host=True, k=2.0))
+    assert sorted(pairs) == list(range(10)) and all(isinstance(r["scaled"], np.ndarray) for r in pairs.values())
+
+
+def grouped_exact(client):
+    """A balanced CuPy array's blocks in stream groups of 4 (each group on its block's GPU): the same
+    values as without groups."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    rng = da.random.default_rng(cupy.random.default_rng(8))
+    x = dask_octopus.balance(rng.random((16 * 1024, 512), chunks=(1024, 512), dtype=np.float32), per_worker=4)
+    expected = client.compute(da.map_blocks(add_sqrt, x, x, name="ref-groups").sum(axis=0)).result()
+    with dask_octopus.annotate(resource="auto", group=4):
+        y = da.map_blocks(add_sqrt, x, x, name="grouped-ucx")
+    cupy.testing.assert_array_equal(client.compute(y.sum(axis=0)).result(), expected)
+
+
+def test_ucx_cluster_registers_balances_maps_and_groups_exactly(ucx_client):
+    import cupy
+
+    import dask_octopus
+    from dask_octopus.placement.transfers import bandwidths
+
+    dask_octopus.register(ucx_client)
+    profiles = dask_octopus.profiles(ucx_client)
+    assert len(profiles) == 2 and all(p["device"] == "gpu" and p["error"] is None for p in profiles.values())
+    balance_exact_and_pinned(ucx_client)
+    map_exact_and_placed(ucx_client)
+    grouped_exact(ucx_client)
+    # the transfer model reads what UCX moved: a 64 MiB block from one GPU to the other is timed by the
+    # receiving worker, and the scheduler keeps the pair's figure from the next heartbeat on
+    sender, receiver = sorted(profiles)
+    block = ucx_client.submit(cupy.ones, 2**24, dtype=cupy.float32, workers=[sender], pure=False)
+    assert ucx_client.submit(cupy.sum, block, workers=[receiver], pure=False).result() == 2**24
+    deadline = time.monotonic() + 20
+    while (sender, receiver) not in bandwidths(ucx_client).pairs:
+        assert time.monotonic() < deadline, "no bandwidth measured between the workers"
+        time.sleep(0.25)
+    links = bandwidths(ucx_client)
+    print("bandwidths (B/s): default", links.default, "pairs", links.pairs)
+    assert links.between(sender, receiver) > 0
+
+
+def test_ucx_cli_cluster_with_preload(tmp_path):
+    """``dask scheduler --protocol ucx --preload dask_octopus`` and ``dask cuda worker --protocol ucx
+    --preload dask_octopus``: calibrated on arrival, then balance, map and groups, all exact."""
+    needs_two_gpus("ucx")
+    import cupy
+    import dask.array as da
+    from test_deployment import check_balanced_and_pinned, cli_cluster
+
+    worker = ["cuda", "worker", "--protocol", "ucx", "--host", "127.0.0.1"]
+    with cli_cluster(tmp_path, worker, n_workers=2, worker_processes=1, scheduler_args=["--protocol", "ucx"]) as c:
+        assert c.scheduler.address.startswith("ucx://")
+        assert all(p["device"] == "gpu" for p in dask_octopus_profiles(c).values())
+        rng = da.random.default_rng(cupy.random.default_rng(1))
+        x = rng.random((40_000, 64), chunks=(10_000, 64), dtype=np.float32)
+        y = check_balanced_and_pinned(c, x)
+        cupy.testing.assert_array_equal(y.sum(axis=1).compute(), x.sum(axis=1).compute())
+        map_exact_and_placed(c)
+        grouped_exact(c)
+
+
+def test_killed_cuda_worker_mid_compute_over_ucx(ucx_client):
+    """The kill test of a TCP cluster, over UCX: a worker process dies mid-compute; results exact."""
+    killed_worker_mid_compute(ucx_client)

@@ -30,7 +30,10 @@ def plan_of(s):
     return name, plan
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+NO_STEALING = {"octopus.map.steal-fraction": 0}  # for tests of the plan's shape: no stealable tails
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=NO_STEALING)
 async def test_results_in_order_and_placed_by_cost_and_speed(c, s, a, b):
     rec = await setup(c, s, [3.0, 1.0])
     items = [np.arange(n, dtype=float) for n in (5, 800, 3, 100, 250, 40, 700, 1, 60, 9)]
@@ -45,7 +48,7 @@ async def test_results_in_order_and_placed_by_cost_and_speed(c, s, a, b):
     assert 2.0 < load[fast] / load[slow] < 4.5  # nbytes costs, weights 3:1, indivisible items
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1)])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1)], config=NO_STEALING)
 async def test_groups_run_one_task_per_worker_thread_and_keep_one_future_per_item(c, s, a, b, monkeypatch):
     rec = await setup(c, s, [1.0, 1.0])
     groups = []
@@ -81,7 +84,7 @@ def sleep_cost(x, unit):
     return x
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=NO_STEALING)
 async def test_workers_explore_large_and_small_items_apart_until_their_item_seconds_are_fitted(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
     s.plugins["octopus"].min_duration = 0.0  # setup turned refinement off; this test needs it
@@ -157,7 +160,8 @@ async def test_bad_input(c, s, a, b):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
 def test_a_second_map_is_better_planned_after_a_slowdown():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cl, \
+    with dask.config.set(NO_STEALING), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cl, \
             Client(cl) as c:
         plan = pin_workers(c)
         dask_octopus.register(c, calibrate=False)  # equal weights until task timings say otherwise
@@ -174,7 +178,7 @@ def test_a_second_map_is_better_planned_after_a_slowdown():
         assert counts[1] < counts[0], counts  # the slowed worker got fewer items the second time
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=NO_STEALING)
 async def test_future_items_stay_where_their_data_is_when_moving_it_costs_more(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
     holder, other = sorted(s.workers)
@@ -192,7 +196,7 @@ async def test_future_items_stay_where_their_data_is_when_moving_it_costs_more(c
     assert sorted(plan.workers) == sorted([holder, other])  # 4 + 4 by the equal weights
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=NO_STEALING)
 async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
     launches, crunches = sorted(s.workers)  # slow to start an item, fast on big ones / the reverse

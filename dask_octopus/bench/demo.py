@@ -22,6 +22,7 @@ from rich.table import Table
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import Variant, ideal_seconds, local_cluster, run_variants, slowest_target
+from dask_octopus.bench.protocol import resolve_protocol
 from dask_octopus.bench.record import hardware
 from dask_octopus.bench.small_tasks import Timing, run_small_tasks
 from dask_octopus.bench.timeline import bar_chart, plot_timelines
@@ -31,16 +32,21 @@ PARTS = ("all", "balance", "tasks")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each part of the demo runs: ``"gpu"``, ``"cpu"`` or ``None`` (not run), and why."""
+    """Where each part of the demo runs: ``"gpu"``, ``"cpu"`` or ``None`` (not run), why, and the
+    protocol of its clusters."""
 
     balance: str | None
     tasks: str | None
     note: str = ""
+    protocol: str = "tcp"
 
 
-def place_parts(kind: str, gpus: int, part: str = "all") -> Placement:
-    """Where the parts run for ``--type kind`` on a machine with ``gpus`` GPUs. Balance needs two
-    workers: with one GPU it runs on CPU workers (``auto``) or not at all (``gpu``, which says why)."""
+def place_parts(kind: str, gpus: int, part: str = "all", protocol: str = "auto") -> Placement:
+    """Where the parts run for ``--type kind`` on a machine with ``gpus`` GPUs, and over which protocol
+    (:func:`~dask_octopus.bench.protocol.resolve_protocol` for the balance part's cluster when it runs,
+    else for the small tasks' one). Balance needs two workers: with one GPU it runs on CPU workers
+    (``auto``) or not at all (``gpu``, which says why). Raises ``ValueError`` where the machine cannot
+    run what was asked (``--protocol ucx`` is for GPU workers only)."""
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r}: expected one of {', '.join(PARTS)}")
     if kind == "gpu" and gpus == 0:
@@ -57,11 +63,13 @@ def place_parts(kind: str, gpus: int, part: str = "all") -> Placement:
     else:
         balance, tasks = "cpu", "gpu"
         note = "one GPU: balance needs two workers, so it runs on a 2-worker CPU cluster here"
-    return Placement(balance if part in ("all", "balance") else None, tasks if part in ("all", "tasks") else None,
-                     note if part in ("all", "balance") else "")
+    balance, tasks = balance if part in ("all", "balance") else None, tasks if part in ("all", "tasks") else None
+    # the protocol of the balance part's cluster (all GPUs or CPU workers), else of the one-worker part's
+    used = resolve_protocol(protocol, (gpus if balance == "gpu" else 0) if balance else int(tasks == "gpu"))
+    return Placement(balance, tasks, note if part in ("all", "balance") else "", used)
 
 
-def describe_machine(gpu: bool, protocol: str = "tcp") -> str:
+def describe_machine(gpu: bool, protocol: str) -> str:
     """One line: CPU cores, GPUs with names and memory, protocol."""
     hw = hardware(gpu)
     gpus = hw.get("gpus", [])
@@ -99,9 +107,10 @@ def tasks_table(timings: list[Timing], title: str) -> Table:
 
 
 def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out: str, console: Console,
-                cotenant: bool = True) -> dict[str, Any]:
-    """The balance part: print its table and write its timeline PNG under ``out``; returns the figures."""
-    with local_cluster(gpu) as client:
+                cotenant: bool = True, protocol: str = "tcp") -> dict[str, Any]:
+    """The balance part over ``protocol``: print its table and write its timeline PNG under ``out``;
+    returns the figures."""
+    with local_cluster(gpu, protocol=protocol) as client:
         slow, load = slowest_target(client, gpu)
         console.print(f"cluster: {len(client.scheduler_info(n_workers=-1)['workers'])} "
                       f"{'GPU' if gpu else 'CPU'} workers; co-tenant on {slow}: {load if cotenant else 'none'}")
@@ -120,14 +129,15 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
             "seconds": {v.name: v.seconds() for v in results.values()}}
 
 
-def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int, out: str,
-              console: Console) -> dict[str, Any]:
-    """The small-tasks part on a one-worker cluster: print its table and write its bar chart PNG.
-    ``blocks`` defaults to 1024 on a GPU, 512 on CPU (Dask's cost per task is the same; the demo stays short)."""
+def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int, out: str, console: Console,
+              protocol: str = "tcp") -> dict[str, Any]:
+    """The small-tasks part on a one-worker cluster over ``protocol``: print its table and write its bar
+    chart PNG. ``blocks`` defaults to 1024 on a GPU, 512 on CPU (Dask's cost per task is the same; the
+    demo stays short)."""
     shape = (256, 384) if gpu else (64, 96)
     blocks = blocks or (1024 if gpu else 512)
     device = "GPU" if gpu else "CPU"
-    with local_cluster(gpu, "0" if gpu else None, n_workers=1) as client:
+    with local_cluster(gpu, "0" if gpu else None, n_workers=1, protocol=protocol) as client:
         dask_octopus.register(client)
         console.print(f"cluster: one {device} worker; {blocks} blocks of {shape[0]}x{shape[1]} "
                       f"float32 ({'CuPy' if gpu else 'NumPy'}), an 8-kernel elementwise chain, then a sum")
@@ -147,7 +157,7 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
     """Run the parts of the demo placed by :func:`place_parts` on a machine with ``gpus`` GPUs, each
     with its table and PNG under ``out``; returns their figures."""
     os.makedirs(out, exist_ok=True)
-    console.print(describe_machine(gpus > 0))
+    console.print(describe_machine(gpus > 0, where.protocol))
     console.print("parts: balance " + (f"on 2 {where.balance.upper()} workers" if where.balance else "not run")
                   + "; small tasks " + (f"on 1 {where.tasks.upper()} worker" if where.tasks else "not run"))
     if where.note:
@@ -158,9 +168,10 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
         console.rule("Balance: two workers, one slowed by a co-tenant")
         figures["balance"] = run_balance(gpu=gpu, rows=rows or (1_000_000 if gpu else 400_000),
                                          cols=cols or (2048 if gpu else 256), width=width or (2048 if gpu else 128),
-                                         passes=passes, out=out, console=console, cotenant=cotenant)
+                                         passes=passes, out=out, console=console, cotenant=cotenant,
+                                         protocol=where.protocol)
     if where.tasks:
         console.rule("Small tasks: Dask's per-task cost against stream groups")
         figures["tasks"] = run_tasks(gpu=where.tasks == "gpu", blocks=blocks, runs=runs, group=group, out=out,
-                                     console=console)
+                                     console=console, protocol=where.protocol)
     return figures

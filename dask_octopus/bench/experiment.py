@@ -21,12 +21,14 @@ from distributed import Client, LocalCluster
 
 import dask_octopus
 from dask_octopus.bench.cotenant import pin_workers
+from dask_octopus.bench.protocol import resolve_protocol
 from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.bench.workloads import (
     PassRecord,
     persist_on_workers,
     random_matrix,
 )
+from dask_octopus.profiling.probes import gpu_count
 
 
 @dataclass
@@ -62,17 +64,19 @@ class Variant:
 
 
 @contextlib.contextmanager
-def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2,
-                  protocol: str | None = None) -> Iterator[Client]:
-    """``LocalCUDACluster`` on ``devs`` (all GPUs when None) or a pinned ``LocalCluster``."""
-    extra = {"protocol": protocol} if protocol else {}
+def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protocol: str = "tcp") -> Iterator[Client]:
+    """A client of a ``LocalCUDACluster`` on ``devs`` (all GPUs when None) or of a ``LocalCluster`` of
+    ``n_workers`` one-thread worker processes pinned to cores, over ``protocol``
+    (:func:`resolve_protocol`)."""
+    gpus = (len(devs.split(",")) if devs else gpu_count()) if gpu else 0
+    protocol = resolve_protocol(protocol, gpus)
     if gpu:
         from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0", **extra)
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0", protocol=protocol)
     else:
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               **extra)
+                               protocol=protocol)
     with cluster, Client(cluster) as client:
         client.wait_for_workers(len(cluster.workers))
         if not gpu:

@@ -1,7 +1,9 @@
 """Ways to run image pipelines over a list of image specs on a cluster, timed side by side, and the
 ideal time they are measured against.
 
-``octopus`` (``dask_octopus.map`` by cost and speed, groups of 8), ``one-task-each`` (``client.map``:
+``octopus`` (``dask_octopus.map`` by cost and speed, groups of 8, a future per image),
+``octopus-gather`` (the same, results gathered per batch: ``gather=True``), ``octopus-gather-host`` (and
+copied to host memory per batch: ``to_host=True``), ``one-task-each`` (``client.map``:
 Dask defaults), ``equal-batches`` (equal item counts per worker, one task each) and ``loop`` (a
 plain loop in one task on the worker fastest on the items). A run ends when every result is on the client, and every
 variant must return the same histograms.
@@ -29,14 +31,15 @@ from dask_octopus.bench.workloads import (
 )
 from dask_octopus.placement.items import ITEM_PREFIX, run_batch
 
-VARIANTS = ("octopus", "one-task-each", "equal-batches", "loop")
+VARIANTS = ("octopus", "octopus-gather", "octopus-gather-host", "one-task-each", "equal-batches", "loop")
 
 
-def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list[Future]:
-    """Submit ``items`` the ``variant`` way; returns its futures. ``workers`` are sorted fastest last
-    (the loop runs there: the strongest one-worker baseline)."""
-    if variant == "octopus":
-        return dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client)
+def run_variant(client: Client, variant: str, items: list, workers: list[str]) -> list[Future] | list:
+    """Submit ``items`` the ``variant`` way; returns its futures (the gathering variants: the results).
+    ``workers`` are sorted fastest last (the loop runs there: the strongest one-worker baseline)."""
+    if variant.startswith("octopus"):
+        return dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8, client=client,
+                                gather=variant != "octopus", to_host=variant == "octopus-gather-host")
     if variant == "one-task-each":
         return client.map(image_pipeline, items, pure=False)
     if variant == "equal-batches":

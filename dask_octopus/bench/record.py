@@ -11,7 +11,8 @@ from typing import Any
 
 from distributed.versions import get_versions
 
-PACKAGES = ["cupy", "dask_cuda", "dask_octopus", "ucxx", "rmm"]  # beside distributed's own list
+# beside distributed's own list; distribution names (the UCX wheels carry their CUDA version)
+PACKAGES = ["cupy", "dask_cuda", "dask_octopus", "distributed-ucxx-cu13", "ucxx-cu13", "ucxx", "rmm"]
 
 
 def write_json(path: str, record: dict[str, Any]) -> str:
@@ -46,7 +47,8 @@ def versions() -> dict[str, str | None]:
     return get_versions(PACKAGES)["packages"]
 
 
-def header(gpu: bool, **fields: Any) -> dict[str, Any]:
-    """The start of every record: date, the exact command, hardware and versions, then ``fields``."""
+def header(gpu: bool, protocol: str, **fields: Any) -> dict[str, Any]:
+    """The start of every record: date, the exact command, hardware, versions and the protocol the
+    cluster's workers talked over (``tcp``, ``ucx``, ``inproc``), then ``fields``."""
     return {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
-            **fields}
+            "protocol": protocol, **fields}

@@ -78,6 +78,9 @@ class StreamRuntime:
     classes: OrderedDict[tuple, str]
     #: why the latest capture on this worker was refused
     last_refusal: str | None
+    #: groups run on this worker, and the tasks inside them
+    groups: int
+    members: int
 
     def __init__(self, max_graphs: int | None = None, capture_after: int | None = None,
                  max_classes: int = 4096, bandwidth: float = 100e9):
@@ -87,6 +90,7 @@ class StreamRuntime:
         self.bandwidth = bandwidth
         self.classes = OrderedDict()
         self.last_refusal = None
+        self.groups = self.members = 0
         self._local = threading.local()
         self._caches: list[GraphCache] = []
         self._lock = threading.Lock()
@@ -115,12 +119,21 @@ class StreamRuntime:
         return cache
 
     def stats(self) -> dict[str, Any]:
-        """Captured and refused group signatures and graph replays on this worker (all threads), and
-        why the latest capture was refused."""
+        """Groups run and their tasks, captured and refused group signatures and graph replays on this
+        worker (all threads), and why the latest capture was refused. The worker plugin sends it to
+        the scheduler with each heartbeat, for the dashboard."""
         with self._lock:
             caches = list(self._caches)
-        return {"graphs": sum(len(c.graphs) for c in caches), "refused": sum(len(c.refused) for c in caches),
-                "replays": sum(c.replays for c in caches), "last_refusal": self.last_refusal}
+            groups, members = self.groups, self.members
+        return {"groups": groups, "members": members, "graphs": sum(len(c.graphs) for c in caches),
+                "refused": sum(len(c.refused) for c in caches), "replays": sum(c.replays for c in caches),
+                "last_refusal": self.last_refusal}
+
+    def count(self, members: int) -> None:
+        """Count one group of ``members`` tasks run."""
+        with self._lock:
+            self.groups += 1
+            self.members += members
 
     def resolve_class(self, declared: str, token: Hashable, inputs: Sequence[Any]) -> str | None:
         """The member's class: declared, remembered for its signature, or ``None`` (not measured yet)."""
@@ -181,6 +194,8 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
     what identifies each member's function and constants: members with equal tokens and input
     shapes do the same work. On a CPU worker members run in launch order, ``"auto"`` as memory-bound."""
     sizes = [float(sizeof(list(x))) for x in inputs]
+    rt = runtime()
+    rt.count(len(members))
     cp = _cupy()
     if cp is None:
         order = launch_order([d if d != "auto" else "memory" for d in declared], sizes)
@@ -188,7 +203,6 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
         for i in order:
             results[i] = members[i](*inputs[i])
         return results
-    rt = runtime()
     member_tokens = tokens()
     known = [rt.resolve_class(d, t, x) for d, t, x in zip(declared, member_tokens, inputs, strict=True)]
     order = launch_order([c or "memory" for c in known], sizes)

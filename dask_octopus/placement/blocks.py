@@ -26,13 +26,17 @@ from dask_octopus.placement.planning import (
     snap_cuts,
     worth_moving,
 )
+from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.profiling.speedmodel import check_resource
 
 
-def _workers_and_caps(client: Client, resource: str,
-                      row_bytes: float) -> tuple[list[str], list[float], list[int | None]]:
-    """Sorted worker addresses, their weights, and how many rows each may hold."""
+def _workers_caps_and_speed(client: Client, resource: str,
+                            row_bytes: float) -> tuple[list[str], list[float], list[int | None], float | None]:
+    """Sorted worker addresses, their weights, how many rows each may hold, and the time scale of a
+    pass: for ``resource="memory"``, the workers' total speed in rows per second, each row read once
+    at the calibrated streaming speeds; ``None`` for ``"compute"`` (the work per row is not known
+    before the graph that consumes the blocks is) or where a worker has no streaming figure."""
     profiles = call_scheduler(client, "octopus_profiles", resource=resource)
     workers = sorted(profiles)
     fraction = config.get("balance.memory-fraction")
@@ -41,16 +45,20 @@ def _workers_and_caps(client: Client, resource: str,
         p = profiles[w]
         memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
         caps.append(int(memory * fraction // row_bytes) if memory and row_bytes > 0 else None)
-    return workers, [profiles[w]["weight"] for w in workers], caps
+    streams = [profiles[w].get("memory") for w in workers]
+    speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
+    return workers, [profiles[w]["weight"] for w in workers], caps, speed
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
           current: list[int]) -> tuple[list[int], list[str]]:
     """Flat block sizes and the worker of each block; the ``current`` sizes when moving data to the
-    planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain``. Without
-    ``per_worker``, as few blocks per worker as keep every block within the largest current one."""
+    planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain`` or, where a
+    pass's time can be predicted (``resource="memory"``), by more seconds than moving the rows that
+    change worker takes at the cluster's measured bandwidths. Without ``per_worker``, as few blocks
+    per worker as keep every block within the largest current one."""
     row_bytes = nbytes / total if total else 0.0
-    workers, weights, caps = _workers_and_caps(client, resource, row_bytes)
+    workers, weights, caps, speed = _workers_caps_and_speed(client, resource, row_bytes)
     if total < len(workers) * (per_worker or 1):
         raise PlanningError(f"{total} rows are fewer than the {len(workers)} workers x "
                             f"per_worker={per_worker or 1} blocks")
@@ -69,8 +77,14 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
         plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
     fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
     fits = fits and all(n % align == 0 for n in current[:-1])  # kept blocks must also honour align
-    if reference and fits and not worth_moving(current, reference, weights, config.get("balance.min-gain")):
-        return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks]
+    if reference and fits and len(current) == len(workers) * per_worker:
+        move = 0.0
+        if speed is not None:  # the kept blocks' rows per worker against the plan's
+            kept = [sum(current[i * per_worker:(i + 1) * per_worker]) for i in range(len(workers))]
+            move = rechunk_seconds(client, workers, kept, [sum(blocks) for blocks in plan], row_bytes)
+        if not worth_moving(current, reference, weights, config.get("balance.min-gain"), speed=speed,
+                            move_seconds=move):
+            return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks]
     return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
 
 
@@ -164,7 +178,8 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     y = x.rechunk(tuple(chunks), method="tasks") if tuple(sizes) != x.chunks[axis] else _named_blocks(x)
-    call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis)
+    call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis, sizes=sizes,
+                   resource=resource)
     return y
 
 
@@ -232,7 +247,7 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     name = "octopus-rows-" + tokenize(df, sizes)
     blocks = [delayed(_take_rows)([(parts[i], a, b) for i, a, b in seg], dask_key_name=(name, j))
               for j, seg in enumerate(segments)]
-    call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0)
+    call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource)
     return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
 
 

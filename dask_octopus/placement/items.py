@@ -1,24 +1,30 @@
-"""``dask_octopus.map``: run a function over indivisible items of different costs, packed onto
-workers by cost and speed (:mod:`dask_octopus.placement.packing`; per-item seconds from
-:mod:`dask_octopus.profiling.itemcosts` once fitted), pinned, with one future per item."""
+"""``dask_octopus.map`` and ``imap``: run a function over indivisible items of different costs, packed
+onto workers by cost and speed (:mod:`dask_octopus.placement.packing`; per-item seconds from
+:mod:`dask_octopus.profiling.itemcosts` once fitted), pinned but for a stealable tail per worker, with
+one future per item, or the results gathered per batch (``gather=True``, ``imap``)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import cloudpickle
+import dask
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split
-from distributed import Client, Future
+from distributed import Client, Future, as_completed, default_client
 
-from dask_octopus._compat import LLGExpr, Task, TaskRef, parse_input
+from dask_octopus import config
+from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
-from dask_octopus.placement.packing import Packing, check_costs, pack
+from dask_octopus.placement import tohost
+from dask_octopus.placement.packing import Packing, check_costs, pack, split_tail
+from dask_octopus.placement.transfers import item_seconds
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.plugins.messages import WorkerInfo
 from dask_octopus.profiling.itemcosts import SPREAD
@@ -26,6 +32,8 @@ from dask_octopus.profiling.speedmodel import check_resource
 
 ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item's result from its batch
 SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
+ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
+TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
 
 
 class ItemError:
@@ -50,19 +58,31 @@ def _each_on_its_own(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return run
 
 
-def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str, group: int) -> list[Any]:
-    """Run ``func`` on each item in one task, ``group`` items at a time as a stream group; an item that
-    raises gives an :class:`ItemError` in its place. The token of ``func`` and ``kwargs`` (which
-    identifies the members' work on a GPU worker) is computed once for the whole batch, when a group
-    first asks for it."""
-    token = functools.cache(lambda: tokenize(func, kwargs))
+def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str, group: int | None,
+              to_host: bool = False) -> list[Any]:
+    """Run ``func`` on each item in one task: one after the other without ``group``, else ``group`` items
+    at a time as a stream group; an item that raises gives an :class:`ItemError` in its place. The
+    token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is computed
+    once for the whole batch, when a group first asks for it. ``to_host``: CuPy results are copied to
+    host memory at the end, all at once (:func:`~dask_octopus.placement.tohost.to_host`)."""
     call = _each_on_its_own(partial(func, **kwargs))
-    out: list[Any] = []
-    for k in range(0, len(items), group):
-        chunk = items[k:k + group]
-        n = len(chunk)
-        out += streams.run_group([call] * n, [[item] for item in chunk], [resource] * n, lambda n=n: [token()] * n)
-    return out
+    if group is None:
+        out = [call(item) for item in items]
+    else:
+        token = functools.cache(lambda: tokenize(func, kwargs))
+        out = []
+        for k in range(0, len(items), group):
+            chunk = items[k:k + group]
+            n = len(chunk)
+            out += streams.run_group([call] * n, [[item] for item in chunk], [resource] * n,
+                                     lambda n=n: [token()] * n)
+    return tohost.to_host(out) if to_host else out
+
+
+def run_one(func: Callable, item: Any, kwargs: dict[str, Any]) -> Any:
+    """``func(item, **kwargs)`` with CuPy results copied to host memory (``map(..., to_host=True)``
+    with one task per item)."""
+    return tohost.to_host([func(item, **kwargs)])[0]
 
 
 async def _pick(batch: Sequence[Any], i: int) -> Any:
@@ -107,23 +127,10 @@ def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequ
 
 
 def _transfer_seconds(client: Client, items: list[Any], workers: list[str]) -> list[list[float]] | None:
-    """For items that are futures: the seconds to move each to a worker that does not hold it (bytes
-    over the scheduler's bandwidth estimate); ``None`` when no item is a future."""
-    at = [i for i, it in enumerate(items) if isinstance(it, Future)]
-    if not at:
-        return None
-    who = client.who_has([items[i] for i in at])
-    held = [i for i in at if who.get(items[i].key)]  # not computed yet: wherever it runs, it is not moved
-    seconds = [[0.0] * len(workers) for _ in items]
-    if not held:
-        return seconds
-    # keys in memory only: the scheduler may not know yet a future that was just computed
-    nbytes = client.nbytes([items[i].key for i in held], summary=False)
-    bandwidth = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.bandwidth)
-    for i in held:
-        holders = set(who[items[i].key])
-        seconds[i] = [0.0 if w in holders else nbytes.get(items[i].key, 0) / bandwidth for w in workers]
-    return seconds
+    """For items that are futures: the seconds to move each to each worker, at the bandwidths the
+    cluster measured (:func:`dask_octopus.placement.transfers.item_seconds`); ``None`` when no item
+    is a future."""
+    return item_seconds(client, items, workers)
 
 
 def _in_rate_units(client: Client, seconds: list[list[float]] | None, workers: list[str],
@@ -161,26 +168,30 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     return workers, threads, [fit is None for fit in fits], pack(costs, speeds, penalty=penalty)
 
 
-def _batches(costs: list[float], packing: Packing, threads: list[int], group: int | None,
-             explore: list[bool]) -> list[tuple[int, list[int]]]:
-    """``(worker index, item indices)`` of each task: one per item without ``group``, else one per
-    thread of the worker, its items split between its threads by cost; largest items first. A
-    worker with ``explore`` set (no per-item seconds fitted yet) runs its larger and its smaller
-    items as two tasks when their mean costs differ enough, so that its timings tell the fixed
-    part of an item from the part proportional to its cost."""
+def _batches(costs: list[float], packing: Packing, threads: list[int], batched: bool, explore: list[bool],
+             steal: float) -> list[tuple[int, list[int], bool]]:
+    """``(worker index, item indices, stealable)`` of each task, the tasks each worker runs first
+    before the stealable ones. Not ``batched``: one task per item. ``batched``: one per thread of
+    the worker, its items split between its threads by cost; largest items first. A worker with
+    ``explore`` set (no per-item seconds fitted yet) runs its larger and its smaller items as two
+    tasks when their mean costs differ enough, so that its timings tell the fixed part of an item
+    from the part proportional to its cost. The last items of each list, a ``steal`` fraction of
+    its cost at most, are split off as :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`)."""
     out = []
     for j, n in enumerate(threads):
         mine = sorted((i for i, w in enumerate(packing.assignment) if w == j), key=lambda i: -costs[i])
-        if group is None:
-            out += [(j, [i]) for i in mine]
-            continue
         large, small = mine[:len(mine) // 2], mine[len(mine) // 2:]
-        if explore[j] and large and _mean(costs, small) > 0 and _mean(costs, large) >= SPREAD * _mean(costs, small):
-            out += [(j, large), (j, small)]
-            continue
-        split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
-        out += [(j, idx) for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
-    return out
+        if not batched or not mine:
+            lists = [mine]
+        elif explore[j] and large and _mean(costs, small) > 0 and _mean(costs, large) >= SPREAD * _mean(costs, small):
+            lists = [large, small]
+        else:
+            split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
+            lists = [idx for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
+        for idx in lists:
+            for start, stop, stealable in split_tail([costs[i] for i in idx], steal, TAIL_TASKS):
+                out += [(j, idx[start:stop], stealable)] if batched else [(j, [i], stealable) for i in idx[start:stop]]
+    return sorted(out, key=lambda batch: batch[2])  # stable: every worker's own tasks first
 
 
 def _scatter_to_plan(client: Client, items: list[Any], batches: list[tuple[str, list[int]]]) -> None:
@@ -201,20 +212,103 @@ def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
 
+def _check_call(func: Callable, group: int | None, resource: str, errors: str) -> None:
+    check_resource(resource)
+    if group is not None:
+        check_group_spec(resource, group)
+    if errors not in ERRORS:
+        raise ValueError(f"errors must be one of {', '.join(ERRORS)}, got {errors!r}")
+    try:
+        cloudpickle.dumps(func)  # distributed's dumps would log its own tracebacks first
+    except Exception as e:
+        raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
+
+
+def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None,
+            group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
+            per_item: bool) -> tuple[list[Future], list[list[int]]]:
+    """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
+    (and no batches); else one future per batch task, with the indices of its items."""
+    delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
+    if delayed_at:
+        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
+            items[i] = fut
+    costs = _costs(client, items, cost)
+    # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
+    # under which its speeds are kept) stops at the first word with a character that is not a letter
+    prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
+    workers, threads, unfitted, packing = _plan_items(client, costs, resource, items, prefix)
+    batched = group is not None or not per_item
+    batches = _batches(costs, packing, threads, batched, unfitted, config.get("map.steal-fraction"))
+    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item)
+    _scatter_to_plan(client, items, [(workers[j], idx) for j, idx, _ in batches])
+    name = f"{funcname(func)}-octopus-map-{token}"
+    call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
+                   costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
+                   counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches])
+    item_name = f"{ITEM_PREFIX}-{token}"
+    user = dask.get_annotations().get("priority", 0)
+    user = user if isinstance(user, int) else 0
+    dsk: dict[Any, Task] = {}
+    priority: dict[Any, int] = {}
+    keys: list[Any] = [None] * len(items)
+    for b, (_, idx, stealable) in enumerate(batches):
+        priority[(name, b)] = user - stealable  # a worker runs its own tasks first, the stealable ones last
+        if not batched:
+            (i,) = idx
+            keys[i] = (name, b)
+            if to_host:
+                dsk[keys[i]] = Task(keys[i], run_one, func, parse_input(items[i]), parse_input(kwargs))
+            else:  # futures, in the item or in kwargs, become dependencies
+                resolved = {k: parse_input(v) for k, v in kwargs.items()}
+                dsk[keys[i]] = Task(keys[i], func, parse_input(items[i]), **resolved)
+            continue
+        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([items[i] for i in idx]), parse_input(kwargs),
+                              resource, group, to_host)
+        if per_item:
+            for k, i in enumerate(idx):
+                keys[i] = (item_name, i)
+                dsk[keys[i]] = Task(keys[i], _pick, TaskRef((name, b)), k)
+    if not per_item:
+        keys = [(name, b) for b in range(len(batches))]
+    # One graph: one update_graph on the scheduler. Its keys already carry the map's token, so the
+    # expression takes it too instead of tokenizing every task again (as Client.submit does).
+    graph = AnnotatedLLGExpr(dsk, {"priority": priority}, _determ_token=token)
+    return client.get(graph, keys, sync=False), [idx for _, idx, _ in batches] if not per_item else []
+
+
+def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[int, Any]]:
+    """``(index, result)`` pairs; an item's :class:`ItemError` raises its exception (``"raise"``) or
+    leaves the item out (``"skip"``)."""
+    for i, result in results:
+        if isinstance(result, ItemError):
+            if errors == "raise":
+                raise result.exception
+            continue
+        yield i, result
+
+
 @awaitable_on_async_clients
 def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
-        client: Client | None = None, group: int | None = None, resource: str = "compute",
-        **kwargs: Any) -> list[Future]:
+        client: Client | None = None, group: int | None = None, resource: str = "compute", gather: bool = False,
+        errors: str = "raise", to_host: bool = False, **kwargs: Any) -> list[Future] | list[Any]:
     """Run ``func`` over indivisible items of different costs, packed onto the workers so that all
     are predicted to finish together.
 
     Items are packed by cost and speed (largest first, then moves and swaps off the last worker)
-    and pinned. Observed task times refine the speeds, and once every worker has run the function
+    and pinned, but for the last items of each worker's list (``octopus.map.steal-fraction`` of
+    its work), which Dask's work stealing may hand to a worker that ran out of work when the plan
+    goes wrong. Observed task times refine the speeds, and once every worker has run the function
     often enough its own speeds plan it, so a second ``map`` of the same function is better
     planned. Once batches of different mean item costs have run on every worker, each item is
     planned by its predicted seconds there, a fixed part per item plus a part proportional to its
     cost (:mod:`dask_octopus.profiling.itemcosts`); until then a worker runs its larger and its
     smaller items as two tasks, to tell the two parts apart.
+
+    A future per item costs a Dask key per item (about a millisecond each on a GPU worker). When
+    the results are all you need, ``gather=True`` returns them without one: each worker's batch
+    comes back as one object and is split here. To handle results as they come, use
+    :func:`imap`.
 
     Parameters
     ----------
@@ -229,18 +323,27 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     client
         The client of the cluster (default: the default client).
     group
-        ``None``: one task per item. ``g``: each worker runs its items in one task per worker thread
-        (a Dask task costs milliseconds on a GPU worker), ``g`` at a time as a stream group; each
-        item's result is then picked by a small coroutine task.
+        ``None``: one task per item (with ``gather=True``: one per worker thread, its items one
+        after the other). ``g``: each worker runs its items in one task per worker thread (a Dask
+        task costs milliseconds on a GPU worker), ``g`` at a time as a stream group; each item's
+        result is then picked by a small coroutine task unless ``gather=True``.
     resource
         Weights to plan by until the function's own speeds are known: ``"compute"`` or ``"memory"``.
+    gather
+        Return the results, in the order of ``items``, instead of futures.
+    errors
+        With ``gather=True``, as in ``Client.gather``: ``"raise"`` raises the exception of the first
+        item that failed (with its traceback), ``"skip"`` leaves failed items out of the results.
+    to_host
+        Copy CuPy results to host memory on the worker, all of a task's items at once after its
+        work (no ``.get()`` per item inside ``func``, which would stop the items overlapping).
     **kwargs
         Passed to ``func``.
 
     Returns
     -------
-    list of Future
-        One future per item, in the order of ``items``.
+    list of Future or list
+        One future per item, in the order of ``items``; with ``gather=True``, the results.
 
     Raises
     ------
@@ -248,7 +351,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         When ``func`` cannot be pickled.
     ValueError
         For costs of the wrong length, negative or NaN, a ``cost`` callable that raises (the
-        original error chained), an unknown ``resource`` or a ``group`` below 1.
+        original error chained), an unknown ``resource`` or ``errors``, ``errors`` without
+        ``gather=True``, or a ``group`` below 1.
     NotRegisteredError
         When the scheduler has no dask_octopus plugin.
 
@@ -256,48 +360,70 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     --------
     >>> futures = dask_octopus.map(pipeline, images, cost=[im.size for im in images], group=8)  # doctest: +SKIP
     >>> results = client.gather(futures)  # doctest: +SKIP
+    >>> results = dask_octopus.map(pipeline, images, group=8, gather=True, to_host=True)  # doctest: +SKIP
     """
-    check_resource(resource)
-    if group is not None:
-        check_group_spec(resource, group)
-    try:
-        cloudpickle.dumps(func)  # distributed's dumps would log its own tracebacks first
-    except Exception as e:
-        raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
+    _check_call(func, group, resource, errors)
+    if errors != "raise" and not gather:
+        raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
     items = list(items)
     if not items:
         return []
-    delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
-    if delayed_at:
-        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
-            items[i] = fut
-    costs = _costs(client, items, cost)
-    # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
-    # under which its speeds are kept) stops at the first word with a character that is not a letter
-    prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
-    workers, threads, unfitted, packing = _plan_items(client, costs, resource, items, prefix)
-    batches = _batches(costs, packing, threads, group, unfitted)
-    token = tokenize(func, items, costs, kwargs, group, workers, batches)
-    _scatter_to_plan(client, items, [(workers[j], idx) for j, idx in batches])
-    name = f"{funcname(func)}-octopus-map-{token}"
-    call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _ in batches],
-                   costs=[sum(costs[i] for i in idx) for _, idx in batches], counts=[len(idx) for _, idx in batches])
-    item_name = f"{ITEM_PREFIX}-{token}"
-    dsk: dict[Any, Task] = {}
-    keys: list[Any] = [None] * len(items)
-    for b, (_, idx) in enumerate(batches):
-        if group is None:
-            (i,) = idx
-            # futures, in the item or in kwargs, become dependencies
-            resolved = {k: parse_input(v) for k, v in kwargs.items()}
-            dsk[(name, b)] = Task((name, b), func, parse_input(items[i]), **resolved)
-            keys[i] = (name, b)
-            continue
-        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([items[i] for i in idx]), parse_input(kwargs),
-                              resource, group)
-        for k, i in enumerate(idx):
-            keys[i] = (item_name, i)
-            dsk[keys[i]] = Task(keys[i], _pick, TaskRef((name, b)), k)
-    # One graph: one update_graph on the scheduler. Its keys already carry the map's token, so the
-    # expression takes it too instead of tokenizing every task again (as Client.submit does).
-    return client.get(LLGExpr(dsk, _determ_token=token), keys, sync=False)
+    futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=not gather)
+    if not gather:
+        return futures
+    pairs = sorted((i, r) for idx, batch in zip(batches, client.gather(futures)) for i, r in zip(idx, batch))
+    return [result for _, result in _checked(pairs, errors)]
+
+
+def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
+         client: Client | None = None, group: int | None = None, resource: str = "compute", errors: str = "raise",
+         to_host: bool = False, **kwargs: Any) -> Iterator[tuple[int, Any]] | AsyncIterator[tuple[int, Any]]:
+    """:func:`map` planned and run the same way, yielding ``(index, result)`` as each task of items
+    finishes, for results streamed onward (no Dask key per item; a worker's items come together).
+
+    Parameters are those of :func:`map`; ``errors="raise"`` raises an item's exception when its
+    task's results arrive, ``"skip"`` leaves failed items out. The plan is made and submitted at
+    once; with an asynchronous client, iterate with ``async for`` (the plan is then made at the
+    first step). Stopping early releases the tasks not yet finished.
+
+    Returns
+    -------
+    iterator of (int, object)
+        Index in ``items`` and result, in the order the tasks finish.
+
+    Raises
+    ------
+    TypeError, ValueError, NotRegisteredError
+        As :func:`map`.
+
+    Examples
+    --------
+    >>> for i, frame in dask_octopus.imap(decode, videos, group=8, to_host=True):  # doctest: +SKIP
+    ...     writer.write(i, frame)
+    """
+    client = client or default_client()
+    _check_call(func, group, resource, errors)
+    items = list(items)
+    if client.asynchronous:
+        return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)
+    futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=False) \
+        if items else ([], [])
+    return _as_finished(futures, batches, errors)
+
+
+def _as_finished(futures: list[Future], batches: list[list[int]], errors: str) -> Iterator[tuple[int, Any]]:
+    where = {f.key: idx for f, idx in zip(futures, batches)}
+    for future, batch in as_completed(futures, with_results=True):
+        yield from _checked(zip(where[future.key], batch), errors)
+
+
+async def _imap_async(client: Client, func: Callable, items: list[Any], cost: Any, group: int | None, resource: str,
+                      to_host: bool, kwargs: dict[str, Any], errors: str) -> AsyncIterator[tuple[int, Any]]:
+    if not items:
+        return
+    futures, batches = await asyncio.to_thread(_submit, client, func, items, cost, group, resource, to_host, kwargs,
+                                               per_item=False)
+    where = {f.key: idx for f, idx in zip(futures, batches)}
+    async for future, batch in as_completed(futures, with_results=True):
+        for pair in _checked(zip(where[future.key], batch), errors):
+            yield pair

@@ -103,3 +103,36 @@ def _improve(time: Callable[[int, int], float], assignment: list[int], finish: l
                 finish[last], finish[j] = new_last, new_j
                 return True
     return False
+
+
+def split_tail(costs: Sequence[float], fraction: float, pieces: int) -> list[tuple[int, int, bool]]:
+    """Cut one worker's list of items, in run order (largest first), into a head and up to ``pieces``
+    stealable parts of its tail, which holds the last items making up at most ``fraction`` of the
+    list's cost (the head keeps at least one item).
+
+    Returns ``(start, stop, stealable)`` slices of the list, head first; the parts of the tail cost
+    about the same. ``fraction`` 0 (or a list of one item) gives the head alone.
+    """
+    check_costs(costs)
+    if not 0 <= fraction <= 1 or pieces < 1:
+        raise ValueError(f"fraction must be in [0, 1] and pieces >= 1, got {fraction!r} and {pieces!r}")
+    n = len(costs)
+    budget = fraction * sum(costs)
+    start, tail = n, 0.0
+    while start > 1 and tail + costs[start - 1] <= budget:
+        start -= 1
+        tail += costs[start]
+    out = [(0, start, False)] if start else []
+    if start == n:
+        return out
+    k = min(pieces, n - start)
+    done, cut = 0.0, start
+    for p in range(1, k):  # the p-th cut lies where the tail's cumulated cost reaches p / k of it
+        stop = cut
+        while stop < n - (k - p) and (stop == cut or done + costs[stop] <= tail * p / k):
+            done += costs[stop]
+            stop += 1
+        out.append((cut, stop, True))
+        cut = stop
+    out.append((cut, n, True))
+    return out

@@ -4,8 +4,12 @@ A *plan* maps the blocks of one collection (its key name, and the position of th
 in its keys) to workers. When a graph arrives, :meth:`Placement.update_graph` finds each planned
 block, also inside tasks that low-level fusion merged (their run spec keeps the inner keys), and
 pins it with ``worker_restrictions``; a task whose planned dependencies all sit on one worker
-follows them. Tasks with user-set restrictions are never touched. Pins are kept per key until
-the task is forgotten, so a lost worker's blocks can be moved to the survivors.
+follows them. A block planned as stealable (the tail of a worker's ``map`` items) is pinned loosely,
+and :meth:`Placement.steal_for` hands it to a worker that ran out of work (through Dask's work-stealing
+protocol, which takes a task only while its worker has not started it); its consumers are left to
+Dask, which places them by their data. Tasks with user-set restrictions are never touched. Pins
+are kept per key until the task is forgotten, so a lost worker's blocks can be moved to the
+survivors.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from distributed.core import Status
 
 from dask_octopus.groups.rewrite import inner_keys
 from dask_octopus.placement.planning import reassign
@@ -29,13 +35,14 @@ _DONE = frozenset({"memory", "processing", "erred", "forgotten"})
 @dataclass
 class Plan:
     """Worker of each block of the collection whose keys are ``(name, *index)``, and optionally the
-    planned cost of each block (``map``), which then measures the work of its task, and its number
-    of items."""
+    planned cost of each block (``map``), which then measures the work of its task, its number of
+    items, and whether another worker may steal it."""
 
     workers: list[str]
     index: int  # position of the block index in the key tuple
     costs: list[float] | None = None
     counts: list[int] | None = None
+    stealable: list[bool] | None = None
 
 
 def _key_name(key: Any) -> Any:
@@ -49,11 +56,12 @@ class Placement:
         self.max_plans = max_plans
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         self.pins: dict[Key, Block] = {}
+        self.stealable_keys: set[Key] = set()
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
-                 counts: list[int] | None = None) -> None:
+                 counts: list[int] | None = None, stealable: list[bool] | None = None) -> None:
         """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``."""
-        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts)
+        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable)
         self.plans.move_to_end(name)
         while len(self.plans) > self.max_plans:
             self.plans.popitem(last=False)
@@ -70,6 +78,10 @@ class Placement:
     def worker_of(self, block: Block) -> str | None:
         plan = self.plans.get(block[0])
         return plan.workers[block[1]] if plan and block[1] < len(plan.workers) else None
+
+    def stealable(self, block: Block) -> bool:
+        plan = self.plans.get(block[0])
+        return bool(plan and plan.stealable and block[1] < len(plan.stealable) and plan.stealable[block[1]])
 
     def _planned_block(self, key: Key, run_spec: Any) -> Block | None:
         for k in inner_keys(key, run_spec):  # also the keys fused or grouped into this task
@@ -117,7 +129,7 @@ class Placement:
         found: dict[str | None, Block] = {}
         for dts in ts.dependencies:
             b = origin.get(dts.key) or self.pins.get(dts.key)
-            if b is not None:
+            if b is not None and not self.stealable(b):  # a stealable block may run elsewhere
                 found.setdefault(self.worker_of(b), b)
         return next(iter(found.values())) if len(found) == 1 else None
 
@@ -127,7 +139,9 @@ class Placement:
             return False
         self.pins[ts.key] = block
         ts.worker_restrictions = {worker}
-        ts.loose_restrictions = False
+        ts.loose_restrictions = self.stealable(block)
+        if ts.loose_restrictions:
+            self.stealable_keys.add(ts.key)
         return True
 
     def inherit(self, key: Key, member: Key) -> None:
@@ -138,6 +152,31 @@ class Placement:
     def forget(self, key: Key) -> None:
         """Drop the pin of a task that the scheduler forgot."""
         self.pins.pop(key, None)
+        self.stealable_keys.discard(key)
+
+    def done(self, key: Key) -> None:
+        """A task finished: it can no longer be stolen."""
+        self.stealable_keys.discard(key)
+
+    def steal_for(self, scheduler: Scheduler, thief: str) -> Key | None:
+        """If worker ``thief`` has an idle thread, ask for a stealable task that waits on a busier
+        worker (one with more tasks than threads): the last in run order of the worker with most
+        waiting. Dask's work-stealing extension moves it if its worker has not started it yet.
+        Returns the key asked for, or ``None`` (nothing to steal, or work stealing is off)."""
+        if not self.stealable_keys:
+            return None
+        stealing = scheduler.extensions.get("stealing")
+        ws = scheduler.workers.get(thief)
+        if stealing is None or ws is None or ws.status != Status.running or len(ws.processing) >= ws.nthreads:
+            return None
+        waiting = [ts for k in self.stealable_keys if (ts := scheduler.tasks.get(k)) is not None
+                   and ts.state == "processing" and ts.processing_on not in (None, ws) and ts not in stealing.in_flight
+                   and len(ts.processing_on.processing) > ts.processing_on.nthreads]
+        if not waiting:
+            return None
+        ts = max(waiting, key=lambda ts: (len(ts.processing_on.processing) - ts.processing_on.nthreads, ts.priority))
+        stealing.move_task_request(ts, ts.processing_on, ws)
+        return ts.key
 
     def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
         """Move blocks planned on workers that left to the live ones in proportion to ``weights``.

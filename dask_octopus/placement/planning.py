@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from itertools import pairwise
 
-from dask_octopus._checks import is_finite
+from dask_octopus._checks import check_finite, is_finite
 
 
 class PlanningError(ValueError):
@@ -227,9 +227,12 @@ def makespan(blocks: Sequence[Sequence[int]], weights: Sequence[float]) -> float
 
 
 def worth_moving(current: Sequence[int], planned: Sequence[Sequence[int]], weights: Sequence[float],
-                 min_gain: float) -> bool:
+                 min_gain: float, *, speed: float | None = None, move_seconds: float = 0.0) -> bool:
     """Whether re-chunking ``current`` blocks (assigned in order, as ``planned`` groups them) into
-    ``planned`` shortens the predicted makespan by more than ``min_gain`` (a fraction)."""
+    ``planned`` shortens the predicted makespan by more than ``min_gain`` (a fraction) and, when the
+    workers' total ``speed`` (rows per second; each worker's share of it is its share of the
+    weights) is known, by more seconds than the rows that change owner take to move
+    (``move_seconds``)."""
     counts = [len(b) for b in planned]
     if len(current) != sum(counts):
         return True
@@ -237,4 +240,7 @@ def worth_moving(current: Sequence[int], planned: Sequence[Sequence[int]], weigh
     for n in counts:
         groups.append(current[start:start + n])
         start += n
-    return makespan(groups, weights) > (1 + min_gain) * makespan(planned, weights)
+    kept, moved = makespan(groups, weights), makespan(planned, weights)
+    if speed is not None and (kept - moved) * sum(weights) / check_finite(speed, "speed") <= move_seconds:
+        return False
+    return kept > (1 + min_gain) * moved

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import defaultdict
+import time
+from collections import Counter, defaultdict
 from collections.abc import Callable
+from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
+from tornado.ioloop import PeriodicCallback
 
 from dask_octopus import config
 from dask_octopus._checks import is_finite
+from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.placement.pins import Placement
@@ -52,6 +56,8 @@ def _guarded(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the dashboard's history
+HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
 
 
@@ -97,6 +103,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     failed_hooks: set[str]
     #: workers that sent a bad timing (warned once each)
     bad_timings: set[str]
+    #: the workers' weights over time, for the dashboard (sampled every second, kept when they change)
+    history: WeightHistory
+    #: the recent plans as made and the observed finish of their latest run, for the dashboard
+    plan_records: PlanRecords
     scheduler: Scheduler | None
 
     def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
@@ -112,6 +122,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.profiles = {}
         self.failed_hooks = set()
         self.bad_timings = set()
+        self.history = WeightHistory()
+        self.plan_records = PlanRecords()
         self.scheduler = None
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -124,14 +136,49 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_profiles": _replying(self.get_profiles),
             "octopus_add_plan": _replying(self.add_plan),
             "octopus_rates": self.model.table,
+            "octopus_bandwidth": self.bandwidth,
             "octopus_options": self.options,
         })
+        sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
+        scheduler.periodic_callbacks[HISTORY_CALLBACK] = sampler
+        sampler.start()
+        self._serve()
         await scheduler.register_worker_plugin(
             None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
         )
 
     async def close(self) -> None:
         scheduler_groups.hosts.discard(self)
+        if self.scheduler is not None:
+            sampler = self.scheduler.periodic_callbacks.pop(HISTORY_CALLBACK, None)
+            if sampler is not None:
+                sampler.stop()
+        from dask_octopus.dashboard import serve
+
+        serve.withdraw(self)
+
+    def _serve(self) -> None:
+        """Add the ``/octopus`` page and the ``dask_octopus_*`` metrics (optional dependencies: each
+        is off, with one log line, when its library is missing); never stops the plugin from starting."""
+        try:
+            from dask_octopus.dashboard import serve
+
+            serve.install(self)
+        except Exception:
+            logger.exception("dask_octopus: the /octopus page and the metrics are off")
+
+    def _sample_weights(self) -> None:
+        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds)."""
+        if self.scheduler.plugins.get(self.name) is not self:  # unregistered (which does not close a plugin)
+            self.scheduler.periodic_callbacks.pop(HISTORY_CALLBACK).stop()
+            return
+        try:
+            if self.scheduler.workers:
+                compute, memory = self.speeds("compute"), self.speeds("memory")
+                self.history.add(time.time(), {w: (compute[w], memory[w]) for w in compute})
+        except Exception:
+            self.scheduler.periodic_callbacks.pop(HISTORY_CALLBACK).stop()
+            logger.exception("dask_octopus: sampling the weights failed; the dashboard's weight history stops")
 
     # -- RPC handlers -------------------------------------------------------------------------
 
@@ -156,6 +203,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         except (KeyError, ValueError) as e:
             profile["error"] = f"invalid calibration: {e}"
             logger.warning("dask_octopus: ignoring calibration of %s: %s", worker, e)
+
+    def bandwidth(self) -> dict[str, Any]:
+        """The scheduler's bandwidth estimates in bytes/s (:mod:`dask_octopus.placement.transfers`):
+        ``default``, its overall one, and ``pairs``, ``[sender, receiver, bytes/s]`` for each pair of
+        live workers it measured (msgpack sends no tuple keys)."""
+        s = self.scheduler
+        return {"default": float(s.bandwidth),
+                "pairs": [[sender, receiver, float(bw)] for (receiver, sender), bw in s.bandwidth_workers.items()]}
 
     def speeds(self, resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
         """Relative weights of the live workers for ``resource`` (or for the tasks of ``prefix``
@@ -191,18 +246,26 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return out
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
-                 counts: list[int] | None = None) -> None:
+                 counts: list[int] | None = None, stealable: list[bool] | None = None,
+                 sizes: list[float] | None = None, resource: str = "compute") -> None:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
-        ``costs[i]``, for ``counts[i]`` items)."""
+        ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``).
+        ``sizes[i]`` (rows) and the weights of ``resource`` now give the dashboard the plan's
+        predicted finish per worker (``costs`` when ``sizes`` is not given)."""
+        check_resource(resource)
         unknown = sorted(set(workers) - set(self.scheduler.workers))
         if unknown:
             raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
-        for label, values in (("costs", costs), ("counts", counts)):
+        for label, values in (("costs", costs), ("counts", counts), ("stealable flags", stealable),
+                              ("sizes", sizes)):
             if values is not None and len(values) != len(workers):
                 raise ValueError(f"plan has {len(values)} {label} for {len(workers)} blocks")
         if counts is not None and costs is None:
             raise ValueError("plan has item counts without costs")
-        self.placement.add_plan(name, workers, axis, costs, counts)
+        self.placement.add_plan(name, workers, axis, costs, counts, stealable)
+        loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
+        self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
+                                         self.speeds(resource)))
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -210,7 +273,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def update_graph(self, scheduler: Scheduler, *, tasks: list, keys: set | None = None,
                      annotations: dict | None = None, stimulus_id: str = "octopus-update-graph",
                      **kwargs: Any) -> None:
-        self.placement.update_graph(scheduler, tasks)
+        pinned = self.placement.update_graph(scheduler, tasks)
+        made: dict = {}
+        unread: list = []
         marks = (annotations or {}).get(ANNOTATION)
         if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
             made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or ())
@@ -218,6 +283,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 self.placement.inherit(gkey, members[0])
             if unread:  # after update_graph: later plugins are still given these keys
                 scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
+        if pinned:  # a new run of these plans, for the dashboard: the pinned tasks that will run
+            pins, skip = self.placement.pins, set(unread)
+            self.plan_records.restart(Counter(
+                pins[k][0] for k in chain(tasks, made) if k in pins and k not in skip
+                and scheduler.tasks[k].state == "released"))
 
     @_guarded
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
@@ -225,6 +295,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self.placement.forget(key)
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
             worker = kwargs["worker"]
+            self.placement.done(key)
+            self.placement.steal_for(self.scheduler, worker)
+            self._record_finish(key, worker, kwargs["startstops"])
             if self.profiles.get(worker, {}).get("event_timing"):
                 return  # CuPy tasks return at launch: this worker reports CUDA-event timings instead
             ts = self.scheduler.tasks.get(key)
@@ -238,6 +311,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
             units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
             self._observe(worker, key, ts.prefix.name, units, seconds)
+
+    def _record_finish(self, key: Any, worker: str, startstops: list[dict]) -> None:
+        """Add a finished task pinned to a plan to that plan's observed finish on ``worker``."""
+        block = self.placement.pins.get(key)
+        record = self.plan_records.get(block[0]) if block is not None else None
+        if record is None:
+            return
+        computes = [s for s in startstops if s.get("action") == "compute"]
+        if computes:
+            record.observe(worker, min(s["start"] for s in computes), max(s["stop"] for s in computes))
 
     @_guarded
     def log_event(self, topic: str, msg: Any) -> None:

@@ -11,6 +11,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
 from dask_octopus import config
+from dask_octopus.dashboard.snapshot import HEARTBEAT_KEY
 from dask_octopus.groups.streams import EXTENSION, StreamRuntime
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.profiling.gpu_timing import GpuTaskTimer
@@ -64,6 +65,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
         runtime = worker.extensions.setdefault(EXTENSION, StreamRuntime())
+        worker.metrics[HEARTBEAT_KEY] = lambda w: runtime.stats()  # sent with each heartbeat, for the dashboard
         profile: Profile
         if not self.calibrate:
             gpu = self.device == "gpu" or (self.device == "auto" and gpu_available())
@@ -113,6 +115,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if self.timer is not None:
             self.timer.stop()
             self.timer = None
+        worker.metrics.pop(HEARTBEAT_KEY, None)
         runtime = worker.extensions.pop(EXTENSION, None)
         if runtime is not None:
             runtime.close()

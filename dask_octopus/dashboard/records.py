@@ -1,0 +1,167 @@
+"""Bounded records that the scheduler plugin keeps for the dashboard. No Dask here.
+
+- :class:`WeightHistory`: each worker's compute and memory weights over time, one point each time
+  they changed (sampled periodically by the plugin), at most ``maxlen`` points.
+- :class:`PlanRecord`: what a plan predicted (each worker's share of the work over its weight when
+  the plan was made) and how its runs finished on each worker (:class:`Run`: the tasks pinned to it
+  by one graph); :class:`PlanRecords` keeps the most recent plans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+#: a worker's (compute, memory) weights
+Weights = tuple[float, float]
+
+
+def spread(values: list[float]) -> float | None:
+    """``(max - min) / max`` of ``values``: 0 when all finish together; ``None`` for fewer than two
+    values or a maximum that is not > 0."""
+    if len(values) < 2 or max(values) <= 0:
+        return None
+    return (max(values) - min(values)) / max(values)
+
+
+class WeightHistory:
+    """Points ``(time, {worker: (compute, memory)})``, the oldest dropped beyond ``maxlen``.
+
+    Parameters
+    ----------
+    maxlen
+        Points kept.
+    tolerance
+        A point is added only when a weight moved by more than this, or the workers changed.
+    """
+
+    def __init__(self, maxlen: int = 3600, tolerance: float = 1e-4):
+        self.points: deque[tuple[float, dict[str, Weights]]] = deque(maxlen=maxlen)
+        self.tolerance = tolerance
+
+    def add(self, when: float, weights: dict[str, Weights]) -> bool:
+        """Add the weights seen at ``when`` (seconds since the epoch) if they differ from the last point.
+
+        Returns
+        -------
+        bool
+            Whether a point was added.
+        """
+        if self.points:
+            last = self.points[-1][1]
+            if last.keys() == weights.keys() and all(
+                    math.isclose(a, b, rel_tol=0, abs_tol=self.tolerance)
+                    for w in weights for a, b in zip(last[w], weights[w])):
+                return False
+        self.points.append((when, dict(weights)))
+        return True
+
+
+@dataclass
+class Run:
+    """One run of a plan's pinned tasks: those of one graph, from its first start to each worker's last stop."""
+
+    expected: int  #: pinned tasks in the graph that started the run
+    first_start: float | None = None  #: earliest start of its tasks seen (seconds since the epoch)
+    stops: dict[str, float] = field(default_factory=dict)  #: latest stop of its tasks, per worker
+    tasks: dict[str, int] = field(default_factory=dict)  #: its tasks finished, per worker
+
+    @property
+    def complete(self) -> bool:
+        """Whether every expected task finished."""
+        return sum(self.tasks.values()) >= self.expected
+
+    def finish(self) -> dict[str, float]:
+        """Seconds from the run's first start to each worker's last stop."""
+        if self.first_start is None:
+            return {}
+        return {w: stop - self.first_start for w, stop in self.stops.items()}
+
+    def observe(self, worker: str, start: float, stop: float) -> None:
+        """Add one task that ran from ``start`` to ``stop`` on ``worker``."""
+        self.first_start = start if self.first_start is None else min(self.first_start, start)
+        self.stops[worker] = max(self.stops.get(worker, stop), stop)
+        self.tasks[worker] = self.tasks.get(worker, 0) + 1
+
+
+@dataclass
+class PlanRecord:
+    """A plan as made, and its runs: each graph with tasks pinned to the plan starts one (:meth:`restart`);
+    each pinned task that finishes is added to the current run (:meth:`observe`)."""
+
+    name: str  #: the collection's key name
+    made: float  #: when the plan arrived (seconds since the epoch)
+    workers: list[str]  #: the worker of each block
+    loads: list[float]  #: the work of each block (rows, or ``map``'s item costs)
+    weights: dict[str, float]  #: each worker's weight when the plan was made
+    current: Run | None = None  #: the latest run
+    done: Run | None = None  #: the latest complete run
+
+    def blocks(self) -> dict[str, int]:
+        """Blocks per worker."""
+        out: dict[str, int] = {}
+        for w in self.workers:
+            out[w] = out.get(w, 0) + 1
+        return out
+
+    def shares(self) -> dict[str, float]:
+        """Each worker's share of the plan's work (summing to 1)."""
+        load: dict[str, float] = {}
+        for w, x in zip(self.workers, self.loads):
+            load[w] = load.get(w, 0.0) + x
+        total = sum(load.values())
+        return {w: x / total for w, x in load.items()} if total > 0 else {}
+
+    def predicted(self) -> dict[str, float]:
+        """Each worker's predicted finish relative to the mean over the plan's workers: its share of the
+        work divided by its weight (1 everywhere for a plan that makes all finish together)."""
+        raw = {w: x / self.weights[w] for w, x in self.shares().items() if self.weights.get(w, 0) > 0}
+        mean = sum(raw.values()) / len(raw) if raw else 0.0
+        return {w: v / mean for w, v in raw.items()} if mean > 0 else {}
+
+    def shown(self) -> Run | None:
+        """The run to show: the latest complete one, else the one in progress (``None`` before any)."""
+        return self.done or self.current
+
+    def restart(self, expected: int) -> None:
+        """A graph with ``expected`` tasks pinned to the plan arrived: a new run begins."""
+        self.current = Run(expected)
+
+    def observe(self, worker: str, start: float, stop: float) -> None:
+        """Add one pinned task that ran from ``start`` to ``stop`` on ``worker`` to the current run."""
+        if self.current is None:  # pinned before this record was made: a run of unknown size
+            self.current = Run(0)
+        self.current.observe(worker, start, stop)
+        if self.current.complete:
+            self.done = self.current
+
+
+class PlanRecords:
+    """The ``maxlen`` most recent :class:`PlanRecord`, by collection name."""
+
+    def __init__(self, maxlen: int = 50):
+        self.maxlen = maxlen
+        self.records: OrderedDict[str, PlanRecord] = OrderedDict()
+
+    def add(self, record: PlanRecord) -> None:
+        """Add (or replace) the record of ``record.name``, dropping the oldest beyond ``maxlen``."""
+        self.records[record.name] = record
+        self.records.move_to_end(record.name)
+        while len(self.records) > self.maxlen:
+            self.records.popitem(last=False)
+
+    def get(self, name: str) -> PlanRecord | None:
+        """The record of collection ``name``, if kept."""
+        return self.records.get(name)
+
+    def restart(self, runs: dict[str, int]) -> None:
+        """Start a new run of each kept plan in ``runs`` (plan name: its pinned tasks in the new graph)."""
+        for name, expected in runs.items():
+            record = self.records.get(name)
+            if record is not None:
+                record.restart(expected)
+
+    def latest(self, n: int) -> list[PlanRecord]:
+        """The ``n`` most recent records, newest first."""
+        return list(reversed(self.records.values()))[:n]

@@ -1,0 +1,334 @@
+"""The /octopus page, its JSON, the dask_octopus_* series on /metrics, the optional libraries missing,
+the records behind them, and ``dask-octopus profile --watch`` (CPU, in-process clusters)."""
+
+import itertools
+import json
+import logging
+import re
+import sys
+import time
+import types
+import urllib.error
+import urllib.request
+
+import dask
+import dask.array as da
+import pytest
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+from distributed.utils_test import captured_logger, cluster
+from prometheus_client.parser import text_string_to_metric_families
+
+import dask_octopus
+from dask_octopus import cli, dashboard
+from dask_octopus.dashboard import columns, serve
+from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory, spread
+from dask_octopus.groups.streams import EXTENSION
+
+COMPUTE, MEMORY = (3.0, 1.0), (1.0, 3.0)  # priors of the two workers, sorted by address
+
+
+def get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{path}", timeout=30) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def metrics(port):
+    """``{(name, labels...): value}`` of the dask_octopus samples on /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(get(port, "metrics")[2]):
+        for s in family.samples:
+            if s.name.startswith("dask_octopus_"):
+                out[(s.name, *sorted(s.labels.items()))] = s.value
+    return out
+
+
+def embedded_columns(page):
+    """The columns of the Bokeh data sources embedded in the page: ``{column name: values}``."""
+    docs = re.search(r'<script type="application/json" id="[^"]+">\s*(.*?)\s*</script>', page, re.S).group(1)
+    found = {}
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("name") in ("ColumnDataSource", "AjaxDataSource"):
+                for name, values in node["attributes"]["data"]["entries"]:
+                    found.setdefault(name, values)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(docs))
+    return found
+
+
+def wait_for(condition, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def slow_double(block):
+    time.sleep(0.15)  # long enough to stand out of a loaded machine's noise, short enough for a fast test
+    return 2 * block
+
+
+@pytest.fixture
+def dashboard_cluster():
+    """Two in-process workers, a dashboard on 127.0.0.1, the plugin registered (calibrated briefly) with
+    fixed priors and refinement off: compute weights 0.75 and 0.25, memory weights 0.25 and 0.75."""
+    with dask.config.set({"octopus.refine.min-duration": "1h"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as lc, \
+            Client(lc) as client:
+        dask_octopus.register(client, calibration_seconds=0.05)
+        plugin = lc.scheduler.plugins["octopus"]
+        for w, c, m in zip(sorted(lc.scheduler.workers), COMPUTE, MEMORY):
+            plugin.model.set_prior(w, {"compute": c, "memory": m})
+        yield lc, client, lc.scheduler.http_server.port
+
+
+def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
+    lc, client, port = dashboard_cluster
+    workers = sorted(lc.scheduler.workers)
+    status, kind, page = get(port, "octopus")
+    assert status == 200 and kind.startswith("text/html")
+    assert "Bokeh" in page and not re.search(r"<(script|link)[^>]+(src|href)=", page)  # inline: renders offline
+    cols = embedded_columns(page)
+    assert cols["address"] == workers
+    assert cols["weight_compute"] == pytest.approx([0.75, 0.25])
+    assert cols["weight_memory"] == pytest.approx([0.25, 0.75])
+    assert all(g.endswith("FLOP/s") for g in cols["gemm"]) and all(b.endswith("B/s") for b in cols["stream"])
+    status, kind, body = get(port, "octopus/data.json")
+    data = json.loads(body)
+    assert status == 200 and kind == "application/json"
+    assert data["workers"]["address"] == workers and data["workers"]["weight_compute"] == pytest.approx([0.75, 0.25])
+    assert 'href="octopus"' in get(port, "status")[2]  # in the dashboard's "More..." menu
+
+    profiles = dask_octopus.profiles(client)
+    m = metrics(port)
+    for w, compute, memory in zip(workers, (0.75, 0.25), (0.25, 0.75)):
+        assert m[("dask_octopus_weight", ("resource", "compute"), ("worker", w))] == pytest.approx(compute)
+        assert m[("dask_octopus_weight", ("resource", "memory"), ("worker", w))] == pytest.approx(memory)
+        assert m[("dask_octopus_calibrated_flops", ("worker", w))] == profiles[w]["compute"] > 0
+        assert m[("dask_octopus_calibrated_bytes_per_second", ("worker", w))] == profiles[w]["memory"] > 0
+        for name in ("dask_octopus_pinned_tasks", "dask_octopus_plans_active", "dask_octopus_task_timings",
+                     "dask_octopus_graphs_captured", "dask_octopus_groups_run_total",
+                     "dask_octopus_group_tasks_run_total", "dask_octopus_graphs_replayed_total"):
+            assert m[(name, ("worker", w))] == 0, name
+
+
+def test_a_balanced_compute_shows_its_plan_pins_groups_and_observed_finish(dashboard_cluster):
+    lc, client, port = dashboard_cluster
+    fast, slow = sorted(lc.scheduler.workers)
+    x = da.ones((800, 10), chunks=(100, 10))
+    y = client.persist(dask_octopus.balance(x, per_worker=2))
+    assert y.chunks[0] == (300, 300, 100, 100)  # by the weights 0.75 / 0.25
+    with dask_octopus.annotate(group=2):
+        z = y.map_blocks(slow_double)
+    assert z.sum().compute() == 2 * 800 * 10
+
+    data = json.loads(get(port, "octopus/data.json")[2])
+    plans = data["plans"]
+    assert plans["plan"][0] == y.name and plans["blocks"][0] == 4
+    names = [str(lc.scheduler.workers[w].name) for w in (fast, slow)]
+    assert plans["per_worker"][0] == f"{names[0]}: 2 · {names[1]}: 2"
+    assert plans["predicted"][0] == f"{names[0]}: 1.00 · {names[1]}: 1.00"  # shares 0.75, 0.25 over those weights
+    assert plans["run"][0].startswith("done")
+    latest = data["latest"]
+    assert latest["share"] == [0.75, 0.25] and latest["weight"] == pytest.approx([0.75, 0.25])
+    assert all(f >= 0.3 for f in latest["observed"])  # each worker ran its two blocks (slow_double sleeps)
+    assert re.fullmatch(rf"{names[0]}: \d+\.\d{{3}} s · {names[1]}: \d+\.\d{{3}} s", plans["observed"][0])
+    assert "Latest plan" in data["latest_title"] and y.name in data["latest_title"]
+    assert (y + 1).sum().compute() == 2 * 800 * 10  # a fast run of the same plan replaces the slow one
+    assert max(json.loads(get(port, "octopus/data.json")[2])["latest"]["observed"]) < min(latest["observed"])
+
+    ran = client.run(lambda dask_worker: dask_worker.extensions[EXTENSION].stats())
+    assert sum(r["groups"] for r in ran.values()) >= 1 and all(r["members"] >= 2 * r["groups"] for r in ran.values())
+
+    def reported():  # the workers send their counts with each heartbeat (every 0.5 s)
+        m = metrics(port)
+        return all(m.get(("dask_octopus_groups_run_total", ("worker", w))) == ran[w]["groups"] and
+                   m.get(("dask_octopus_group_tasks_run_total", ("worker", w))) == ran[w]["members"] for w in ran)
+
+    wait_for(reported)
+    m = metrics(port)
+    for w in (fast, slow):
+        assert m[("dask_octopus_pinned_tasks", ("worker", w))] == 2  # y's two blocks, persisted
+        assert m[("dask_octopus_plans_active", ("worker", w))] == 1
+        assert m[("dask_octopus_graphs_replayed_total", ("worker", w))] == 0  # CPU workers capture nothing
+    page_cols = embedded_columns(get(port, "octopus")[2])
+    assert page_cols["plan"] == [y.name] and page_cols["groups"] == [ran[w]["groups"] for w in (fast, slow)]
+
+
+def test_the_weight_history_shows_how_the_weights_moved(dashboard_cluster):
+    lc, _, port = dashboard_cluster
+    plugin = lc.scheduler.plugins["octopus"]
+    fast, slow = sorted(lc.scheduler.workers)
+    wait_for(lambda: plugin.history.points and plugin.history.points[-1][1][fast] == pytest.approx((0.75, 0.25)))
+    plugin.model.set_prior(slow, {"compute": 3.0, "memory": 1.0})  # the slow worker speeds up
+    wait_for(lambda: plugin.history.points[-1][1][slow] == pytest.approx((0.5, 0.5)))
+    compute = json.loads(get(port, "octopus/data.json")[2])["compute"]
+    assert compute["label"] == [columns.worker_label(w, str(lc.scheduler.workers[w].name)) for w in (fast, slow)]
+    ys = dict(zip((fast, slow), compute["ys"]))
+    assert ys[slow][-1] == pytest.approx(0.5) and ys[fast][-1] == pytest.approx(0.5)
+    assert pytest.approx(0.25) in ys[slow] and pytest.approx(0.75) in ys[fast]  # before the change
+    assert all(a <= b for xs in compute["xs"] for a, b in itertools.pairwise(xs))  # in time order
+    for xs, ys in zip(compute["xs"], compute["ys"]):  # steps: a weight holds until it changes
+        assert all(x0 == x1 for (x0, y0), (x1, y1) in itertools.pairwise(zip(xs, ys)) if y0 != y1)
+
+
+def test_without_bokeh_and_prometheus_client_the_plugin_works_and_says_once_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bokeh", None)  # import bokeh raises ImportError
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.delitem(sys.modules, "dask_octopus.dashboard.metrics", raising=False)
+    monkeypatch.delattr(dashboard, "metrics", raising=False)  # else the import finds the module loaded earlier
+    monkeypatch.setattr(serve, "_said", set())
+    with captured_logger("dask_octopus", level=logging.INFO) as log:
+        for _ in range(2):  # a second scheduler in the process: nothing said again
+            with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                              dashboard_address="127.0.0.1:0") as lc, Client(lc) as client:
+                dask_octopus.register(client, calibrate=False)
+                port = lc.scheduler.http_server.port
+                assert dask_octopus.balance(da.ones((40, 2), chunks=10)).sum().compute() == 80
+                status, _, page = get(port, "octopus")
+                assert status == 200 and "pip install 'dask-octopus[dashboard]'" in page
+                data = json.loads(get(port, "octopus/data.json")[2])  # the data needs neither library
+                assert data["workers"]["address"] == sorted(lc.scheduler.workers)
+                assert "dask_octopus_" not in get(port, "metrics")[2]
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert any("bokeh is not installed" in line and "dask-octopus[dashboard]" in line for line in lines)
+    assert any("prometheus_client is not installed" in line for line in lines)
+
+
+def test_the_routes_answer_404_once_the_plugin_is_unregistered(dashboard_cluster):
+    _, client, port = dashboard_cluster
+    client.unregister_scheduler_plugin("octopus")
+    for path in ("octopus", "octopus/data.json"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            get(port, path)
+        assert info.value.code == 404 and "not registered" in info.value.read().decode()
+    assert "dask_octopus_" not in get(port, "metrics")[2]
+
+
+# -- the records, pure -------------------------------------------------------------------------------
+
+
+def test_weight_history_keeps_changes_only_and_is_bounded():
+    h = WeightHistory(maxlen=3, tolerance=0.01)
+    assert h.add(1.0, {"a": (0.5, 0.5), "b": (0.5, 0.5)})
+    assert not h.add(2.0, {"a": (0.505, 0.5), "b": (0.495, 0.5)})  # within the tolerance
+    assert h.add(3.0, {"a": (0.6, 0.5), "b": (0.4, 0.5)})
+    assert h.add(4.0, {"a": (0.6, 0.5)})  # a worker left
+    assert h.add(5.0, {"a": (0.6, 0.5), "c": (0.4, 0.5)})  # another joined
+    assert [t for t, _ in h.points] == [3.0, 4.0, 5.0]
+
+
+def test_plan_record_predicts_and_keeps_the_latest_complete_run():
+    r = PlanRecord("x", 0.0, ["a", "a", "b"], [30.0, 30.0, 40.0], {"a": 0.75, "b": 0.25})
+    assert r.blocks() == {"a": 2, "b": 1}
+    assert r.shares() == {"a": 0.6, "b": 0.4}
+    assert r.predicted() == pytest.approx({"a": 2 / 3, "b": 4 / 3})  # 0.6 / 0.75 and 0.4 / 0.25 over their mean
+    assert r.shown() is None
+    r.restart(3)
+    r.observe("a", 10.0, 11.0)
+    r.observe("b", 10.5, 12.0)
+    assert r.shown() is r.current and not r.current.complete
+    r.observe("a", 9.5, 11.5)
+    assert r.done is r.current and r.current.finish() == {"a": 2.0, "b": 2.5}
+    assert r.current.tasks == {"a": 2, "b": 1}
+    r.restart(2)  # the next graph: its run in progress does not hide the complete one
+    r.observe("a", 20.0, 21.0)
+    assert r.shown().finish() == {"a": 2.0, "b": 2.5}
+    r.observe("b", 20.0, 20.5)
+    assert r.shown().finish() == {"a": 1.0, "b": 0.5}
+    assert spread([1.0, 0.5]) == 0.5 and spread([1.0]) is None and spread([0.0, 0.0]) is None
+
+
+def test_plan_records_keep_the_most_recent_plans():
+    records = PlanRecords(maxlen=2)
+    for name in "xyz":
+        records.add(PlanRecord(name, 0.0, ["a"], [1.0], {"a": 1.0}))
+    assert [r.name for r in records.latest(5)] == ["z", "y"] and records.get("x") is None
+    records.restart({"y": 4, "x": 1})
+    assert records.get("y").current.expected == 4
+
+
+def test_observed_finish_is_scaled_to_seconds_against_the_prediction():
+    plan = types.SimpleNamespace(predicted={"a": 1.2, "b": 0.8}, observed={"a": 2.4, "b": 1.6})
+    assert columns._scale(plan) == pytest.approx(2.0)  # the prediction, in seconds, matches exactly
+
+
+# -- dask-octopus profile --watch --------------------------------------------------------------------
+
+
+def set_priors(dask_scheduler):
+    for w, c, m in zip(sorted(dask_scheduler.workers), COMPUTE, MEMORY):
+        dask_scheduler.plugins["octopus"].model.set_prior(w, {"compute": c, "memory": m})
+
+
+class Clock:
+    """Stands in for the ``time`` module of the command line: each sleep runs ``between`` and the
+    ``stop_after``-th is a Ctrl-C."""
+
+    def __init__(self, stop_after, between=lambda n: None):
+        self.sleeps = []
+        self.stop_after = stop_after
+        self.between = between
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        if len(self.sleeps) == self.stop_after:
+            raise KeyboardInterrupt
+        self.between(len(self.sleeps))
+
+    @staticmethod
+    def strftime(fmt):
+        return time.strftime(fmt)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_profile_watch_refreshes_until_ctrl_c(loop, monkeypatch, terminal):
+    with cluster(nworkers=2) as (s, workers), Client(s["address"], loop=loop) as c:
+        dask_octopus.register(c, calibrate=False)
+        addresses = sorted(w["address"] for w in workers)
+
+        def slow_down(n):  # after the first table: the workers' weights change
+            if n == 1:
+                c.run_on_scheduler(set_priors)
+
+        clock = Clock(stop_after=3, between=slow_down)
+        monkeypatch.setattr(cli, "time", clock)
+        env = {"FORCE_COLOR": "1", "COLUMNS": "200"} if terminal else {"COLUMNS": "200"}
+        result = CliRunner(env=env).invoke(cli.main, ["profile", "--scheduler-address", s["address"], "--watch",
+                                                      "--interval", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert clock.sleeps == [0.5, 0.5, 0.5]  # Ctrl-C at the third pause ends it quietly
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", result.output)  # colours and cursor moves of a terminal
+    tables = out.count("every 0.5 s (Ctrl-C stops)")  # a table before each pause (Live redraws the last as it stops)
+    assert tables == 3 if not terminal else tables >= 3
+    assert "0.500" in out and "0.750" in out and "0.250" in out  # the weights before and after the change
+    assert ("\x1b[1A" in result.output) == terminal  # redrawn in place (cursor up) on a terminal; one by one in a log
+    for a in addresses:
+        assert a in out
+
+
+def test_profile_watch_interval_must_be_positive():
+    result = CliRunner().invoke(cli.main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--watch",
+                                           "--interval", "0"])
+    assert result.exit_code == 2 and "--interval" in result.output
+
+
+@pytest.mark.parametrize("value, text", [(None, "-"), (5.1e13, "51.0 TFLOP/s"), (2.5e9, "2.5 GFLOP/s")])
+def test_si_units(value, text):
+    assert columns.si(value, "FLOP/s") == text
+
+
+def test_labels_name_the_workers_and_numbers_read_as_text():
+    assert columns.worker_label("tcp://10.0.0.1:4000", "0") == "0 (10.0.0.1:4000)"
+    assert columns.worker_label("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000") == "10.0.0.1:4000"
+    assert columns._scale(types.SimpleNamespace(predicted={"a": 0.0}, observed={"a": 1.0})) is None
+    assert columns.percent(0.031) == "3.1%" and columns.percent(None) == "-"

@@ -1,0 +1,211 @@
+"""dask_octopus.map(gather=True) and imap: results without a Dask key per item, failures per item,
+a worker lost mid-map, stealing of a slowed worker's tail, and the pure split of a worker's list."""
+
+import asyncio
+import time
+import traceback
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, Nanny, get_worker
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.utils_test import async_poll_for, gen_cluster
+from hypothesis import given
+from hypothesis import strategies as st
+from test_balance import setup
+from test_map import fails_on_seven, plan_of, slow_identity
+
+import dask_octopus
+from dask_octopus.placement.packing import split_tail
+
+
+def in_thread(func, *args, **kwargs):
+    return asyncio.get_running_loop().run_in_executor(None, lambda: func(*args, **kwargs))
+
+
+def item_keys(s):
+    return [k for k in s.tasks if "octopus-item" in str(k)]
+
+
+@pytest.mark.parametrize("group", [None, 4])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1)])
+async def test_gathered_results_come_in_input_order_from_one_task_per_worker_thread(c, s, a, b, group):
+    rec = await setup(c, s, [2.0, 1.0])
+    items = [np.arange(n, dtype=float) for n in (5, 800, 3, 100, 250, 40, 700, 1, 60, 9, 33, 70)]
+    results = await in_thread(dask_octopus.map, np.sum, items, client=c, group=group, gather=True)
+    assert results == [x.sum() for x in items]
+    name, plan = plan_of(s)
+    assert not item_keys(s)  # no key per item: only the batch tasks
+    ran = {k[1]: w for k, w in rec.worker.items() if isinstance(k, tuple) and k[0] == name}
+    assert sorted(ran) == list(range(len(plan.workers)))  # every batch, each on its planned worker
+    assert all(ran[i] == w for i, w in enumerate(plan.workers) if not plan.stealable[i])
+    assert sum(plan.counts) == len(items) and len(plan.counts) < len(items)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_gathered_failures_raise_the_first_failed_item_or_are_skipped(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    with pytest.raises(ZeroDivisionError, match="item 7 is bad") as info:
+        await in_thread(dask_octopus.map, fails_on_seven, range(40), client=c, group=8, gather=True)
+    assert "fails_on_seven" in "".join(traceback.format_tb(info.value.__traceback__))  # the worker's frames
+    skipped = await in_thread(dask_octopus.map, fails_on_seven, range(40), client=c, group=8, gather=True,
+                              errors="skip")
+    assert skipped == [2 * x for x in range(40) if x != 7]  # as client.gather(errors="skip")
+    with pytest.raises(ValueError, match="errors must be one of raise, skip, got 'ignore'"):
+        await in_thread(dask_octopus.map, fails_on_seven, range(4), client=c, gather=True, errors="ignore")
+    with pytest.raises(ValueError, match="errors applies to gathered results"):
+        await in_thread(dask_octopus.map, fails_on_seven, range(4), client=c, errors="skip")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_imap_yields_every_item_once_as_its_task_finishes(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+
+    def collect(**kwargs):
+        return list(dask_octopus.imap(fails_on_seven, range(40), client=c, group=4, **kwargs))
+
+    pairs = await in_thread(collect, errors="skip")
+    assert sorted(pairs) == [(x, 2 * x) for x in range(40) if x != 7]
+    assert not item_keys(s)
+    with pytest.raises(ZeroDivisionError, match="item 7 is bad"):
+        await in_thread(collect)
+    assert await in_thread(lambda: list(dask_octopus.imap(abs, [], client=c))) == []
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_imap_stopped_early_releases_the_tasks_not_finished(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+
+    def first():
+        it = dask_octopus.imap(slow_identity, range(8), client=c, cost=[1] * 8, delay=0.3)
+        out = next(it)
+        it.close()
+        return out
+
+    i, x = await in_thread(first)
+    assert i == x
+    await async_poll_for(lambda: not [k for k in s.tasks if "slow_identity" in str(k)], timeout=10)
+
+
+@gen_cluster(client=False, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_asynchronous_client_awaits_gathered_results_and_iterates_imap(s, a, b):
+    async with Client(s.address, asynchronous=True) as c:
+        await setup(c, s, [1.0, 1.0])
+        assert await dask_octopus.map(abs, [-1, -2, 3], client=c, gather=True) == [1, 2, 3]
+        pairs = [pair async for pair in dask_octopus.imap(abs, [-1, -2, 3], client=c, group=2)]
+        assert sorted(pairs) == [(0, 1), (1, 2), (2, 3)]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_to_host_leaves_host_results_as_they_are(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(3, float(i)) for i in range(6)]
+    for group in (None, 2):
+        out = await in_thread(dask_octopus.map, lambda x: (x * 2, {"n": x.sum()}), items, client=c, group=group,
+                              gather=True, to_host=True)
+        assert all(np.array_equal(r[0], 2 * x) and r[1]["n"] == x.sum() for r, x in zip(out, items))
+    futs = await in_thread(dask_octopus.map, np.negative, items, client=c, to_host=True)
+    assert all(np.array_equal(r, -x) for r, x in zip(await c.gather(futs), items))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_a_worker_lost_mid_map_loses_no_gathered_result(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    gathered = in_thread(dask_octopus.map, slow_identity, range(16), client=c, cost=[1] * 16, group=2, gather=True,
+                         delay=0.2)
+
+    def started_on_a():
+        return [m for _, m in s.get_events("slow-identity") if m["worker"] == a.worker_address]
+
+    await async_poll_for(lambda: len(started_on_a()) >= 2, timeout=30)  # a is into its items
+    await a.kill()
+    assert await gathered == list(range(16))
+
+
+def slows_down_on(x, slow, fast_s, slow_s):
+    """Sleeps ``fast_s``, or ``slow_s`` on the worker named ``slow`` (a slowdown the plan does not know)."""
+    time.sleep(slow_s if get_worker().name == slow else fast_s)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_that_ran_out_of_work_steals_the_tail_of_a_slowed_worker(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])  # equal weights: the plan gives each worker 20 items
+    out = await in_thread(dask_octopus.map, slows_down_on, range(40), client=c, cost=[1] * 40, group=2, gather=True,
+                          slow=a.name, fast_s=0.002, slow_s=0.03)
+    assert out == list(range(40))
+    name, plan = plan_of(s)
+    ran = {k[1]: w for k, w in rec.worker.items() if isinstance(k, tuple) and k[0] == name}
+    heads = [i for i, st in enumerate(plan.stealable) if not st]
+    assert all(ran[i] == plan.workers[i] for i in heads)  # a worker's own tasks are pinned
+    tails_of_a = [i for i, w in enumerate(plan.workers) if w == a.address and plan.stealable[i]]
+    assert len(tails_of_a) == 2
+    assert any(ran[i] == b.address for i in tails_of_a)  # b ran out of work and took some of a's tail
+
+
+class Priorities(SchedulerPlugin):
+    """The scheduler's priority of each task, as it went to a worker."""
+
+    name = "priorities"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.of = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "processing":
+            self.of[key] = self.scheduler.tasks[key].priority
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_each_worker_runs_its_own_tasks_before_its_stealable_tail(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    rec = Priorities(s)
+    s.add_plugin(rec)
+    def mapped():
+        with dask.annotate(priority=5):  # the user's priority is kept: the tail comes after, within the map
+            return dask_octopus.map(abs, range(-20, 20), client=c, cost=[1] * 40, group=2, gather=True)
+
+    assert await in_thread(mapped) == [abs(x) for x in range(-20, 20)]
+    name, plan = plan_of(s)
+    for w in s.workers:
+        mine = [i for i, x in enumerate(plan.workers) if x == w]
+        heads = [rec.of[(name, i)] for i in mine if not plan.stealable[i]]
+        tails = [rec.of[(name, i)] for i in mine if plan.stealable[i]]
+        assert heads and tails and max(heads) < min(tails)  # a smaller priority runs first
+        assert {p[0] for p in heads} == {-5} and {p[0] for p in tails} == {-4}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.map.steal-fraction": 0})
+async def test_without_a_stealable_tail_every_task_stays_on_its_planned_worker(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    out = await in_thread(dask_octopus.map, slows_down_on, range(40), client=c, cost=[1] * 40, group=2, gather=True,
+                          slow=a.name, fast_s=0.01, slow_s=0.05)
+    assert out == list(range(40))
+    name, plan = plan_of(s)
+    assert not any(plan.stealable) and len(plan.workers) == 2
+    assert all(rec.worker[(name, i)] == w for i, w in enumerate(plan.workers))
+
+
+@given(st.lists(st.floats(0, 100), min_size=1, max_size=30), st.floats(0, 1), st.integers(1, 4))
+def test_split_tail_keeps_every_item_once_and_the_tail_within_its_fraction(costs, fraction, pieces):
+    costs = sorted(costs, reverse=True)
+    parts = split_tail(costs, fraction, pieces)
+    assert [i for a, b, _ in parts for i in range(a, b)] == list(range(len(costs)))  # in order, each once
+    assert all(b > a for a, b, _ in parts)
+    head = [p for p in parts if not p[2]]
+    assert head == [parts[0]] and parts[0][0] == 0  # the head first, never empty
+    tail = [(a, b) for a, b, st in parts if st]
+    assert len(tail) <= pieces
+    assert sum(costs[i] for a, b in tail for i in range(a, b)) <= fraction * sum(costs) + 1e-9
+
+
+def test_split_tail_examples_and_bad_input():
+    assert split_tail([8, 4, 2, 1, 1, 1, 1], 0.25, 2) == [(0, 3, False), (3, 5, True), (5, 7, True)]
+    assert split_tail([8, 4, 2, 1], 0, 2) == [(0, 4, False)]
+    assert split_tail([5], 1.0, 2) == [(0, 1, False)]
+    with pytest.raises(ValueError, match="fraction must be in"):
+        split_tail([1, 1], 1.5, 2)
+    with pytest.raises(ValueError, match="cost of item 1"):
+        split_tail([1, -1], 0.5, 2)
