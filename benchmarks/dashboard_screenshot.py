@@ -93,13 +93,14 @@ def rounds(client: Client, stop: threading.Event, rows: int, cols: int, width: i
 @click.option("--png", default=None, help="the screenshot [default: dashboard-TYPE.png]")
 @click.option("--no-png", "skip_png", is_flag=True, help="save no screenshot (e.g. no browser on this machine)")
 @click.option("--html", default=None, help="also save the page's HTML here (renders offline)")
+@click.option("--metrics", default=None, help="also save the dask_octopus_* lines of /metrics here")
 @click.option("--from-html", default=None, help="screenshot this saved page; no cluster")
 @click.option("--window", default="1400,1320", show_default=True, help="browser window, WIDTH,HEIGHT")
 @click.option("--chromium", default=shutil.which("chromium") or "chromium", show_default=True)
 @protocol_option
 def main(kind: str, devs: str | None, rows: int | None, cols: int | None, width: int | None, passes: int,
-         seconds: float, cotenant: bool, png: str | None, skip_png: bool, html: str | None, from_html: str | None,
-         window: str, chromium: str, protocol: str) -> None:
+         seconds: float, cotenant: bool, png: str | None, skip_png: bool, html: str | None, metrics: str | None,
+         from_html: str | None, window: str, chromium: str, protocol: str) -> None:
     console = make_console()
     png = None if skip_png else png or f"dashboard-{kind}.png"
     if from_html:
@@ -127,6 +128,12 @@ def main(kind: str, devs: str | None, rows: int | None, cols: int | None, width:
                     with urllib.request.urlopen(url, timeout=60) as page, open(html, "wb") as f:
                         f.write(page.read())
                     console.print(f"wrote {html}")
+                if metrics:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as page:
+                        lines = [ln for ln in page.read().decode().splitlines() if "dask_octopus_" in ln]
+                    with open(metrics, "w") as f:
+                        f.write("\n".join(lines) + "\n")
+                    console.print(f"wrote {metrics}: {len(lines)} dask_octopus_ lines")
                 if png:
                     screenshot(url, png, window, chromium)
                     console.print(f"wrote {png} from {url}")

@@ -52,7 +52,7 @@ step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 
 step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
 step 80 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 "${p[@]}" --out "$run"
 step 180 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 "${p[@]}" --out "$run"
-step 140 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
+step 260 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
 step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
 sizes=(--type gpu --devs 0,1 --size 1000000 --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1
@@ -66,7 +66,7 @@ step 90 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 -
 step 150 suite-tcp python3 benchmarks/local_octopus.py "${sizes[@]}" --operation "$moving" --runs 1 --cotenant 0 \
   --protocol tcp --tag suite-tcp --out "$run"  # beside the suite: what moves data, over tcp
 step 90 dashboard python3 benchmarks/dashboard_screenshot.py --type gpu --devs 0,1 --seconds 30 --no-png \
-  --html "$run/octopus-gpu.html" "${p[@]}"  # screenshot it here: --from-html octopus-gpu.html --png ...
+  --html "$run/octopus-gpu.html" --metrics "$run/metrics-gpu.txt" "${p[@]}"  # screenshot it here: --from-html octopus-gpu.html --png ...
 compare=${COMPARE:-benchmarks/results/2026-11-30-h200x2-validation/suite-gpu-cotenant.json}
 step 120 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation matmul_iterate \
   --size 1000000 --cols 1024 --width 1024 --passes 3 --warmup-runs 1 --octopus all --runs 1 --cotenant 0 \

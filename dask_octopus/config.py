@@ -45,6 +45,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "balance.memory-fraction": _FRACTION,
     "balance.min-gain": ("a number >= 0", is_finite),
     "map.steal-fraction": ("a number in [0, 1]", lambda v: is_finite(v) and v <= 1),
+    "map.steal-min-seconds": ("a duration such as 50ms", _parses(parse_timedelta)),
     "max-plans": ("an integer >= 1", _integer(1)),
     "streams.max-streams": ("an integer >= 1", _integer(1)),
     "streams.large-bytes": ("a size such as 128MiB", _parses(parse_bytes)),

@@ -16,14 +16,16 @@ import dask.array as da
 import pytest
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
-from distributed.utils_test import captured_logger, cluster
+from distributed.utils_test import captured_logger, cluster, gen_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 import dask_octopus
 from dask_octopus import cli, dashboard
 from dask_octopus.dashboard import columns, serve
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory, spread
+from dask_octopus.dashboard.snapshot import HEARTBEAT_KEY
 from dask_octopus.groups.streams import EXTENSION
+from dask_octopus.plugins.worker import OctopusWorkerPlugin
 
 COMPUTE, MEMORY = (3.0, 1.0), (1.0, 3.0)  # priors of the two workers, sorted by address
 
@@ -332,3 +334,21 @@ def test_labels_name_the_workers_and_numbers_read_as_text():
     assert columns.worker_label("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000") == "10.0.0.1:4000"
     assert columns._scale(types.SimpleNamespace(predicted={"a": 0.0}, observed={"a": 1.0})) is None
     assert columns.percent(0.031) == "3.1%" and columns.percent(None) == "-"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_worker_plugin_never_changes_the_metrics_a_heartbeat_is_iterating(c, s, a):
+    # a heartbeat iterates Worker.metrics and may be suspended at an awaitable metric meanwhile; the
+    # plugin arriving or leaving then must not change that dict (a changed dict closes the worker)
+    plugin = OctopusWorkerPlugin(calibrate=False)
+    a.metrics = {**a.metrics, "one": lambda w: 1, "two": lambda w: 2}  # a heartbeat between two metrics
+    during = iter(a.metrics.items())
+    next(during)
+    await plugin.setup(a)
+    list(during)  # no "dictionary changed size during iteration"
+    assert HEARTBEAT_KEY in a.metrics
+    during = iter(a.metrics.items())
+    next(during)
+    plugin.teardown(a)
+    list(during)
+    assert HEARTBEAT_KEY not in a.metrics

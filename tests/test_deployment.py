@@ -1,6 +1,7 @@
 """A multi-node style deployment from the CLI: dask scheduler / dask worker with --preload dask_octopus."""
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,10 @@ from distributed import Client, wait
 import dask_octopus
 
 DASK = [sys.executable, "-m", "dask"]
+# the processes share the test process's environment, as a deployment's must: functions of the test
+# modules, pickled by reference, are then importable on the scheduler, which deserialises the graphs
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                                os.environ.get("PYTHONPATH")]))}
 
 
 @contextlib.contextmanager
@@ -21,14 +26,15 @@ def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler
     sched_file = str(tmp_path / "scheduler.json")
     preload = ["--preload", "dask_octopus", "--no-dashboard"]
     procs = [subprocess.Popen([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0",
-                               "--host", "127.0.0.1", *scheduler_args, *preload])]
+                               "--host", "127.0.0.1", *scheduler_args, *preload], env=ENV)]
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "scheduler.json").exists():
             assert time.monotonic() < deadline, "scheduler did not start"
             time.sleep(0.1)
         for _ in range(worker_processes):
-            procs.append(subprocess.Popen([*DASK, *worker_command, "--scheduler-file", sched_file, *preload]))
+            procs.append(subprocess.Popen([*DASK, *worker_command, "--scheduler-file", sched_file, *preload],
+                                          env=ENV))
         with Client(scheduler_file=sched_file, timeout="30s") as client:
             client.wait_for_workers(n_workers, timeout=60)
             deadline = time.monotonic() + 60  # no register(): the preload did it; workers calibrate on arrival

@@ -270,7 +270,7 @@ class InputsWhereRun(SchedulerPlugin):
 
 def test_large_local_items_go_to_their_planned_worker_not_into_the_graph(recwarn):
     items = [np.full(2**18, float(i)) for i in range(60)]  # 2 MiB each: 120 MiB in all
-    with dask.config.set({"octopus.refine.min-duration": "1h"}), \
+    with dask.config.set({"octopus.refine.min-duration": "1h", **NO_STEALING}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as c:
         dask_octopus.register(c, calibrate=False)

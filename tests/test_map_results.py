@@ -209,3 +209,17 @@ def test_split_tail_examples_and_bad_input():
         split_tail([1, 1], 1.5, 2)
     with pytest.raises(ValueError, match="cost of item 1"):
         split_tail([1, -1], 0.5, 2)
+
+
+@pytest.mark.parametrize("floor, tails", [("50ms", False), ("0s", True)])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_tails_too_short_to_pay_for_their_own_task_are_not_split_off(c, s, a, b, floor, tails):
+    await setup(c, s, [1.0, 1.0])
+    for w in s.workers:  # abs was observed: a million cost units a second on each worker
+        s.plugins["octopus"].model.observe(w, "abs-octopus-map", 1e6, 1.0)
+    with dask.config.set({"octopus.map.steal-min-seconds": floor}):
+        out = await in_thread(dask_octopus.map, abs, range(-20, 20), client=c, cost=[1] * 40, group=2, gather=True)
+    assert out == [abs(x) for x in range(-20, 20)]
+    _, plan = plan_of(s)
+    # each worker's 20 units take 20 us: a quarter of it in two tasks is far below 50 ms
+    assert any(plan.stealable) is tails and len(plan.workers) == (6 if tails else 2)

@@ -15,7 +15,7 @@ import cloudpickle
 import dask
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
-from dask.utils import funcname, key_split
+from dask.utils import funcname, key_split, parse_timedelta
 from distributed import Client, Future, as_completed, default_client
 
 from dask_octopus import config
@@ -133,25 +133,22 @@ def _transfer_seconds(client: Client, items: list[Any], workers: list[str]) -> l
     return item_seconds(client, items, workers)
 
 
-def _in_rate_units(client: Client, seconds: list[list[float]] | None, workers: list[str],
-                   prefix: str) -> list[list[float]] | None:
-    """``seconds`` in the unit of a packing by weights: seconds times the function's observed total
-    rate (units per second over the workers); ``None`` while the function was never observed."""
-    if seconds is None:
-        return None
+def _total_rate(client: Client, workers: list[str], prefix: str) -> float | None:
+    """The function's observed units per second summed over ``workers``; ``None`` until every one of
+    them ran it."""
     rates = call_scheduler(client, "octopus_rates").get(prefix, {})
-    total = sum(rate for w, (rate, _, _) in rates.items() if w in workers)
-    return [[s * total for s in row] for row in seconds] if total > 0 else None
+    return sum(rates[w][0] for w in workers) if all(w in rates for w in workers) else None
 
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
-                prefix: str) -> tuple[list[str], list[int], list[bool], Packing]:
+                prefix: str) -> tuple[list[str], list[int], list[bool], Packing, float | None]:
     """Live workers (sorted), their threads, which of them have no per-item seconds of the function
-    fitted yet, and the packing of ``costs`` onto them, counting the transfer of items that are
-    futures already on some worker. Once every worker has a fitted per-item cost of the function
+    fitted yet, the packing of ``costs`` onto them, counting the transfer of items that are futures
+    already on some worker, and the seconds of one unit of the packing's finish times (``None`` while
+    unknown). Once every worker has a fitted per-item cost of the function
     (:mod:`dask_octopus.profiling.itemcosts`), items are packed by their predicted seconds there, fixed part
     included; until then by the workers' weights (the function's own observed speeds once every
-    worker has them)."""
+    worker has them), in units of cost over weight."""
     info = {w: WorkerInfo.of(v) for w, v in call_scheduler(client, "octopus_workers", resource=resource,
                                                            prefix=prefix).items()}
     workers = sorted(info)
@@ -161,23 +158,30 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
         speeds = [1 / per_unit for _, per_unit in fits]
         penalty = [[fixed + (moves[i][j] if moves else 0.0) for j, (fixed, _) in enumerate(fits)]
                    for i in range(len(costs))]
+        scale = 1.0
     else:
         speeds = [info[w].weight for w in workers]
-        penalty = _in_rate_units(client, moves, workers, prefix)
+        rate = _total_rate(client, workers, prefix)
+        scale = 1 / rate if rate else None  # a worker of weight w runs w * rate units per second
+        # moves in the packing's unit: seconds times the total rate (not counted until it is known)
+        penalty = [[m * rate for m in row] for row in moves] if moves is not None and scale else None
     threads = [info[w].threads for w in workers]
-    return workers, threads, [fit is None for fit in fits], pack(costs, speeds, penalty=penalty)
+    return workers, threads, [fit is None for fit in fits], pack(costs, speeds, penalty=penalty), scale
 
 
 def _batches(costs: list[float], packing: Packing, threads: list[int], batched: bool, explore: list[bool],
-             steal: float) -> list[tuple[int, list[int], bool]]:
+             steal: float, scale: float | None) -> list[tuple[int, list[int], bool]]:
     """``(worker index, item indices, stealable)`` of each task, the tasks each worker runs first
     before the stealable ones. Not ``batched``: one task per item. ``batched``: one per thread of
     the worker, its items split between its threads by cost; largest items first. A worker with
     ``explore`` set (no per-item seconds fitted yet) runs its larger and its smaller items as two
     tasks when their mean costs differ enough, so that its timings tell the fixed part of an item
     from the part proportional to its cost. The last items of each list, a ``steal`` fraction of
-    its cost at most, are split off as :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`)."""
+    its cost at most, are split off as :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`), unless
+    each would be predicted (``scale``: seconds per unit of the packing's finish times) to take less
+    than ``octopus.map.steal-min-seconds``: too short to pay for its own task."""
     out = []
+    floor = parse_timedelta(config.get("map.steal-min-seconds"))
     for j, n in enumerate(threads):
         mine = sorted((i for i, w in enumerate(packing.assignment) if w == j), key=lambda i: -costs[i])
         large, small = mine[:len(mine) // 2], mine[len(mine) // 2:]
@@ -188,8 +192,11 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
         else:
             split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
             lists = [idx for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
+        # the lists run side by side on the worker's threads, each for about the worker's finish time
+        worth = scale is None or steal * packing.finish[j] * scale / TAIL_TASKS >= floor
         for idx in lists:
-            for start, stop, stealable in split_tail([costs[i] for i in idx], steal, TAIL_TASKS):
+            parts = split_tail([costs[i] for i in idx], steal if worth else 0.0, TAIL_TASKS)
+            for start, stop, stealable in parts:
                 out += [(j, idx[start:stop], stealable)] if batched else [(j, [i], stealable) for i in idx[start:stop]]
     return sorted(out, key=lambda batch: batch[2])  # stable: every worker's own tasks first
 
@@ -237,9 +244,9 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
     # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
     # under which its speeds are kept) stops at the first word with a character that is not a letter
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
-    workers, threads, unfitted, packing = _plan_items(client, costs, resource, items, prefix)
+    workers, threads, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
     batched = group is not None or not per_item
-    batches = _batches(costs, packing, threads, batched, unfitted, config.get("map.steal-fraction"))
+    batches = _batches(costs, packing, threads, batched, unfitted, config.get("map.steal-fraction"), scale)
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item)
     _scatter_to_plan(client, items, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{funcname(func)}-octopus-map-{token}"

@@ -65,7 +65,9 @@ class OctopusWorkerPlugin(WorkerPlugin):
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
         runtime = worker.extensions.setdefault(EXTENSION, StreamRuntime())
-        worker.metrics[HEARTBEAT_KEY] = lambda w: runtime.stats()  # sent with each heartbeat, for the dashboard
+        # sent with each heartbeat, for the dashboard. A new dict, not an update in place: a heartbeat may be
+        # iterating over the old one, suspended at an awaitable metric, and a changed dict would close the worker
+        worker.metrics = {**worker.metrics, HEARTBEAT_KEY: lambda w: runtime.stats()}
         profile: Profile
         if not self.calibrate:
             gpu = self.device == "gpu" or (self.device == "auto" and gpu_available())
@@ -115,7 +117,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if self.timer is not None:
             self.timer.stop()
             self.timer = None
-        worker.metrics.pop(HEARTBEAT_KEY, None)
+        worker.metrics = {k: v for k, v in worker.metrics.items() if k != HEARTBEAT_KEY}  # as in setup
         runtime = worker.extensions.pop(EXTENSION, None)
         if runtime is not None:
             runtime.close()
