@@ -9,6 +9,8 @@ When a new release moves one of these, this is the only module to change.
   (:class:`AnnotatedLLGExpr` adds per-key annotations, such as the priorities of its tasks).
 - ``Scheduler._instances``: the schedulers running in this process (the optimizer asks whether
   all of them group marked tasks).
+- ``Scheduler._get_prefix_duration``: the duration Dask expects of a task (its prefix's average),
+  which ``map``'s stealing weighs against the time to fetch a task's inputs.
 - ``distributed.dashboard.scheduler.template_variables``: the variables of the dashboard's page
   template, whose ``plots`` list is its "More..." menu (the ``/octopus`` page adds itself there).
 """
@@ -41,6 +43,7 @@ __all__ = [
     "convert_legacy_graph",
     "dashboard_menu",
     "execute_subgraph",
+    "expected_duration",
     "parse_input",
     "resolve_aliases",
     "running_schedulers",
@@ -86,3 +89,9 @@ def dashboard_menu(scheduler: Any) -> list[dict[str, str]] | None:
 
     plots = template_variables(scheduler).get("plots")
     return plots if isinstance(plots, list) else None
+
+
+def expected_duration(scheduler: Any, ts: Any) -> float:
+    """Seconds Dask expects the task ``ts`` to run (its prefix's average, or the default for unknown
+    prefixes)."""
+    return scheduler._get_prefix_duration(ts.prefix)

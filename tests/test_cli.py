@@ -152,3 +152,12 @@ def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tm
     again = subprocess.run([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--rows", "20000",
                             "--passes", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "timeline written" in again.stdout, again.stdout + again.stderr
+
+
+def test_demo_with_ucx_and_one_gpu_names_the_parts_that_can_use_it(monkeypatch):
+    from dask_octopus.bench import protocol
+
+    monkeypatch.setattr(protocol, "ucx_available", lambda: True)
+    with pytest.raises(ValueError, match="the balance part runs on CPU workers: run --part tasks over ucx"):
+        place_parts("auto", 1, "all", "ucx")
+    assert place_parts("auto", 1, "tasks", "ucx").protocol == "ucx"

@@ -23,8 +23,8 @@ import dask_octopus
 from dask_octopus import cli, dashboard
 from dask_octopus.dashboard import columns, serve
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory, spread
-from dask_octopus.dashboard.snapshot import HEARTBEAT_KEY
-from dask_octopus.groups.streams import EXTENSION
+from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY
+from dask_octopus.plugins.scheduler import HISTORY_CALLBACK
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 
 COMPUTE, MEMORY = (3.0, 1.0), (1.0, 3.0)  # priors of the two workers, sorted by address
@@ -214,6 +214,24 @@ def test_the_routes_answer_404_once_the_plugin_is_unregistered(dashboard_cluster
             get(port, path)
         assert info.value.code == 404 and "not registered" in info.value.read().decode()
     assert "dask_octopus_" not in get(port, "metrics")[2]
+
+
+def test_registering_again_after_unregistering_keeps_the_weight_history_going(dashboard_cluster):
+    lc, client, _ = dashboard_cluster
+    first = lc.scheduler.plugins["octopus"]
+    client.unregister_scheduler_plugin("octopus")
+    with captured_logger("tornado.application") as log:
+        dask_octopus.register(client, calibrate=False)  # the order register's own warning recommends
+        second = lc.scheduler.plugins["octopus"]
+        assert second is not first
+        deadline = time.monotonic() + 10
+        while not second.history.points:  # a sample a second
+            assert time.monotonic() < deadline, "no weights sampled after registering again"
+            time.sleep(0.1)
+        time.sleep(1.5)  # the first plugin's sampler ticks again meanwhile, and stops itself only
+    assert lc.scheduler.periodic_callbacks[HISTORY_CALLBACK] is second._sampler
+    assert second._sampler.is_running() and first._sampler is None
+    assert "Error" not in log.getvalue() and "KeyError" not in log.getvalue()
 
 
 # -- the records, pure -------------------------------------------------------------------------------

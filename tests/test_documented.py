@@ -212,6 +212,7 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.capture-after", -1, "octopus.streams.capture-after must be an integer >= 0, got -1"),
     ("streams.max-graphs", 0, "octopus.streams.max-graphs must be an integer >= 1, got 0"),
     ("map.steal-fraction", 1.5, r"octopus.map.steal-fraction must be a number in \[0, 1\], got 1.5"),
+    ("map.steal-min-seconds", "soon", "octopus.map.steal-min-seconds must be a duration such as 50ms, got 'soon'"),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):

@@ -129,7 +129,11 @@ def slows_down_on(x, slow, fast_s, slow_s):
     return x
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+# Dask's own periodic stealing is kept from running: the steals below are the plugin's
+NO_DASK_STEALING = {"distributed.scheduler.work-stealing-interval": "1h"}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=NO_DASK_STEALING)
 async def test_a_worker_that_ran_out_of_work_steals_the_tail_of_a_slowed_worker(c, s, a, b):
     rec = await setup(c, s, [1.0, 1.0])  # equal weights: the plan gives each worker 20 items
     out = await in_thread(dask_octopus.map, slows_down_on, range(40), client=c, cost=[1] * 40, group=2, gather=True,
@@ -177,15 +181,19 @@ async def test_each_worker_runs_its_own_tasks_before_its_stealable_tail(c, s, a,
         assert {p[0] for p in heads} == {-5} and {p[0] for p in tails} == {-4}
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.map.steal-fraction": 0})
-async def test_without_a_stealable_tail_every_task_stays_on_its_planned_worker(c, s, a, b):
-    rec = await setup(c, s, [1.0, 1.0])
-    out = await in_thread(dask_octopus.map, slows_down_on, range(40), client=c, cost=[1] * 40, group=2, gather=True,
-                          slow=a.name, fast_s=0.01, slow_s=0.05)
-    assert out == list(range(40))
-    name, plan = plan_of(s)
-    assert not any(plan.stealable) and len(plan.workers) == 2
-    assert all(rec.worker[(name, i)] == w for i, w in enumerate(plan.workers))
+@pytest.mark.parametrize("config", [{"octopus.map.steal-fraction": 0}, {"distributed.scheduler.work-stealing": False}])
+def test_without_stealing_every_task_stays_on_its_planned_worker(config):
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=config)
+    async def run(c, s, a, b):
+        rec = await setup(c, s, [1.0, 1.0])
+        out = await in_thread(dask_octopus.map, slows_down_on, range(40), client=c, cost=[1] * 40, group=2,
+                              gather=True, slow=a.name, fast_s=0.002, slow_s=0.03)
+        assert out == list(range(40))
+        name, plan = plan_of(s)
+        assert any(plan.stealable) is ("distributed.scheduler.work-stealing" in config)
+        assert all(rec.worker[(name, i)] == w for i, w in enumerate(plan.workers))  # a's tail too
+
+    run()
 
 
 @given(st.lists(st.floats(0, 100), min_size=1, max_size=30), st.floats(0, 1), st.integers(1, 4))
@@ -199,12 +207,17 @@ def test_split_tail_keeps_every_item_once_and_the_tail_within_its_fraction(costs
     tail = [(a, b) for a, b, st in parts if st]
     assert len(tail) <= pieces
     assert sum(costs[i] for a, b in tail for i in range(a, b)) <= fraction * sum(costs) + 1e-9
+    if fraction * sum(costs) == 0:
+        assert parts == [(0, len(costs), False)]  # nothing to steal: the list whole
 
 
 def test_split_tail_examples_and_bad_input():
     assert split_tail([8, 4, 2, 1, 1, 1, 1], 0.25, 2) == [(0, 3, False), (3, 5, True), (5, 7, True)]
     assert split_tail([8, 4, 2, 1], 0, 2) == [(0, 4, False)]
     assert split_tail([5], 1.0, 2) == [(0, 1, False)]
+    assert split_tail([5, 3, 0, 0], 0.0, 2) == [(0, 4, False)]  # items of no cost are no tail at fraction 0
+    assert split_tail([0, 0], 0.5, 2) == [(0, 2, False)]
+    assert split_tail([], 0.5, 2) == []
     with pytest.raises(ValueError, match="fraction must be in"):
         split_tail([1, 1], 1.5, 2)
     with pytest.raises(ValueError, match="cost of item 1"):

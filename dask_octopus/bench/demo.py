@@ -65,7 +65,13 @@ def place_parts(kind: str, gpus: int, part: str = "all", protocol: str = "auto")
         note = "one GPU: balance needs two workers, so it runs on a 2-worker CPU cluster here"
     balance, tasks = balance if part in ("all", "balance") else None, tasks if part in ("all", "tasks") else None
     # the protocol of the balance part's cluster (all GPUs or CPU workers), else of the one-worker part's
-    used = resolve_protocol(protocol, (gpus if balance == "gpu" else 0) if balance else int(tasks == "gpu"))
+    try:
+        used = resolve_protocol(protocol, (gpus if balance == "gpu" else 0) if balance else int(tasks == "gpu"))
+    except ValueError as e:
+        if balance == "cpu" and tasks == "gpu":  # one GPU: the balance part runs on CPU workers
+            raise ValueError(f"{e}; on this machine the balance part runs on CPU workers: "
+                             "run --part tasks over ucx, or the demo over tcp") from e
+        raise
     return Placement(balance, tasks, note if part in ("all", "balance") else "", used)
 
 

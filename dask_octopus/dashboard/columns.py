@@ -115,7 +115,7 @@ def _latest(plans: list[PlanRow], labels: dict[str, str], colors: dict[str, str]
         "blocks": [plan.blocks[w] for w in order],
         "color": [colors.get(w, PALETTE[7]) for w in order],
     }
-    made = f"{plan.name}, made at {clock(plan.made)}"
+    made = f"{html.escape(str(plan.name))}, made at {clock(plan.made)}"  # the page shows it as HTML
     if not plan.observed:
         return data, f"Latest plan ({made}): not run yet"
     what = "latest complete run" if plan.complete else f"run in progress, {sum(plan.tasks.values())} of " \

@@ -81,8 +81,9 @@ class OctopusCollector:
             scheduler = plugin.scheduler
             if scheduler is None or scheduler.status != Status.running:
                 continue
-            if scheduler.plugins.get(plugin.name) is not plugin:
-                continue  # unregistered (which does not close a plugin)
+            if scheduler.plugins.get(plugin.name) is not plugin:  # unregistered (which does not close a plugin)
+                self.plugins.remove(plugin)  # for good: its scheduler is not kept alive by this list
+                continue
             for row in snapshot.take(plugin, plans=0).workers:
                 for series, (_, _, values) in SERIES.items():
                     for extra, value in values:

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_octopus.dashboard.records import Weights, spread
+from dask_octopus.groups.streams import HEARTBEAT_KEY
 
 if TYPE_CHECKING:
     from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
-#: the worker extension's counters that its worker plugin reports in each heartbeat
-#: (:meth:`dask_octopus.groups.streams.StreamRuntime.stats`), under this key of ``WorkerState.metrics``
-HEARTBEAT_KEY = "octopus"
 _IDLE = frozenset({"released", "forgotten", "erred"})  # pinned tasks in these states are not counted
 
 

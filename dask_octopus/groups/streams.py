@@ -34,6 +34,9 @@ from dask_octopus.groups.replay import CaptureRefused, GraphCache, capture
 
 logger = logging.getLogger(__name__)
 EXTENSION = "octopus-streams"  #: the name of the :class:`StreamRuntime` in ``Worker.extensions``
+#: the key under which the worker plugin reports :meth:`StreamRuntime.stats` in each heartbeat
+#: (``Worker.metrics``, hence ``WorkerState.metrics`` on the scheduler)
+HEARTBEAT_KEY = "octopus"
 
 
 def _cupy() -> Any | None:

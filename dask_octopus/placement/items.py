@@ -126,13 +126,6 @@ def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequ
     return [float(c) for c in out]
 
 
-def _transfer_seconds(client: Client, items: list[Any], workers: list[str]) -> list[list[float]] | None:
-    """For items that are futures: the seconds to move each to each worker, at the bandwidths the
-    cluster measured (:func:`dask_octopus.placement.transfers.item_seconds`); ``None`` when no item
-    is a future."""
-    return item_seconds(client, items, workers)
-
-
 def _total_rate(client: Client, workers: list[str], prefix: str) -> float | None:
     """The function's observed units per second summed over ``workers``; ``None`` until every one of
     them ran it."""
@@ -152,7 +145,7 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     info = {w: WorkerInfo.of(v) for w, v in call_scheduler(client, "octopus_workers", resource=resource,
                                                            prefix=prefix).items()}
     workers = sorted(info)
-    moves = _transfer_seconds(client, items, workers)
+    moves = item_seconds(client, items, workers)  # moving items that are futures, at measured bandwidths
     fits = [info[w].fit for w in workers]
     if all(fit is not None for fit in fits):
         speeds = [1 / per_unit for _, per_unit in fits]
@@ -179,7 +172,8 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
     from the part proportional to its cost. The last items of each list, a ``steal`` fraction of
     its cost at most, are split off as :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`), unless
     each would be predicted (``scale``: seconds per unit of the packing's finish times) to take less
-    than ``octopus.map.steal-min-seconds``: too short to pay for its own task."""
+    than ``octopus.map.steal-min-seconds``: too short to pay for its own task. Not ``batched``, the
+    tail's items are stealable whatever their length (they are tasks anyway)."""
     out = []
     floor = parse_timedelta(config.get("map.steal-min-seconds"))
     for j, n in enumerate(threads):
@@ -192,8 +186,9 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
         else:
             split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
             lists = [idx for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
-        # the lists run side by side on the worker's threads, each for about the worker's finish time
-        worth = scale is None or steal * packing.finish[j] * scale / TAIL_TASKS >= floor
+        # one task per item: stealable tasks cost nothing more. Batches: the lists run side by side on the
+        # worker's threads, each for about the worker's finish time, and the tail adds TAIL_TASKS tasks
+        worth = not batched or scale is None or steal * packing.finish[j] * scale / TAIL_TASKS >= floor
         for idx in lists:
             parts = split_tail([costs[i] for i in idx], steal if worth else 0.0, TAIL_TASKS)
             for start, stop, stealable in parts:
@@ -252,7 +247,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
     name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
-                   counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches])
+                   counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches],
+                   resource=resource)
     item_name = f"{ITEM_PREFIX}-{token}"
     user = dask.get_annotations().get("priority", 0)
     user = user if isinstance(user, int) else 0
@@ -419,7 +415,7 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
 
 
 def _as_finished(futures: list[Future], batches: list[list[int]], errors: str) -> Iterator[tuple[int, Any]]:
-    where = {f.key: idx for f, idx in zip(futures, batches)}
+    where = _items_of(futures, batches)
     for future, batch in as_completed(futures, with_results=True):
         yield from _checked(zip(where[future.key], batch), errors)
 
@@ -430,7 +426,12 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
         return
     futures, batches = await asyncio.to_thread(_submit, client, func, items, cost, group, resource, to_host, kwargs,
                                                per_item=False)
-    where = {f.key: idx for f, idx in zip(futures, batches)}
+    where = _items_of(futures, batches)
     async for future, batch in as_completed(futures, with_results=True):
         for pair in _checked(zip(where[future.key], batch), errors):
             yield pair
+
+
+def _items_of(futures: list[Future], batches: list[list[int]]) -> dict[Any, list[int]]:
+    """The indices of the items of each batch task, by its key."""
+    return {f.key: idx for f, idx in zip(futures, batches)}

@@ -118,6 +118,8 @@ def split_tail(costs: Sequence[float], fraction: float, pieces: int) -> list[tup
         raise ValueError(f"fraction must be in [0, 1] and pieces >= 1, got {fraction!r} and {pieces!r}")
     n = len(costs)
     budget = fraction * sum(costs)
+    if budget <= 0:  # nothing to steal (also when the last items cost nothing)
+        return [(0, n, False)] if n else []
     start, tail = n, 0.0
     while start > 1 and tail + costs[start - 1] <= budget:
         start -= 1

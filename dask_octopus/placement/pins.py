@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.core import Status
 
+from dask_octopus._compat import expected_duration
 from dask_octopus.groups.rewrite import inner_keys
 from dask_octopus.placement.planning import reassign
 
@@ -80,6 +81,7 @@ class Placement:
         return plan.workers[block[1]] if plan and block[1] < len(plan.workers) else None
 
     def stealable(self, block: Block) -> bool:
+        """Whether ``block``'s plan lets another worker steal it."""
         plan = self.plans.get(block[0])
         return bool(plan and plan.stealable and block[1] < len(plan.stealable) and plan.stealable[block[1]])
 
@@ -158,25 +160,26 @@ class Placement:
         """A task finished: it can no longer be stolen."""
         self.stealable_keys.discard(key)
 
-    def steal_for(self, scheduler: Scheduler, thief: str) -> Key | None:
+    def steal_for(self, scheduler: Scheduler, thief: str) -> None:
         """If worker ``thief`` has an idle thread, ask for a stealable task that waits on a busier
-        worker (one with more tasks than threads): the last in run order of the worker with most
-        waiting. Dask's work-stealing extension moves it if its worker has not started it yet.
-        Returns the key asked for, or ``None`` (nothing to steal, or work stealing is off)."""
+        worker (one with more tasks than threads) and whose inputs ``thief`` can fetch in less time
+        than the task is expected to run: the last in run order of the worker with most waiting.
+        Dask's work-stealing extension moves it if its worker has not started it yet; nothing
+        happens when work stealing is off."""
         if not self.stealable_keys:
-            return None
+            return
         stealing = scheduler.extensions.get("stealing")
         ws = scheduler.workers.get(thief)
         if stealing is None or ws is None or ws.status != Status.running or len(ws.processing) >= ws.nthreads:
-            return None
+            return
         waiting = [ts for k in self.stealable_keys if (ts := scheduler.tasks.get(k)) is not None
                    and ts.state == "processing" and ts.processing_on not in (None, ws) and ts not in stealing.in_flight
-                   and len(ts.processing_on.processing) > ts.processing_on.nthreads]
-        if not waiting:
-            return None
-        ts = max(waiting, key=lambda ts: (len(ts.processing_on.processing) - ts.processing_on.nthreads, ts.priority))
-        stealing.move_task_request(ts, ts.processing_on, ws)
-        return ts.key
+                   and len(ts.processing_on.processing) > ts.processing_on.nthreads
+                   and scheduler.get_comm_cost(ts, ws) < expected_duration(scheduler, ts)]
+        if waiting:
+            ts = max(waiting, key=lambda ts: (len(ts.processing_on.processing) - ts.processing_on.nthreads,
+                                              ts.priority))
+            stealing.move_task_request(ts, ts.processing_on, ws)
 
     def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
         """Move blocks planned on workers that left to the live ones in proportion to ``weights``.

@@ -124,6 +124,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.bad_timings = set()
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
+        self._sampler: PeriodicCallback | None = None
         self.scheduler = None
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -139,9 +140,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_bandwidth": self.bandwidth,
             "octopus_options": self.options,
         })
-        sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
-        scheduler.periodic_callbacks[HISTORY_CALLBACK] = sampler
-        sampler.start()
+        self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
+        scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
+        self._sampler.start()
         self._serve()
         await scheduler.register_worker_plugin(
             None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
@@ -149,10 +150,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         scheduler_groups.hosts.discard(self)
-        if self.scheduler is not None:
-            sampler = self.scheduler.periodic_callbacks.pop(HISTORY_CALLBACK, None)
-            if sampler is not None:
-                sampler.stop()
+        self._stop_sampling()
         from dask_octopus.dashboard import serve
 
         serve.withdraw(self)
@@ -167,17 +165,27 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         except Exception:
             logger.exception("dask_octopus: the /octopus page and the metrics are off")
 
+    def _stop_sampling(self) -> None:
+        """Stop this plugin's weight sampler, and drop it from the scheduler's periodic callbacks if it is
+        still the one there (a plugin registered after this one has its own under the same name)."""
+        if self._sampler is None:
+            return
+        self._sampler.stop()
+        if self.scheduler is not None and self.scheduler.periodic_callbacks.get(HISTORY_CALLBACK) is self._sampler:
+            del self.scheduler.periodic_callbacks[HISTORY_CALLBACK]
+        self._sampler = None
+
     def _sample_weights(self) -> None:
         """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds)."""
         if self.scheduler.plugins.get(self.name) is not self:  # unregistered (which does not close a plugin)
-            self.scheduler.periodic_callbacks.pop(HISTORY_CALLBACK).stop()
+            self._stop_sampling()
             return
         try:
             if self.scheduler.workers:
                 compute, memory = self.speeds("compute"), self.speeds("memory")
                 self.history.add(time.time(), {w: (compute[w], memory[w]) for w in compute})
         except Exception:
-            self.scheduler.periodic_callbacks.pop(HISTORY_CALLBACK).stop()
+            self._stop_sampling()
             logger.exception("dask_octopus: sampling the weights failed; the dashboard's weight history stops")
 
     # -- RPC handlers -------------------------------------------------------------------------
@@ -296,22 +304,34 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
             worker = kwargs["worker"]
             self.placement.done(key)
-            self.placement.steal_for(self.scheduler, worker)
+            # each guarded on its own: a failure in one (logged once) leaves the others working
+            self._refine(key, worker, kwargs)
             self._record_finish(key, worker, kwargs["startstops"])
-            if self.profiles.get(worker, {}).get("event_timing"):
-                return  # CuPy tasks return at launch: this worker reports CUDA-event timings instead
-            ts = self.scheduler.tasks.get(key)
-            if ts is None:
-                return
-            seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
-            if 0 < seconds < self.min_duration:
-                return  # most tasks: skip the bytes count (_observe would drop the timing anyway); bad
-                # timings (zero, negative, NaN) go on to _observe, which warns about them
-            nbytes = kwargs.get("nbytes")
-            units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
-            units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
-            self._observe(worker, key, ts.prefix.name, units, seconds)
+            self._steal_for(worker)
 
+    @_guarded
+    def _refine(self, key: Any, worker: str, kwargs: dict[str, Any]) -> None:
+        """Feed a finished task's timing to the speed model (not on workers that report CUDA-event timings)."""
+        if self.profiles.get(worker, {}).get("event_timing"):
+            return  # CuPy tasks return at launch: this worker reports CUDA-event timings instead
+        ts = self.scheduler.tasks.get(key)
+        if ts is None:
+            return
+        seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
+        if 0 < seconds < self.min_duration:
+            return  # most tasks: skip the bytes count (_observe would drop the timing anyway); bad
+            # timings (zero, negative, NaN) go on to _observe, which warns about them
+        nbytes = kwargs.get("nbytes")
+        units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+        units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+        self._observe(worker, key, ts.prefix.name, units, seconds)
+
+    @_guarded
+    def _steal_for(self, worker: str) -> None:
+        """Let ``worker``, which just finished a task, take a stealable task from a busier worker."""
+        self.placement.steal_for(self.scheduler, worker)
+
+    @_guarded
     def _record_finish(self, key: Any, worker: str, startstops: list[dict]) -> None:
         """Add a finished task pinned to a plan to that plan's observed finish on ``worker``."""
         block = self.placement.pins.get(key)

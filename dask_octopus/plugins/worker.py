@@ -11,8 +11,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
 from dask_octopus import config
-from dask_octopus.dashboard.snapshot import HEARTBEAT_KEY
-from dask_octopus.groups.streams import EXTENSION, StreamRuntime
+from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY, StreamRuntime
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.profiling.gpu_timing import GpuTaskTimer
 from dask_octopus.profiling.probes import gpu_available, run_probes
