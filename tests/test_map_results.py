@@ -1,5 +1,6 @@
 """dask_octopus.map(gather=True) and imap: results without a Dask key per item, failures per item,
-a worker lost mid-map, stealing of a slowed worker's tail, and the pure split of a worker's list."""
+a worker lost mid-map, and stealing of a slowed worker's tail (the pure split of a worker's list:
+tests/test_packing.py)."""
 
 import asyncio
 import time
@@ -11,13 +12,10 @@ import pytest
 from distributed import Client, Nanny, get_worker
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
-from hypothesis import given
-from hypothesis import strategies as st
 from test_balance import setup
 from test_map import fails_on_seven, plan_of, slow_identity
 
 import dask_octopus
-from dask_octopus.placement.packing import split_tail
 
 
 def in_thread(func, *args, **kwargs):
@@ -194,34 +192,6 @@ def test_without_stealing_every_task_stays_on_its_planned_worker(config):
         assert all(rec.worker[(name, i)] == w for i, w in enumerate(plan.workers))  # a's tail too
 
     run()
-
-
-@given(st.lists(st.floats(0, 100), min_size=1, max_size=30), st.floats(0, 1), st.integers(1, 4))
-def test_split_tail_keeps_every_item_once_and_the_tail_within_its_fraction(costs, fraction, pieces):
-    costs = sorted(costs, reverse=True)
-    parts = split_tail(costs, fraction, pieces)
-    assert [i for a, b, _ in parts for i in range(a, b)] == list(range(len(costs)))  # in order, each once
-    assert all(b > a for a, b, _ in parts)
-    head = [p for p in parts if not p[2]]
-    assert head == [parts[0]] and parts[0][0] == 0  # the head first, never empty
-    tail = [(a, b) for a, b, st in parts if st]
-    assert len(tail) <= pieces
-    assert sum(costs[i] for a, b in tail for i in range(a, b)) <= fraction * sum(costs) + 1e-9
-    if fraction * sum(costs) == 0:
-        assert parts == [(0, len(costs), False)]  # nothing to steal: the list whole
-
-
-def test_split_tail_examples_and_bad_input():
-    assert split_tail([8, 4, 2, 1, 1, 1, 1], 0.25, 2) == [(0, 3, False), (3, 5, True), (5, 7, True)]
-    assert split_tail([8, 4, 2, 1], 0, 2) == [(0, 4, False)]
-    assert split_tail([5], 1.0, 2) == [(0, 1, False)]
-    assert split_tail([5, 3, 0, 0], 0.0, 2) == [(0, 4, False)]  # items of no cost are no tail at fraction 0
-    assert split_tail([0, 0], 0.5, 2) == [(0, 2, False)]
-    assert split_tail([], 0.5, 2) == []
-    with pytest.raises(ValueError, match="fraction must be in"):
-        split_tail([1, 1], 1.5, 2)
-    with pytest.raises(ValueError, match="cost of item 1"):
-        split_tail([1, -1], 0.5, 2)
 
 
 @pytest.mark.parametrize("floor, tails", [("50ms", False), ("0s", True)])

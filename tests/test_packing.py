@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.placement.packing import lower_bound, pack
+from dask_octopus.placement.packing import lower_bound, pack, split_tail
 
 
 def optimum(costs, speeds):
@@ -175,3 +175,31 @@ def test_on_a_tie_the_item_goes_to_the_faster_worker():
 def test_no_workers_says_so():
     with pytest.raises(ValueError, match=r"^no workers to pack onto$"):
         pack([1.0], [])
+
+
+@given(st.lists(st.floats(0, 100), min_size=1, max_size=30), st.floats(0, 1), st.integers(1, 4))
+def test_split_tail_keeps_every_item_once_and_the_tail_within_its_fraction(costs, fraction, pieces):
+    costs = sorted(costs, reverse=True)
+    parts = split_tail(costs, fraction, pieces)
+    assert [i for a, b, _ in parts for i in range(a, b)] == list(range(len(costs)))  # in order, each once
+    assert all(b > a for a, b, _ in parts)
+    head = [p for p in parts if not p[2]]
+    assert head == [parts[0]] and parts[0][0] == 0  # the head first, never empty
+    tail = [(a, b) for a, b, st in parts if st]
+    assert len(tail) <= pieces
+    assert sum(costs[i] for a, b in tail for i in range(a, b)) <= fraction * sum(costs) + 1e-9
+    if fraction * sum(costs) == 0:
+        assert parts == [(0, len(costs), False)]  # nothing to steal: the list whole
+
+
+def test_split_tail_examples_and_bad_input():
+    assert split_tail([8, 4, 2, 1, 1, 1, 1], 0.25, 2) == [(0, 3, False), (3, 5, True), (5, 7, True)]
+    assert split_tail([8, 4, 2, 1], 0, 2) == [(0, 4, False)]
+    assert split_tail([5], 1.0, 2) == [(0, 1, False)]
+    assert split_tail([5, 3, 0, 0], 0.0, 2) == [(0, 4, False)]  # items of no cost are no tail at fraction 0
+    assert split_tail([0, 0], 0.5, 2) == [(0, 2, False)]
+    assert split_tail([], 0.5, 2) == []
+    with pytest.raises(ValueError, match="fraction must be in"):
+        split_tail([1, 1], 1.5, 2)
+    with pytest.raises(ValueError, match="cost of item 1"):
+        split_tail([1, -1], 0.5, 2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the pure cores (no Dask inside) with mutmut 3, one module at a time.
 #
-#   tools/mutation.sh                      # all five pure modules
+#   tools/mutation.sh                      # all six pure modules
 #   tools/mutation.sh groups/planning      # only some (paths under dask_octopus/, without .py)
 #   KEEP=1 tools/mutation.sh ...           # keep the temporary copy to inspect survivors there
 #
@@ -19,11 +19,12 @@ set -euo pipefail
 declare -A TESTS=(
   [placement/planning]=tests/test_planning.py
   [placement/packing]=tests/test_packing.py
+  [placement/bandwidth]=tests/test_transfers.py
   [profiling/speedmodel]=tests/test_speedmodel.py
   [profiling/itemcosts]=tests/test_itemcosts.py
   [groups/planning]=tests/test_grouping.py
 )
-ORDER=(placement/planning placement/packing profiling/speedmodel profiling/itemcosts groups/planning)
+ORDER=(placement/planning placement/packing placement/bandwidth profiling/speedmodel profiling/itemcosts groups/planning)
 CHILDREN=${MUTMUT_CHILDREN:-1}
 MEM_KB=${MUTATION_MEM_KB:-4194304}
 TIMEOUT_MULTIPLIER=${MUTATION_TIMEOUT_MULTIPLIER:-5}
