@@ -203,3 +203,30 @@ def test_split_tail_examples_and_bad_input():
         split_tail([1, 1], 1.5, 2)
     with pytest.raises(ValueError, match="cost of item 1"):
         split_tail([1, -1], 0.5, 2)
+
+
+def test_split_tail_parts_share_the_tail_evenly_in_run_order():
+    # budget 8 of 16: the six 1s form the tail (the 10 would exceed it), in three parts of 2
+    assert split_tail([10, 1, 1, 1, 1, 1, 1], 0.5, 3) == [(0, 1, False), (1, 3, True), (3, 5, True), (5, 7, True)]
+    assert split_tail([4, 3, 2, 2, 1, 1], 0.5, 2) == [(0, 2, False), (2, 3, True), (3, 6, True)]  # 6 of 6.5: 2 | 4
+    assert split_tail([1, 1, 1, 1], 1.0, 1) == [(0, 1, False), (1, 4, True)]  # one stealable part
+    assert split_tail([2, 1, 1], 0.5, 2) == [(0, 1, False), (1, 2, True), (2, 3, True)]  # a tail of exactly 2
+    assert split_tail([1, 0.5, 0.5], 0.5, 2) == [(0, 1, False), (1, 2, True), (2, 3, True)]  # budget 1
+    # free items: the first part may take them all but must leave one for the last
+    assert split_tail([3, 0, 0, 0], 0.5, 2) == [(0, 1, False), (1, 3, True), (3, 4, True)]
+    with pytest.raises(ValueError, match=r"^fraction must be in \[0, 1\] and pieces >= 1, got 0.5 and 0$"):
+        split_tail([1, 1], 0.5, 0)
+    with pytest.raises(ValueError, match=r"got -0.1 and 2$"):
+        split_tail([1, 1], -0.1, 2)
+
+
+@given(st.lists(st.floats(0.01, 100), min_size=2, max_size=30), st.floats(0.05, 1), st.integers(1, 4))
+def test_split_tail_parts_each_cost_about_an_equal_share_of_the_tail(costs, fraction, pieces):
+    costs = sorted(costs, reverse=True)
+    parts = [(a, b) for a, b, stealable in split_tail(costs, fraction, pieces) if stealable]
+    if not parts:
+        return
+    tail = [costs[i] for a, b in parts for i in range(a, b)]
+    share = sum(tail) / len(parts)
+    for a, b in parts:  # a greedy cut by cumulated cost is off its share by less than one item (two, last)
+        assert abs(sum(costs[a:b]) - share) <= 2 * max(tail) + 1e-9

@@ -124,7 +124,7 @@ def split_tail(costs: Sequence[float], fraction: float, pieces: int) -> list[tup
     while start > 1 and tail + costs[start - 1] <= budget:
         start -= 1
         tail += costs[start]
-    out = [(0, start, False)] if start else []
+    out = [(0, start, False)]  # the head keeps at least one item
     if start == n:
         return out
     k = min(pieces, n - start)
