@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 
+import cloudpickle
 import dask
 import dask.array as da
 import numpy as np
@@ -31,8 +32,9 @@ BLOCKS, SHAPE, RUNS = 1024, (64, 96), 5
 
 
 def run_graph(held, body, key):
-    """The fragment's floor: every task of the graph, in dependency order, inside this one task."""
-    return dask.get({**held, **body}, key)  # dask's synchronous scheduler; the blocks as data
+    """The fragment's floor: every task of the graph, in dependency order, inside this one task (the
+    graph travels pickled, so that distributed does not read its tasks' references as dependencies)."""
+    return dask.get({**held, **cloudpickle.loads(body)}, key)  # dask's synchronous scheduler
 
 
 def main(out: str) -> None:
@@ -57,7 +59,7 @@ def main(out: str) -> None:
             held = {f.key: f for f in futures_of(x)}  # the persisted blocks: the task's dependencies
             body = {k: v for k, v in dict(y.__dask_graph__()).items() if k not in held}
             key = next(flatten(y.__dask_keys__()))
-            return float(client.submit(run_graph, held, body, key, pure=False).result())
+            return float(client.submit(run_graph, held, cloudpickle.dumps(body), key, pure=False).result())
 
         def loop_run():
             return float(np.stack([elementwise_chain(b).sum() for b in blocks]).sum())
