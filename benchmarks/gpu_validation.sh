@@ -8,8 +8,10 @@
 # steps' time limits add up to about 26 minutes: run them as a few STEPS subsets (a command may run 10).
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
-#   device run, carry [".whl"] (and ".whl-ucx", where the UCX wheels are carried apart):
-#       bash benchmarks/gpu_validation.sh "$OUT"
+#   tools/pack_ucx_wheels.sh                  # then: the UCX wheels in ucx-wheels.tar.xz (64 MiB carry)
+#   device run, carry [".whl", "ucx-wheels.tar.xz"]:
+#       mkdir -p .whl-ucx && tar xJf ucx-wheels.tar.xz -C .whl-ucx && bash benchmarks/gpu_validation.sh "$OUT"
+#   (each command may run 10 minutes: run the steps as a few STEPS subsets, back to back)
 #   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
 #   all over tcp: PROTOCOL=tcp bash benchmarks/gpu_validation.sh "$OUT"
 #   not run by default: suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
