@@ -248,6 +248,7 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
     info = await c.scheduler.octopus_workers(prefix="octopus-map-f")
     assert info[a.address][2] is None  # never ran a batch
     assert info[b.address][2] == pytest.approx((0.01, 0.001))
+    assert info[a.address][3] is None and info[b.address][3] > 0  # the prefix's observed units per second
     # bad plans are refused with a ValueError's message (the client raises it again)
     reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address] * 3, costs=[1, 1, 1], counts=[1, 1])
     assert "2 counts for 3 blocks" in reply[ERROR]

@@ -126,13 +126,6 @@ def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequ
     return [float(c) for c in out]
 
 
-def _total_rate(client: Client, workers: list[str], prefix: str) -> float | None:
-    """The function's observed units per second summed over ``workers``; ``None`` until every one of
-    them ran it."""
-    rates = call_scheduler(client, "octopus_rates").get(prefix, {})
-    return sum(rates[w][0] for w in workers) if all(w in rates for w in workers) else None
-
-
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
                 prefix: str) -> tuple[list[str], list[int], list[bool], Packing, float | None]:
     """Live workers (sorted), their threads, which of them have no per-item seconds of the function
@@ -154,7 +147,8 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
         scale = 1.0
     else:
         speeds = [info[w].weight for w in workers]
-        rate = _total_rate(client, workers, prefix)
+        rates = [info[w].rate for w in workers]
+        rate = sum(rates) if None not in rates else None  # the function's units per second, all workers
         scale = 1 / rate if rate else None  # a worker of weight w runs w * rate units per second
         # moves in the packing's unit: seconds times the total rate (not counted until it is known)
         penalty = [[m * rate for m in row] for row in moves] if moves is not None and scale else None

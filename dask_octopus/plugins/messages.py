@@ -32,9 +32,10 @@ class WorkerInfo(NamedTuple):
     weight: float  #: relative weight, as ``speeds`` gives it
     threads: int  #: worker threads
     fit: tuple[float, float] | None  #: ``(fixed, per_unit)`` seconds per item, once fitted
+    rate: float | None  #: observed work units per second of the function there, once it ran there
 
     @classmethod
     def of(cls, values: Sequence[Any]) -> WorkerInfo:
         """Rebuild one from what came over the wire."""
-        weight, threads, fit = values
-        return cls(weight, threads, None if fit is None else (fit[0], fit[1]))
+        weight, threads, fit, rate = values
+        return cls(weight, threads, None if fit is None else (fit[0], fit[1]), rate)

@@ -136,7 +136,6 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_workers": _replying(self.workers),
             "octopus_profiles": _replying(self.get_profiles),
             "octopus_add_plan": _replying(self.add_plan),
-            "octopus_rates": self.model.table,
             "octopus_bandwidth": self.bandwidth,
             "octopus_options": self.options,
         })
@@ -229,15 +228,18 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return self.model.weights(self.scheduler.workers, resource, prefix)
 
     def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
-        """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, and the
+        """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, the
         ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
-        (:mod:`dask_octopus.profiling.itemcosts`)."""
+        (:mod:`dask_octopus.profiling.itemcosts`), and the units per second observed of ``prefix``."""
         weights = self.speeds(resource, prefix)
         fits = self.item_costs.get(prefix, {}) if prefix is not None else {}
+        rates = self.model.rates.get(prefix, {}) if prefix is not None else {}
         out = {}
         for addr, ws in self.scheduler.workers.items():
             fit = fits[addr].fit() if addr in fits else None
-            out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit))
+            rate = rates[addr].value if addr in rates else None
+            out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
+                                   rate)
         return out
 
     def get_profiles(self, resource: str = "compute") -> dict[str, Profile]:
