@@ -91,7 +91,9 @@ async def test_workers_explore_large_and_small_items_apart_until_their_item_seco
     costs = [1, 2, 3, 4, 10, 20, 30, 40] * 2
     shapes = []
     for r in range(3):  # other kwargs each time: other keys, not the results of the last map
-        futs = await call(c, sleep_cost, costs, cost=costs, group=4, unit=0.0005 + r * 1e-6)
+        # 2 ms per cost unit: a stall of the test process (a GC pass, a busy CI machine) of up to about a
+        # second in one batch still leaves the fitted slope positive
+        futs = await call(c, sleep_cost, costs, cost=costs, group=4, unit=0.002 + r * 1e-6)
         assert await c.gather(futs) == costs
         _, plan = plan_of(s)
         shapes.append(sorted(zip(plan.workers, plan.counts)))
@@ -100,10 +102,11 @@ async def test_workers_explore_large_and_small_items_apart_until_their_item_seco
         for w in s.workers:
             halves = [n for worker, n in shape if worker == w]
             assert len(halves) == 2 and abs(halves[0] - halves[1]) <= 1, shape
-    assert len(shapes[2]) == 2  # four batches of two mean costs per worker: fitted, one task each
+    points = {w: list(fit.points) for w, fit in s.plugins["octopus"].item_costs["sleep_cost-octopus-map"].items()}
+    assert len(shapes[2]) == 2, points  # four batches of two mean costs per worker: fitted, one task each
     fits = await c.scheduler.octopus_workers(prefix="sleep_cost-octopus-map")  # its own, despite the _
-    # each item sleeps cost * 0.5 ms: the fitted part per cost unit is about 0.5 ms on both workers
-    assert all(fit is not None and 0.0003 < fit[1] < 0.001 for _, _, fit, _ in fits.values()), fits
+    # each item sleeps cost * 2 ms: the fitted part per cost unit is about 2 ms on both workers
+    assert all(fit is not None and 0.0012 < fit[1] < 0.004 for _, _, fit, _ in fits.values()), (fits, points)
 
 
 def slow_identity(x, delay):
