@@ -18,7 +18,7 @@ from test_balance import WhereRan, mid_compute, run_balance, setup, slow_copy
 
 import dask_octopus
 from dask_octopus.groups import streams
-from dask_octopus.groups.rewrite import GROUP_PREFIX, group_members
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_members, inner_keys
 
 
 def f(b):
@@ -54,19 +54,21 @@ class GroupLog(SchedulerPlugin):
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.groups = {}
+        self.covers = {}  # group: the keys whose work it did (members and the keys fused into them)
         self.inputs_at_grouping = {}  # group: workers holding its inputs, for groups of in-memory inputs
 
     def update_graph(self, scheduler, **kwargs):
         for key, ts in scheduler.tasks.items():
             inputs = held_inputs(ts)
-            if key_split(key) == GROUP_PREFIX and inputs and all(d.state == "memory" for d in inputs):
+            if key_split(key) == FRAGMENT_PREFIX and inputs and all(d.state == "memory" for d in inputs):
                 self.inputs_at_grouping.setdefault(key, {ws.address for d in inputs for ws in d.who_has})
 
     def transition(self, key, start, finish, *args, **kwargs):
-        if start == "processing" and finish == "memory" and key_split(key) == GROUP_PREFIX:
+        if start == "processing" and finish == "memory" and key_split(key) == FRAGMENT_PREFIX:
             ts = self.scheduler.tasks[key]
             holders = {ws.address for d in ts.dependencies for ws in d.who_has or ()}
-            self.groups[key] = (group_members(ts.run_spec), kwargs["worker"], holders)
+            self.groups[key] = (fragment_members(ts.run_spec), kwargs["worker"], holders)
+            self.covers[key] = inner_keys(key, ts.run_spec)
 
 
 async def root_sum_in_groups(c, df, group):
@@ -99,7 +101,7 @@ async def test_grouped_reduction_is_exact_with_fewer_tasks(c, s, a, x):
         y = x.map_blocks(f)
     got = await c.compute(y.sum(axis=0))
     assert np.array_equal(got, expected)
-    assert len(ran(rec, GROUP_PREFIX)) == 8  # 64 blocks, 8 to a group
+    assert len(ran(rec, FRAGMENT_PREFIX)) == 8  # 64 blocks, 8 to a group
     assert len(rec.worker) < plain - 50  # the 64 block tasks became 8
 
 
@@ -112,7 +114,8 @@ async def test_grouped_blocks_keep_their_keys_for_gather_persist_and_other_consu
         y = x.map_blocks(f)
     assert np.array_equal(await c.compute(y), ref)  # the blocks are the output (read by finalize)
     assert np.array_equal(await c.compute(y.T @ y), gram)  # two consumers of each block
-    assert log.groups and all(len(members) <= 4 for members, _, _ in log.groups.values())  # they ran grouped
+    # they ran in fragments of at most 4 blocks (with what reads only them)
+    assert log.groups and all(1 <= sum(key_split(k) == "f" for k in covers) <= 4 for covers in log.covers.values())
     yp = c.persist(y)
     await wait(yp)
     assert all(s.tasks[k].state == "memory" for k in flatten(yp.__dask_keys__()))  # each block under its key
@@ -128,7 +131,7 @@ async def test_delayed_tasks_group_and_stay_exact(c, s, a):
         parts = [dask.delayed(np.cumsum)(it) for it in items]
     total = dask.delayed(sum)([p[-1] for p in parts])
     assert await c.compute(total) == sum(np.cumsum(it)[-1] for it in items)
-    assert len(ran(rec, GROUP_PREFIX)) == 8  # 39 members: 7 groups of 5 and one of 4
+    assert len(ran(rec, FRAGMENT_PREFIX)) == 8  # 39 members: 7 groups of 5 and one of 4
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
@@ -147,7 +150,8 @@ async def test_groups_of_balanced_blocks_run_where_their_blocks_are(c, s, a, b):
     got = await c.compute(y.sum())
     assert got == pytest.approx(float(await c.compute(x.map_blocks(f).sum())), rel=1e-12)
     assert {w for _, w, _ in log.groups.values()} == set(s.workers)
-    assert sorted(len(m) for m, _, _ in log.groups.values()) == [4, 4]  # one group of its 4 blocks per worker
+    # one fragment per worker: its 4 blocks (and their partial sums)
+    assert sorted(sum(key_split(k) == "f" for k in covers) for covers in log.covers.values()) == [4, 4]
     for members, worker, holders in log.groups.values():
         assert holders == {worker}, members
 
@@ -178,8 +182,8 @@ def test_members_return_in_their_order_whatever_the_launch_order():
 @pytest.mark.parametrize("kwargs, message", [
     ({"resource": "disk"}, "unknown resource 'disk'"),
     ({"resource": "disk"}, "expected one of auto, compute, memory"),
-    ({"group": 0}, "group must be an integer >= 1"),
-    ({"group": "8"}, "group must be an integer >= 1"),
+    ({"group": 0}, "group must be None or an integer >= 1"),
+    ({"group": "8"}, "group must be None or an integer >= 1"),
 ])
 def test_bad_annotations(kwargs, message):
     with pytest.raises(ValueError, match=message), dask_octopus.annotate(**kwargs):
@@ -192,7 +196,7 @@ def test_unannotated_graphs_pass_through_unchanged(x):
     dask_octopus.groups.marks.install()
     y = x.map_blocks(f).sum()
     graph = collections_to_expr([y]).optimize().__dask_graph__()
-    assert not any(str(k[0] if isinstance(k, tuple) else k).startswith(GROUP_PREFIX) for k in graph)
+    assert not any(str(k[0] if isinstance(k, tuple) else k).startswith(FRAGMENT_PREFIX) for k in graph)
     assert y.compute(scheduler="sync") == x.map_blocks(f).sum().compute(scheduler="sync", optimize_graph=False)
 
 
@@ -205,9 +209,9 @@ async def test_killed_worker_mid_compute_with_groups_and_balance(c, s, a, b):
         z = y.map_blocks(slow_copy, 0.15, dtype=y.dtype)
     fut = c.compute(z.sum(axis=1))
     victim = min(s.workers)
-    await mid_compute(rec, victim, GROUP_PREFIX)  # the victim finished a group of 4 blocks of 0.15 s
+    await mid_compute(rec, victim, FRAGMENT_PREFIX)  # the victim finished a group of 4 blocks of 0.15 s
     assert not fut.done()
-    assert any(isinstance(k, tuple) and str(k[0]).startswith(GROUP_PREFIX) for k in s.tasks)
+    assert any(isinstance(k, tuple) and str(k[0]).startswith(FRAGMENT_PREFIX) for k in s.tasks)
     await (a if a.worker_address == victim else b).kill()
     np.testing.assert_array_equal(await fut, np.arange(4000).reshape(400, 10).sum(axis=1))
     assert not s.unrunnable
@@ -234,7 +238,10 @@ async def test_dataframe_computed_inside_annotate_groups_on_the_scheduler(c, s, 
     assert got == plain
     pd.testing.assert_frame_equal(whole, with_root(frame))
     members = [m for ms, _, _ in groups.values() for m in ms]
-    assert len(members) == len(set(members)) >= 64 and all(2 <= len(ms) <= 8 for ms, _, _ in groups.values())
+    assert len(members) == len(set(members)) >= 64
+    for ms, _, _ in groups.values():  # at most 8 partitions to a fragment, each with its chain (getitem, chunk)
+        partitions = {m[1] for m in ms if key_split(m) == "with_root"}
+        assert 1 <= len(partitions) <= 8 and {m[1] for m in ms if key_split(m) == "chunk"} == partitions, ms
     assert set(members) <= plain_keys and not set(members) & grouped_keys  # members ran only in groups
     assert grouped_keys == (plain_keys - set(members)) | set(groups)  # and nothing else changed
     del y, whole
@@ -279,9 +286,9 @@ async def test_array_built_outside_and_computed_inside_groups_on_the_scheduler(c
         built_inside = x.map_blocks(f) * 2
         got, twice = await c.gather(c.compute([y.sum(axis=0), built_inside.sum(axis=0)]))
     assert np.array_equal(got, expected) and np.array_equal(twice, 2 * expected)
-    members = {key_split(m) for ms, _, _ in log.groups.values() for m in ms}
+    members = {key_split(m) for covers in log.covers.values() for m in covers}
     assert key_split(y.name) in members  # built outside: grouped on the scheduler
-    assert GROUP_PREFIX not in members  # the optimizer's groups (built inside) are not grouped again
+    assert FRAGMENT_PREFIX not in members  # the optimizer's groups (built inside) are not grouped again
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
@@ -290,9 +297,9 @@ async def test_killed_worker_mid_compute_with_balanced_dataframe_groups(c, s, a,
     df = await run_balance(c, dd.from_pandas(frame, npartitions=4), per_worker=8)
     with dask_octopus.annotate(group=4):
         fut = c.compute(df.map_partitions(slow_copy, 0.15, meta=df._meta).a.sum())
-    await mid_compute(rec, min(s.workers), GROUP_PREFIX)  # the victim finished a group of 4 partitions
+    await mid_compute(rec, min(s.workers), FRAGMENT_PREFIX)  # the victim finished a group of 4 partitions
     assert not fut.done()
-    groups = [ts for k, ts in s.tasks.items() if key_split(k) == GROUP_PREFIX]
+    groups = [ts for k, ts in s.tasks.items() if key_split(k) == FRAGMENT_PREFIX]
     assert groups and all(ts.worker_restrictions for ts in groups)  # pinned where their partitions are
     victim = min(s.workers)
     await (a if a.worker_address == victim else b).kill()

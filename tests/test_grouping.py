@@ -1,21 +1,30 @@
-"""Pure planning of stream groups: independence of members, sizes, launch order, bad input."""
+"""Pure planning of fragments: which tasks run together, their order, their streams, bad input."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.groups.planning import check_group_spec, depths, launch_order, plan_groups
+from dask_octopus.groups.planning import (
+    assign_streams,
+    check_group_spec,
+    interleave,
+    launch_order,
+    plan_fragments,
+    topological,
+)
 
 
 @st.composite
 def dags(draw):
-    """A random DAG over keys 0..n-1 (edges only from lower to higher keys), some keys annotated."""
-    n = draw(st.integers(1, 25))
+    """A random DAG over keys 0..n-1 (edges only from lower to higher keys), some keys candidates, each
+    with a place, and the parts per place."""
+    n = draw(st.integers(1, 30))
     deps = {k: sorted(draw(st.sets(st.integers(0, k - 1), max_size=3))) if k else [] for k in range(n)}
-    marked = sorted(draw(st.sets(st.integers(0, n - 1))))
-    size = draw(st.integers(1, 6))
-    places = {k: draw(st.sampled_from(["w0", "w1", None])) for k in marked}
-    return deps, marked, size, places
+    candidates = sorted(draw(st.sets(st.integers(0, n - 1))))
+    places = {k: draw(st.sampled_from(["w0", "w1", None])) for k in candidates}
+    parts = {p: draw(st.integers(1, 4)) for p in ("w0", "w1", None)}
+    cap = draw(st.one_of(st.none(), st.integers(1, 6)))
+    return deps, candidates, places, parts, cap
 
 
 def reaches(deps, a, b):
@@ -33,28 +42,115 @@ def reaches(deps, a, b):
 
 
 @given(dags())
-@settings(max_examples=300, deadline=None)
-def test_groups_hold_independent_annotated_tasks_of_one_place_within_size(dag):
-    deps, marked, size, places = dag
-    groups = plan_groups(marked, {k: size for k in marked}, deps, places)
-    flat = [k for g in groups for k in g]
-    assert len(flat) == len(set(flat)) and set(flat) <= set(marked)
-    for g in groups:
-        assert 2 <= len(g) <= size
-        assert len({places[k] for k in g}) == 1
-        assert not any(reaches(deps, a, b) for a in g for b in g if a != b)
+@settings(max_examples=400, deadline=None)
+def test_fragments_are_candidates_of_one_place_that_contract_to_an_acyclic_graph(dag):
+    deps, candidates, places, parts, cap = dag
+    order = list(deps)[::-1]  # built in any order: dependencies may come later
+    fragments = plan_fragments(order, deps, candidates, places, parts, cap)
+    flat = [k for f in fragments for k in f]
+    assert len(flat) == len(set(flat)) and set(flat) <= set(candidates)
+    owner = {k: i for i, f in enumerate(fragments) for k in f}
+    for i, f in enumerate(fragments):
+        assert len(f) >= 2
+        assert len({places[k] for k in f} - {None}) <= 1  # one place (members of no place join any)
+        position = {k: j for j, k in enumerate(f)}
+        assert all(position[d] < position[k] for k in f for d in deps[k] if d in position)  # dependency order
+        assert all(owner.get(d, i) == i for k in f for d in deps[k])  # never reads another fragment's member
+        sources = [k for k in f if not any(reaches(deps, c, k) for c in candidates if c != k)]
+        assert sources  # every fragment starts from sources
+        if cap is not None:
+            assert len(sources) <= cap
+    # contracting each fragment to one node leaves no cycle: no path leaves a fragment and comes back
+    for i, f in enumerate(fragments):
+        outside = [k for k in deps if owner.get(k) != i]
+        for k in outside:
+            if any(reaches(deps, m, k) for m in f):
+                assert not any(reaches(deps, k, m) for m in f), (f, k)
 
 
-def test_same_depth_tasks_group_in_order_and_leftovers_of_one_run_alone():
-    deps = {"a": [], "b": [], "c": [], "d": ["a"], "e": ["b"], "f": ["c", "e"]}
-    assert depths(deps) == {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1, "f": 2}
-    assert plan_groups(list(deps), dict.fromkeys(deps, 2), deps) == [["a", "b"], ["d", "e"]]
-    assert plan_groups(list(deps), dict.fromkeys(deps, 8), deps) == [["a", "b", "c"], ["d", "e"]]
+def test_a_reduction_tree_joins_the_fragments_of_its_leaves_and_its_top_stays_a_task():
+    # leaves a..d (places w0, w0, w1, w1), chains a2..d2, partial sums p (a2, b2) and q (c2, d2), top t
+    deps = {"a": [], "b": [], "c": [], "d": [], "a2": ["a"], "b2": ["b"], "c2": ["c"], "d2": ["d"],
+            "p": ["a2", "b2"], "q": ["c2", "d2"], "t": ["p", "q"]}
+    places = {k: None for k in deps} | {"a": "w0", "b": "w0", "c": "w1", "d": "w1"}
+    got = plan_fragments(list(deps), deps, set(deps), places, {"w0": 1, "w1": 1, None: 1})
+    assert [sorted(f) for f in got] == [["a", "a2", "b", "b2", "p"], ["c", "c2", "d", "d2", "q"]]
+    # two parts for w0: a and b apart, so p combines two fragments and stays out, with t
+    got = plan_fragments(list(deps), deps, set(deps), places, {"w0": 2, "w1": 1, None: 1})
+    assert [sorted(f) for f in got] == [["a", "a2"], ["b", "b2"], ["c", "c2", "d", "d2", "q"]]
+    # the cap of 1 source per fragment does the same to both workers
+    got = plan_fragments(list(deps), deps, set(deps), places, {"w0": 1, "w1": 1, None: 1}, cap=1)
+    assert [sorted(f) for f in got] == [["a", "a2"], ["b", "b2"], ["c", "c2"], ["d", "d2"]]
 
 
-def test_cycle_is_reported():
-    with pytest.raises(ValueError, match="cycle"):
-        depths({"a": ["b"], "b": ["a"]})
+def test_a_task_read_through_a_task_outside_the_fragment_stays_out():
+    # x is no candidate (e.g. a key the client asked for): b reads a through x, so b may not join a's
+    # fragment (the fragment would wait for x, which waits for the fragment)
+    deps = {"a": [], "a2": ["a"], "x": ["a2"], "b": ["x", "a2"], "c": ["b"]}
+    got = plan_fragments(list(deps), deps, {"a", "a2", "b", "c"}, dict.fromkeys("abc", None) | {"a2": None},
+                         {None: 1})
+    assert got == [["a", "a2"]]
+
+
+def test_a_pinned_task_joins_only_a_fragment_of_its_place():
+    deps = {"a": [], "b": ["a"], "c": ["a"]}
+    got = plan_fragments(list(deps), deps, set(deps), {"a": "w0", "b": "w1", "c": None}, {"w0": 1, "w1": 1})
+    assert got == [["a", "c"]]
+
+
+@pytest.mark.parametrize("order", [["a", "b", "c"], ["c", "b", "a"]])
+def test_topological_order_puts_dependencies_first_and_reports_cycles(order):
+    deps = {"a": [], "b": ["a", "outside"], "c": ["b"]}
+    assert topological(order, deps) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="cycle through"):
+        topological(["a", "b", "c"], {"a": ["b"], "b": ["c"], "c": ["b"]})
+
+
+@given(st.lists(st.sets(st.integers(0, 40), max_size=3), max_size=40), st.integers(1, 8))
+def test_streams_keep_chains_and_stay_in_range(raw, n):
+    deps = [{d for d in ds if d < i} for i, ds in enumerate(raw)]
+    got = assign_streams(deps, n)
+    assert len(got) == len(deps) and all(0 <= s < n for s in got)
+    readers = {}
+    for i, ds in enumerate(deps):
+        for d in ds:
+            readers.setdefault(d, []).append(i)
+    for i, ds in enumerate(deps):
+        if len(ds) == 1 and readers[min(ds)] == [i]:  # the only reader of its only input: same stream
+            assert got[i] == got[min(ds)]
+
+
+def test_independent_chains_take_streams_round_robin():
+    # two chains 0-1-2 and 3-4, then 5 reading both ends
+    deps = [set(), {0}, {1}, set(), {3}, {2, 4}]
+    assert assign_streams(deps, 8) == [0, 0, 0, 1, 1, 0]
+    assert assign_streams(deps, 1) == [0] * 6
+    with pytest.raises(ValueError, match="streams must be >= 1"):
+        assign_streams(deps, 0)
+    with pytest.raises(ValueError, match="step 1 reads a later step"):
+        assign_streams([set(), {1}], 2)
+
+
+@given(st.lists(st.tuples(st.sets(st.integers(0, 30), max_size=3), st.sampled_from(["compute", "memory"])),
+                max_size=30))
+def test_interleave_is_a_dependency_order_that_alternates_classes_when_both_are_ready(raw):
+    deps = [{d for d in ds if d < i} for i, (ds, _) in enumerate(raw)]
+    classes = [c for _, c in raw]
+    got = interleave(deps, classes)
+    assert sorted(got) == list(range(len(deps)))
+    position = {i: j for j, i in enumerate(got)}
+    assert all(position[d] < position[i] for i, ds in enumerate(deps) for d in ds)
+    if not any(deps):  # all independent: the classes alternate while both last
+        seq = [classes[i] for i in got]
+        fewer = min(seq.count("compute"), seq.count("memory"))
+        assert all(seq[k] != seq[k + 1] for k in range(2 * fewer - 1))
+
+
+def test_interleave_with_one_class_keeps_the_order():
+    assert interleave([set(), {0}, set(), {2}], ["memory"] * 4) == [0, 1, 2, 3]
+    assert interleave([set(), set(), set()], ["memory", "memory", "compute"]) == [0, 2, 1]
+    with pytest.raises(ValueError, match="classes must be 'compute' or 'memory'"):
+        interleave([set()], ["auto"])
 
 
 def test_launch_order_alternates_classes_largest_first():
@@ -77,9 +173,9 @@ def test_launch_order_is_a_permutation_that_never_runs_two_of_a_class_while_the_
 
 @pytest.mark.parametrize("resource, group, message", [
     ("disk", 8, "unknown resource 'disk'"),
-    ("auto", 0, "group must be an integer >= 1, got 0"),
-    ("memory", True, "group must be an integer >= 1, got True"),
-    ("compute", 2.5, "group must be an integer >= 1, got 2.5"),
+    ("auto", 0, "group must be None or an integer >= 1, got 0"),
+    ("memory", True, "group must be None or an integer >= 1, got True"),
+    ("compute", 2.5, "group must be None or an integer >= 1, got 2.5"),
 ])
 def test_bad_group_specs(resource, group, message):
     with pytest.raises(ValueError, match=message):
@@ -101,18 +197,6 @@ def test_group_of_one_is_valid_and_errors_name_the_valid_resources():
     check_group_spec("compute", 1)
     with pytest.raises(ValueError, match=r"^unknown resource 'disk': expected one of auto, compute, memory$"):
         check_group_spec("disk", 1)
-
-
-def test_depths_of_keys_listed_before_their_dependencies_and_outside_dependencies():
-    # "c" is listed first but depends on later keys; "x" is outside the mapping: a source
-    deps = {"c": ["b", "x"], "b": ["a"], "a": ["x"], "d": []}
-    assert depths(deps) == {"a": 0, "b": 1, "c": 2, "d": 0}
-    assert depths({"a": ["x", "y"]}) == {"a": 0}
-
-
-def test_a_cycle_that_does_not_pass_through_the_first_key_is_reported():
-    with pytest.raises(ValueError, match="cycle through"):
-        depths({"a": ["b"], "b": ["c"], "c": ["b"]})
 
 
 def test_the_class_with_more_work_leads_whatever_its_members_positions():

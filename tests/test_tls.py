@@ -15,7 +15,7 @@ from test_balance import blocks_run_where_planned, run_balance, setup
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
-from dask_octopus.groups.rewrite import GROUP_PREFIX
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
@@ -125,7 +125,7 @@ async def test_annotate_over_tls_is_exact_and_groups_stay_with_their_blocks(c, s
         parts = [dask.delayed(np.cumsum)(np.arange(n, dtype=float)) for n in range(1, 21)]
     total = await c.compute(dask.delayed(sum)([p[-1] for p in parts]))
     assert total == sum(np.cumsum(np.arange(n, dtype=float))[-1] for n in range(1, 21))
-    assert all(key_split(k) == GROUP_PREFIX for k in log.groups)
+    assert all(key_split(k) == FRAGMENT_PREFIX for k in log.groups)
     assert sorted(len(m) for m, _, _ in log.groups.values()) == [5] * 4  # 20 members in groups of 5
 
 

@@ -13,7 +13,7 @@ from dask.utils import key_split
 from distributed import Client, get_task_stream, wait
 
 from dask_octopus.groups.marks import annotate
-from dask_octopus.groups.rewrite import GROUP_PREFIX
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.profiling.probes import gpu_available
 
 
@@ -152,7 +152,7 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
             seconds = time.perf_counter() - start
         # grouped: the groups, and blocks left alone (the plugin groups only blocks of one worker),
         # which Dask fuses with the sum's per-block step
-        block_tasks = (GROUP_PREFIX, "block_gram", "sum") if grouped else ("block_gram",)
+        block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram",)
         records.append(PassRecord(seconds, intervals(ts.data, t0), intervals(ts.data, t0, block_tasks)))
     return records
 

@@ -28,13 +28,14 @@ import dask
 import dask.config
 from dask.core import flatten, reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.system import CPU_COUNT
 from dask.typing import Key
 from dask.utils import ensure_dict
 
 from dask_octopus._compat import convert_legacy_graph, resolve_aliases
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec
-from dask_octopus.groups.rewrite import group_graph, inner_keys
-from dask_octopus.groups.scheduler import grouping_here
+from dask_octopus.groups.rewrite import fragment_graph, inner_keys
+from dask_octopus.groups.scheduler import fragment_here, grouping_here
 
 
 class GroupingOptimizer:
@@ -52,12 +53,17 @@ class GroupingOptimizer:
         graph = convert_legacy_graph(ensure_dict(optimized))
         graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names
         marks = inner_marks(graph, specs)
-        if grouping_here():  # on a scheduler whose plugin groups them, knowing where tasks run
-            # the graph's order (the order the user built it) travels with the marks: groups then
+        here = fragment_here(graph, marks, keep, _dependents(graph)) if grouping_here() else None
+        if here is not None:  # on the scheduler, knowing where the tasks run
+            graph = here
+            marks = {k: v for k, v in marks.items() if k in graph}
+        elif grouping_here():  # on one of several schedulers with the plugin: the plugin groups them
+            # the graph's order (the order the user built it) travels with the marks: fragments then
             # form the same way each time the same work comes again, so they can be replayed
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
         else:
-            graph = group_graph(graph, marks, keep, _dependents(graph))
+            threads = dask.config.get("num_workers", None) or CPU_COUNT
+            graph = fragment_graph(graph, marks, keep, _dependents(graph), {}, {None: threads})
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
             # again when it becomes an input of another one (delayed arguments), and they may group then.
             marks = {k: v for k, v in marks.items() if k in graph}
@@ -89,7 +95,7 @@ def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
     out = {}
     for layer in dsk.layers.values():
         mark = (layer.annotations or {}).get(ANNOTATION)
-        for k in layer if mark is not None else ():
+        for k in layer.get_output_keys() if mark is not None else ():  # keys without making the tasks
             value = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
             if isinstance(value, Mapping):  # not None or Dask's tombstone for unannotated keys
                 out[k] = value
@@ -118,7 +124,7 @@ def install() -> None:
 
 
 @contextmanager
-def annotate(resource: str = "auto", group: int = 8) -> Iterator[None]:
+def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]:
     """Run small independent tasks as stream groups: one task each, over CUDA streams on GPU workers.
 
     Marks the tasks of the dask arrays and delayed objects built inside this block, and of every

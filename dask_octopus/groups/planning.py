@@ -1,14 +1,16 @@
-"""Pure planning of stream groups (no Dask): which annotated tasks run together, and in what order
-a group's members are launched.
+"""Pure planning of fragments (no Dask): which annotated tasks run together as one task, on which CUDA
+streams, and in what order independent members are launched.
 
-Tasks are grouped only with tasks at the same *depth* of the whole graph (longest dependency path
-from a source): two tasks at the same depth never depend on each other, directly or through other
-tasks, so a group can run its members in any order and only its members' own inputs are needed.
+A *fragment* is a connected part of an annotated graph that runs on one worker as one task: its
+sources (the annotated tasks with no annotated task upstream) cut into a few runs per place, each
+run with every annotated task that reads only that run's tasks (chains, the run's part of a
+reduction tree). Tasks that combine several fragments stay tasks of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+import heapq
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from itertools import zip_longest
 
 from dask_octopus.profiling.speedmodel import RESOURCES
@@ -16,56 +18,157 @@ from dask_octopus.profiling.speedmodel import RESOURCES
 ANNOTATION = "octopus"  # the Dask annotation that carries a task's group spec
 
 
-def check_group_spec(resource: str, group: int) -> None:
-    """Raise ``ValueError`` naming the problem for an unknown resource class or a group below 1."""
+def check_group_spec(resource: str, group: int | None) -> None:
+    """Raise ``ValueError`` naming the problem for an unknown resource class or a group that is
+    neither ``None`` nor an integer >= 1."""
     if resource != "auto" and resource not in RESOURCES:
         raise ValueError(f"unknown resource {resource!r}: expected one of auto, {', '.join(RESOURCES)}")
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ValueError(f"group must be an integer >= 1, got {group!r}")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"group must be None or an integer >= 1, got {group!r}")
 
 
-def depths(dependencies: Mapping[Hashable, Sequence[Hashable]]) -> dict[Hashable, int]:
-    """Longest path from a source to each task; dependencies outside the mapping count as sources."""
-    out: dict[Hashable, int] = {}
-    for root in dependencies:
-        if root in out:
+def topological(order: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]]) -> list[Hashable]:
+    """The keys of ``order`` with every key after its dependencies, otherwise as close to ``order`` as a
+    depth-first walk allows; dependencies outside ``order`` are ignored. Raises ``ValueError`` on a cycle."""
+    index = {k: i for i, k in enumerate(order)}
+    done: set[Hashable] = set()
+    out: list[Hashable] = []
+    for root in order:
+        if root in done:
             continue
-        stack = [(root, iter(dependencies[root]))]
+        stack = [(root, iter(sorted((d for d in dependencies[root] if d in index), key=index.__getitem__)))]
         on_path = {root}
         while stack:
             node, deps = stack[-1]
             for d in deps:
-                if d in dependencies and d not in out:
+                if d not in done:
                     if d in on_path:
                         raise ValueError(f"the graph has a cycle through {d!r}")
-                    stack.append((d, iter(dependencies[d])))
+                    stack.append((d, iter(sorted((e for e in dependencies[d] if e in index), key=index.__getitem__))))
                     on_path.add(d)
                     break
             else:
                 stack.pop()
                 on_path.discard(node)
-                out[node] = 1 + max((out[d] for d in dependencies[node] if d in dependencies), default=-1)
+                done.add(node)
+                out.append(node)
     return out
 
 
-def plan_groups(order: Sequence[Hashable], sizes: Mapping[Hashable, int],
-                dependencies: Mapping[Hashable, Sequence[Hashable]],
-                places: Mapping[Hashable, Hashable] | None = None) -> list[list[Hashable]]:
-    """Groups of the tasks in ``order`` (the annotated ones, in graph order): consecutive tasks of the
-    same depth, the same group size ``sizes[task]`` and the same place ``places[task]`` (where the
-    task may run, e.g. its worker restrictions), at most that many to a group. Tasks whose group
-    would have one member are left out (they run as plain tasks)."""
-    depth = depths(dependencies)
-    open_groups: dict[tuple[int, int, Hashable], list[Hashable]] = {}
-    groups: list[list[Hashable]] = []
-    for key in order:
-        bucket = (depth[key], sizes[key], places.get(key) if places else None)
-        members = open_groups.setdefault(bucket, [])
-        members.append(key)
-        if len(members) == sizes[key]:
-            groups.append(open_groups.pop(bucket))
-    groups.extend(open_groups.values())
-    return [g for g in groups if len(g) > 1]
+def _chunks(n: int, parts: int) -> list[int]:
+    """Part of each of ``n`` consecutive items cut into ``parts`` runs of sizes differing by one at most."""
+    return [i * parts // n for i in range(n)] if n else []
+
+
+def plan_fragments(order: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]],
+                   candidates: Collection[Hashable], places: Mapping[Hashable, Hashable],
+                   parts: Mapping[Hashable, int], cap: int | None = None) -> list[list[Hashable]]:
+    """Fragments of a graph: sets of ``candidates`` that each run as one task, members in dependency order.
+
+    ``order`` is every key of the graph, in the order it was built; ``dependencies`` maps each to its
+    dependencies (keys outside ``order`` are inputs that exist already). A *source* is a candidate with
+    no candidate upstream of it; the sources of each place (``places[k]``, ``None``: anywhere) are cut
+    into ``parts[place]`` runs of consecutive sources (more where ``cap`` sources per part would be
+    exceeded), one fragment each. A candidate that reads candidates of exactly one fragment, and reads
+    nothing downstream of a fragment through other tasks, joins it when its place is ``None`` or the
+    fragment's; any other candidate (one that combines several fragments, such as the top of a
+    reduction tree) and everything downstream of it stays out. So no fragment reads another fragment's
+    member through a task outside it, and the fragments never form a cycle. Fragments of one member
+    are left out (those tasks run as they are).
+    """
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1 or None, got {cap!r}")
+    candidates = set(candidates)
+    steps = topological(order, dependencies)
+    upstream: dict[Hashable, bool] = {}  # a candidate is upstream (or the key itself is one)
+    for k in steps:
+        upstream[k] = k in candidates or any(upstream.get(d, False) for d in dependencies[k])
+    sources: dict[Hashable, list[Hashable]] = {}
+    for k in steps:
+        if k in candidates and not any(upstream.get(d, False) for d in dependencies[k]):
+            sources.setdefault(places[k], []).append(k)
+    part: dict[Hashable, tuple[Hashable, int]] = {}
+    for place, keys in sources.items():
+        n = max(1, parts[place], -(-len(keys) // cap) if cap else 1)
+        part.update((k, (place, p)) for k, p in zip(keys, _chunks(len(keys), min(n, len(keys)))))
+    tainted: set[Hashable] = set()  # keys downstream of a fragment, not in one
+    for k in steps:
+        if k in part:
+            continue
+        deps = [d for d in dependencies[k] if d in upstream]
+        owners = {part[d] for d in deps if d in part}
+        if (k in candidates and len(owners) == 1 and not any(d in tainted for d in deps)
+                and places[k] in (None, next(iter(owners))[0])):
+            part[k] = next(iter(owners))
+        elif owners or any(d in tainted for d in deps):
+            tainted.add(k)
+    members: dict[tuple[Hashable, int], list[Hashable]] = {}
+    for k in steps:
+        if k in part:
+            members.setdefault(part[k], []).append(k)
+    return [m for m in members.values() if len(m) > 1]
+
+
+def interleave(dependencies: Sequence[Collection[int]], classes: Sequence[str]) -> list[int]:
+    """A run order of steps ``0..n-1`` (given in a dependency order, ``dependencies[i]`` the earlier
+    steps that step ``i`` reads) in which, whenever a step of each class is ready, compute-bound and
+    memory-bound steps alternate (Opara's order: one kind's kernels overlap the other's); among the
+    ready steps of a class the earliest goes first, so with one class the order is unchanged."""
+    if len(dependencies) != len(classes):
+        raise ValueError(f"{len(classes)} classes for {len(dependencies)} steps")
+    readers: list[list[int]] = [[] for _ in classes]
+    waiting = [len(set(deps)) for deps in dependencies]
+    for i, deps in enumerate(dependencies):
+        for d in set(deps):
+            if d >= i:
+                raise ValueError(f"step {i} reads a later step: {sorted(deps)}")
+            readers[d].append(i)
+    ready: dict[str, list[int]] = {"compute": [], "memory": []}
+    unknown = set(classes) - set(ready)
+    if unknown:
+        raise ValueError(f"classes must be 'compute' or 'memory', got {sorted(unknown)}")
+    for i, n in enumerate(waiting):
+        if not n:
+            heapq.heappush(ready[classes[i]], i)
+    out: list[int] = []
+    last = None
+    while ready["compute"] or ready["memory"]:
+        other = "memory" if last == "compute" else "compute"
+        cls = other if ready[other] else ("memory" if other == "compute" else "compute")
+        if last is None and ready["memory"] and (not ready["compute"] or ready["memory"][0] < ready["compute"][0]):
+            cls = "memory"
+        i = heapq.heappop(ready[cls])
+        out.append(i)
+        last = cls
+        for r in readers[i]:
+            waiting[r] -= 1
+            if not waiting[r]:
+                heapq.heappush(ready[classes[r]], r)
+    return out
+
+
+def assign_streams(dependencies: Sequence[Collection[int]], streams: int) -> list[int]:
+    """The stream of each step of a fragment (steps in run order, ``dependencies[i]`` the earlier steps
+    that step ``i`` reads): a chain stays on its stream (a step continues the stream of the first step
+    it reads that no other step continued yet), a step that starts a branch takes the next stream of
+    the ``streams`` round-robin. Steps on different streams run concurrently unless one reads the
+    other."""
+    if streams < 1:
+        raise ValueError(f"streams must be >= 1, got {streams!r}")
+    out: list[int] = []
+    continued: set[int] = set()
+    turn = 0
+    for i, deps in enumerate(dependencies):
+        if any(d >= i for d in deps):
+            raise ValueError(f"step {i} reads a later step: {sorted(deps)}")
+        head = next((d for d in sorted(deps) if d not in continued), None)
+        if head is None:
+            out.append(turn % streams)
+            turn += 1
+        else:
+            continued.add(head)
+            out.append(out[head])
+    return out
 
 
 def launch_order(classes: Sequence[str], sizes: Sequence[float]) -> list[int]:

@@ -21,20 +21,21 @@ class CaptureRefused(RuntimeError):
 
 
 class CapturedGroup:
-    """A captured group: the graph, the buffers it reads and writes, and the pool it allocated from."""
+    """A captured group or fragment: the graph, the buffers it reads (``None``: it reads its inputs in
+    place, the very buffers it was captured on) and writes, and the pool it allocated from."""
 
-    def __init__(self, graph: Any, inputs: list[list[Any]], outputs: list[Any], pool: Any):
+    def __init__(self, graph: Any, inputs: list[Any] | None, outputs: list[Any], pool: Any):
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
         self.pool = pool
 
-    def replay(self, cp: Any, inputs: Sequence[Sequence[Any]], stream: Any) -> list[Any]:
-        """Copy ``inputs`` in, launch, and return copies of the outputs (all on ``stream``)."""
+    def replay(self, cp: Any, inputs: Sequence[Any], stream: Any) -> list[Any]:
+        """Copy ``inputs`` in (unless read in place), launch, and return copies of the outputs (all on
+        ``stream``)."""
         with stream:
-            for static, new in zip(self.inputs, inputs, strict=True):
-                for dst, src in zip(static, new, strict=True):
-                    cp.copyto(dst, src)
+            for dst, src in zip(self.inputs or (), inputs, strict=True):
+                cp.copyto(dst, src)
             self.graph.launch(stream)
             return [out.copy() for out in self.outputs]
 
@@ -73,7 +74,38 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
         raise CaptureRefused(f"{type(e).__name__}: {e}") from e
     if not all(_is_device_array(cp, out) for out in outputs):
         raise CaptureRefused("an output is not a CuPy array")
-    return CapturedGroup(graph, static, outputs, pool)
+    return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool)
+
+
+def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], values: dict, inputs: Sequence[Hashable],
+                     outputs: Sequence[Hashable], streams: Sequence[Any], in_place: bool) -> CapturedGroup:
+    """Capture ``launch(values, streams)`` (a fragment's launches over ``streams``, forked from and joined
+    back to the first) reading the input values named ``inputs`` in place or from copies; raises
+    :class:`CaptureRefused` when CUDA or CuPy refuses. The streams must already wait for the inputs."""
+    origin = streams[0]
+    pool = cp.cuda.MemoryPool()
+    with origin:
+        static = {k: values[k] if in_place else values[k].copy() for k in inputs}
+    captured = dict(static)
+    try:
+        with cp.cuda.using_allocator(pool.malloc), origin:
+            origin.begin_capture()
+            try:
+                fork = origin.record()
+                for s in streams[1:]:
+                    s.wait_event(fork)
+                held = launch(captured, streams)
+                for s in streams[1:]:
+                    origin.wait_event(s.record())
+            finally:
+                graph = origin.end_capture()
+    except Exception as e:
+        raise CaptureRefused(f"{type(e).__name__}: {e}") from e
+    del held  # the private pool is never allocated from again: what it holds stays the graph's
+    results = [captured[o] for o in outputs]
+    if not all(_is_device_array(cp, out) for out in results):
+        raise CaptureRefused("an output is not a CuPy array")
+    return CapturedGroup(graph, None if in_place else [static[k] for k in inputs], results, pool)
 
 
 class GraphCache:

@@ -1,122 +1,110 @@
-"""Rewrite of a low-level graph into stream groups.
+"""Rewrite of a low-level graph into fragments.
 
-Each group of annotated tasks (chosen by :func:`~dask_octopus.groups.planning.plan_groups`) becomes one
-task that runs its members through :func:`~dask_octopus.groups.streams.run_group` and returns their
-results as a tuple; consumers of a member read its result from the group task inline. Only tasks
-whose results are consumed inside the graph are grouped: an output of the computation keeps its
-own task (so ``client.gather`` and persisted collections see the same keys), and the graph has
-fewer tasks.
+Each fragment of annotated tasks (chosen by :func:`~dask_octopus.groups.planning.plan_fragments`)
+becomes one task that runs its members through :func:`~dask_octopus.groups.streams.run_fragment` and
+returns, as a tuple, the results that tasks outside it read; those consumers read them from the
+fragment task inline (:func:`~dask_octopus.groups.streams.pick`, which raises the error of a member
+that failed). Only tasks whose results are consumed inside the graph join a fragment: an
+output of the computation keeps its own task (so ``client.gather`` and persisted collections see
+the same keys), and the graph has fewer tasks.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dask.base import tokenize
 from dask.typing import Key
 
 from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_subgraph
-from dask_octopus.groups.planning import plan_groups
-from dask_octopus.groups.streams import run_group
+from dask_octopus.groups.fragment import Fragment
+from dask_octopus.groups.planning import plan_fragments, topological
+from dask_octopus.groups.streams import pick, run_fragment
 
-GROUP_PREFIX = "octopus-group"
+FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-letter words (hex-like names)
 
 
 def inner_keys(key: Key, node: Any) -> list[Key]:
     """The keys whose work the task ``key`` does: its own, those fused into it by Dask's low-level
-    fusion, and those of its members if it is a group task (recursively)."""
+    fusion, and those of its members if it is a fragment task."""
     if not isinstance(node, Task):
         return [key]
-    if node.func is execute_subgraph:
-        return list(node.args[0])
-    if node.func is run_members:
-        return [k for m in node.args[0].value for k in inner_keys(m.key, m)]
+    if node.func is execute_subgraph:  # fused graphs may nest
+        inner = node.args[0].value if isinstance(node.args[0], DataNode) else node.args[0]
+        return [key, *(k for i, child in inner.items() for k in inner_keys(i, child))]
+    if node.func is run_fragment:
+        return list(node.args[0].value.covers)
     return [key]
 
 
-def group_members(node: GraphNode) -> list[Key]:
-    """The member keys of a group task made by :func:`group_graph` (empty for any other node)."""
-    if isinstance(node, Task) and node.func is run_members:
-        return [m.key for m in node.args[0].value]
+def fragment_members(node: GraphNode) -> list[Key]:
+    """The member keys of a fragment task made by :func:`fragment_graph` (empty for any other node)."""
+    if isinstance(node, Task) and node.func is run_fragment:
+        return list(node.args[0].value.members)
     return []
 
 
-class MemberCall:
-    """A member task called with its inputs in the order of ``deps``."""
-
-    def __init__(self, task: Task, deps: tuple[Key, ...]):
-        self.task = task
-        self.deps = deps
-
-    def __call__(self, *values: Any) -> Any:
-        return self.task(dict(zip(self.deps, values, strict=True)))
-
-
-def member_token(task: Task, deps: tuple[Key, ...]) -> str:
-    """What a member computes, whatever its keys: its function and constants, with dependency and
-    fused inner keys replaced by their positions. Equal tokens on equal input shapes do equal work."""
-    names: dict[Key, Key] = {d: f"octopus-in-{j}" for j, d in enumerate(deps)}
-    nodes: list[Any] = [task]
-    if task.func is execute_subgraph:
-        inner = task.args[0]
-        names.update({k: f"octopus-inner-{j}" for j, k in enumerate(inner)})
-        nodes = [inner[k] for k in inner]
-    parts = []
-    for node in nodes:
-        node = node.substitute(names)
-        parts.append((node.func, node.args, node.kwargs) if isinstance(node, Task) else node)
-    return tokenize(parts)
+def _pull_downstream(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
+                     dependencies: Mapping[Key, Any], pullable: Collection[Key] | None) -> dict[Key, Mapping[str, Any]]:
+    """``specs`` with the unannotated tasks (among ``pullable``, ``None``: all) that read only annotated
+    tasks of the graph (the partial sums of an annotated collection's reduction), which take the
+    annotation of the first they read."""
+    out = dict(specs)
+    for k in topological(list(dsk), dependencies):
+        if k not in out and (pullable is None or k in pullable):
+            inside = [d for d in dependencies[k] if d in dsk]
+            if inside and all(d in out for d in inside):
+                out[k] = out[inside[0]]
+    return out
 
 
-def run_members(members: tuple[Task, ...], declared: tuple[str, ...], dep_keys: tuple[Key, ...],
-                *dep_values: Any) -> tuple[Any, ...]:
-    """Body of a group task: evaluate each member task on the group's inputs."""
-    values = dict(zip(dep_keys, dep_values, strict=True))
-    deps = [tuple(sorted(m.dependencies, key=str)) for m in members]
-    calls = [MemberCall(m, d) for m, d in zip(members, deps)]
-    inputs = [[values[k] for k in d] for d in deps]
-    return tuple(run_group(calls, inputs, declared, lambda: [member_token(m, d) for m, d in zip(members, deps)]))
+def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],
+                   dependents: Mapping[Key, set[Key]], places: Mapping[Key, Any],
+                   parts: Mapping[Any, int], pullable: Collection[Key] | None = None) -> dict[Key, GraphNode]:
+    """The graph with annotated tasks run as fragments.
 
-
-def group_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],
-                dependents: Mapping[Key, set[Key]],
-                places: Mapping[Key, Any] | None = None) -> dict[Key, GraphNode]:
-    """The graph with annotated tasks grouped.
-
-    ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to group; ``keep``
-    are the keys the caller asks for. Those, tasks read by something other than a plain task, and
-    tasks next to a special one (a subclass of ``Task``, such as the barrier of a P2P shuffle, whose
-    transfer and output tasks Dask's shuffle extension tracks by key) are not grouped.
+    ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
+    ``keep`` are the keys the caller asks for. Those, tasks read by something other than a plain
+    task, and tasks next to a special one (a subclass of ``Task``, such as the barrier of a P2P
+    shuffle, whose transfer and output tasks Dask's shuffle extension tracks by key) stay tasks.
     ``dependents`` is the graph's reverse dependency map (:func:`dask.core.reverse_dict`);
-    ``places`` (optional) says where each task may run, and only tasks of one place are grouped
-    together.
+    ``places[key]`` says where each annotated task may run (``None``: anywhere) and ``parts[place]``
+    how many fragments to cut the sources of a place into (its worker threads). The smallest
+    ``group`` of the annotations caps the sources per fragment. Unannotated tasks that read only
+    annotated ones join them (those among ``pullable``, ``None``: any).
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
+    specs = _pull_downstream(dsk, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) is not Task}
-    order = [k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
-             and not dependencies[k] & special
-             and all(type(dsk[c]) is Task for c in dependents.get(k, ()))]
-    groups = plan_groups(order, {k: specs[k]["group"] for k in order}, dependencies, places)
-    if not groups:
+    candidates = {k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
+                  and not dependencies[k] & special
+                  and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
+    caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
+    fragments = plan_fragments(list(dsk), dependencies, candidates, {k: places.get(k) for k in candidates}, parts,
+                               min(caps) if caps else None)
+    if not fragments:
         return dict(dsk)
-    token = tokenize(sorted(map(str, order)), [len(g) for g in groups])
+    token = tokenize(sorted(map(str, candidates)), [len(f) for f in fragments])
     picks: dict[Key, Task] = {}
-    for n, members in enumerate(groups):
-        for i, m in enumerate(members):
-            picks[m] = Task(m, operator.getitem, TaskRef((f"{GROUP_PREFIX}-{token}", n)), i)
+    made: dict[Key, list[Key]] = {}
+    for n, members in enumerate(fragments):
+        inside = set(members)
+        outputs = [m for m in members if dependents.get(m, set()) - inside]
+        fkey = (f"{FRAGMENT_PREFIX}-{token}", n)
+        made[fkey] = members
+        for i, m in enumerate(outputs):
+            picks[m] = Task(m, pick, TaskRef(fkey), i)
 
     def rewritten(k: Key) -> GraphNode:
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in picks}
-    for n, members in enumerate(groups):
-        gkey = (f"{GROUP_PREFIX}-{token}", n)
-        tasks = tuple(rewritten(m) for m in members)
-        dep_keys = tuple(sorted(set().union(*(t.dependencies for t in tasks)), key=str))
-        out[gkey] = Task(gkey, run_members, DataNode(None, tasks),
-                         DataNode(None, tuple(specs[m]["resource"] for m in members)),
-                         DataNode(None, dep_keys), *(TaskRef(d) for d in dep_keys))
+    members_of = {m for ms in made.values() for m in ms}
+    out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
+    for fkey, members in made.items():
+        inside = set(members)
+        fragment = Fragment({m: dsk[m] for m in members}, [m for m in members if dependents.get(m, set()) - inside],
+                            {m: specs[m]["resource"] for m in members})
+        out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment), *(TaskRef(d) for d in fragment.inputs))
     return out

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from dask.typing import Key
 
 from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
-from dask_octopus.groups.rewrite import group_graph, group_members, run_members
+from dask_octopus.groups.rewrite import fragment_graph, fragment_members
+from dask_octopus.groups.streams import run_fragment
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -61,22 +62,68 @@ def _inputs(ts: TaskState) -> list[TaskState]:
     return out
 
 
-def _place(ts: TaskState) -> Hashable:
-    """Where a task may run, as one hashable value: its restrictions and, when its inputs are
-    already in memory, the worker holding most of their bytes (so that a group does not pull the
-    inputs of members that live on different workers to one of them)."""
+def _home(inputs: Iterable[TaskState]) -> str | None:
+    """The worker holding most bytes of ``inputs`` that are in memory (``None``: none is)."""
     held: dict[str, int] = {}
-    for dts in _inputs(ts):
+    for dts in inputs:
         for ws in dts.who_has or ():
             held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
-    home = max(sorted(held), key=held.__getitem__) if held else None
-    return (frozenset(ts.worker_restrictions or ()), frozenset(ts.host_restrictions or ()),
-            tuple(sorted((ts.resource_restrictions or {}).items())), ts.loose_restrictions, home)
+    return max(sorted(held), key=held.__getitem__) if held else None
+
+
+def _place_of(workers: Iterable[str] = (), hosts: Iterable[str] = (), resources: Mapping[str, float] | None = None,
+              loose: bool = False, home: str | None = None) -> Hashable:
+    place = (frozenset(workers), frozenset(hosts), tuple(sorted((resources or {}).items())), loose, home)
+    return None if place == (frozenset(), frozenset(), (), False, None) else place
+
+
+def _place(ts: TaskState) -> Hashable:
+    """Where a task may run, as one hashable value (``None``: anywhere): its restrictions and, when
+    its inputs are already in memory, the worker holding most of their bytes (so that a fragment does
+    not pull the inputs of members that live on different workers to one of them)."""
+    return _place_of(ts.worker_restrictions or (), ts.host_restrictions or (), ts.resource_restrictions,
+                     ts.loose_restrictions, _home(_inputs(ts)))
+
+
+def _threads(scheduler: Scheduler, place: Hashable) -> int:
+    """The worker threads that can run tasks of ``place``: those of its one worker (a pin, or the
+    worker holding its inputs), else of all workers."""
+    workers = scheduler.workers
+    if place is not None:
+        restricted, home = place[0], place[4]
+        one = home if home is not None else (next(iter(restricted)) if len(restricted) == 1 else None)
+        if one in workers:
+            return max(1, workers[one].nthreads)
+    return max(1, sum(ws.nthreads for ws in workers.values()))
+
+
+def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: set[Key],
+                  dependents: Mapping[Key, set[Key]]) -> dict[Key, GraphNode] | None:
+    """Fragments of an optimized graph made where the optimizer runs, on the one scheduler of this
+    process (which has the plugin): the places of its marked tasks are their plans' workers or the
+    worker holding their inputs, as :func:`group_new_tasks` finds them later, but before Dask makes
+    a task state for each of the graph's tasks (most of the cost of a graph of small tasks). ``None``
+    when not exactly one such scheduler runs here (then the marks travel to ``update_graph``)."""
+    plugins = [p for p in hosts if p.scheduler is not None]
+    if len(plugins) != 1 or len(running_schedulers() or ()) != 1:
+        return None
+    plugin = plugins[0]
+    scheduler, placement = plugin.scheduler, plugin.placement
+    places: dict[Key, Hashable] = {}
+    for k in marks:
+        node = graph.get(k)
+        if node is None:
+            continue
+        worker = placement.planned_worker(k, node)
+        held = [scheduler.tasks[d] for d in node.dependencies if d not in graph and d in scheduler.tasks]
+        places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
+    return fragment_graph(graph, marks, keep, dependents, places,
+                          {p: _threads(scheduler, p) for p in set(places.values())})
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
     """A new task that only tasks of this graph read, that is not an output and not a group already."""
-    return (isinstance(ts.run_spec, Task) and ts.run_spec.func is not run_members and ts.key not in wanted
+    return (isinstance(ts.run_spec, Task) and ts.run_spec.func is not run_fragment and ts.key not in wanted
             and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
             and not any(d.exception_blame for d in ts.dependencies))
 
@@ -106,15 +153,18 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     orphans = [k for k, ts in new.items() if k in marks and k not in wanted and not ts.dependents
                and not ts.who_wants]
     new = {k: ts for k, ts in new.items() if k not in orphans}
-    specs = {k: m for k, m in marks.items() if k in new and _groupable(new[k], new, wanted)}
+    groupable = {k for k, ts in new.items() if _groupable(ts, new, wanted)}
+    specs = {k: m for k, m in marks.items() if k in groupable}
     if len(specs) < 2:
         return {}, orphans
     # in the order the marks carry (the graph's build order), else Dask's: the same work groups alike
     ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
     dsk = {k: new[k].run_spec for k in ranked}
     dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
-    out = group_graph(dsk, specs, set(), dependents, {k: _place(new[k]) for k in specs})
-    made = {k: group_members(node) for k, node in out.items() if k not in new}
+    places = {k: _place(new[k]) for k in specs}
+    out = fragment_graph(dsk, specs, set(), dependents, places,
+                         {p: _threads(scheduler, p) for p in set(places.values()) | {None}}, groupable)
+    made = {k: fragment_members(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already
         return {}, orphans
     computation = scheduler.computations[-1] if scheduler.computations else None

@@ -23,14 +23,17 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask.utils
 from dask.sizeof import sizeof
 
 from dask_octopus import config
-from dask_octopus.groups.planning import launch_order
-from dask_octopus.groups.replay import CaptureRefused, GraphCache, capture
+from dask_octopus.groups.planning import assign_streams, launch_order
+from dask_octopus.groups.replay import CaptureRefused, GraphCache, capture, capture_fragment
+
+if TYPE_CHECKING:
+    from dask_octopus.groups.fragment import Fragment
 
 logger = logging.getLogger(__name__)
 EXTENSION = "octopus-streams"  #: the name of the :class:`StreamRuntime` in ``Worker.extensions``
@@ -92,6 +95,7 @@ class StreamRuntime:
         self.max_classes = max_classes
         self.bandwidth = bandwidth
         self.classes = OrderedDict()
+        self.layouts: OrderedDict[tuple, FragmentLayout] = OrderedDict()
         self.last_refusal = None
         self.groups = self.members = 0
         self._local = threading.local()
@@ -111,6 +115,22 @@ class StreamRuntime:
         while len(pool) < n:
             pool.append(cp.cuda.Stream(non_blocking=True))
         return pool[:n]
+
+    def layout(self, fragment: Fragment) -> FragmentLayout:
+        """The fragment's :class:`FragmentLayout` over ``octopus.streams.max-streams`` streams, made
+        once per fragment seen on this worker (by its steps' names) and remembered with the graphs."""
+        names = tuple(name for name, _, _ in fragment.steps)
+        with self._lock:
+            layout = self.layouts.get(names)
+            if layout is not None:
+                self.layouts.move_to_end(names)
+                return layout
+        layout = FragmentLayout(fragment, config.get("streams.max-streams"))
+        with self._lock:
+            self.layouts[names] = layout
+            while len(self.layouts) > self.max_graphs:
+                self.layouts.popitem(last=False)
+        return layout
 
     def graph_cache(self) -> GraphCache:
         """This thread's captured groups."""
@@ -229,7 +249,7 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
             cache.add(signature, graph)
         if graph is not None:
             cache.replays += 1
-            results = graph.replay(cp, inputs, streams[0])
+            results = graph.replay(cp, [x for xs in inputs for x in xs], streams[0])
             streams[0].synchronize()
             return results
     return run_on_streams(cp, rt, members, member_tokens, inputs, known, order, streams, sizes)
@@ -268,3 +288,148 @@ def run_on_streams(cp: Any, rt: StreamRuntime, members: Sequence[Callable[..., A
         end.synchronize()
         rt.classify(tokens[i], inputs[i], results[i], cp.cuda.get_elapsed_time(start, end) / 1e3)
     return results
+
+
+class FragmentLayout:
+    """How a fragment runs on a GPU worker: the stream of each step (:func:`assign_streams`), the
+    steps whose result another stream reads (an event is recorded after them, and their values stay
+    alive until the fragment's end: memory freed while another stream may still read it could be
+    reused early), and the fragment's structure (for its capture signature)."""
+
+    def __init__(self, fragment: Fragment, streams: int):
+        self.streams = assign_streams(fragment.deps, streams)
+        self.used = len(set(self.streams))
+        self.shared = {j for i, deps in enumerate(fragment.deps) for j in deps if self.streams[j] != self.streams[i]}
+        self.structure = fragment.structure()
+
+
+class StepFailed:
+    """The value of a fragment step that raised, or that read such a value: the steps that do not
+    depend on it still run, and a task that reads it from the fragment raises ``error``
+    (:func:`pick`), as it would have raised reading the failed task's result without fragments."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self) -> tuple:
+        return (StepFailed, (self.error,))
+
+
+def pick(outputs: Sequence[Any], i: int) -> Any:
+    """Output ``i`` of a fragment task, raising the error of a step that failed."""
+    value = outputs[i]
+    if type(value) is StepFailed:
+        raise value.error
+    return value
+
+
+def _step(name: Any, node: Any, reads: Sequence[tuple[Any, Any]], values: dict) -> Any:
+    args = {}
+    for k, v in reads:
+        value = args[k] = values[v]
+        if type(value) is StepFailed:
+            return value
+    try:
+        return node(args)
+    except Exception as e:
+        e.add_note(f"dask_octopus: raised by task {name!r} of a fragment")
+        return StepFailed(e)
+
+
+def walk(fragment: Fragment, values: dict) -> None:
+    """Run the steps one after the other into ``values`` (names to values), dropping each value after
+    its last reader."""
+    for (name, node, reads), drop in zip(fragment.steps, fragment.drop):
+        values[name] = _step(name, node, reads, values)
+        for d in drop:
+            del values[d]
+
+
+def launch(fragment: Fragment, layout: FragmentLayout, values: dict, streams: Sequence[Any]) -> list[Any]:
+    """Launch the steps on their streams into ``values``, waiting on an event where a step reads
+    another stream's result; returns the values kept alive for other streams (the caller holds them
+    until those streams are done)."""
+    events: dict[int, Any] = {}
+    held = []
+    position = {name: i for i, (name, _, _) in enumerate(fragment.steps)}
+    for i, ((name, node, reads), drop) in enumerate(zip(fragment.steps, fragment.drop)):
+        s = streams[layout.streams[i]]
+        for j in fragment.deps[i]:
+            if j in layout.shared and layout.streams[j] != layout.streams[i]:
+                s.wait_event(events[j])
+        with s:
+            values[name] = _step(name, node, reads, values)
+            if i in layout.shared:
+                events[i] = s.record()
+        for d in drop:
+            value = values.pop(d)
+            if position.get(d) in layout.shared:
+                held.append(value)
+    return held
+
+
+def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
+    """Body of a fragment task: run its steps on ``inputs`` (the values of ``fragment.inputs``) and
+    return the values of ``fragment.outputs``.
+
+    On a CPU worker the steps run one after the other. On a GPU worker a chain of steps stays on one
+    stream of the thread's pool and independent chains take other streams; events order the steps
+    that read another stream's result, and the fragment ends with one synchronisation of its
+    streams. A fragment whose inputs are ``octopus.streams.large-bytes`` or more on average fills
+    the GPU with each step: it runs on the task's own stream, as Dask would run it. A fragment seen
+    again with the same structure and input shapes is captured as one multi-stream CUDA graph and
+    replayed; inputs that are the very buffers of the capture (persisted blocks) are read in place.
+    A step that raises does not stop the others: its value, and that of every step that reads it,
+    is a :class:`StepFailed` holding its exception (with the step's key in its notes), which the
+    tasks that read it from the fragment raise."""
+    values = dict(zip(fragment.inputs, inputs, strict=True))
+    rt = runtime()
+    rt.count(len(fragment.steps))
+    cp = _cupy()
+    if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
+            config.get("streams.large-bytes"))):
+        return _run_on_gpu(cp, rt, fragment, values, inputs)
+    walk(fragment, values)
+    return tuple(values[o] for o in fragment.outputs)
+
+
+def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
+                inputs: Sequence[Any]) -> tuple[Any, ...]:
+    layout = rt.layout(fragment)
+    streams = rt.streams(cp, layout.used)
+    ready = cp.cuda.get_current_stream().record()
+    for s in streams:
+        s.wait_event(ready)
+    if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
+        shapes = _signature(layout.structure, inputs)
+        pointers = tuple((x.data.ptr, x.strides) for x in inputs)
+        cache = rt.graph_cache()
+        graph = cache.get((shapes, pointers)) or cache.get(shapes)
+        if graph is None:
+            for signature, in_place in (((shapes, pointers), True), (shapes, False)):
+                if cache.should_capture(signature):
+                    try:
+                        graph = capture_fragment(cp, lambda v, st: launch(fragment, layout, v, st), values,
+                                                 fragment.inputs, fragment.outputs, streams, in_place)
+                    except CaptureRefused as e:
+                        rt.last_refusal = str(e)
+                        logger.debug("dask_octopus: fragment not captured, it runs eagerly: %s", e)
+                        streams = rt.streams(cp, layout.used, fresh=True)
+                        for s in streams:
+                            s.wait_event(ready)
+                    cache.add(signature, graph)
+                    break
+        if graph is not None:
+            cache.replays += 1
+            out = graph.replay(cp, inputs, streams[0])
+            streams[0].synchronize()
+            return tuple(out)
+    try:
+        held = launch(fragment, layout, values, streams)
+    finally:  # also when a step raises: the steps launched before it must end before their inputs go
+        for s in streams:
+            s.synchronize()
+    del held
+    return tuple(values[o] for o in fragment.outputs)

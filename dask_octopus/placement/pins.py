@@ -146,6 +146,12 @@ class Placement:
             self.stealable_keys.add(ts.key)
         return True
 
+    def planned_worker(self, key: Key, run_spec: Any) -> str | None:
+        """The worker that the task ``key`` (or a task fused into it) is pinned to by a plan, if any
+        (``None`` also for a stealable block, which may run elsewhere)."""
+        block = self._planned_block(key, run_spec)
+        return self.worker_of(block) if block is not None and not self.stealable(block) else None
+
     def inherit(self, key: Key, member: Key) -> None:
         """Pin the new task ``key``, which does the work of ``member``, with ``member``'s block."""
         if member in self.pins:

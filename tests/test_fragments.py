@@ -1,0 +1,218 @@
+"""Fragments: a worker's share of an annotated graph runs as one task, chains and reductions included.
+
+Exact results against the unannotated computation, how many tasks ran, a failing member (its own
+key's error, the other outputs intact), a worker killed mid-fragment, and the GPU executor's streams
+and events (with a stand-in for CuPy on CPU machines).
+"""
+
+import time
+
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from dask.utils import key_split
+from distributed import Nanny, futures_of, wait
+from distributed.utils_test import async_poll_for, gen_cluster
+from test_balance import setup
+from test_documented import fake_gpu  # noqa: F401 (a fixture)
+
+import dask_octopus
+from dask_octopus._compat import DataNode, Task, TaskRef
+from dask_octopus.groups import streams
+from dask_octopus.groups.fragment import Fragment
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+
+
+def chain(b):
+    """A few elementwise steps on a block."""
+    return np.sqrt(b * 2.0 + 1.0) - 0.5
+
+
+def fail_on_block_3(b, block_info=None):
+    if block_info and block_info[0]["chunk-location"][0] == 3:
+        raise ValueError("block 3 is broken")
+    return b + 1
+
+
+@pytest.fixture
+def blocks():
+    return da.random.default_rng(0).random((256 * 4, 6), chunks=(4, 6))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_whole_compute_runs_as_one_fragment_and_the_top_of_the_tree(c, s, a, blocks):
+    rec = await setup(c, s, [1.0])
+    x = await c.persist(blocks)
+    await wait(x)
+    expected = await c.compute(x.map_blocks(chain).sum())
+    plain = len(rec.worker)
+    rec.worker.clear()
+    with dask_octopus.annotate():
+        got = await c.compute((x + 0).map_blocks(chain).sum())  # new keys
+    assert got == pytest.approx(expected, rel=1e-12)
+    ran = [key_split(k) for k in rec.worker]
+    assert ran.count(FRAGMENT_PREFIX) == 1  # one thread, the blocks persisted there: one fragment
+    assert len(ran) <= 3 and plain > 500, ran  # the fragment, the top of the sum (and finalize)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_readme_pattern_pulls_the_partial_sums_into_the_fragment(c, s, a, blocks):
+    rec = await setup(c, s, [1.0])
+    x = await c.persist(blocks)
+    await wait(x)
+    expected = await c.compute(x.map_blocks(chain).sum())
+    rec.worker.clear()
+    with dask_octopus.annotate():  # around building the collection only
+        y = (x + 0).map_blocks(chain)
+    assert await c.compute(y.sum()) == pytest.approx(expected, rel=1e-12)
+    ran = [key_split(k) for k in rec.worker]
+    assert ran.count(FRAGMENT_PREFIX) == 1 and len(ran) <= 3, ran
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_worker_s_threads_each_run_a_fragment(c, s, a, blocks):
+    rec = await setup(c, s, [1.0])
+    x = await c.persist(blocks)
+    await wait(x)
+    with dask_octopus.annotate():
+        got = await c.compute((x + 0).map_blocks(chain).sum())
+    assert got == pytest.approx(float(chain(blocks.compute(scheduler="sync")).sum()), rel=1e-12)
+    assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_failing_member_fails_only_its_own_outputs(c, s, a, blocks):
+    rec = await setup(c, s, [1.0])
+    with dask_octopus.annotate():
+        y = blocks.map_blocks(fail_on_block_3)
+    z = c.persist(y.rechunk((8, 6)))  # block i of z joins blocks 2i and 2i + 1 of y, which form fragments
+    futures = futures_of(z)
+    await wait(futures)
+    assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+    expected = blocks.compute(scheduler="sync") + 1
+    for f in futures:
+        i = f.key[1]
+        if i == 1:  # it reads block 3 of y
+            error = await f.exception()
+            assert isinstance(error, ValueError) and "block 3 is broken" in str(error)
+            notes = getattr(error, "__notes__", [])
+            assert any("raised by task" in n and "fail_on_block_3" in n and ", 3, 0)" in n for n in notes), notes
+        else:
+            np.testing.assert_array_equal(await f, expected[8 * i:8 * i + 8])
+
+
+def slow_chain(b):
+    """:func:`chain`, slowly, telling the test which worker ran it."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    worker.log_event("slow-chain", {"worker": worker.address})
+    time.sleep(0.05)
+    return chain(b)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_a_worker_killed_mid_fragment_loses_nothing(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.random.default_rng(2).random((64 * 4, 6), chunks=(4, 6))
+    expected = float(chain(x.compute(scheduler="sync")).sum())
+    with dask_octopus.annotate():
+        fut = c.compute(x.map_blocks(slow_chain, dtype=float).sum())  # 64 blocks of 50 ms in two fragments
+    victim = min(s.workers)
+
+    def started_on_victim():
+        return sum(m["worker"] == victim for _, m in s.get_events("slow-chain"))
+
+    await async_poll_for(lambda: started_on_victim() >= 2, timeout=30)  # its fragment is running
+    assert not fut.done()
+    await (a if a.worker_address == victim else b).kill()
+    assert await fut == pytest.approx(expected, rel=1e-12)
+    assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) >= 2  # the survivor's and the re-run
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_dataframe_map_partitions_then_groupby_agg(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    frame = pd.DataFrame({"k": np.arange(800) % 7, "v": np.arange(800.0)})
+    df = dd.from_pandas(frame, npartitions=16)
+    expected = frame.assign(v=np.sqrt(frame.v + 1)).groupby("k").agg({"v": ["sum", "max"]})
+    with dask_octopus.annotate():
+        got = await c.compute(df.map_partitions(lambda p: p.assign(v=np.sqrt(p.v + 1))).groupby("k").agg(
+            {"v": ["sum", "max"]}))
+    pd.testing.assert_frame_equal(got.sort_index(), expected)
+    assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+
+
+def inc(x):
+    return x + 1
+
+
+def add(x, y):
+    return x + y
+
+
+def two_chains():
+    """Steps of two independent chains (``a``: three steps, ``b``: two) and a step joining them."""
+    graph = {"a1": Task("a1", inc, TaskRef("x")), "a2": Task("a2", inc, TaskRef("a1")),
+             "a3": Task("a3", inc, TaskRef("a2")), "b1": Task("b1", inc, TaskRef("y")),
+             "b2": Task("b2", inc, TaskRef("b1")), "j": Task("j", add, TaskRef("a3"), TaskRef("b2")),
+             "c": Task("c", add, TaskRef("a3"), DataNode(None, 10))}
+    return Fragment(graph, ["j", "c"], dict.fromkeys(graph, "memory"))
+
+
+def test_fragment_walks_its_steps_and_frees_intermediates():
+    frag = two_chains()
+    assert frag.inputs == ("x", "y") and frag.outputs == ("j", "c")
+    assert streams.run_fragment(frag, 1, 100) == (1 + 3 + 100 + 2, 1 + 3 + 10)
+    alive = {}
+    for (name, _, _), drop in zip(frag.steps, frag.drop):
+        alive[name] = True
+        for d in drop:
+            alive.pop(d, None)
+    assert set(alive) == {"j", "c"}  # every intermediate is dropped after its last reader
+
+
+def test_fused_members_are_flattened_once_and_keep_their_keys():
+    import dask
+
+    from dask_octopus._compat import convert_legacy_graph, execute_subgraph
+
+    x = da.from_array(np.arange(32.0).reshape(8, 4), chunks=(2, 4))
+    (y,) = dask.optimize(x.map_blocks(inc).map_blocks(inc).sum(axis=1))
+    graph = convert_legacy_graph(dict(y.__dask_graph__()))
+    fused = {k: v for k, v in graph.items() if isinstance(v, Task) and v.func is execute_subgraph}
+    assert fused  # Dask fused each block's chain
+    frag = Fragment(fused, list(fused), dict.fromkeys(fused, "memory"))
+    assert not any(node.func is execute_subgraph for _, node, _ in frag.steps if isinstance(node, Task))
+    assert set(frag.covers) > set(fused)  # the members and the keys fused into them
+    got = streams.run_fragment(frag, *[graph[k]({}) for k in frag.inputs])
+    expected = (np.arange(32.0).reshape(8, 4) + 2).sum(axis=1)
+    assert sorted(np.concatenate(got).tolist()) == sorted(expected.tolist())
+
+
+def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, monkeypatch):  # noqa: F811
+    from test_documented import FakeStream
+
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+    ran_on, waits = {}, []
+    monkeypatch.setattr(FakeStream, "wait_event", lambda self, event: waits.append(self.name))
+
+    def spy(name, func):
+        def run(*args):
+            ran_on[name] = cp.cuda.get_current_stream().name
+            return func(*args)
+
+        return run
+
+    frag = two_chains()  # the steps report their stream (the fake has no device arrays: no capture)
+    frag.steps = tuple((name, Task(name, spy(name, node.func), *node.args), reads) for name, node, reads in frag.steps)
+    assert streams.run_fragment(frag, 1, 100) == (106, 14)
+    assert ran_on["a1"] == ran_on["a2"] == ran_on["a3"] and ran_on["b1"] == ran_on["b2"]
+    assert ran_on["a1"] != ran_on["b1"] and "task's own" not in ran_on.values()
+    assert ran_on["j"] == ran_on["a1"]  # the join continues the first chain it reads
+    assert ran_on["c"] not in (ran_on["a1"], ran_on["b1"])  # a3's second reader starts a branch
+    # each pool stream waits once for the inputs; j waits for chain b, c for chain a
+    assert sorted(waits) == sorted([ran_on["a1"], ran_on["b1"], ran_on["c"], ran_on["j"], ran_on["c"]])
