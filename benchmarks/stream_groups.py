@@ -1,7 +1,11 @@
-"""Benchmark stream groups (``dask_octopus.annotate``) on one worker against strong baselines.
+"""Benchmark fragments (``dask_octopus.annotate``) on one worker against strong baselines.
 
 Operations (each variant interleaved with the others, run after run; medians reported):
 
+- ``chain-sum``: 1024 blocks (256x384 float32 on GPU, 64x96 on CPU), an 8-kernel elementwise chain,
+  then a sum: Dask, the whole compute annotated (first run; repeated: replayed as a CUDA graph on
+  GPU), the README pattern (``annotate`` around ``map_blocks`` only), the plain loop in this process
+  and, on GPU, the floor: that loop captured as one CUDA graph over 8 streams.
 - ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``.
 - ``dataframe``: the same on a dask-expr dataframe of ``blocks`` partitions (pandas), computed inside
   ``annotate``: grouped by the scheduler plugin, since dataframes ignore layer annotations.
@@ -40,6 +44,7 @@ from dask_octopus.bench.experiment import local_cluster
 from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.small_tasks import run_small_tasks
 from dask_octopus.bench.workloads import (
     array_module,
     frame_pipeline,
@@ -79,6 +84,16 @@ def summarise(results: dict[str, dict[str, Any]], reference: str) -> dict[str, A
                        f"speedup_vs_{reference}": base / med if base and med else None,
                        "same_values_as_reference": same(r["value"], ref["value"]) if "value" in r else None}
     return table
+
+
+def op_chain_sum(client: Client, gpu: bool, runs: int) -> dict[str, Any]:
+    """1024 blocks (256x384 float32 on GPU, 64x96 on CPU) through the 8-kernel chain, then a sum: Dask,
+    the whole compute annotated (first run, then repeated), the README pattern, a plain loop in this
+    process and, on GPU, that loop captured as one CUDA graph (:mod:`dask_octopus.bench.small_tasks`)."""
+    shape = (256, 384) if gpu else (64, 96)
+    timings = run_small_tasks(client, gpu=gpu, blocks=1024, shape=shape, runs=runs, group=None)
+    return {"config": {"blocks": 1024, "block": list(shape)},
+            "variants": {t.label: {"how": t.how, "seconds": t.seconds, "median": t.median()} for t in timings}}
 
 
 def op_tiny(client: Client, gpu: bool, blocks: int, group: int, runs: int, warmup: int) -> dict[str, Any]:
@@ -281,9 +296,9 @@ def op_mixed(runs: int) -> dict[str, Any]:
 
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--operations", default="tiny,dataframe,frames,large,mixed", show_default=True)
+@click.option("--operations", default="chain-sum,tiny,dataframe,frames,large,mixed", show_default=True)
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
-@click.option("--group", type=int, default=8, show_default=True)
+@click.option("--group", type=int, default=None, help="most blocks per fragment [default: one per worker thread]")
 @click.option("--blocks", type=int, default=512, show_default=True, help="tiny, dataframe: number of blocks")
 @click.option("--scale", type=float, default=1.0, show_default=True, help="frames: side scale (CPU: 0.1)")
 @click.option("--sets", type=int, default=10, show_default=True, help="frames: sets per run")
@@ -299,7 +314,7 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
     console = make_console()
     gpu = kind == "gpu"
     ops = [o for o in operations.split(",") if o]
-    unknown = set(ops) - {"tiny", "dataframe", "frames", "large", "mixed"}
+    unknown = set(ops) - {"chain-sum", "tiny", "dataframe", "frames", "large", "mixed"}
     if unknown:
         raise click.BadParameter(f"unknown operations {sorted(unknown)}", param_hint="--operations")
     if "mixed" in ops and not gpu:
@@ -310,7 +325,9 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
         dask_octopus.register(client)
         for op in ops:
             console.print(f"[bold]{op}[/bold]")
-            if op == "tiny":
+            if op == "chain-sum":
+                r = op_chain_sum(client, gpu, runs)
+            elif op == "tiny":
                 r = op_tiny(client, gpu, blocks, group, runs, warmup_runs)
             elif op == "dataframe":
                 r = op_dataframe(client, blocks, group, runs, warmup_runs)

@@ -39,13 +39,14 @@ def main() -> None:
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="balance: slow one worker down")
 @click.option("--blocks", type=int, default=None, help="tasks: number of small blocks [default: 512 cpu, 1024 gpu]")
 @click.option("--runs", type=int, default=3, show_default=True, help="tasks: timed runs per variant")
-@click.option("--group", type=int, default=64, show_default=True, help="tasks: most tasks per stream group")
+@click.option("--group", type=int, default=None,
+              help="tasks: most blocks per fragment [default: one fragment per worker thread]")
 @click.option("--out", default="octopus-demo", show_default=True, help="folder for the PNGs")
 @protocol_option
 def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
-         blocks: int | None, runs: int, group: int, out: str, protocol: str) -> None:
+         blocks: int | None, runs: int, group: int | None, out: str, protocol: str) -> None:
     """Both halves of dask_octopus on this machine: balance (two workers, one slowed by a co-tenant) and
-    small tasks (Dask's per-task cost against stream groups and a plain loop), each with a table and a PNG."""
+    small tasks (Dask's per-task cost against fragments and a plain loop), each with a table and a PNG."""
     from dask_octopus.bench.demo import place_parts, run_demo  # the harness: the "bench" extra (matplotlib)
 
     gpus = gpu_count()

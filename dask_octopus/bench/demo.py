@@ -4,7 +4,7 @@
    blocks against ``balance``, with the ideal beside them. On two GPUs or more a
    ``LocalCUDACluster``; otherwise a 2-worker CPU ``LocalCluster`` (the co-tenant on one core).
 2. **Small tasks** (one worker): many small blocks through an elementwise chain and a sum, in Dask,
-   in stream groups (``annotate``: first run, then repeated, replayed as CUDA graphs on a GPU), and
+   in fragments (``annotate``: first run, then repeated, replayed as CUDA graphs on a GPU), and
    as a plain loop in this process, with the floor beside them on a GPU.
 """
 
@@ -135,7 +135,7 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
             "seconds": {v.name: v.seconds() for v in results.values()}}
 
 
-def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int, out: str, console: Console,
+def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int | None, out: str, console: Console,
               protocol: str = "tcp") -> dict[str, Any]:
     """The small-tasks part on a one-worker cluster over ``protocol``: print its table and write its bar
     chart PNG. ``blocks`` defaults to 1024 on a GPU, 512 on CPU (Dask's cost per task is the same; the
@@ -158,7 +158,7 @@ def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int, out: str,
 
 
 def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None, width: int | None,
-             passes: int, blocks: int | None, runs: int, group: int, out: str, console: Console,
+             passes: int, blocks: int | None, runs: int, group: int | None, out: str, console: Console,
              cotenant: bool = True) -> dict[str, Any]:
     """Run the parts of the demo placed by :func:`place_parts` on a machine with ``gpus`` GPUs, each
     with its table and PNG under ``out``; returns their figures."""
@@ -177,7 +177,7 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
                                          passes=passes, out=out, console=console, cotenant=cotenant,
                                          protocol=where.protocol)
     if where.tasks:
-        console.rule("Small tasks: Dask's per-task cost against stream groups")
+        console.rule("Small tasks: Dask's per-task cost against fragments")
         figures["tasks"] = run_tasks(gpu=where.tasks == "gpu", blocks=blocks, runs=runs, group=group, out=out,
                                      console=console, protocol=where.protocol)
     return figures

@@ -1,5 +1,5 @@
 """Many small blocks through an elementwise chain and a sum, on one worker: Dask's per-task cost
-against stream groups (``annotate``), a plain loop in the client process and, on GPU, the floor of
+against fragments (``annotate``), a plain loop in the client process and, on GPU, the floor of
 that loop captured once as a CUDA graph.
 
 Each block is small enough that Dask's cost per task (about 1 ms on a CPU worker, 2-4 ms on a
@@ -71,7 +71,7 @@ def _floor(blocks: list[Any], runs: int) -> list[float] | None:
 
 
 def run_small_tasks(client: Client, *, gpu: bool, blocks: int, shape: tuple[int, int], runs: int,
-                    group: int) -> list[Timing]:
+                    group: int | None) -> list[Timing]:
     """Time the ways of running ``blocks`` blocks of ``shape`` through :func:`chain_sum` on the
     client's (one) worker, and the loop in this process; checks that they agree."""
     xp = array_module(gpu)
@@ -87,11 +87,18 @@ def run_small_tasks(client: Client, *, gpu: bool, blocks: int, shape: tuple[int,
         with dask_octopus.annotate(resource="memory", group=group):
             return float(client.compute(chain_sum(x, name)).result())
 
+    def readme_pattern() -> float:  # annotate around building the blocks; the sum's partials join them
+        with dask_octopus.annotate(resource="memory", group=group):
+            y = x.map_blocks(elementwise_chain, name=f"chain-pattern-{next(counter)}", dtype=x.dtype)
+        return float(client.compute(y.sum()).result())
+
     replays = "CUDA graphs replayed" if gpu else "no CUDA graphs on CPU: eager again"
     ways = {
         "dask": Timing("Dask, unannotated", "one task per block and per partial sum"),
-        "first": Timing("annotated, first run", f"groups of up to {group} tasks, eager"),
-        "again": Timing("annotated, repeated", f"the same groups, {replays}"),
+        "first": Timing("annotated, first run", "one fragment per worker thread, eager" if group is None
+                        else f"fragments of up to {group} blocks, eager"),
+        "again": Timing("annotated, repeated", f"the same fragments, {replays}"),
+        "pattern": Timing("README pattern, repeated", "annotate() around map_blocks only, .sum() outside"),
         "loop": Timing("plain loop in the client", "no Dask: one Python loop over the blocks"),
     }
     through_dask(False)  # warm-up: kernel compilation, first allocations
@@ -101,6 +108,7 @@ def run_small_tasks(client: Client, *, gpu: bool, blocks: int, shape: tuple[int,
     through_dask(True)  # the second sighting of a group: captured (GPU)
     measured = interleave({"dask": lambda run: timed(lambda: through_dask(False)),
                            "again": lambda run: timed(lambda: through_dask(True)),
+                           "pattern": lambda run: timed(readme_pattern),
                            "loop": lambda run: timed(lambda: _loop(local_blocks, xp))}, runs)
     for key, results in measured.items():
         ways[key].seconds = [s for s, _ in results]

@@ -17,7 +17,7 @@ from typing import Any
 from dask.base import tokenize
 from dask.typing import Key
 
-from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_subgraph
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.planning import interleave, topological
 
 
@@ -94,16 +94,36 @@ class Fragment:
         self.covers = tuple(dict.fromkeys(covers))
         self.members: tuple[Key, ...] = tuple(members)
 
-    def structure(self) -> str:
-        """What the fragment computes, whatever its keys: its steps' functions and constants, with the
-        values they read named by position. Equal structures on equal input shapes do equal work."""
-        position = {name: f"octopus-in-{j}" for j, name in enumerate(self.inputs)}
-        position.update((name, f"octopus-step-{i}") for i, (name, _, _) in enumerate(self.steps))
+    def structure(self) -> int:
+        """What the fragment computes, whatever its keys: a hash of its steps' functions and constants,
+        with the values they read named by position (constants that cannot be hashed, such as arrays,
+        are tokenized). Equal structures on equal input shapes do equal work, within this process."""
+        position = {name: ("in", j) for j, name in enumerate(self.inputs)}
+        position.update((name, ("step", i)) for i, (name, _, _) in enumerate(self.steps))
         parts = []
         for _, node, reads in self.steps:
-            node = node.substitute({k: position[v] for k, v in reads}) if reads else node
-            parts.append((node.func, node.args, node.kwargs) if isinstance(node, Task) else node)
-        return tokenize(parts, [position[o] for o in self.outputs])
+            where = {k: position[v] for k, v in reads}
+            parts.append(_shape(node, where))
+        return hash((tuple(parts), tuple(position[o] for o in self.outputs)))
 
-    def __len__(self) -> int:
-        return len(self.steps)
+
+def _shape(node: Any, where: Mapping[Key, Any]) -> Any:
+    """A hashable description of ``node`` with the values it reads replaced by ``where``."""
+    if isinstance(node, TaskRef):
+        return where[node.key]
+    if isinstance(node, DataNode):
+        return _shape(node.value, where)
+    if isinstance(node, Task):
+        kwargs = tuple(sorted((k, _shape(v, where)) for k, v in node.kwargs.items())) if node.kwargs else ()
+        return (node.func, tuple(_shape(a, where) for a in node.args), kwargs)
+    if isinstance(node, Alias):
+        return ("alias", where[node.target])
+    if isinstance(node, GraphNode):  # another kind of node (a list or dict of tasks): by its token
+        return tokenize(node.substitute({k: str(v) for k, v in where.items()}))
+    if isinstance(node, (tuple, list)):
+        return (type(node), tuple(_shape(a, where) for a in node))
+    try:  # scalars, dtypes, functions: themselves (within this process)
+        hash(node)
+    except TypeError:  # arrays and other mutable constants: by their token
+        return tokenize(node)
+    return (type(node), node)
