@@ -53,7 +53,7 @@ p=(--protocol "$protocol")
 step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
 step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
 step 80 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 "${p[@]}" --out "$run"
-step 180 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 "${p[@]}" --out "$run"
+step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 "${p[@]}" --out "$run"
 step 260 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
 step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"

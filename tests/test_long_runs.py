@@ -1,4 +1,8 @@
-"""1,000 balanced computes and 1,000 grouped map calls: the plugin's tables stay bounded and memory flat."""
+"""400 balanced computes and 400 grouped map calls: the plugin's tables stay bounded and memory flat.
+
+400 (0.2 s each on the 2-core CI machine) keeps the suite under its 10 minutes: the plans fill their
+bound of 50 after 50 runs, and the memory is compared over the last 200. ``OCTOPUS_LONG_N=1000`` runs
+the longer loop; the GPU validation's long run does 1,000."""
 
 import os
 import time
@@ -11,10 +15,10 @@ import dask_octopus
 
 long_run = load_script("benchmarks/long_run.py")
 
-N = int(os.environ.get("OCTOPUS_LONG_N", 1000))
+N = int(os.environ.get("OCTOPUS_LONG_N", 400))
 
 
-def test_thousand_balanced_computes_and_grouped_maps_keep_state_bounded():
+def test_many_balanced_computes_and_grouped_maps_keep_state_bounded():
     with dask.config.set({"octopus.max-plans": 50}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cl, \
             Client(cl) as c:
