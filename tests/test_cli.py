@@ -132,9 +132,11 @@ def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tm
 
     import psutil
 
+    # SIGINT as a terminal delivers it, also when this suite runs in the background (which ignores SIGINT)
     proc = subprocess.Popen([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--rows", "200000",
                              "--passes", "200", "--out", str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     seen = []
     for line in proc.stdout:  # wait until the co-tenant runs and the variants compute
         seen.append(line)
