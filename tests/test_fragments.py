@@ -166,12 +166,9 @@ def test_fragment_walks_its_steps_and_frees_intermediates():
     frag = two_chains()
     assert frag.inputs == ("x", "y") and frag.outputs == ("j", "c")
     assert streams.run_fragment(frag, 1, 100) == (1 + 3 + 100 + 2, 1 + 3 + 10)
-    alive = {}
-    for (name, _, _), drop in zip(frag.steps, frag.drop):
-        alive[name] = True
-        for d in drop:
-            alive.pop(d, None)
-    assert set(alive) == {"j", "c"}  # every intermediate is dropped after its last reader
+    values = {"x": 1, "y": 100}
+    streams.walk(frag, values)
+    assert values == {"j": 106, "c": 14}  # every input and intermediate is dropped after its last reader
 
 
 def test_fused_members_are_flattened_once_and_keep_their_keys():
