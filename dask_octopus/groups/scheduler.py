@@ -25,6 +25,7 @@ of a key changed between two ``update_graph`` calls: the consumers we rewrote.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from dask_octopus.groups.streams import run_fragment
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
 
+logger = logging.getLogger(__name__)
 hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process that group marked tasks
 
 
@@ -66,7 +68,7 @@ def _home(inputs: Iterable[TaskState]) -> str | None:
     """The worker holding most bytes of ``inputs`` that are in memory (``None``: none is)."""
     held: dict[str, int] = {}
     for dts in inputs:
-        for ws in dts.who_has or ():
+        for ws in list(dts.who_has or ()):  # a copy: the optimizer reads this off the event loop
             held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
     return max(sorted(held), key=held.__getitem__) if held else None
 
@@ -88,7 +90,7 @@ def _place(ts: TaskState) -> Hashable:
 def _threads(scheduler: Scheduler, place: Hashable) -> int:
     """The worker threads that can run tasks of ``place``: those of its one worker (a pin, or the
     worker holding its inputs), else of all workers."""
-    workers = scheduler.workers
+    workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
     if place is not None:
         restricted, home = place[0], place[4]
         one = home if home is not None else (next(iter(restricted)) if len(restricted) == 1 else None)
@@ -103,22 +105,27 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     process (which has the plugin): the places of its marked tasks are their plans' workers or the
     worker holding their inputs, as :func:`group_new_tasks` finds them later, but before Dask makes
     a task state for each of the graph's tasks (most of the cost of a graph of small tasks). ``None``
-    when not exactly one such scheduler runs here (then the marks travel to ``update_graph``)."""
+    when not exactly one such scheduler runs here, or when the scheduler's state changed while being
+    read (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
     plugins = [p for p in hosts if p.scheduler is not None]
     if len(plugins) != 1 or len(running_schedulers() or ()) != 1:
         return None
     plugin = plugins[0]
     scheduler, placement = plugin.scheduler, plugin.placement
-    places: dict[Key, Hashable] = {}
-    for k in marks:
-        node = graph.get(k)
-        if node is None:
-            continue
-        worker = placement.planned_worker(k, node)
-        held = [scheduler.tasks[d] for d in node.dependencies if d not in graph and d in scheduler.tasks]
-        places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
-    return fragment_graph(graph, marks, keep, dependents, places,
-                          {p: _threads(scheduler, p) for p in set(places.values())})
+    try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
+        places: dict[Key, Hashable] = {}
+        for k in marks:
+            node = graph.get(k)
+            if node is None:
+                continue
+            worker = placement.planned_worker(k, node)
+            held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
+            places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
+        threads = {p: _threads(scheduler, p) for p in set(places.values())}
+    except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
+        logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
+        return None
+    return fragment_graph(graph, marks, keep, dependents, places, threads)
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
