@@ -110,6 +110,11 @@ def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
     assert 'href="octopus"' in get(port, "status")[2]  # in the dashboard's "More..." menu
 
     profiles = dask_octopus.profiles(client)
+    # the run counters come with each worker's heartbeat: wait for the first one after registering
+    deadline = time.monotonic() + 30
+    while not all(HEARTBEAT_KEY in ws.metrics for ws in lc.scheduler.workers.values()):
+        assert time.monotonic() < deadline, "no heartbeat with the counters"
+        time.sleep(0.05)
     m = metrics(port)
     for w, compute, memory in zip(workers, (0.75, 0.25), (0.25, 0.75)):
         assert m[("dask_octopus_weight", ("resource", "compute"), ("worker", w))] == pytest.approx(compute)
