@@ -213,3 +213,51 @@ def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, 
     assert ran_on["c"] not in (ran_on["a1"], ran_on["b1"])  # a3's second reader starts a branch
     # each pool stream waits once for the inputs; j waits for chain b, c for chain a
     assert sorted(waits) == sorted([ran_on["a1"], ran_on["b1"], ran_on["c"], ran_on["j"], ran_on["c"]])
+
+
+def test_structure_tells_constants_and_partials_apart():
+    from functools import partial
+
+    def frag(node):
+        return Fragment({"s": node}, ["s"], {"s": "memory"})
+
+    one = frag(Task("s", np.roll, TaskRef("x"), -1))
+    assert one.structure() == frag(Task("t", np.roll, TaskRef("y"), -1)).structure()  # whatever the keys
+    assert one.structure() != frag(Task("s", np.roll, TaskRef("x"), -2)).structure()  # hash(-1) == hash(-2)
+    sums = [frag(Task("s", partial(np.sum, axis=a), TaskRef("x"))).structure() for a in (0, 1)]
+    assert sums[0] != sums[1]
+
+
+def test_replay_in_place_copies_nothing_and_returns_copies_of_the_outputs():
+    import contextlib
+
+    from dask_octopus.groups.replay import CapturedGroup
+
+    launched, out = [], np.arange(3.0)
+
+    class Graph:
+        def launch(self, stream):
+            launched.append(stream)
+
+    class Cupy:
+        @staticmethod
+        def copyto(dst, src):
+            raise AssertionError("an input read in place was copied")
+
+    stream = contextlib.nullcontext()
+    got = CapturedGroup(Graph(), None, [out], None).replay(Cupy, [np.ones(3), np.ones(4)], stream)
+    assert launched == [stream] and np.array_equal(got[0], out) and got[0] is not out
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_outputs_and_their_sum_in_one_compute(c, s, a, blocks):
+    await setup(c, s, [1.0])
+    x = await c.persist(blocks)
+    await wait(x)
+    with dask_octopus.annotate():
+        y = (x + 0).map_blocks(chain)
+    # y's blocks are outputs, so the partial sums that read them are sources of their own fragment
+    got_y, got_sum = await c.gather(c.compute([y, y.sum()]))
+    expected = chain(blocks.compute(scheduler="sync"))
+    np.testing.assert_allclose(got_y, expected)
+    assert got_sum == pytest.approx(float(expected.sum()), rel=1e-12)

@@ -94,17 +94,17 @@ class Fragment:
         self.covers = tuple(dict.fromkeys(covers))
         self.members: tuple[Key, ...] = tuple(members)
 
-    def structure(self) -> int:
-        """What the fragment computes, whatever its keys: a hash of its steps' functions and constants,
+    def structure(self) -> str:
+        """What the fragment computes, whatever its keys: a token of its steps' functions and constants,
         with the values they read named by position (constants that cannot be hashed, such as arrays,
-        are tokenized). Equal structures on equal input shapes do equal work, within this process."""
+        are tokenized). Equal structures on equal input shapes do equal work."""
         position = {name: ("in", j) for j, name in enumerate(self.inputs)}
         position.update((name, ("step", i)) for i, (name, _, _) in enumerate(self.steps))
         parts = []
         for _, node, reads in self.steps:
             where = {k: position[v] for k, v in reads}
             parts.append(_shape(node, where))
-        return hash((tuple(parts), tuple(position[o] for o in self.outputs)))
+        return tokenize(parts, [position[o] for o in self.outputs])
 
 
 def _shape(node: Any, where: Mapping[Key, Any]) -> Any:

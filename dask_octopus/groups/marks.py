@@ -125,25 +125,28 @@ def install() -> None:
 
 @contextmanager
 def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]:
-    """Run small independent tasks as stream groups: one task each, over CUDA streams on GPU workers.
+    """Run each worker thread's share of the marked tasks as one task, a fragment.
 
     Marks the tasks of the dask arrays and delayed objects built inside this block, and of every
-    collection computed inside it (dataframes: with the scheduler plugin registered). On each
-    worker up to ``group`` independent ones run as one task, launched in an order that interleaves
-    compute- and memory-bound members; a group seen again is replayed as a CUDA graph. Results
-    keep their keys: ``client.gather`` and persisted collections see nothing different.
+    collection computed inside it (dataframes: with the scheduler plugin registered). The marked
+    tasks of each worker thread, with the chains and partial results that read only them, run as one
+    task (:mod:`dask_octopus.groups.planning`), in an order that interleaves compute- and
+    memory-bound steps, over CUDA streams on GPU workers; a fragment seen again is replayed as one
+    CUDA graph. Results keep their keys: ``client.gather`` and persisted collections see nothing
+    different, and a failing task fails only what reads it.
 
     Parameters
     ----------
     resource
-        The members' class: ``"compute"``, ``"memory"`` or ``"auto"`` (measured on first run).
+        The marked tasks' class: ``"compute"``, ``"memory"`` or ``"auto"`` (run as memory-bound).
     group
-        The most members of one group (an integer >= 1).
+        ``None``: one fragment per worker thread; ``g``: at most ``g`` marked source blocks to a
+        fragment (an integer >= 1).
 
     Raises
     ------
     ValueError
-        For an unknown ``resource`` or a ``group`` that is not an integer >= 1.
+        For an unknown ``resource`` or a ``group`` that is neither ``None`` nor an integer >= 1.
 
     Examples
     --------

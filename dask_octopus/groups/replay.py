@@ -34,8 +34,9 @@ class CapturedGroup:
         """Copy ``inputs`` in (unless read in place), launch, and return copies of the outputs (all on
         ``stream``)."""
         with stream:
-            for dst, src in zip(self.inputs or (), inputs, strict=True):
-                cp.copyto(dst, src)
+            if self.inputs is not None:  # None: the graph reads the inputs in place
+                for dst, src in zip(self.inputs, inputs, strict=True):
+                    cp.copyto(dst, src)
             self.graph.launch(stream)
             return [out.copy() for out in self.outputs]
 
@@ -117,8 +118,8 @@ class GraphCache:
         self.size = size
         self.after = after
         self.graphs: OrderedDict[Hashable, CapturedGroup] = OrderedDict()
-        self.refused: set[Hashable] = set()
-        self.seen: dict[Hashable, int] = {}
+        self.refused: OrderedDict[Hashable, None] = OrderedDict()
+        self.seen: OrderedDict[Hashable, int] = OrderedDict()
         self.replays = 0
 
     def get(self, signature: Hashable) -> CapturedGroup | None:
@@ -131,13 +132,17 @@ class GraphCache:
         """Count a sighting; true when it is time to capture this signature."""
         if signature in self.refused or signature in self.graphs:
             return False
-        self.seen[signature] = n = self.seen.get(signature, 0) + 1
+        self.seen[signature] = n = self.seen.pop(signature, 0) + 1
+        while len(self.seen) > 16 * self.size:  # signatures seen once and never again (new input buffers)
+            self.seen.popitem(last=False)
         return n > self.after
 
     def add(self, signature: Hashable, graph: CapturedGroup | None) -> None:
         self.seen.pop(signature, None)
         if graph is None:
-            self.refused.add(signature)
+            self.refused[signature] = None
+            while len(self.refused) > 16 * self.size:
+                self.refused.popitem(last=False)
             return
         self.graphs[signature] = graph
         while len(self.graphs) > self.size:

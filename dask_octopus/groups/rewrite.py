@@ -26,8 +26,8 @@ FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-lett
 
 
 def inner_keys(key: Key, node: Any) -> list[Key]:
-    """The keys whose work the task ``key`` does: its own, those fused into it by Dask's low-level
-    fusion, and those of its members if it is a fragment task."""
+    """The keys whose work the task ``key`` does: its own, and those fused into it by Dask's low-level
+    fusion; for a fragment task, its members' keys and those fused into them."""
     if not isinstance(node, Task):
         return [key]
     if node.func is execute_subgraph:  # fused graphs may nest
@@ -78,33 +78,31 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     specs = _pull_downstream(dsk, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) is not Task}
     candidates = {k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
-                  and not dependencies[k] & special
+                  and dsk[k].func is not run_fragment and not dependencies[k] & special
                   and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     fragments = plan_fragments(list(dsk), dependencies, candidates, {k: places.get(k) for k in candidates}, parts,
                                min(caps) if caps else None)
     if not fragments:
         return dict(dsk)
-    token = tokenize(sorted(map(str, candidates)), [len(f) for f in fragments])
+    outputs = [[m for m in members if dependents.get(m, set()) - set(members)] for members in fragments]
+    # the same members with other outputs (other keys asked for) are another fragment task
+    token = tokenize([list(map(str, f)) for f in fragments], [list(map(str, o)) for o in outputs])
     picks: dict[Key, Task] = {}
-    made: dict[Key, list[Key]] = {}
-    for n, members in enumerate(fragments):
-        inside = set(members)
-        outputs = [m for m in members if dependents.get(m, set()) - inside]
+    made: dict[Key, tuple[list[Key], list[Key]]] = {}
+    for n, (members, out_keys) in enumerate(zip(fragments, outputs)):
         fkey = (f"{FRAGMENT_PREFIX}-{token}", n)
-        made[fkey] = members
-        for i, m in enumerate(outputs):
+        made[fkey] = (members, out_keys)
+        for i, m in enumerate(out_keys):
             picks[m] = Task(m, pick, TaskRef(fkey), i)
 
     def rewritten(k: Key) -> GraphNode:
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    members_of = {m for ms in made.values() for m in ms}
+    members_of = {m for ms, _ in made.values() for m in ms}
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
-    for fkey, members in made.items():
-        inside = set(members)
-        fragment = Fragment({m: dsk[m] for m in members}, [m for m in members if dependents.get(m, set()) - inside],
-                            {m: specs[m]["resource"] for m in members})
+    for fkey, (members, out_keys) in made.items():
+        fragment = Fragment({m: dsk[m] for m in members}, out_keys, {m: specs[m]["resource"] for m in members})
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment), *(TaskRef(d) for d in fragment.inputs))
     return out

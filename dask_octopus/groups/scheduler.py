@@ -4,8 +4,8 @@ Some marks reach the scheduler only as task annotations: dask-expr dataframes ig
 annotations, and a collection *computed* inside ``annotate`` gets the block's annotations as the
 graph's global annotations. :func:`group_new_tasks` groups those tasks in the scheduler plugin's
 ``update_graph``: after Dask has made the TaskStates of the new graph and before it transitions any
-of them. The rewrite is :func:`~dask_octopus.groups.rewrite.group_graph`'s, applied to the new
-tasks: each group becomes a TaskState, the consumers of its members read them from it, and the
+of them. The rewrite is :func:`~dask_octopus.groups.rewrite.fragment_graph`'s, applied to the new
+tasks: each fragment becomes a TaskState, the consumers of its results read them from it, and the
 members (released, wanted by nothing any more) are forgotten. Only tasks that may run in the same
 places (the same restrictions, e.g. the pins of a balanced collection, and inputs already held by
 the same worker) are grouped together.
@@ -121,7 +121,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
             places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
-        threads = {p: _threads(scheduler, p) for p in set(places.values())}
+        threads = {p: _threads(scheduler, p) for p in set(places.values()) | {None}}  # None: pulled-in tasks
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None

@@ -1,18 +1,15 @@
-"""Worker side of stream groups: run a group's members in one Dask task.
+"""Worker side of fragments and ``map`` batches: run many small tasks in one Dask task.
 
-On a GPU worker (CuPy imported, a device present) the members are launched from the task's thread
-over a small pool of non-blocking CUDA streams, reused across groups, in the order of
-:func:`~dask_octopus.groups.planning.launch_order`. The pool streams first wait on an event recorded on
-the stream that produced the inputs, so no member reads a block before its producer's kernels
-finished; the group ends with one synchronisation of the streams it used, so results leaving the
-task are complete and memory freed later on another stream cannot be reused early. Members large
-enough to fill the GPU alone run on the task's own stream, as Dask would run them. A group seen
-again with the same members, shapes and dtypes is captured as a CUDA graph and replayed
-(:mod:`dask_octopus.groups.replay`). On a CPU worker (NumPy blocks) the members simply run one
-after the other.
-
-A member whose class is ``"auto"`` is classified from its first run (bytes moved per second
-against the worker's streaming bandwidth) and remembered per function and input shapes.
+:func:`run_fragment` runs a fragment (:mod:`dask_octopus.groups.fragment`): on a CPU worker its steps
+one after the other; on a GPU worker (CuPy imported, a device present) its chains over a small pool
+of non-blocking CUDA streams, reused across tasks, with events where a step reads another stream's
+result and one synchronisation at the end; a fragment seen again is captured as one CUDA graph and
+replayed (:mod:`dask_octopus.groups.replay`). :func:`run_group` runs independent members (the items
+of a ``map`` batch) over the same pool in the order of
+:func:`~dask_octopus.groups.planning.launch_order`; members large enough to fill the GPU alone run on
+the task's own stream, as Dask would run them. A member whose class is ``"auto"`` is classified from
+its first run (bytes moved per second against the worker's streaming bandwidth) and remembered per
+function and input shapes.
 """
 
 from __future__ import annotations
