@@ -11,6 +11,8 @@ step reads and which values can be dropped after it. Running it is then a walk o
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -104,7 +106,11 @@ class Fragment:
         for _, node, reads in self.steps:
             where = {k: position[v] for k, v in reads}
             parts.append(_shape(node, where))
-        return tokenize(parts, [position[o] for o in self.outputs])
+        described = (parts, [position[o] for o in self.outputs])
+        try:  # pickle is fast and names functions by module and name, partials by their arguments
+            return hashlib.sha1(pickle.dumps(described, protocol=5)).hexdigest()
+        except (pickle.PicklingError, AttributeError, TypeError):  # lambdas, local functions
+            return tokenize(described)
 
 
 def _shape(node: Any, where: Mapping[Key, Any]) -> Any:
