@@ -45,18 +45,12 @@ def _is_device_array(cp: Any, obj: Any) -> bool:
     return isinstance(obj, cp.ndarray)
 
 
-def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], order: Sequence[int],
-            streams: Sequence[Any]) -> CapturedGroup:
-    """Capture the group's launches (not run); raises :class:`CaptureRefused` when CUDA or CuPy
-    refuses. The streams must already wait for the inputs."""
-    if not all(_is_device_array(cp, x) for xs in inputs for x in xs):
-        raise CaptureRefused("an input is not a CuPy array")
+def _capture(cp: Any, streams: Sequence[Any], launch: Callable[[], Any]) -> tuple[Any, Any, Any]:
+    """Capture ``launch()`` (launches over ``streams``, forked from and joined back to the first) with
+    allocations from a pool private to the graph; returns the graph, the pool and what ``launch``
+    returned, or raises :class:`CaptureRefused` when CUDA or CuPy refuses."""
     origin = streams[0]
     pool = cp.cuda.MemoryPool()
-    with origin:
-        static = [[x.copy() for x in xs] for xs in inputs]
-    outputs: list[Any] = [None] * len(members)
-    graph = None
     try:
         with cp.cuda.using_allocator(pool.malloc), origin:
             origin.begin_capture()
@@ -64,48 +58,55 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
                 fork = origin.record()
                 for s in streams[1:]:
                     s.wait_event(fork)
-                for slot, i in enumerate(order):
-                    with streams[slot % len(streams)]:
-                        outputs[i] = members[i](*static[i])
+                launched = launch()
                 for s in streams[1:]:
                     origin.wait_event(s.record())
             finally:
                 graph = origin.end_capture()
     except Exception as e:
         raise CaptureRefused(f"{type(e).__name__}: {e}") from e
+    return graph, pool, launched
+
+
+def _check_outputs(cp: Any, outputs: Sequence[Any]) -> None:
     if not all(_is_device_array(cp, out) for out in outputs):
         raise CaptureRefused("an output is not a CuPy array")
+
+
+def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], order: Sequence[int],
+            streams: Sequence[Any]) -> CapturedGroup:
+    """Capture the group's launches (not run), members round-robin over ``streams`` in ``order``;
+    raises :class:`CaptureRefused` when CUDA or CuPy refuses. The streams must already wait for the
+    inputs."""
+    if not all(_is_device_array(cp, x) for xs in inputs for x in xs):
+        raise CaptureRefused("an input is not a CuPy array")
+    with streams[0]:
+        static = [[x.copy() for x in xs] for xs in inputs]
+    outputs: list[Any] = [None] * len(members)
+
+    def launch() -> None:
+        for slot, i in enumerate(order):
+            with streams[slot % len(streams)]:
+                outputs[i] = members[i](*static[i])
+
+    graph, pool, _ = _capture(cp, streams, launch)
+    _check_outputs(cp, outputs)
     return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool)
 
 
 def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], values: dict, inputs: Sequence[Hashable],
                      outputs: Sequence[Hashable], streams: Sequence[Any], in_place: bool) -> CapturedGroup:
-    """Capture ``launch(values, streams)`` (a fragment's launches over ``streams``, forked from and joined
-    back to the first) reading the input values named ``inputs`` in place or from copies; raises
-    :class:`CaptureRefused` when CUDA or CuPy refuses. The streams must already wait for the inputs."""
-    origin = streams[0]
-    pool = cp.cuda.MemoryPool()
-    with origin:
+    """Capture ``launch(values, streams)`` (a fragment's launches over ``streams``) reading the input
+    values named ``inputs`` in place or from copies; raises :class:`CaptureRefused` when CUDA or CuPy
+    refuses. The streams must already wait for the inputs."""
+    with streams[0]:
         static = {k: values[k] if in_place else values[k].copy() for k in inputs}
     captured = dict(static)
-    try:
-        with cp.cuda.using_allocator(pool.malloc), origin:
-            origin.begin_capture()
-            try:
-                fork = origin.record()
-                for s in streams[1:]:
-                    s.wait_event(fork)
-                held = launch(captured, streams)
-                for s in streams[1:]:
-                    origin.wait_event(s.record())
-            finally:
-                graph = origin.end_capture()
-    except Exception as e:
-        raise CaptureRefused(f"{type(e).__name__}: {e}") from e
-    del held  # the private pool is never allocated from again: what it holds stays the graph's
+    # what launch holds for other streams is dropped after the capture: the private pool is never
+    # allocated from again, so what it holds stays the graph's
+    graph, pool, _ = _capture(cp, streams, lambda: launch(captured, streams))
     results = [captured[o] for o in outputs]
-    if not all(_is_device_array(cp, out) for out in results):
-        raise CaptureRefused("an output is not a CuPy array")
+    _check_outputs(cp, results)
     return CapturedGroup(graph, None if in_place else [static[k] for k in inputs], results, pool)
 
 
