@@ -41,14 +41,21 @@ def blocks():
     return da.random.default_rng(0).random((256 * 4, 6), chunks=(4, 6))
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
-async def test_whole_compute_runs_as_one_fragment_and_the_top_of_the_tree(c, s, a, blocks):
+async def persisted_with_plain_sum(c, s, blocks):
+    """Register, persist ``blocks`` on the one worker and compute their chain's sum unannotated: the
+    task log, the persisted blocks, the sum, and how many tasks that plain compute ran."""
     rec = await setup(c, s, [1.0])
     x = await c.persist(blocks)
     await wait(x)
     expected = await c.compute(x.map_blocks(chain).sum())
     plain = len(rec.worker)
     rec.worker.clear()
+    return rec, x, expected, plain
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_whole_compute_runs_as_one_fragment_and_the_top_of_the_tree(c, s, a, blocks):
+    rec, x, expected, plain = await persisted_with_plain_sum(c, s, blocks)
     with dask_octopus.annotate():
         got = await c.compute((x + 0).map_blocks(chain).sum())  # new keys
     assert got == pytest.approx(expected, rel=1e-12)
@@ -59,11 +66,7 @@ async def test_whole_compute_runs_as_one_fragment_and_the_top_of_the_tree(c, s, 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_readme_pattern_pulls_the_partial_sums_into_the_fragment(c, s, a, blocks):
-    rec = await setup(c, s, [1.0])
-    x = await c.persist(blocks)
-    await wait(x)
-    expected = await c.compute(x.map_blocks(chain).sum())
-    rec.worker.clear()
+    rec, x, expected, _ = await persisted_with_plain_sum(c, s, blocks)
     with dask_octopus.annotate():  # around building the collection only
         y = (x + 0).map_blocks(chain)
     assert await c.compute(y.sum()) == pytest.approx(expected, rel=1e-12)
