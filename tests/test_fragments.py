@@ -7,6 +7,7 @@ and events (with a stand-in for CuPy on CPU machines).
 
 import time
 
+import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
@@ -174,6 +175,17 @@ def test_fragment_walks_its_steps_and_frees_intermediates():
     assert values == {"j": 106, "c": 14}  # every input and intermediate is dropped after its last reader
 
 
+def test_peak_bytes_counts_the_intermediates_alive_at_once_in_the_run_order():
+    frag = two_chains()  # x -> a1 -> a2 -> a3; y -> b1 -> b2; j = a3 + b2; c = a3 + 10
+    order = [name for name, _, _ in frag.steps]
+    assert order.index("a3") < order.index("b1")  # depth first: chain a ends before chain b starts
+    assert order == ["a1", "a2", "a3", "b1", "b2", "j", "c"]
+    # each step as large as the largest value it reads: a* 100 bytes, b* 10, outputs j and c 100 held to
+    # the end; at the peak (after c): a3 (freed after c), j and c; before, a3 + b1 + b2 + j = 220
+    assert frag.peak_bytes({"x": 100, "y": 10}) == 300
+    assert frag.peak_bytes({}) == 0  # sizes unknown: nothing to estimate from
+
+
 def test_fused_members_are_flattened_once_and_keep_their_keys():
     import dask
 
@@ -264,3 +276,55 @@ async def test_outputs_and_their_sum_in_one_compute(c, s, a, blocks):
     expected = chain(blocks.compute(scheduler="sync"))
     np.testing.assert_allclose(got_y, expected)
     assert got_sum == pytest.approx(float(expected.sum()), rel=1e-12)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_memory_budget_cuts_a_fragment_into_parts_that_fit(c, s, a, blocks):
+    rec, x, expected, _ = await persisted_with_plain_sum(c, s, blocks)
+    fragments = []
+    for budget in ("auto", 3 * blocks.blocks[0].nbytes):
+        rec.worker.clear()
+        with dask.config.set({"octopus.fragments.max-bytes": budget}), dask_octopus.annotate():
+            got = await c.compute((x + 0).map_blocks(chain).sum())  # new keys each time
+        assert got == pytest.approx(expected, rel=1e-12)
+        fragments.append(sum(key_split(k) == FRAGMENT_PREFIX for k in rec.worker))
+    assert fragments[0] == 1 and fragments[1] > 1, fragments
+    with (dask.config.set({"octopus.fragments.max-bytes": "lots"}), dask_octopus.annotate(),
+          pytest.raises(ValueError, match=r"octopus\.fragments\.max-bytes must be auto or a size")):
+        await c.compute((x + 1).map_blocks(chain).sum())
+
+
+def total(*parts):
+    return sum(parts)
+
+
+def test_every_fragment_cut_by_the_budget_fits_it_or_holds_one_source():
+    from dask_octopus.groups.marks import _dependents
+    from dask_octopus.groups.planning import topological
+    from dask_octopus.groups.rewrite import fragment_graph
+
+    data = {("x", i): np.arange(24.0).reshape(4, 6) + i for i in range(16)}  # blocks that exist already
+    graph = {}
+    for i in range(16):  # each block through the chain, its sum; partial sums of 4; the top
+        graph[("c", i)] = Task(("c", i), chain, TaskRef(("x", i)))
+        graph[("s", i)] = Task(("s", i), np.sum, TaskRef(("c", i)))
+    for j in range(4):
+        graph[("p", j)] = Task(("p", j), total, *(TaskRef(("s", i)) for i in range(4 * j, 4 * j + 4)))
+    graph["top"] = Task("top", total, *(TaskRef(("p", j)) for j in range(4)))
+    sizes = {k: v.nbytes for k, v in data.items()}
+    specs = {k: {"resource": "memory"} for k in graph}
+    expected = sum(chain(v).sum() for v in data.values())
+    counts = []
+    for budget in (None, 8 * 192, 3 * 192, 1):
+        out = fragment_graph(graph, specs, {"top"}, _dependents(graph), {}, {None: 1}, sizes=sizes,
+                             budgets={None: budget})
+        made = [node.args[0].value for k, node in out.items() if k not in graph]
+        for fragment in made:
+            sources = [k for k in fragment.inputs if k in data]
+            assert budget is None or fragment.peak_bytes(sizes) <= budget or len(sources) == 1
+        got = dict(data)
+        for k in topological(list(out), {k: node.dependencies for k, node in out.items()}):
+            got[k] = out[k]({d: got[d] for d in out[k].dependencies})
+        assert got["top"] == pytest.approx(expected, rel=1e-12)
+        counts.append(len(made))
+    assert counts[0] == 1 and counts[-1] > counts[2] > counts[1] >= 1, counts

@@ -9,6 +9,7 @@ from dask_octopus.groups.planning import (
     check_group_spec,
     interleave,
     launch_order,
+    live_peak,
     plan_fragments,
     topological,
 )
@@ -219,3 +220,28 @@ def test_launch_order_starts_with_the_largest_member_of_the_class_with_more_work
 def test_on_equal_work_the_compute_class_leads():
     assert launch_order(["memory", "compute"], [2.0, 2.0]) == [1, 0]
     assert launch_order(["memory", "memory", "compute"], [1.0, 1.0, 2.0]) == [2, 0, 1]
+
+
+@st.composite
+def runs(draw):
+    """Step result sizes and, for each result, the step after which it is freed (``None``: held)."""
+    sizes = draw(st.lists(st.integers(0, 1000), max_size=20))
+    freed = [draw(st.one_of(st.none(), st.integers(i, len(sizes) - 1))) for i in range(len(sizes))]
+    return sizes, freed
+
+
+@given(runs())
+@settings(max_examples=300, deadline=None)
+def test_live_peak_is_the_largest_sum_of_results_alive_after_any_step(run):
+    sizes, freed = run
+    frees = [[i for i, f in enumerate(freed) if f == j] for j in range(len(sizes))]
+    alive = [sum(s for i, s in enumerate(sizes) if i <= j and (freed[i] is None or freed[i] >= j))
+             for j in range(len(sizes))]
+    assert live_peak(sizes, frees) == max(alive, default=0)
+
+
+def test_a_result_freed_before_it_exists_or_missing_free_lists_are_errors():
+    with pytest.raises(ValueError, match="step 1's result freed after step 0"):
+        live_peak([1, 2], [[1], []])
+    with pytest.raises(ValueError, match="1 free lists for 2 steps"):
+        live_peak([1, 2], [[]])

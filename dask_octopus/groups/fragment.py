@@ -20,7 +20,7 @@ from dask.base import tokenize
 from dask.typing import Key
 
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
-from dask_octopus.groups.planning import interleave, topological
+from dask_octopus.groups.planning import interleave, live_peak, topological
 
 
 def _unwrap(arg: Any) -> Any:
@@ -95,6 +95,19 @@ class Fragment:
         self.drop = tuple(tuple(d) for d in drop)
         self.covers = tuple(dict.fromkeys(covers))
         self.members: tuple[Key, ...] = tuple(members)
+
+    def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
+        """The estimated peak of the bytes of intermediate results held while the steps run in their order,
+        outputs held to the end; ``sizes`` gives the bytes of the inputs (those missing count 0). Each
+        step's result is estimated as large as the largest value it reads (elementwise work), 0 for a
+        step reading none (Dask does not say how large a result will be before it exists). The inputs
+        themselves are not counted: Dask holds them for the unannotated run too."""
+        position = {name: i for i, (name, _, _) in enumerate(self.steps)}
+        estimated: list[float] = []
+        for _, _, reads in self.steps:
+            read = [estimated[position[v]] if v in position else sizes.get(v, 0) for _, v in reads]
+            estimated.append(max(read, default=0))
+        return live_peak(estimated, [[position[v] for v in drop if v in position] for drop in self.drop])
 
     def structure(self) -> str:
         """What the fragment computes, whatever its keys: a token of its steps' functions and constants,

@@ -109,6 +109,23 @@ def plan_fragments(order: Sequence[Hashable], dependencies: Mapping[Hashable, Co
     return [m for m in members.values() if len(m) > 1]
 
 
+def live_peak(sizes: Sequence[float], frees: Sequence[Collection[int]]) -> float:
+    """The peak of the summed sizes of the results alive while steps ``0..n-1`` run in order: step ``i``'s
+    result (``sizes[i]`` bytes) is alive from step ``i`` until it is freed after step ``j`` (``i`` in
+    ``frees[j]``, ``i <= j``); a result never freed is held to the end."""
+    if len(sizes) != len(frees):
+        raise ValueError(f"{len(frees)} free lists for {len(sizes)} steps")
+    live = peak = 0.0
+    for j, size in enumerate(sizes):
+        live += size
+        peak = max(peak, live)
+        for i in frees[j]:
+            if i > j:
+                raise ValueError(f"step {i}'s result freed after step {j}, before it exists")
+            live -= sizes[i]
+    return peak
+
+
 def interleave(dependencies: Sequence[Collection[int]], classes: Sequence[str]) -> list[int]:
     """A run order of steps ``0..n-1`` (given in a dependency order, ``dependencies[i]`` the earlier
     steps that step ``i`` reads) in which, whenever a step of each class is ready, compute-bound and

@@ -59,9 +59,25 @@ def _pull_downstream(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[s
     return out
 
 
+def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
+           dependents: Mapping[Key, set[Key]], members: list[Key]) -> Fragment:
+    """The :class:`Fragment` of ``members``; its outputs are the members read from outside it."""
+    inside = set(members)
+    outputs = [m for m in members if not dependents.get(m, set()) <= inside]
+    return Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members})
+
+
+def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,
+                 budgets: Mapping[Any, float | None] | None) -> bool:
+    budget = (budgets or {}).get(place)
+    return budget is not None and fragment.peak_bytes(sizes or {}) > budget
+
+
 def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],
                    dependents: Mapping[Key, set[Key]], places: Mapping[Key, Any],
-                   parts: Mapping[Any, int], pullable: Collection[Key] | None = None) -> dict[Key, GraphNode]:
+                   parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
+                   sizes: Mapping[Key, float] | None = None,
+                   budgets: Mapping[Any, float | None] | None = None) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
@@ -72,7 +88,10 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     ``places[key]`` says where each annotated task may run (``None``: anywhere) and ``parts[place]``
     how many fragments to cut the sources of a place into (its worker threads). The smallest
     ``group`` of the annotations caps the sources per fragment. Unannotated tasks that read only
-    annotated ones join them (those among ``pullable``, ``None``: any).
+    annotated ones join them (those among ``pullable``, ``None``: any). ``budgets[place]`` caps the
+    estimated peak bytes of a fragment's intermediates (:meth:`Fragment.peak_bytes`, from ``sizes``, the
+    bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
+    parts, until they fit or hold one source each.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     specs = _pull_downstream(dsk, specs, dependencies, pullable)
@@ -81,28 +100,35 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                   and dsk[k].func is not run_fragment and not dependencies[k] & special
                   and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
-    fragments = plan_fragments(list(dsk), dependencies, candidates, {k: places.get(k) for k in candidates}, parts,
-                               min(caps) if caps else None)
+    parts = dict(parts)
+    while True:
+        fragments = plan_fragments(list(dsk), dependencies, candidates, {k: places.get(k) for k in candidates},
+                                   parts, min(caps) if caps else None)
+        built = [_build(dsk, specs, dependents, members) for members in fragments]
+        over = {places.get(members[0]) for members, fragment in zip(fragments, built)
+                if _over_budget(fragment, places.get(members[0]), sizes, budgets)}
+        over = {p for p in over if parts[p] < len(dsk)}
+        if not over:
+            break
+        parts.update((p, 2 * parts[p]) for p in over)
     if not fragments:
         return dict(dsk)
-    outputs = [[m for m in members if dependents.get(m, set()) - set(members)] for members in fragments]
     # the same members with other outputs (other keys asked for) are another fragment task
-    token = tokenize([list(map(str, f)) for f in fragments], [list(map(str, o)) for o in outputs])
+    token = tokenize([list(map(str, f.members)) for f in built], [list(map(str, f.outputs)) for f in built])
     picks: dict[Key, Task] = {}
-    made: dict[Key, tuple[list[Key], list[Key]]] = {}
-    for n, (members, out_keys) in enumerate(zip(fragments, outputs)):
+    made: dict[Key, Fragment] = {}
+    for n, fragment in enumerate(built):
         fkey = (f"{FRAGMENT_PREFIX}-{token}", n)
-        made[fkey] = (members, out_keys)
-        for i, m in enumerate(out_keys):
+        made[fkey] = fragment
+        for i, m in enumerate(fragment.outputs):
             picks[m] = Task(m, pick, TaskRef(fkey), i)
 
     def rewritten(k: Key) -> GraphNode:
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    members_of = {m for ms, _ in made.values() for m in ms}
+    members_of = {m for fragment in made.values() for m in fragment.members}
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
-    for fkey, (members, out_keys) in made.items():
-        fragment = Fragment({m: dsk[m] for m in members}, out_keys, {m: specs[m]["resource"] for m in members})
+    for fkey, fragment in made.items():
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment), *(TaskRef(d) for d in fragment.inputs))
     return out

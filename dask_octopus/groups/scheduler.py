@@ -31,7 +31,9 @@ from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
+from dask.utils import parse_bytes
 
+from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
 from dask_octopus.groups.rewrite import fragment_graph, fragment_members
 from dask_octopus.groups.streams import run_fragment
@@ -91,12 +93,45 @@ def _threads(scheduler: Scheduler, place: Hashable) -> int:
     """The worker threads that can run tasks of ``place``: those of its one worker (a pin, or the
     worker holding its inputs), else of all workers."""
     workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
-    if place is not None:
-        restricted, home = place[0], place[4]
-        one = home if home is not None else (next(iter(restricted)) if len(restricted) == 1 else None)
-        if one in workers:
-            return max(1, workers[one].nthreads)
+    one = _worker_of(place)
+    if one in workers:
+        return max(1, workers[one].nthreads)
     return max(1, sum(ws.nthreads for ws in workers.values()))
+
+
+def _worker_of(place: Hashable) -> str | None:
+    """The one worker of ``place`` (a pin, or the worker holding its inputs), ``None`` if not one."""
+    if place is None:
+        return None
+    restricted, home = place[0], place[4]
+    return home if home is not None else (next(iter(restricted)) if len(restricted) == 1 else None)
+
+
+def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], place: Hashable) -> float | None:
+    """``octopus.fragments.max-bytes`` for fragments of ``place``: the setting, or with ``auto`` the
+    ``octopus.balance.memory-fraction`` of its worker's memory (free device memory at calibration on
+    GPU workers, the memory limit on CPU workers) per worker thread; of the smallest worker for a
+    place that is not one worker; ``None`` (no cap) where no worker's memory is known."""
+    setting = config.get("fragments.max-bytes")
+    if setting != "auto":
+        return float(parse_bytes(setting))
+    workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
+    one = _worker_of(place)
+    budgets = []
+    for addr, ws in workers.items():
+        if one is not None and addr != one:
+            continue
+        p = profiles.get(addr, {})
+        memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
+        memory = memory or ws.memory_limit
+        if memory:
+            budgets.append(memory * config.get("balance.memory-fraction") / max(1, ws.nthreads))
+    return min(budgets) if budgets else None
+
+
+def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
+    """The bytes of the tasks in memory among ``tasks``."""
+    return {ts.key: ts.get_nbytes() for ts in tasks if ts.state == "memory"}
 
 
 def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: set[Key],
@@ -114,18 +149,22 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     scheduler, placement = plugin.scheduler, plugin.placement
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
         places: dict[Key, Hashable] = {}
+        sizes: dict[Key, float] = {}
         for k in marks:
             node = graph.get(k)
             if node is None:
                 continue
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
+            sizes.update(_sizes(held))
             places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
-        threads = {p: _threads(scheduler, p) for p in set(places.values()) | {None}}  # None: pulled-in tasks
+        kinds = set(places.values()) | {None}  # None: pulled-in tasks
+        threads = {p: _threads(scheduler, p) for p in kinds}
+        budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None
-    return fragment_graph(graph, marks, keep, dependents, places, threads)
+    return fragment_graph(graph, marks, keep, dependents, places, threads, sizes=sizes, budgets=budgets)
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -144,11 +183,13 @@ def _relink(ts: TaskState, dependencies: set[Key], tasks: Mapping[Key, TaskState
 
 
 def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Key, Mapping[str, Any]],
-                    wanted: Collection[Key]) -> tuple[dict[Key, list[Key]], list[Key]]:
+                    wanted: Collection[Key], profiles: Mapping[str, Mapping[str, Any]] | None = None,
+                    ) -> tuple[dict[Key, list[Key]], list[Key]]:
     """Group the marked tasks among the new, released tasks ``keys`` of one ``update_graph``.
 
     ``marks`` are the ``octopus`` annotations of the tasks (``resource``, ``group``); ``wanted`` are
-    the keys the client asked for, which keep their own tasks. Returns each new group task's key
+    the keys the client asked for, which keep their own tasks; ``profiles`` (the workers' calibrations)
+    size the memory budget of ``octopus.fragments.max-bytes: auto``. Returns each new group task's key
     with its members' keys, and the keys that nothing reads any more: the members, and the copies
     a key collision left (the same graph computed twice at once). Forget those with
     :func:`forget_unread` after ``update_graph``, so that plugins called after this one still find
@@ -169,8 +210,10 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     dsk = {k: new[k].run_spec for k in ranked}
     dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
     places = {k: _place(new[k]) for k in specs}
-    out = fragment_graph(dsk, specs, set(), dependents, places,
-                         {p: _threads(scheduler, p) for p in set(places.values()) | {None}}, groupable)
+    kinds = set(places.values()) | {None}
+    out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
+                         groupable, sizes=_sizes(d for ts in new.values() for d in _inputs(ts)),
+                         budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds})
     made = {k: fragment_members(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already
         return {}, orphans

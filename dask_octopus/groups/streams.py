@@ -146,6 +146,7 @@ class StreamRuntime:
             caches = list(self._caches)
             groups, members = self.groups, self.members
         return {"groups": groups, "members": members, "graphs": sum(len(c.graphs) for c in caches),
+                "graphs_in_place": sum(g.inputs is None for c in caches for g in c.graphs.values()),
                 "refused": sum(len(c.refused) for c in caches), "replays": sum(c.replays for c in caches),
                 "last_refusal": self.last_refusal}
 
@@ -297,7 +298,12 @@ class FragmentLayout:
         self.streams = assign_streams(fragment.deps, streams)
         self.used = len(set(self.streams))
         self.shared = {j for i, deps in enumerate(fragment.deps) for j in deps if self.streams[j] != self.streams[i]}
-        self.structure = fragment.structure()
+        self._fragment = fragment
+
+    @functools.cached_property
+    def structure(self) -> str:
+        """The fragment's :meth:`~Fragment.structure`, made when first asked for (capture on)."""
+        return self._fragment.structure()
 
 
 class StepFailed:

@@ -288,7 +288,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         unread: list = []
         marks = (annotations or {}).get(ANNOTATION)
         if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
-            made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or ())
+            made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles)
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
             if unread:  # after update_graph: later plugins are still given these keys
