@@ -14,7 +14,7 @@
 #   (each command may run 10 minutes: run the steps as a few STEPS subsets, back to back)
 #   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
 #   all over tcp: PROTOCOL=tcp bash benchmarks/gpu_validation.sh "$OUT"
-#   not run by default: suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
+#   not run by default: suite-matmul (matmul_iterate alone, with the co-tenant), suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
 #   change against $COMPARE (a committed suite JSON, measured over tcp): the check that a change left the
 #   figures and the JSON fields as they were; scheduler-overhead (CPU only: the scheduler's throughput
 #   at 100,000 tasks, minutes per run).
@@ -36,7 +36,7 @@ if [[ $protocol == ucx ]] && ! python3 -c 'import distributed_ucxx' 2> "$run/ucx
   exit 1
 fi
 
-steps=${STEPS:-gpu-tests demo fft-filter stream-groups long-run local-cupy suite-cotenant suite-even suite-images suite-tcp dashboard}
+steps=${STEPS:-gpu-tests demo fft-filter stream-groups fragment-phases long-run local-cupy suite-cotenant suite-even suite-images suite-tcp dashboard}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -54,6 +54,7 @@ step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 
 step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
 step 80 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 "${p[@]}" --out "$run"
 step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 "${p[@]}" --out "$run"
+step 90 fragment-phases python3 benchmarks/fragment_phases.py --type gpu --devs 0 --runs 6 "${p[@]}" --out "$run"
 step 260 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
 step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
@@ -62,6 +63,8 @@ sizes=(--type gpu --devs 0,1 --size 1000000 --cols 1024 --square-size 20000 --wi
 moving=matmul_iterate,dot,transpose_sum,map_overlap  # the operations that move data between the GPUs
 suite=("${sizes[@]}" --operation "$moving,images" --image-repeat 2)
 step 240 suite-cotenant python3 benchmarks/local_octopus.py "${suite[@]}" --runs 2 --cotenant 0 "${p[@]}" --out "$run"
+step 150 suite-matmul python3 benchmarks/local_octopus.py "${sizes[@]}" --operation matmul_iterate --runs 2 --cotenant 0 \
+  "${p[@]}" --tag suite-matmul --out "$run"  # not run by default: matmul_iterate alone, as in suite-cotenant
 step 120 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 "${p[@]}" --out "$run"
 step 90 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation images --octopus all \
   --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images "${p[@]}" --out "$run"

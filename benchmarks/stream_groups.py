@@ -9,6 +9,7 @@ Operations (each variant interleaved with the others, run after run; medians rep
 - ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``.
 - ``dataframe``: the same on a dask-expr dataframe of ``blocks`` partitions (pandas), computed inside
   ``annotate``: grouped by the scheduler plugin, since dataframes ignore layer annotations.
+  On GPU, with the peak device memory of each (CuPy's pool, capture off).
 - ``frames``: 216 frames (256x256 to 4K) through blur, Sobel, normalise and histogram, the whole set
   ``sets`` times per run (the same shapes arriving again, like video): one Dask task per frame,
   annotated groups with CUDA graph replay off (``grouped-eager``) and on (``grouped``), the plain loop
@@ -109,8 +110,11 @@ def op_tiny(client: Client, gpu: bool, blocks: int, group: int, runs: int, warmu
         return client.compute(y.sum(axis=0)).result()
 
     res = measure({"unannotated": plain, "grouped": grouped}, runs, warmup)
-    return {"config": {"blocks": blocks, "block": [64, 8], "group": group},
-            "variants": summarise(res, "unannotated")}
+    out = {"config": {"blocks": blocks, "block": [64, 8], "group": group}, "variants": summarise(res, "unannotated")}
+    if gpu:
+        out["device_peak_bytes"] = device_peaks(client, {"unannotated": plain, "grouped": grouped})
+        out["block_bytes"] = 64 * 8 * x.dtype.itemsize
+    return out
 
 
 def op_dataframe(client: Client, blocks: int, group: int, runs: int, warmup: int) -> dict[str, Any]:
@@ -135,6 +139,34 @@ def op_dataframe(client: Client, blocks: int, group: int, runs: int, warmup: int
 
 def _set_capture(client: Client, on: bool) -> None:
     client.run(lambda: dask.config.set({"octopus.streams.capture": on}))
+
+
+def _free_pool() -> None:
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _pool_bytes() -> int:
+    import cupy
+
+    return int(cupy.get_default_memory_pool().total_bytes())
+
+
+def device_peaks(client: Client, variants: dict[str, Callable[[int], Any]]) -> dict[str, int]:
+    """Each variant's peak device memory on the worker, run once eagerly (capture off): the CuPy default
+    pool's held bytes after the run, its cached blocks freed before (the pool reuses freed blocks, so
+    what it holds after a run is the most it had in use at once, persisted inputs included)."""
+    _set_capture(client, False)
+    try:
+        peaks = {}
+        for name, fn in variants.items():
+            client.run(_free_pool)
+            fn(-1)
+            (peaks[name],) = client.run(_pool_bytes).values()
+        return peaks
+    finally:
+        _set_capture(client, True)
 
 
 def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, runs: int, warmup: int) -> dict[str, Any]:
@@ -185,6 +217,9 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
                            "variants": summarise(res, "one-task-each")}
     out["worker_capture"] = worker_capture(client)
     if gpu:
+        out["device_peak_bytes"] = device_peaks(client, {"one-task-each": through_dask(False),
+                                                         "grouped": through_dask(True)})
+        out["largest_frame_bytes"] = max(f.nbytes for f in local)
         out["floor"] = capture_floor(xp, local, runs)
         loop_s = out["variants"]["loop"]["median_seconds"]
         for v in out["variants"].values():

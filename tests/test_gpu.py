@@ -478,3 +478,86 @@ def test_ucx_cli_cluster_with_preload(tmp_path):
 def test_killed_cuda_worker_mid_compute_over_ucx(ucx_client):
     """The kill test of a TCP cluster, over UCX: a worker process dies mid-compute; results exact."""
     killed_worker_mid_compute(ucx_client)
+
+
+def fail_on_block_3(b, block_info=None):
+    if block_info and block_info[0]["chunk-location"][0] == 3:
+        raise ValueError("block 3 is broken")
+    return b + 1
+
+
+def fragment_tasks(client, compute):
+    """What ``compute()`` returns, and how many fragment tasks ran for it (Dask's task stream)."""
+    from distributed import get_task_stream
+
+    from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+
+    with get_task_stream(client) as ts:
+        out = compute()
+    return out, sum(FRAGMENT_PREFIX in str(t["key"]) for t in ts.data)
+
+
+def test_fragments_exact_eager_then_replayed_reading_persisted_blocks_in_place(cuda_one):
+    """The chain-and-sum shape: one fragment per thread, exact against Dask; seen again, captured as one
+    multi-stream graph that reads the persisted blocks where they are, then replayed."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+    from dask_octopus.bench.small_tasks import chain_sum
+
+    rng = da.random.default_rng(cupy.random.default_rng(11))
+    x = cuda_one.persist(rng.random((64 * 256, 384), chunks=(256, 384), dtype=np.float32))
+    expected = cuda_one.compute(chain_sum(x, "chain-ref")).result()
+    for run in range(4):
+        with dask_octopus.annotate():
+            got, n = fragment_tasks(cuda_one, lambda run=run: cuda_one.compute(chain_sum(x, f"chain-{run}")).result())
+        assert n == 1  # one worker, one thread
+        cupy.testing.assert_allclose(got, expected, rtol=1e-6)
+    (s,) = cuda_one.run(capture_stats).values()
+    print("capture stats", s)
+    assert s["graphs_in_place"] >= 1 and s["replays"] >= 2 and s["refused"] == 0
+
+
+def test_a_failing_fragment_member_on_a_gpu_fails_only_its_own_outputs(cuda_one):
+    import cupy
+    import dask.array as da
+    from distributed import futures_of, wait
+
+    import dask_octopus
+
+    x = cuda_one.persist(da.from_array(cupy.arange(64 * 6, dtype=cupy.float64).reshape(64, 6), chunks=(4, 6)))
+    with dask_octopus.annotate():
+        y = x.map_blocks(fail_on_block_3)
+    futures = futures_of(cuda_one.persist(y.rechunk((8, 6))))  # block i joins blocks 2i and 2i + 1 of y
+    wait(futures)
+    expected = cupy.arange(64 * 6, dtype=cupy.float64).reshape(64, 6) + 1
+    for f in futures:
+        i = f.key[1]
+        if i == 1:  # reads block 3 of y
+            error = f.exception()
+            assert isinstance(error, ValueError) and "block 3 is broken" in str(error)
+            assert any("raised by task" in n and ", 3, 0)" in n for n in getattr(error, "__notes__", []))
+        else:
+            cupy.testing.assert_array_equal(f.result(), expected[8 * i:8 * i + 8])
+
+
+def test_the_memory_budget_cuts_gpu_fragments_and_they_stay_exact(cuda_one):
+    import cupy
+    import dask
+    import dask.array as da
+
+    import dask_octopus
+    from dask_octopus.bench.small_tasks import chain_sum
+
+    rng = da.random.default_rng(cupy.random.default_rng(12))
+    x = cuda_one.persist(rng.random((64 * 256, 384), chunks=(256, 384), dtype=np.float32))
+    expected = cuda_one.compute(chain_sum(x, "budget-ref")).result()
+    block = 256 * 384 * 4
+    counts = []
+    for run, budget in enumerate(("auto", 3 * block)):
+        with dask.config.set({"octopus.fragments.max-bytes": budget}), dask_octopus.annotate():
+            got, n = fragment_tasks(cuda_one, lambda run=run: cuda_one.compute(chain_sum(x, f"budget-{run}")).result())
+        cupy.testing.assert_allclose(got, expected, rtol=1e-6)
+        counts.append(n)
+    assert counts[0] == 1 and counts[1] > 1, counts

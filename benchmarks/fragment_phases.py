@@ -1,0 +1,151 @@
+"""Where the time of one annotated compute goes, phase by phase: the floor Dask itself sets.
+
+The chain-and-sum shape of ``stream_groups.py`` (1024 persisted blocks, 256x384 float32 on GPU and
+64x96 float64 on CPU, the 8-kernel elementwise chain, then ``.sum()``) computed inside
+``dask_octopus.annotate()`` on a one-worker, one-thread cluster, ``--runs`` times (the first eager,
+the later ones replayed as CUDA graphs on GPU). Each compute is cut into phases by timestamps taken in
+this process (the scheduler runs here) and the fragment task's start and stop on the worker:
+
+- ``build``: the client builds the collection (Dask array code);
+- ``submit``: from the compute call until the scheduler's ``update_graph`` starts;
+- ``materialize``: from there until the optimizer is called (Dask expands the expression's graph);
+- ``dask optimize``: Dask's own array optimizer (blockwise fusion, culling, low-level fusion);
+- ``octopus plan``: marks, places and fragments (the optimizer wrapper of ``annotate`` after Dask's);
+- ``update_graph``: the rest of Dask's ``update_graph`` (task states, transitions, sending);
+- ``dispatch``: until the fragment task starts on the worker (transfer, unpickling the fragment);
+- ``fragment``: the fragment task itself (eager on streams, or the graph's replay);
+- ``finish``: until the client has the result (the top of the tree, the result's way back).
+
+The phases outside ``octopus plan`` and ``fragment`` are Dask's own per-compute cost for this graph,
+paid with or without dask-octopus: the floor a compute of this shape cannot go under. Asserts nothing.
+
+    python benchmarks/fragment_phases.py --type cpu --out benchmarks/results/cpu
+    python benchmarks/fragment_phases.py --type gpu --devs 0 --out benchmarks/results/gpu
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from typing import Any
+
+import click
+from distributed import Client
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.scheduler import Scheduler
+
+import dask_octopus
+from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.protocol import protocol_of, protocol_option
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.small_tasks import chain_sum
+from dask_octopus.bench.workloads import persist_on_workers, random_matrix
+from dask_octopus.cli import console as make_console
+from dask_octopus.groups import marks
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+
+PHASES = ["build", "submit", "materialize", "dask optimize", "octopus plan", "update_graph", "dispatch",
+          "fragment", "finish"]
+
+
+class Stamps(SchedulerPlugin):
+    """The start and stop of the fragment task (worker clock: the same host)."""
+
+    def __init__(self) -> None:
+        self.compute: list[tuple[float, float]] = []
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if FRAGMENT_PREFIX in str(key) and finish == "memory":
+            self.compute += [(s["start"], s["stop"]) for s in kwargs.get("startstops", ())
+                             if s["action"] == "compute"]
+
+
+def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
+    """Record, in ``events``, when ``scheduler``'s ``update_graph`` starts and ends and when the optimizer
+    of ``annotate`` starts, hands over from Dask's optimizer and ends (the scheduler runs here)."""
+    update_graph = scheduler.stream_handlers["update-graph"]
+
+    @functools.wraps(update_graph)
+    async def timed_update_graph(*args: Any, **kwargs: Any) -> Any:
+        events["update_graph>"] = time.time()
+        try:
+            return await update_graph(*args, **kwargs)
+        finally:
+            events["update_graph<"] = time.time()
+
+    call = marks.GroupingOptimizer.__call__
+
+    def timed_call(self: marks.GroupingOptimizer, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        events["optimize>"] = time.time()
+        base = self.base
+
+        def timed_base(*args: Any, **kw: Any) -> Any:
+            try:
+                return base(*args, **kw)
+            finally:
+                events["dask<"] = time.time()
+
+        try:
+            return call(marks.GroupingOptimizer(timed_base), dsk, keys, **kwargs)
+        finally:
+            events["optimize<"] = time.time()
+
+    scheduler.stream_handlers["update-graph"] = timed_update_graph
+    marks.GroupingOptimizer.__call__ = timed_call
+
+
+def phases(client: Client, gpu: bool, runs: int) -> list[dict[str, float]]:
+    shape = (256, 384) if gpu else (64, 96)
+    x = persist_on_workers(client, random_matrix(1024 * shape[0], shape[1], chunks=shape, gpu=gpu))
+    float(client.compute(chain_sum(x, "warm-up")).result())  # kernels compiled, first allocations
+    events: dict[str, float] = {}
+    scheduler = client.cluster.scheduler  # in this process: its handlers and plugins are these objects
+    instrument(scheduler, events)
+    stamps = Stamps()
+    scheduler.add_plugin(stamps, name="octopus-phases")
+    out = []
+    for run in range(runs):
+        events.clear()
+        t0 = time.time()
+        with dask_octopus.annotate():
+            y = chain_sum(x, f"phases-{run}")
+            built = time.time()
+            future = client.compute(y)
+        float(future.result())
+        done = time.time()
+        start, stop = stamps.compute[-1]
+        marks_ = [t0, built, events["update_graph>"], events["optimize>"], events["dask<"], events["optimize<"],
+                  events["update_graph<"], start, stop, done]
+        out.append({name: b - a for name, a, b in zip(PHASES, marks_, marks_[1:], strict=False)} | {"total": done - t0})
+    return out
+
+
+@click.command()
+@click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
+@click.option("--runs", type=int, default=6, show_default=True)
+@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--tag", default="fragment-phases", show_default=True)
+@protocol_option
+def main(kind: str, devs: str, runs: int, out: str, tag: str, protocol: str) -> None:
+    """Time the phases of annotated computes and write one JSON file."""
+    console = make_console()
+    gpu = kind == "gpu"
+    os.makedirs(out, exist_ok=True)
+    with local_cluster(gpu, devs if gpu else None, n_workers=1, protocol=protocol) as client:
+        record = header(gpu, protocol_of(client))
+        dask_octopus.register(client, calibrate=False)
+        record["runs"] = phases(client, gpu, runs)
+    medians = {name: statistics.median(r[name] for r in record["runs"][1:] or record["runs"])
+               for name in [*PHASES, "total"]}
+    record["median_after_first"] = medians
+    for name in [*PHASES, "total"]:
+        console.print(f"{name:>14}: first {1000 * record['runs'][0][name]:7.1f} ms, "
+                      f"then median {1000 * medians[name]:7.1f} ms")
+    console.print(f"wrote {write_json(os.path.join(out, f'{tag}-{kind}.json'), record)}")
+
+
+if __name__ == "__main__":
+    main()
