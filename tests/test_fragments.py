@@ -230,6 +230,40 @@ def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, 
     assert sorted(waits) == sorted([ran_on["a1"], ran_on["b1"], ran_on["c"], ran_on["j"], ran_on["c"]])
 
 
+def test_an_eager_run_keeps_to_one_stream_where_more_would_hold_more_than_one_block_more(fake_gpu):  # noqa: F811
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+
+    class Block(cp.ndarray):  # a stand-in device array of 100 bytes holding a number
+        nbytes = 100
+
+        def __init__(self, n):
+            self.n = n
+
+        def __add__(self, other):
+            return Block(self.n + (other.n if isinstance(other, Block) else other))
+
+    frag = two_chains()
+    over = streams.FragmentLayout(frag, 8).pool_bytes({"x": 100, "y": 100})
+    assert over > frag.peak_bytes({"x": 100, "y": 100}) + 100  # 8 streams' arenas: 500 bytes, one stream 300
+    ran_on = set()
+
+    def spy(func):
+        def run(*args):
+            ran_on.add(cp.cuda.get_current_stream().name)
+            return func(*args)
+
+        return run
+
+    frag.steps = tuple((name, Task(name, spy(node.func), *node.args), reads) for name, node, reads in frag.steps)
+    with dask.config.set({"octopus.streams.capture": False}):  # eager runs (the stand-in cannot capture)
+        j, c = streams.run_fragment(frag, Block(1), Block(100))
+    assert (j.n, c.n) == (106, 14) and len(ran_on) == 1
+    ran_on.clear()
+    assert streams.run_fragment(frag, 1, 100) == (106, 14)  # sizes unknown (not device arrays)
+    assert len(ran_on) > 1
+
+
 def test_structure_tells_constants_and_partials_apart():
     from functools import partial
 

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_octopus.groups.planning import (
+    arena_peak,
     assign_streams,
     check_group_spec,
     interleave,
@@ -245,3 +246,25 @@ def test_a_result_freed_before_it_exists_or_missing_free_lists_are_errors():
         live_peak([1, 2], [[1], []])
     with pytest.raises(ValueError, match="1 free lists for 2 steps"):
         live_peak([1, 2], [[]])
+
+
+@given(runs(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_arena_peak_sums_each_stream_s_own_peak_and_is_live_peak_on_one_stream(run, data):
+    sizes, freed = run
+    frees = [[i for i, f in enumerate(freed) if f == j] for j in range(len(sizes))]
+    streams = data.draw(st.lists(st.integers(0, 3), min_size=len(sizes), max_size=len(sizes)))
+    expected = 0
+    for s in set(streams):  # each stream alone: its results alive after each step
+        expected += max(sum(sizes[i] for i in range(j + 1) if streams[i] == s and (freed[i] is None or freed[i] >= j))
+                        for j in range(len(sizes)))
+    assert arena_peak(sizes, frees, streams) == expected
+    assert arena_peak(sizes, frees, [0] * len(sizes)) == live_peak(sizes, frees)
+    assert arena_peak(sizes, frees, streams) >= live_peak(sizes, frees)
+
+
+def test_arena_peak_checks_its_input():
+    with pytest.raises(ValueError, match="2 sizes, 2 free lists and 1 streams"):
+        arena_peak([1, 2], [[], []], [0])
+    with pytest.raises(ValueError, match="step 1's result freed after step 0"):
+        arena_peak([1, 2], [[1], []], [0, 1])

@@ -96,18 +96,23 @@ class Fragment:
         self.covers = tuple(dict.fromkeys(covers))
         self.members: tuple[Key, ...] = tuple(members)
 
-    def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
-        """The estimated peak of the bytes of intermediate results held while the steps run in their order,
-        outputs held to the end; ``sizes`` gives the bytes of the inputs (those missing count 0). Each
-        step's result is estimated as large as the largest value it reads (elementwise work), 0 for a
-        step reading none (Dask does not say how large a result will be before it exists). The inputs
-        themselves are not counted: Dask holds them for the unannotated run too."""
+    def estimate(self, sizes: Mapping[Key, float]) -> tuple[list[float], list[list[int]]]:
+        """Each step's estimated result bytes, as large as the largest value it reads (elementwise work;
+        0 for a step reading none: Dask does not say how large a result will be before it exists), from
+        ``sizes``, the bytes of the inputs (those missing count 0); and the steps whose results are freed
+        after each step."""
         position = {name: i for i, (name, _, _) in enumerate(self.steps)}
         estimated: list[float] = []
         for _, _, reads in self.steps:
-            read = [estimated[position[v]] if v in position else sizes.get(v, 0) for _, v in reads]
-            estimated.append(max(read, default=0))
-        return live_peak(estimated, [[position[v] for v in drop if v in position] for drop in self.drop])
+            estimated.append(max((estimated[position[v]] if v in position else sizes.get(v, 0) for _, v in reads),
+                                 default=0))
+        return estimated, [[position[v] for v in drop if v in position] for drop in self.drop]
+
+    def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
+        """The estimated peak of the bytes of intermediate results held while the steps run in their order
+        on one stream, outputs held to the end (:meth:`estimate`, :func:`live_peak`). The inputs are not
+        counted: Dask holds them for the unannotated run too."""
+        return live_peak(*self.estimate(sizes))
 
     def structure(self) -> str:
         """What the fragment computes, whatever its keys: a token of its steps' functions and constants,

@@ -126,6 +126,25 @@ def live_peak(sizes: Sequence[float], frees: Sequence[Collection[int]]) -> float
     return peak
 
 
+def arena_peak(sizes: Sequence[float], frees: Sequence[Collection[int]], streams: Sequence[int]) -> float:
+    """The bytes a CUDA memory pool with one arena per stream (CuPy's) holds after steps ``0..n-1`` ran
+    in order, step ``i`` allocating its result (``sizes[i]`` bytes) on stream ``streams[i]``, results
+    freed as in :func:`live_peak`: memory freed on a stream is reused only by later allocations on that
+    stream, so the pool holds the sum over streams of each stream's own peak."""
+    if not len(sizes) == len(frees) == len(streams):
+        raise ValueError(f"{len(sizes)} sizes, {len(frees)} free lists and {len(streams)} streams")
+    live: dict[int, float] = {}
+    peak: dict[int, float] = {}
+    for j, (size, stream) in enumerate(zip(sizes, streams)):
+        live[stream] = live.get(stream, 0.0) + size
+        peak[stream] = max(peak.get(stream, 0.0), live[stream])
+        for i in frees[j]:
+            if i > j:
+                raise ValueError(f"step {i}'s result freed after step {j}, before it exists")
+            live[streams[i]] -= sizes[i]
+    return sum(peak.values())
+
+
 def interleave(dependencies: Sequence[Collection[int]], classes: Sequence[str]) -> list[int]:
     """A run order of steps ``0..n-1`` (given in a dependency order, ``dependencies[i]`` the earlier
     steps that step ``i`` reads) in which, whenever a step of each class is ready, compute-bound and

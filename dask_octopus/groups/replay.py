@@ -30,6 +30,11 @@ class CapturedGroup:
         self.outputs = outputs
         self.pool = pool
 
+    def held_bytes(self) -> int:
+        """The device memory the graph holds: its private pool (its intermediates and outputs) and the
+        buffers its inputs are copied into."""
+        return int(self.pool.total_bytes()) + sum(x.nbytes for x in self.inputs or ())
+
     def replay(self, cp: Any, inputs: Sequence[Any], stream: Any) -> list[Any]:
         """Copy ``inputs`` in (unless read in place), launch, and return copies of the outputs (all on
         ``stream``)."""

@@ -19,14 +19,14 @@ import logging
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import dask.utils
 from dask.sizeof import sizeof
 
 from dask_octopus import config
-from dask_octopus.groups.planning import assign_streams, launch_order
+from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
 from dask_octopus.groups.replay import CaptureRefused, GraphCache, capture, capture_fragment
 
 if TYPE_CHECKING:
@@ -113,16 +113,18 @@ class StreamRuntime:
             pool.append(cp.cuda.Stream(non_blocking=True))
         return pool[:n]
 
-    def layout(self, fragment: Fragment) -> FragmentLayout:
-        """The fragment's :class:`FragmentLayout` over ``octopus.streams.max-streams`` streams, made
-        once per fragment seen on this worker (by its steps' names) and remembered with the graphs."""
-        names = tuple(name for name, _, _ in fragment.steps)
+    def layout(self, fragment: Fragment, streams: int | None = None) -> FragmentLayout:
+        """The fragment's :class:`FragmentLayout` over ``streams`` streams (``None``:
+        ``octopus.streams.max-streams``), made once per fragment seen on this worker (by its steps'
+        names) and remembered with the graphs."""
+        streams = config.get("streams.max-streams") if streams is None else streams
+        names = (tuple(name for name, _, _ in fragment.steps), streams)
         with self._lock:
             layout = self.layouts.get(names)
             if layout is not None:
                 self.layouts.move_to_end(names)
                 return layout
-        layout = FragmentLayout(fragment, config.get("streams.max-streams"))
+        layout = FragmentLayout(fragment, streams)
         with self._lock:
             self.layouts[names] = layout
             while len(self.layouts) > self.max_graphs:
@@ -147,6 +149,7 @@ class StreamRuntime:
             groups, members = self.groups, self.members
         return {"groups": groups, "members": members, "graphs": sum(len(c.graphs) for c in caches),
                 "graphs_in_place": sum(g.inputs is None for c in caches for g in c.graphs.values()),
+                "graph_bytes": sum(g.held_bytes() for c in caches for g in c.graphs.values()),
                 "refused": sum(len(c.refused) for c in caches), "replays": sum(c.replays for c in caches),
                 "last_refusal": self.last_refusal}
 
@@ -294,6 +297,13 @@ class FragmentLayout:
     alive until the fragment's end: memory freed while another stream may still read it could be
     reused early), and the fragment's structure (for its capture signature)."""
 
+    def pool_bytes(self, sizes: Mapping[Any, float]) -> float:
+        """The estimated bytes CuPy's pool holds after an eager run on these streams (:func:`arena_peak`:
+        one arena per stream; values read by another stream held to the end), ``sizes`` being the
+        inputs' bytes."""
+        estimated, frees = self._fragment.estimate(sizes)
+        return arena_peak(estimated, [[i for i in f if i not in self.shared] for f in frees], self.streams)
+
     def __init__(self, fragment: Fragment, streams: int):
         self.streams = assign_streams(fragment.deps, streams)
         self.used = len(set(self.streams))
@@ -429,6 +439,9 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
             out = graph.replay(cp, inputs, streams[0])
             streams[0].synchronize()
             return tuple(out)
+    sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True) if isinstance(x, cp.ndarray)}
+    if layout.used > 1 and layout.pool_bytes(sizes) > fragment.peak_bytes(sizes) + max(sizes.values(), default=0):
+        layout = rt.layout(fragment, 1)  # eagerly, more streams would hold more memory than one block more
     try:
         held = launch(fragment, layout, values, streams)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
