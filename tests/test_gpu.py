@@ -377,7 +377,17 @@ def stream_of(block):
     return block + 0, cupy.cuda.get_current_stream().ptr
 
 
-def test_a_group_spreads_its_members_over_non_default_streams(cuda_one):
+def made_on_stream(i):
+    """A block made from a number (no device input: the fragment cannot size its memory), and the CUDA
+    stream this member was launched on."""
+    import cupy
+
+    return cupy.full((256, 256), float(i)), cupy.cuda.get_current_stream().ptr
+
+
+def test_a_fragment_spreads_its_members_over_streams_only_where_memory_allows(cuda_one):
+    """Eagerly, independent members reading device blocks stay on one stream of the pool (one arena per
+    stream would hold a block per stream more); members whose inputs are not device arrays spread."""
     import cupy
     import dask
 
@@ -387,6 +397,12 @@ def test_a_group_spreads_its_members_over_non_default_streams(cuda_one):
     with dask_octopus.annotate(resource="memory", group=8):
         ran = [dask.delayed(stream_of, pure=False)(b) for b in blocks]
     got = cuda_one.compute(dask.delayed(list)(ran)).result()
+    assert [float(a[0, 0]) for a, _ in got] == [float(i) for i in range(16)]
+    per_fragment = [{ptr for _, ptr in got[:8]}, {ptr for _, ptr in got[8:]}]
+    assert all(len(s) == 1 for s in per_fragment) and 0 not in per_fragment[0] | per_fragment[1]
+    with dask_octopus.annotate(resource="memory", group=8):
+        made = [dask.delayed(made_on_stream, pure=False)(i) for i in range(16)]
+    got = cuda_one.compute(dask.delayed(list)(made)).result()
     streams = {ptr for _, ptr in got}
     assert [float(a[0, 0]) for a, _ in got] == [float(i) for i in range(16)]
     assert len(streams) >= 4 and 0 not in streams  # the pool's streams, not the legacy default stream

@@ -263,8 +263,14 @@ def test_arena_peak_sums_each_stream_s_own_peak_and_is_live_peak_on_one_stream(r
     assert arena_peak(sizes, frees, streams) >= live_peak(sizes, frees)
 
 
+def test_scratch_counts_on_its_stream_while_the_step_runs():
+    # two steps of 10 bytes, each with 50 bytes of temporaries, the first freed after the second
+    assert arena_peak([10, 10], [[], [0]], [0, 0], [50, 50]) == 70  # one stream: 10 + 10 + 50
+    assert arena_peak([10, 10], [[], [0]], [0, 1], [50, 50]) == 120  # two arenas: 60 each
+
+
 def test_arena_peak_checks_its_input():
-    with pytest.raises(ValueError, match="2 sizes, 2 free lists and 1 streams"):
-        arena_peak([1, 2], [[], []], [0])
+    with pytest.raises(ValueError, match="2 sizes, 2 free lists, 1 streams and 2 scratch sizes"):
+        arena_peak([1, 2], [[], []], [0], [0, 0])
     with pytest.raises(ValueError, match="step 1's result freed after step 0"):
         arena_peak([1, 2], [[1], []], [0, 1])

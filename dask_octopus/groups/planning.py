@@ -126,18 +126,22 @@ def live_peak(sizes: Sequence[float], frees: Sequence[Collection[int]]) -> float
     return peak
 
 
-def arena_peak(sizes: Sequence[float], frees: Sequence[Collection[int]], streams: Sequence[int]) -> float:
+def arena_peak(sizes: Sequence[float], frees: Sequence[Collection[int]], streams: Sequence[int],
+               scratch: Sequence[float] | None = None) -> float:
     """The bytes a CUDA memory pool with one arena per stream (CuPy's) holds after steps ``0..n-1`` ran
-    in order, step ``i`` allocating its result (``sizes[i]`` bytes) on stream ``streams[i]``, results
-    freed as in :func:`live_peak`: memory freed on a stream is reused only by later allocations on that
-    stream, so the pool holds the sum over streams of each stream's own peak."""
-    if not len(sizes) == len(frees) == len(streams):
-        raise ValueError(f"{len(sizes)} sizes, {len(frees)} free lists and {len(streams)} streams")
+    in order, step ``i`` allocating its result (``sizes[i]`` bytes) and, while it runs, ``scratch[i]``
+    bytes of temporaries on stream ``streams[i]``, results freed as in :func:`live_peak`: memory freed
+    on a stream is reused only by later allocations on that stream, so the pool holds the sum over
+    streams of each stream's own peak."""
+    scratch = [0.0] * len(sizes) if scratch is None else scratch
+    if not len(sizes) == len(frees) == len(streams) == len(scratch):
+        raise ValueError(f"{len(sizes)} sizes, {len(frees)} free lists, {len(streams)} streams and "
+                         f"{len(scratch)} scratch sizes")
     live: dict[int, float] = {}
     peak: dict[int, float] = {}
     for j, (size, stream) in enumerate(zip(sizes, streams)):
         live[stream] = live.get(stream, 0.0) + size
-        peak[stream] = max(peak.get(stream, 0.0), live[stream])
+        peak[stream] = max(peak.get(stream, 0.0), live[stream] + scratch[j])
         for i in frees[j]:
             if i > j:
                 raise ValueError(f"step {i}'s result freed after step {j}, before it exists")

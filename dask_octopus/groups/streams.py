@@ -299,10 +299,11 @@ class FragmentLayout:
 
     def pool_bytes(self, sizes: Mapping[Any, float]) -> float:
         """The estimated bytes CuPy's pool holds after an eager run on these streams (:func:`arena_peak`:
-        one arena per stream; values read by another stream held to the end), ``sizes`` being the
-        inputs' bytes."""
+        one arena per stream; values read by another stream held to the end; each step taken to need
+        temporaries as large as its result while it runs), ``sizes`` being the inputs' bytes."""
         estimated, frees = self._fragment.estimate(sizes)
-        return arena_peak(estimated, [[i for i in f if i not in self.shared] for f in frees], self.streams)
+        return arena_peak(estimated, [[i for i in f if i not in self.shared] for f in frees], self.streams,
+                          estimated)
 
     def __init__(self, fragment: Fragment, streams: int):
         self.streams = assign_streams(fragment.deps, streams)
@@ -440,7 +441,8 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
             streams[0].synchronize()
             return tuple(out)
     sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True) if isinstance(x, cp.ndarray)}
-    if layout.used > 1 and layout.pool_bytes(sizes) > fragment.peak_bytes(sizes) + max(sizes.values(), default=0):
+    if layout.used > 1 and layout.pool_bytes(sizes) > rt.layout(fragment, 1).pool_bytes(sizes) + max(
+            sizes.values(), default=0):
         layout = rt.layout(fragment, 1)  # eagerly, more streams would hold more memory than one block more
     try:
         held = launch(fragment, layout, values, streams)
