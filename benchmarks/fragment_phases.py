@@ -115,6 +115,8 @@ def phases(client: Client, gpu: bool, runs: int) -> list[dict[str, float]]:
             future = client.compute(y)
         float(future.result())
         done = time.time()
+        if not stamps.compute:
+            raise RuntimeError("no fragment task ran: the annotated compute was not made into a fragment")
         start, stop = stamps.compute[-1]
         marks_ = [t0, built, events["update_graph>"], events["optimize>"], events["dask<"], events["optimize<"],
                   events["update_graph<"], start, stop, done]

@@ -6,15 +6,16 @@ Operations (each variant interleaved with the others, run after run; medians rep
   then a sum: Dask, the whole compute annotated (first run; repeated: replayed as a CUDA graph on
   GPU), the README pattern (``annotate`` around ``map_blocks`` only), the plain loop in this process
   and, on GPU, the floor: that loop captured as one CUDA graph over 8 streams.
-- ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``.
+- ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``;
+  on GPU also the peak device memory of each (CuPy's pool, capture off).
 - ``dataframe``: the same on a dask-expr dataframe of ``blocks`` partitions (pandas), computed inside
   ``annotate``: grouped by the scheduler plugin, since dataframes ignore layer annotations.
-  On GPU, with the peak device memory of each (CuPy's pool, capture off).
 - ``frames``: 216 frames (256x256 to 4K) through blur, Sobel, normalise and histogram, the whole set
   ``sets`` times per run (the same shapes arriving again, like video): one Dask task per frame,
   annotated groups with CUDA graph replay off (``grouped-eager``) and on (``grouped``), the plain loop
   a user would write in one process, and the floor: the whole set captured as one CUDA graph in
-  one process and replayed (kernel time alone, GPU only).
+  one process and replayed (kernel time alone, GPU only); on GPU also the peak device memory of one
+  task per frame and of the fragments (CuPy's pool after one eager run, capture off).
 - ``large``: 8192x8192 blocks (GPU; 1024 on CPU), GEMM and elementwise, annotated vs not.
 - ``mixed`` (GPU, no Dask): one group of GEMMs (512-1024) and elementwise passes (1-16 M elements)
   on one stream, round-robin over streams in submission order, and class-interleaved; beside them

@@ -112,18 +112,10 @@ def plan_fragments(order: Sequence[Hashable], dependencies: Mapping[Hashable, Co
 def live_peak(sizes: Sequence[float], frees: Sequence[Collection[int]]) -> float:
     """The peak of the summed sizes of the results alive while steps ``0..n-1`` run in order: step ``i``'s
     result (``sizes[i]`` bytes) is alive from step ``i`` until it is freed after step ``j`` (``i`` in
-    ``frees[j]``, ``i <= j``); a result never freed is held to the end."""
+    ``frees[j]``, ``i <= j``); a result never freed is held to the end. (:func:`arena_peak` on one stream.)"""
     if len(sizes) != len(frees):
         raise ValueError(f"{len(frees)} free lists for {len(sizes)} steps")
-    live = peak = 0.0
-    for j, size in enumerate(sizes):
-        live += size
-        peak = max(peak, live)
-        for i in frees[j]:
-            if i > j:
-                raise ValueError(f"step {i}'s result freed after step {j}, before it exists")
-            live -= sizes[i]
-    return peak
+    return arena_peak(sizes, frees, [0] * len(sizes))
 
 
 def arena_peak(sizes: Sequence[float], frees: Sequence[Collection[int]], streams: Sequence[int],

@@ -69,6 +69,7 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
 
 def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,
                  budgets: Mapping[Any, float | None] | None) -> bool:
+    """Whether ``fragment``'s estimated peak (:meth:`Fragment.peak_bytes`) exceeds its place's budget."""
     budget = (budgets or {}).get(place)
     return budget is not None and fragment.peak_bytes(sizes or {}) > budget
 
@@ -105,12 +106,18 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         fragments = plan_fragments(list(dsk), dependencies, candidates, {k: places.get(k) for k in candidates},
                                    parts, min(caps) if caps else None)
         built = [_build(dsk, specs, dependents, members) for members in fragments]
-        over = {places.get(members[0]) for members, fragment in zip(fragments, built)
-                if _over_budget(fragment, places.get(members[0]), sizes, budgets)}
-        over = {p for p in over if parts[p] < len(dsk)}
+        made: dict[Any, int] = {}
+        over = set()  # places with a fragment over its budget that can still be cut (two sources or more)
+        for members, fragment in zip(fragments, built):
+            place = places.get(members[0])  # a fragment's first member is one of its sources
+            made[place] = made.get(place, 0) + 1
+            inside = set(members)
+            sources = sum(not dependencies[m] & inside for m in members)
+            if sources > 1 and _over_budget(fragment, place, sizes, budgets):
+                over.add(place)
         if not over:
             break
-        parts.update((p, 2 * parts[p]) for p in over)
+        parts.update((p, 2 * max(1, parts[p], made[p])) for p in over)
     if not fragments:
         return dict(dsk)
     # the same members with other outputs (other keys asked for) are another fragment task

@@ -117,21 +117,27 @@ def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], pla
         return float(parse_bytes(setting))
     workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
     one = _worker_of(place)
+    if one in workers:  # else (no one worker, or it left) the smallest of all, as _threads counts all
+        workers = {one: workers[one]}
     budgets = []
     for addr, ws in workers.items():
-        if one is not None and addr != one:
-            continue
         p = profiles.get(addr, {})
-        memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
-        memory = memory or ws.memory_limit
+        memory = p.get("memory_free") if p.get("device") == "gpu" else ws.memory_limit or p.get("memory_total")
         if memory:
             budgets.append(memory * config.get("balance.memory-fraction") / max(1, ws.nthreads))
     return min(budgets) if budgets else None
 
 
 def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
-    """The bytes of the tasks in memory among ``tasks``."""
-    return {ts.key: ts.get_nbytes() for ts in tasks if ts.state == "memory"}
+    """The bytes of each task of ``tasks`` by its key: its own result's if in memory, else (an alias of
+    a persisted collection) those of the results it reads that are in memory; tasks with none left out."""
+    out = {}
+    for ts in tasks:
+        alias = isinstance(ts.run_spec, Alias) and ts.state == "released"
+        held = [ts] if ts.state == "memory" else [d for d in _inputs(ts) if d.state == "memory"] if alias else []
+        if held:
+            out[ts.key] = sum(d.get_nbytes() for d in held)
+    return out
 
 
 def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: set[Key],
@@ -212,7 +218,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     places = {k: _place(new[k]) for k in specs}
     kinds = set(places.values()) | {None}
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
-                         groupable, sizes=_sizes(d for ts in new.values() for d in _inputs(ts)),
+                         groupable, sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds})
     made = {k: fragment_members(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already

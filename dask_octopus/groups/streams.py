@@ -116,9 +116,9 @@ class StreamRuntime:
     def layout(self, fragment: Fragment, streams: int | None = None) -> FragmentLayout:
         """The fragment's :class:`FragmentLayout` over ``streams`` streams (``None``:
         ``octopus.streams.max-streams``), made once per fragment seen on this worker (by its steps'
-        names) and remembered with the graphs."""
+        names and outputs) and remembered with the graphs."""
         streams = config.get("streams.max-streams") if streams is None else streams
-        names = (tuple(name for name, _, _ in fragment.steps), streams)
+        names = (tuple(name for name, _, _ in fragment.steps), fragment.outputs, streams)
         with self._lock:
             layout = self.layouts.get(names)
             if layout is not None:
@@ -147,9 +147,10 @@ class StreamRuntime:
         with self._lock:
             caches = list(self._caches)
             groups, members = self.groups, self.members
-        return {"groups": groups, "members": members, "graphs": sum(len(c.graphs) for c in caches),
-                "graphs_in_place": sum(g.inputs is None for c in caches for g in c.graphs.values()),
-                "graph_bytes": sum(g.held_bytes() for c in caches for g in c.graphs.values()),
+        graphs = [g for c in caches for g in list(c.graphs.values())]  # a copy: worker threads change them
+        return {"groups": groups, "members": members, "graphs": len(graphs),
+                "graphs_in_place": sum(g.inputs is None for g in graphs),
+                "graph_bytes": sum(g.held_bytes() for g in graphs),
                 "refused": sum(len(c.refused) for c in caches), "replays": sum(c.replays for c in caches),
                 "last_refusal": self.last_refusal}
 
@@ -295,26 +296,29 @@ class FragmentLayout:
     """How a fragment runs on a GPU worker: the stream of each step (:func:`assign_streams`), the
     steps whose result another stream reads (an event is recorded after them, and their values stay
     alive until the fragment's end: memory freed while another stream may still read it could be
-    reused early), and the fragment's structure (for its capture signature)."""
-
-    def pool_bytes(self, sizes: Mapping[Any, float]) -> float:
-        """The estimated bytes CuPy's pool holds after an eager run on these streams (:func:`arena_peak`:
-        one arena per stream; values read by another stream held to the end; each step taken to need
-        temporaries as large as its result while it runs), ``sizes`` being the inputs' bytes."""
-        estimated, frees = self._fragment.estimate(sizes)
-        return arena_peak(estimated, [[i for i in f if i not in self.shared] for f in frees], self.streams,
-                          estimated)
+    reused early), the fragment's structure (for its capture signature, made when capture first asks)
+    and the bytes CuPy's pool would hold after an eager run on these streams."""
 
     def __init__(self, fragment: Fragment, streams: int):
         self.streams = assign_streams(fragment.deps, streams)
         self.used = len(set(self.streams))
         self.shared = {j for i, deps in enumerate(fragment.deps) for j in deps if self.streams[j] != self.streams[i]}
-        self._fragment = fragment
+        self._structure: str | None = None
 
-    @functools.cached_property
-    def structure(self) -> str:
-        """The fragment's :meth:`~Fragment.structure`, made when first asked for (capture on)."""
-        return self._fragment.structure()
+    def structure(self, fragment: Fragment) -> str:
+        """``fragment``'s :meth:`~Fragment.structure` (the fragment this layout was made for), made once."""
+        if self._structure is None:
+            self._structure = fragment.structure()
+        return self._structure
+
+    def pool_bytes(self, fragment: Fragment, sizes: Mapping[Any, float]) -> float:
+        """The estimated bytes CuPy's pool holds after an eager run of ``fragment`` on these streams
+        (:func:`arena_peak`: one arena per stream; values read by another stream held to the end; each
+        step taken to need temporaries as large as its result while it runs), ``sizes`` being the
+        inputs' bytes."""
+        estimated, frees = fragment.estimate(sizes)
+        return arena_peak(estimated, [[i for i in f if i not in self.shared] for f in frees], self.streams,
+                          estimated)
 
 
 class StepFailed:
@@ -417,7 +421,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
     for s in streams:
         s.wait_event(ready)
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
-        shapes = _signature(layout.structure, inputs)
+        shapes = _signature(layout.structure(fragment), inputs)
         pointers = tuple((x.data.ptr, x.strides) for x in inputs)
         cache = rt.graph_cache()
         graph = cache.get((shapes, pointers)) or cache.get(shapes)
@@ -440,10 +444,12 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
             out = graph.replay(cp, inputs, streams[0])
             streams[0].synchronize()
             return tuple(out)
-    sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True) if isinstance(x, cp.ndarray)}
-    if layout.used > 1 and layout.pool_bytes(sizes) > rt.layout(fragment, 1).pool_bytes(sizes) + max(
-            sizes.values(), default=0):
-        layout = rt.layout(fragment, 1)  # eagerly, more streams would hold more memory than one block more
+    if layout.used > 1:  # eagerly, more streams must not hold more memory than one block more than one stream
+        sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True)
+                 if isinstance(x, cp.ndarray)}
+        one = rt.layout(fragment, 1)
+        if layout.pool_bytes(fragment, sizes) > one.pool_bytes(fragment, sizes) + max(sizes.values(), default=0):
+            layout = one
     try:
         held = launch(fragment, layout, values, streams)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
