@@ -56,6 +56,7 @@ class GroupLog(SchedulerPlugin):
         self.groups = {}
         self.covers = {}  # group: the keys whose work it did (members and the keys fused into them)
         self.inputs_at_grouping = {}  # group: workers holding its inputs, for groups of in-memory inputs
+        self.reads = {}  # group: how many values it read
 
     def update_graph(self, scheduler, **kwargs):
         for key, ts in scheduler.tasks.items():
@@ -69,6 +70,7 @@ class GroupLog(SchedulerPlugin):
             holders = {ws.address for d in ts.dependencies for ws in d.who_has or ()}
             self.groups[key] = (fragment_members(ts.run_spec), kwargs["worker"], holders)
             self.covers[key] = inner_keys(key, ts.run_spec)
+            self.reads[key] = len(ts.run_spec.args[0].value.inputs)  # the values it received
 
 
 async def root_sum_in_groups(c, df, group):
@@ -150,8 +152,8 @@ async def test_groups_of_balanced_blocks_run_where_their_blocks_are(c, s, a, b):
     got = await c.compute(y.sum())
     assert got == pytest.approx(float(await c.compute(x.map_blocks(f).sum())), rel=1e-12)
     assert {w for _, w, _ in log.groups.values()} == set(s.workers)
-    # one fragment per worker: its 4 blocks (and their partial sums)
-    assert sorted(sum(key_split(k) == "f" for k in covers) for covers in log.covers.values()) == [4, 4]
+    # one fragment per worker: it reads its 4 blocks (and runs their partial sums)
+    assert sorted(log.reads.values()) == [4, 4]
     for members, worker, holders in log.groups.values():
         assert holders == {worker}, members
 
@@ -378,3 +380,27 @@ async def test_the_optimizer_groups_when_a_scheduler_of_the_process_has_no_plugi
     async with Scheduler(dashboard_address=":0", validate=True):
         assert not grouping_here()  # a second one, without the plugin
     assert grouping_here()
+
+
+def test_a_mark_on_map_blocks_alone_does_not_stop_dask_fusing_it_with_the_sum():
+    from dask.array.optimization import optimize
+    from dask.utils import ensure_dict
+
+    from dask_octopus.groups.marks import GroupingOptimizer, pull_marks
+    from dask_octopus.groups.planning import ANNOTATION
+
+    x = da.ones((64, 6), chunks=(4, 6))
+    with dask_octopus.annotate():
+        z = x.map_blocks(f)
+    y = z.sum()
+    graph = y.__dask_graph__()
+    pulled = pull_marks(graph)
+    sum_layer = next(name for name, deps in graph.dependencies.items() if z.name in deps)
+    assert pulled.layers[sum_layer].annotations[ANNOTATION] == graph.layers[z.name].annotations[ANNOTATION]
+    assert graph.layers[sum_layer].annotations is None  # the user's graph is left as it was
+    with dask.config.set({"optimization.fuse.active": False}):  # blockwise fusion only
+        fused, apart = (len(ensure_dict(optimize(g, y.__dask_keys__()))) for g in (pulled, graph))
+    assert apart - fused == 16  # one task fewer per block: map_blocks and the sum's first step fused
+    seen = []  # the optimizer of annotate hands Dask's optimizer the graph with the mark pulled
+    GroupingOptimizer(lambda dsk, keys, **kwargs: seen.append(dsk) or optimize(dsk, keys))(graph, y.__dask_keys__())
+    assert seen[0].layers[sum_layer].annotations == pulled.layers[sum_layer].annotations

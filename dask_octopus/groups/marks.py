@@ -19,6 +19,7 @@ the registered scheduler plugin.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from typing import Any
 
 import dask
 import dask.config
+from dask.blockwise import Blockwise
 from dask.core import flatten, reverse_dict
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.system import CPU_COUNT
@@ -33,7 +35,7 @@ from dask.typing import Key
 from dask.utils import ensure_dict
 
 from dask_octopus._compat import convert_legacy_graph, resolve_aliases
-from dask_octopus.groups.planning import ANNOTATION, check_group_spec
+from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
 from dask_octopus.groups.rewrite import fragment_graph, inner_keys
 from dask_octopus.groups.scheduler import fragment_here, grouping_here
 
@@ -45,6 +47,7 @@ class GroupingOptimizer:
         self.base = base
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        dsk = pull_marks(dsk)
         specs = marked_keys(dsk)
         optimized = self.base(dsk, keys, **kwargs)
         keep = set(flatten(keys))
@@ -86,6 +89,32 @@ class Marks(dict):
 
     def __call__(self, key: Key) -> Mapping[str, Any] | None:
         return self.get(key)
+
+
+def pull_marks(dsk: Any) -> Any:
+    """``dsk`` with the mark of ``annotate`` copied onto the blockwise layers that read only marked
+    blockwise layers (such as the first step of an annotated array's reduction, which joins its
+    fragments anyway): Dask fuses blockwise layers only when their annotations are equal, so a mark on
+    ``map_blocks`` alone would keep the sum's first layer from fusing with it, and Dask would convert
+    and fuse twice as many tasks as without ``annotate``. Layers are copied, never changed; anything but
+    a ``HighLevelGraph`` is returned as it is."""
+    if not isinstance(dsk, HighLevelGraph):
+        return dsk
+    layers = dict(dsk.layers)
+    changed = False
+    for name in topological(list(layers), {n: dsk.dependencies.get(n, set()) for n in layers}):
+        layer = layers[name]
+        deps = sorted(dsk.dependencies.get(name, ()))
+        marks = [(layers[d].annotations or {}).get(ANNOTATION) for d in deps]
+        if (not isinstance(layer, Blockwise) or ANNOTATION in (layer.annotations or {}) or not deps
+                or not all(isinstance(layers[d], Blockwise) for d in deps)
+                or not all(isinstance(m, Mapping) and not callable(m) for m in marks)):
+            continue
+        pulled = copy.copy(layer)
+        pulled.annotations = {**(layer.annotations or {}), ANNOTATION: marks[0]}
+        layers[name] = pulled
+        changed = True
+    return HighLevelGraph(layers, dsk.dependencies) if changed else dsk
 
 
 def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
