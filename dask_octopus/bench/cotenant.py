@@ -20,6 +20,8 @@ import click
 import psutil
 from distributed import Client
 
+from dask_octopus.bench.workloads import workers_info
+
 
 def pin_process(cores: set[int]) -> None:
     """Pin every thread of this process (and so the threads it starts later) to ``cores``."""
@@ -30,7 +32,7 @@ def pin_process(cores: set[int]) -> None:
 def pin_workers(client: Client) -> dict[str, int]:
     """Pin each worker process of ``client`` to its own CPU core (sorted addresses, sorted cores)."""
     cores = sorted(os.sched_getaffinity(0))
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(workers_info(client))
     if len(workers) > len(cores):
         raise ValueError(f"{len(workers)} workers cannot each get one of {len(cores)} cores")
     plan = dict(zip(workers, cores))

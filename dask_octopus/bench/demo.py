@@ -26,6 +26,7 @@ from dask_octopus.bench.protocol import resolve_protocol
 from dask_octopus.bench.record import hardware
 from dask_octopus.bench.small_tasks import Timing, run_small_tasks
 from dask_octopus.bench.timeline import bar_chart, plot_timelines
+from dask_octopus.bench.workloads import workers_info
 
 PARTS = ("all", "balance", "tasks")
 
@@ -118,7 +119,7 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
     returns the figures."""
     with local_cluster(gpu, protocol=protocol) as client:
         slow, load = slowest_target(client, gpu)
-        console.print(f"cluster: {len(client.scheduler_info(n_workers=-1)['workers'])} "
+        console.print(f"cluster: {len(workers_info(client))} "
                       f"{'GPU' if gpu else 'CPU'} workers; co-tenant on {slow}: {load if cotenant else 'none'}")
         with CoTenant(**load) if cotenant else contextlib.nullcontext():
             dask_octopus.register(client)

@@ -27,6 +27,7 @@ from dask_octopus.bench.workloads import (
     PassRecord,
     persist_on_workers,
     random_matrix,
+    workers_info,
 )
 from dask_octopus.profiling.probes import gpu_count
 
@@ -86,7 +87,7 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
 
 def slowest_target(client: Client, gpu: bool) -> tuple[str, dict]:
     """The worker to slow down (first by name) and the ``CoTenant`` arguments that do it."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_info(client)
     worker = min(info, key=lambda w: str(info[w]["name"]))
     if gpu:
         return worker, {"gpus": [info[worker]["name"]]}
@@ -123,7 +124,7 @@ def make_input(client: Client, variant: str, rows: int, cols: int, gpu: bool,
                chunk_rows: int | None = None) -> da.Array:
     """The persisted input of ``variant`` (see :func:`parse_variant`); ``defaults`` uses
     ``chunk_rows`` rows per block (one block per worker when None)."""
-    n = len(client.scheduler_info(n_workers=-1)["workers"])
+    n = len(workers_info(client))
     kind, per_worker, _ = parse_variant(variant)
     if kind == "balance":
         x = random_matrix(rows, cols, chunks=(-(-rows // n), cols), gpu=gpu)

@@ -28,6 +28,7 @@ from dask_octopus.bench.workloads import (
     intervals,
     synchronize,
     to_host,
+    workers_info,
 )
 from dask_octopus.placement.items import ITEM_PREFIX, run_batch
 
@@ -121,7 +122,7 @@ def _alone(items: list) -> list[float]:
 
 def item_seconds(client: Client, items: list) -> dict[str, list[float]]:
     """Each worker's seconds for each item run alone there, measured on all workers at once."""
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(workers_info(client))
     futs = [client.submit(_alone, items, workers=[w], pure=False) for w in workers]
     return dict(zip(workers, client.gather(futs), strict=True))
 

@@ -157,6 +157,13 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
     return records
 
 
+def workers_info(client: Client) -> dict[str, dict]:
+    """Each worker's entry of the scheduler's identity, fetched now (``client.scheduler_info()`` returns
+    the client's cached identity, which its periodic refresh may just have replaced with one that
+    lists no workers)."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def persist_on_workers(client: Client, x: da.Array) -> da.Array:
     """Persist ``x`` and wait until every block is in memory."""
     x = client.persist(x)
