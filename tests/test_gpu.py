@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from dask_octopus.bench.workloads import workers_info
+
 pytestmark = pytest.mark.gpu
 
 
@@ -76,7 +78,7 @@ def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):
     import dask_octopus
     from dask_octopus.bench.cotenant import CoTenant
 
-    info = cuda_client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_info(cuda_client)
     shared = next(w for w, v in info.items() if str(v["name"]) == "0")
     with CoTenant(gpus=[0]):
         dask_octopus.register(cuda_client)
@@ -133,7 +135,7 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
     from dask_octopus.bench.workloads import gemm_repeat
 
     dask_octopus.register(cuda_client)
-    info = cuda_client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_info(cuda_client)
     shared = next(w for w, v in info.items() if str(v["name"]) == "0")
     assert dask_octopus.speeds(cuda_client)[shared] > 0.4
     data = {w: cuda_client.submit(cupy.ones, (4096, 4096), dtype="float32", workers=[w]) for w in info}
@@ -361,7 +363,7 @@ def killed_worker_mid_compute(cuda_client):
     fut = cuda_client.compute(z.sum(axis=1))
     time.sleep(1.0)
     assert not fut.done()
-    victim = sorted(cuda_client.scheduler_info(n_workers=-1)["workers"])[0]
+    victim = sorted(workers_info(cuda_client))[0]
     with contextlib.suppress(Exception):  # the worker dies before it can answer
         cuda_client.run(os._exit, 1, workers=[victim])
     cupy.testing.assert_array_equal(fut.result(timeout=120), expected)
