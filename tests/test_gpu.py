@@ -579,3 +579,49 @@ def test_the_memory_budget_cuts_gpu_fragments_and_they_stay_exact(cuda_one):
         cupy.testing.assert_allclose(got, expected, rtol=1e-6)
         counts.append(n)
     assert counts[0] == 1 and counts[1] > 1, counts
+
+
+def inflate_on_gpu(block):
+    """Six block-sized temporaries on the device: a working set of about eight blocks."""
+    import cupy
+
+    return block + cupy.ones((6, *block.shape), dtype=block.dtype).sum(axis=0)
+
+
+def test_balance_learns_a_cupy_working_set_and_sizes_the_next_blocks_by_it():
+    import cupy
+    import dask
+    import dask.array as da
+    from dask.utils import key_split
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    import dask_octopus
+
+    fraction = 0.02  # of an H200's ~140 GB free: 2.8 GB, which holds the array but not 8 x a 512 MiB block
+    with dask.config.set({"octopus.balance.memory-fraction": fraction}), \
+            LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", dashboard_address=":0") as cluster, Client(cluster) as c:
+        dask_octopus.register(c)
+        free = next(iter(dask_octopus.profiles(c).values()))["memory_free"]
+        rng = da.random.default_rng(cupy.random.default_rng(5))
+        x = rng.random(2**28, chunks=2**27, dtype=np.float32).persist()  # two blocks of 512 MiB
+        expected = float(x.sum().compute()) + 6 * x.size
+        first = dask_octopus.balance(x)
+        assert first.map_blocks(inflate_on_gpu).sum().compute() == pytest.approx(expected, rel=1e-5)
+
+        source = key_split(x.name)
+
+        def ratio(dask_scheduler, source=source):
+            return dask_scheduler.plugins["octopus"].working_sets.ratio(source)
+
+        deadline = time.monotonic() + 30
+        while (r := c.run_on_scheduler(ratio)) is None:
+            assert time.monotonic() < deadline, "no working set reached the scheduler"
+            time.sleep(0.05)
+        print("learned working set per byte of block", r, "chunks", first.chunks, "free", free)
+        assert 4 < r < 12  # the block, six temporaries and the result, counted from CuPy's allocations
+        second = dask_octopus.balance(x)
+        print("next plan", second.chunks)
+        assert all(n * 4 * r <= free * fraction for n in second.chunks[0])
+        assert len(second.chunks[0]) > len(first.chunks[0])
+        assert second.map_blocks(inflate_on_gpu).sum().compute() == pytest.approx(expected, rel=1e-5)

@@ -218,9 +218,15 @@ def test_blocks_within_the_largest_block_under_a_memory_cap():
     assert block_sizes_within(100, [1, 1], 50, caps=[20, None]) == [[20], [40, 40]]
 
 
-@pytest.mark.parametrize("largest", [0, -3])
+def test_blocks_within_a_largest_block_per_worker():
+    # worker 0 may process 10 rows at once, worker 1 the collection's largest block (50)
+    assert block_sizes_within(100, [1, 1], [10, 50]) == [[10, 10, 10, 10, 10], [50]]
+    assert block_sizes_within(100, [1, 3], [50, 30]) == block_sizes_within(100, [1, 3], 30)
+
+
+@pytest.mark.parametrize("largest", [0, -3, [50, 0], [50]])
 def test_blocks_within_a_largest_below_one(largest):
-    with pytest.raises(PlanningError, match=rf"^largest must be >= 1, got {largest}$"):
+    with pytest.raises(PlanningError, match=r"^largest must be >= 1, for all or for each of the 2 workers, got "):
         block_sizes_within(100, [1, 1], largest)
 
 

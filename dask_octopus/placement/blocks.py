@@ -9,12 +9,14 @@ blocks and the tasks that consume only them when the graph arrives.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from typing import Any
 
 import dask
 import dask.array as da
 from dask.base import is_dask_collection, tokenize
-from dask.utils import format_bytes
+from dask.utils import format_bytes, key_split
 from distributed import Client
 
 from dask_octopus import config
@@ -31,34 +33,44 @@ from dask_octopus.plugins.client import awaitable_on_async_clients, call_schedul
 from dask_octopus.profiling.speedmodel import check_resource
 
 
-def _workers_caps_and_speed(client: Client, resource: str,
-                            row_bytes: float) -> tuple[list[str], list[float], list[int | None], float | None]:
-    """Sorted worker addresses, their weights, how many rows each may hold, and the time scale of a
-    pass: for ``resource="memory"``, the workers' total speed in rows per second, each row read once
-    at the calibrated streaming speeds; ``None`` for ``"compute"`` (the work per row is not known
-    before the graph that consumes the blocks is) or where a worker has no streaming figure."""
-    profiles = call_scheduler(client, "octopus_profiles", resource=resource)
+def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
+                            source: str) -> tuple[list[str], list[float], list[int | None], float | None, list[int]]:
+    """Sorted worker addresses, their weights, how many rows each may hold, the time scale of a pass
+    and how many rows each may process at once.
+
+    The time scale is, for ``resource="memory"``, the workers' total speed in rows per second, each
+    row read once at the calibrated streaming speeds; ``None`` for ``"compute"`` (the work per row is
+    not known before the graph that consumes the blocks is) or where a worker has no streaming
+    figure. The rows a worker may process at once: its memory share divided among its threads and by
+    the working set per byte of block learned from earlier runs on blocks of inputs named like this
+    one (``source``, a key prefix); no limit (``sys.maxsize``) before any such run."""
+    profiles = call_scheduler(client, "octopus_profiles", resource=resource, source=source)
     workers = sorted(profiles)
     fraction = config.get("balance.memory-fraction")
     caps: list[int | None] = []
+    limits: list[int] = []
     for w in workers:
         p = profiles[w]
         memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
         caps.append(int(memory * fraction // row_bytes) if memory and row_bytes > 0 else None)
+        ratio = p.get("working_set")
+        limits.append(max(1, int(memory * fraction / (ratio * p.get("threads", 1) * row_bytes)))
+                      if memory and ratio and row_bytes > 0 else sys.maxsize)
     streams = [profiles[w].get("memory") for w in workers]
     speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
-    return workers, [profiles[w]["weight"] for w in workers], caps, speed
+    return workers, [profiles[w]["weight"] for w in workers], caps, speed, limits
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
-          current: list[int]) -> tuple[list[int], list[str]]:
+          current: list[int], source: str) -> tuple[list[int], list[str]]:
     """Flat block sizes and the worker of each block; the ``current`` sizes when moving data to the
     planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain`` or, where a
     pass's time can be predicted (``resource="memory"``), by more seconds than moving the rows that
     change worker takes at the cluster's measured bandwidths. Without ``per_worker``, as few blocks
-    per worker as keep every block within the largest current one."""
+    per worker as keep every block within the largest current one and within what the worker can
+    process at once (the working set learned for ``source``); with it, a warning where a block is not."""
     row_bytes = nbytes / total if total else 0.0
-    workers, weights, caps, speed = _workers_caps_and_speed(client, resource, row_bytes)
+    workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
     if total < len(workers) * (per_worker or 1):
         raise PlanningError(f"{total} rows are fewer than the {len(workers)} workers x "
                             f"per_worker={per_worker or 1} blocks")
@@ -70,13 +82,16 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
             "add workers or process it in pieces"
         )
     if per_worker is None:
-        plan = block_sizes_within(total, weights, max(current), align=align, caps=caps)
+        plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps)
         per_worker = len(current) // len(workers)  # the current blocks, if kept: this many per worker
         reference = _plan_or_none(total, weights, per_worker, align, caps) if len(current) % len(workers) == 0 else None
     else:
         plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
+        _warn_over_working_set(workers, plan, limits, row_bytes, source)
     fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
     fits = fits and all(n % align == 0 for n in current[:-1])  # kept blocks must also honour align
+    fits = fits and all(max(current[i * per_worker:(i + 1) * per_worker], default=0) <= n
+                        for i, n in enumerate(limits))
     if reference and fits and len(current) == len(workers) * per_worker:
         move = 0.0
         if speed is not None:  # the kept blocks' rows per worker against the plan's
@@ -86,6 +101,19 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
                             move_seconds=move):
             return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks]
     return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
+
+
+def _warn_over_working_set(workers: list[str], plan: list[list[int]], limits: list[int], row_bytes: float,
+                           source: str) -> None:
+    """Warn where ``per_worker`` gives a worker blocks larger than it can process at once."""
+    over = [(w, max(blocks), n) for w, blocks, n in zip(workers, plan, limits) if max(blocks) > n]
+    if over:
+        w, rows, n = over[0]
+        warnings.warn(
+            f"balance: blocks of {format_bytes(rows * row_bytes)} on {w} are larger than the "
+            f"{format_bytes(n * row_bytes)} it can process at once: earlier tasks on blocks of "
+            f"{source!r} needed more memory per byte of block; leave per_worker=None to size blocks by it",
+            ResourceWarning, stacklevel=4)
 
 
 def _plan_or_none(total: int, weights: list[float], per_worker: int, align: int,
@@ -174,12 +202,14 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
     if any(math.isnan(c) for chunks in x.chunks for c in chunks):
         raise ValueError("the array has unknown chunk sizes (NaN, e.g. after boolean indexing): "
                          "call x.compute_chunk_sizes() first")
-    sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align, list(x.chunks[axis]))
+    source = key_split(x.name)
+    sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align, list(x.chunks[axis]), source)
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     y = x.rechunk(tuple(chunks), method="tasks") if tuple(sizes) != x.chunks[axis] else _named_blocks(x)
+    row_bytes = x.nbytes / x.shape[axis]
     call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis, sizes=sizes,
-                   resource=resource)
+                   resource=resource, source=source, nbytes=[n * row_bytes for n in sizes])
     return y
 
 
@@ -238,8 +268,9 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     parts = client.compute(df.to_delayed())
     shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]
+    source = key_split(df._name)
     sizes, workers = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker, align,
-                           lengths)
+                           lengths, source)
     divisions = None
     if df.known_divisions:
         sizes, divisions = _snapped(client, df, parts, lengths, sizes)
@@ -247,7 +278,9 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     name = "octopus-rows-" + tokenize(df, sizes)
     blocks = [delayed(_take_rows)([(parts[i], a, b) for i, a, b in seg], dask_key_name=(name, j))
               for j, seg in enumerate(segments)]
-    call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource)
+    row_bytes = sum(b for _, b in shapes) / max(sum(lengths), 1)
+    call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource,
+                   source=source, nbytes=[n * row_bytes for n in sizes])
     return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
 
 

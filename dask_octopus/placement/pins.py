@@ -24,6 +24,7 @@ from distributed.core import Status
 from dask_octopus._compat import expected_duration
 from dask_octopus.groups.rewrite import inner_keys
 from dask_octopus.placement.planning import reassign
+from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
     from dask.typing import Key
@@ -44,6 +45,8 @@ class Plan:
     costs: list[float] | None = None
     counts: list[int] | None = None
     stealable: list[bool] | None = None
+    source: str | None = None  # a balance plan: the key prefix of the collection it re-blocked
+    nbytes: list[float] | None = None  # ... and the bytes of each block
 
 
 def _key_name(key: Any) -> Any:
@@ -60,9 +63,11 @@ class Placement:
         self.stealable_keys: set[Key] = set()
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
-                 counts: list[int] | None = None, stealable: list[bool] | None = None) -> None:
-        """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``."""
-        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable)
+                 counts: list[int] | None = None, stealable: list[bool] | None = None,
+                 source: str | None = None, nbytes: list[float] | None = None) -> None:
+        """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``; with ``source``
+        and the blocks' ``nbytes``, the tasks pinned for it are marked for measuring their working sets."""
+        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes)
         self.plans.move_to_end(name)
         while len(self.plans) > self.max_plans:
             self.plans.popitem(last=False)
@@ -75,6 +80,15 @@ class Placement:
             return None
         i = key[plan.index]
         return plan.costs[i], (plan.counts[i] if plan.counts is not None else None)
+
+    def measured_block(self, key: Key) -> tuple[str, float] | None:
+        """The input's key prefix and the bytes of the block of the balance plan that pinned the task
+        ``key``, if any."""
+        block = self.pins.get(key)
+        plan = self.plans.get(block[0]) if block is not None else None
+        if plan is None or plan.source is None or plan.nbytes is None or block[1] >= len(plan.nbytes):
+            return None
+        return plan.source, plan.nbytes[block[1]]
 
     def worker_of(self, block: Block) -> str | None:
         plan = self.plans.get(block[0])
@@ -141,6 +155,8 @@ class Placement:
             return False
         self.pins[ts.key] = block
         ts.worker_restrictions = {worker}
+        if self.plans[block[0]].nbytes is not None:  # a new dict: a layer's tasks may share one
+            ts.annotations = {**(ts.annotations or {}), MEASURE: True}
         ts.loose_restrictions = self.stealable(block)
         if ts.loose_restrictions:
             self.stealable_keys.add(ts.key)

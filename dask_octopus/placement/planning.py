@@ -130,23 +130,24 @@ def block_sizes(
     return plan
 
 
-def block_sizes_within(total: int, weights: Sequence[float], largest: int, *, align: int = 1,
+def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequence[int], *, align: int = 1,
                        caps: Sequence[int | None] | None = None) -> list[list[int]]:
     """:func:`block_sizes` with, for each worker, the fewest blocks that keep each of its blocks within
-    ``largest`` units, e.g. the largest block of the collection as its user chunked it: a plan never
-    asks a worker to hold a block larger than the user's own (the last block may also hold the
-    ``total % align`` remainder)."""
+    ``largest`` units (one bound for all, or one per worker), e.g. the largest block of the collection
+    as its user chunked it: a plan never asks a worker to hold a block larger than the user's own (the
+    last block may also hold the ``total % align`` remainder)."""
     w = _check_weights(weights)
-    if largest < 1:
-        raise PlanningError(f"largest must be >= 1, got {largest!r}")
-    bound = max(largest, align)
+    bounds = [largest] * len(w) if isinstance(largest, int) else list(largest)
+    if len(bounds) != len(w) or any(b < 1 for b in bounds):
+        raise PlanningError(f"largest must be >= 1, for all or for each of the {len(w)} workers, got {largest!r}")
+    bounds = [max(b, align) for b in bounds]
     body = total - total % align
     # from below (the rounded shares can undercut the real-valued ones), one block more where one is over
-    counts = [max(1, math.floor(body * wi / sum(w) / bound)) for wi in w]
+    counts = [max(1, math.floor(body * wi / sum(w) / b)) for wi, b in zip(w, bounds)]
     while True:
         plan = block_sizes(total, w, per_worker=counts, align=align, caps=caps)
         over = [i for i, blocks in enumerate(plan)
-                if max([*blocks[:-1], blocks[-1] - (total % align if i == len(plan) - 1 else 0)]) > bound]
+                if max([*blocks[:-1], blocks[-1] - (total % align if i == len(plan) - 1 else 0)]) > bounds[i]]
         if not over:
             return plan
         for i in over:  # rounding put a row or an align unit over: one block more there

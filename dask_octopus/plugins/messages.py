@@ -24,6 +24,9 @@ class Profile(TypedDict, total=False):
     name_on_scheduler: str  #: the worker's name (``octopus_profiles``)
     weight: float  #: current weight for the asked resource (``octopus_profiles``)
     samples: int  #: task timings behind the weight (``octopus_profiles``)
+    threads: int  #: worker threads (``octopus_profiles``)
+    #: peak bytes per byte of block of the tasks of the asked input's blocks, once measured (``octopus_profiles``)
+    working_set: float | None
 
 
 class WorkerInfo(NamedTuple):

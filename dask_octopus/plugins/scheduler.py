@@ -32,6 +32,8 @@ from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
 from dask_octopus.profiling.speedmodel import SpeedModel, check_resource
+from dask_octopus.profiling.working_set import TOPIC as WORKING_SETS
+from dask_octopus.profiling.working_set import WorkingSets
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
@@ -99,6 +101,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     item_costs: defaultdict[str, defaultdict[str, ItemCostFit]]
     #: each live worker's calibration, as its worker plugin reported it
     profiles: dict[str, Profile]
+    #: per balanced input: peak memory of the tasks of its blocks per byte of block
+    working_sets: WorkingSets
     #: hooks that raised once (logged once each)
     failed_hooks: set[str]
     #: workers that sent a bad timing (warned once each)
@@ -120,6 +124,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.placement = Placement(config.get("max-plans", max_plans))
         self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
         self.profiles = {}
+        self.working_sets = WorkingSets(max_sources=self.placement.max_plans)
         self.failed_hooks = set()
         self.bad_timings = set()
         self.history = WeightHistory()
@@ -242,37 +247,44 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                    rate)
         return out
 
-    def get_profiles(self, resource: str = "compute") -> dict[str, Profile]:
-        """Per live worker: calibration figures, memory, current weight and refining samples."""
+    def get_profiles(self, resource: str = "compute", source: str | None = None) -> dict[str, Profile]:
+        """Per live worker: calibration figures, memory, threads, current weight and refining samples,
+        and the working set per byte of block learned for the balanced input ``source`` (a key prefix)."""
         weights = self.speeds(resource)
+        working_set = self.working_sets.ratio(source) if source is not None else None
         out = {}
         for addr, ws in self.scheduler.workers.items():
             profile = Profile(**self.profiles.get(addr, {"error": "not calibrated"}))
             if profile.get("device") != "gpu" and ws.memory_limit:
                 profile["memory_total"] = profile["memory_free"] = ws.memory_limit
             profile.update(name_on_scheduler=str(ws.name), weight=weights[addr],
-                           samples=self.model.samples(addr))
+                           samples=self.model.samples(addr), threads=ws.nthreads, working_set=working_set)
             out[addr] = profile
         return out
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
-                 sizes: list[float] | None = None, resource: str = "compute") -> None:
+                 sizes: list[float] | None = None, resource: str = "compute", source: str | None = None,
+                 nbytes: list[float] | None = None) -> None:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
         ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``).
         ``sizes[i]`` (rows) and the weights of ``resource`` now give the dashboard the plan's
-        predicted finish per worker (``costs`` when ``sizes`` is not given)."""
+        predicted finish per worker (``costs`` when ``sizes`` is not given). A ``balance`` plan names
+        its input's key prefix, ``source``, and its blocks' bytes, ``nbytes``: the working sets of
+        its tasks are learned for that input."""
         check_resource(resource)
         unknown = sorted(set(workers) - set(self.scheduler.workers))
         if unknown:
             raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
         for label, values in (("costs", costs), ("counts", counts), ("stealable flags", stealable),
-                              ("sizes", sizes)):
+                              ("sizes", sizes), ("block bytes", nbytes)):
             if values is not None and len(values) != len(workers):
                 raise ValueError(f"plan has {len(values)} {label} for {len(workers)} blocks")
         if counts is not None and costs is None:
             raise ValueError("plan has item counts without costs")
-        self.placement.add_plan(name, workers, axis, costs, counts, stealable)
+        if (source is None) != (nbytes is None):
+            raise ValueError("plan has a source without block bytes, or block bytes without a source")
+        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
                                          self.speeds(resource)))
@@ -350,6 +362,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             for key, prefix, units, seconds in msg["timings"]:
                 key = tuple(key) if isinstance(key, list) else key  # msgpack turned tuple keys into lists
                 self._observe(msg["worker"], key, prefix, units, seconds)
+        elif topic == WORKING_SETS:
+            for key, peak in msg["samples"]:
+                block = self.placement.measured_block(tuple(key) if isinstance(key, list) else key)
+                if block is not None:
+                    self.working_sets.add(*block, peak)
 
     def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float) -> None:
         """Feed one task timing to the model; a planned task's cost replaces its bytes as work units."""

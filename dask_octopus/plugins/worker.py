@@ -15,6 +15,7 @@ from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY, StreamRuntime
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.profiling.gpu_timing import GpuTaskTimer
 from dask_octopus.profiling.probes import gpu_available, run_probes
+from dask_octopus.profiling.working_set import CupyPeak, RssPeak, WorkingSetMeter
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -30,7 +31,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
     handler before :meth:`setup` returns, so registration waits for the calibration. On a GPU
     worker with one thread it also times tasks with CUDA events (:mod:`dask_octopus.profiling.gpu_timing`).
     A task that runs out of memory gets a note naming the worker, the bytes of its block and what
-    to change in the plan. It installs the worker's :class:`~dask_octopus.groups.streams.StreamRuntime`
+    to change in the plan. It measures the working sets of the tasks pinned for ``balance`` plans
+    (:mod:`dask_octopus.profiling.working_set`). It installs the worker's :class:`~dask_octopus.groups.streams.StreamRuntime`
     (stream pools, captured graphs) as the worker extension ``octopus-streams`` and drops it on
     teardown.
 
@@ -49,6 +51,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
     device: str
     #: CUDA-event task timer (GPU workers with one thread)
     timer: GpuTaskTimer | None
+    #: measures the working sets of the tasks of balanced blocks
+    meter: WorkingSetMeter | None
     worker: Worker | None
     #: this worker's calibration, as sent to the scheduler
     profile: Profile
@@ -58,6 +62,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self.seconds = config.get("calibration.seconds", seconds)
         self.device = config.get("calibration.device", device)
         self.timer = None
+        self.meter = None
         self.worker = None
         self.profile = {}
 
@@ -81,6 +86,10 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if profile.get("device") == "gpu" and worker.state.nthreads == 1:
             self.timer = GpuTaskTimer(worker)
         profile["event_timing"] = self.timer is not None
+        if profile.get("device") == "gpu":
+            self.meter = WorkingSetMeter(worker, CupyPeak())
+        elif RssPeak.available():
+            self.meter = WorkingSetMeter(worker, RssPeak())
         if profile.get("memory"):
             runtime.bandwidth = profile["memory"]
         self.profile = profile
@@ -89,6 +98,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         if self.timer is not None:
             self.timer.transition(key, start, finish)
+        if self.meter is not None:
+            self.meter.transition(key, start, finish)
         if finish == "error" and self.worker is not None:
             self._explain_out_of_memory(key)
 
@@ -116,6 +127,9 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if self.timer is not None:
             self.timer.stop()
             self.timer = None
+        if self.meter is not None:
+            self.meter.close()
+            self.meter = None
         worker.metrics = {k: v for k, v in worker.metrics.items() if k != HEARTBEAT_KEY}  # as in setup
         runtime = worker.extensions.pop(EXTENSION, None)
         if runtime is not None:

@@ -1,0 +1,286 @@
+"""Working sets of balanced blocks: measured per task on the workers, learned per input on the scheduler,
+and used by the next ``balance`` of that input to size its blocks."""
+
+import sys
+import time
+import types
+import warnings
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.utils import key_split
+from distributed import Client, LocalCluster
+from distributed.utils_test import gen_cluster
+
+import dask_octopus
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+from dask_octopus.profiling import working_set
+from dask_octopus.profiling.working_set import (
+    MEASURE,
+    MIN_BASIS,
+    MIN_PEAK,
+    CupyPeak,
+    RssPeak,
+    WorkingSetMeter,
+    WorkingSets,
+)
+
+MiB = 2**20
+
+
+def test_working_sets_keep_the_largest_recent_ratio_per_input():
+    ws = WorkingSets(window=2, max_sources=2)
+    block = MIN_BASIS
+    assert ws.ratio("a") is None
+    ws.add("a", block, 3 * block)
+    ws.add("a", block, 8 * block)
+    assert ws.ratio("a") == 8.0
+    ws.add("a", block, 2 * block)
+    ws.add("a", block, 2.5 * block)  # the 8x sample left the window of two
+    assert ws.ratio("a") == 2.5
+    ws.add("a", block - 1, 100 * block)  # a block too small to bound a plan: ignored
+    ws.add("a", block, float("nan"))
+    assert ws.ratio("a") == 2.5
+    ws.add("b", block, block)
+    ws.add("c", block, 3 * block)  # three inputs, room for two: the least recently measured goes
+    assert ws.ratio("a") is None and ws.ratio("b") == 1.0 and ws.ratio("c") == 3.0
+
+
+@pytest.mark.skipif(not RssPeak.available(), reason="needs Linux's /proc/self/clear_refs")
+def test_rss_peak_sees_memory_freed_before_the_end_and_resets_per_measurement():
+    peak = RssPeak()
+    peak.start()
+    a = np.ones(64 * MiB // 8)  # written, so resident
+    del a
+    assert peak.extra() >= 60 * MiB
+    peak.start()
+    assert peak.extra() < 16 * MiB  # reset: the earlier peak is not seen again
+
+
+class Obj:
+    """An object with the given attributes (hashable by identity, as Dask's task states are)."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+class FakeState:
+    def __init__(self):
+        self.tasks = {}
+        self.executing = set()
+
+
+class FakeWorker:
+    """What the meter reads of a worker: its task states, what executes and where events go."""
+
+    def __init__(self, address):
+        self.address = address
+        self.state = FakeState()
+        self.events = []
+
+    def log_event(self, topic, msg):
+        self.events.append((topic, msg))
+
+    def task(self, key, inputs=(), marked=True):
+        deps = {Obj(nbytes=n) for n in inputs}
+        ts = Obj(key=key, dependencies=deps, nbytes=None, annotations={MEASURE: True} if marked else {})
+        self.state.tasks[key] = ts
+        return ts
+
+    def start(self, meter, key):
+        ts = self.state.tasks[key]
+        self.state.executing.add(ts)
+        meter.transition(key, "ready", "executing")
+
+    def finish(self, meter, key, nbytes, finish="memory"):
+        ts = self.state.tasks[key]
+        self.state.executing.discard(ts)
+        ts.nbytes = nbytes
+        meter.transition(key, "executing", finish)
+
+
+class FixedPeak:
+    def __init__(self, extra):
+        self.value, self.starts = extra, 0
+
+    def start(self):
+        self.starts += 1
+
+    def extra(self):
+        return self.value
+
+
+@pytest.fixture
+def workers():
+    """Two workers of one process with a meter each (the peak: 100 MiB allocated by any task)."""
+    made = []
+    for name in "ab":
+        w = FakeWorker(f"tcp://{name}")
+        made.append((w, WorkingSetMeter(w, FixedPeak(100 * MiB))))
+    yield made
+    for _, meter in made:
+        meter.close()
+
+
+def test_a_marked_task_alone_reports_its_inputs_plus_its_peak(workers):
+    (w, meter), _ = workers
+    w.task("x", inputs=(20 * MiB, 12 * MiB))
+    w.start(meter, "x")
+    w.finish(meter, "x", nbytes=40 * MiB)
+    assert w.events == [(working_set.TOPIC, {"worker": "tcp://a", "samples": [("x", 132 * MiB)]})]
+
+
+def test_unmarked_small_failed_and_overlapping_tasks_are_not_reported(workers):
+    (a, ma), (b, mb) = workers
+    a.task("unmarked", inputs=(64 * MiB,), marked=False)
+    a.start(ma, "unmarked")
+    a.finish(ma, "unmarked", 64 * MiB)
+    ma.peak.value = MIN_PEAK - 1
+    a.task("small")
+    a.start(ma, "small")
+    a.finish(ma, "small", 8)
+    ma.peak.value = 100 * MiB
+    a.task("failed", inputs=(64 * MiB,))
+    a.start(ma, "failed")
+    a.finish(ma, "failed", None, finish="error")
+    # another worker of the process starts a task while "x" runs: both peaks would mix
+    a.task("x", inputs=(64 * MiB,))
+    b.task("y", inputs=(64 * MiB,), marked=False)
+    a.start(ma, "x")
+    b.start(mb, "y")
+    b.finish(mb, "y", 64 * MiB)
+    a.finish(ma, "x", 64 * MiB)
+    # and one that starts while the other worker is still executing is not measured at all
+    b.task("z", inputs=(64 * MiB,), marked=False)
+    b.start(mb, "z")
+    a.task("w", inputs=(64 * MiB,))
+    a.start(ma, "w")
+    a.finish(ma, "w", 64 * MiB)
+    b.finish(mb, "z", 64 * MiB)
+    assert a.events == [] and b.events == []
+    # after all that, a task alone is measured again
+    a.task("v", inputs=(64 * MiB,))
+    a.start(ma, "v")
+    a.finish(ma, "v", 64 * MiB)
+    assert a.events == [(working_set.TOPIC, {"worker": "tcp://a", "samples": [("v", 164 * MiB)]})]
+
+
+class FakeCupy(types.ModuleType):
+    """The allocator API of CuPy that :class:`CupyPeak` uses, over host ``bytearray``s."""
+
+    def __init__(self):
+        super().__init__("cupy")
+        cuda = self.cuda = types.SimpleNamespace()
+        cuda.allocator = self.pool_malloc
+        cuda.get_allocator = lambda: cuda.allocator
+        cuda.set_allocator = lambda f: setattr(cuda, "allocator", f)
+        cuda.MemoryPointer = lambda mem, offset: types.SimpleNamespace(mem=mem, ptr=mem.ptr + offset)
+        cuda.UnownedMemory = lambda ptr, size, owner, device_id: types.SimpleNamespace(
+            ptr=ptr, size=size, owner=owner, device_id=device_id)
+
+    @staticmethod
+    def pool_malloc(size):
+        return types.SimpleNamespace(ptr=id(bytearray(size)), device_id=0)
+
+
+def test_cupy_peak_counts_the_bytes_held_while_measuring_and_gives_the_allocator_back(monkeypatch):
+    cp = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    pool = cp.cuda.allocator
+    peak = CupyPeak()
+    before = cp.cuda.allocator(10)  # allocated before: not counted
+    peak.start()
+    assert cp.cuda.get_allocator() == peak.malloc
+    a = peak.malloc(100)
+    b = peak.malloc(300)
+    del a
+    c = peak.malloc(50)
+    assert peak.held == 350
+    assert peak.extra() == 400  # a and b were held together
+    del b, c
+    assert peak.held == 0
+    peak.start()
+    d = cp.cuda.allocator(70)
+    assert peak.extra() == 70
+    e = peak.malloc(1000)  # not measuring: handed back as the inner allocator made it
+    assert peak.held == 70 and not hasattr(e, "mem")
+    cp.cuda.set_allocator(pool)  # something else (RMM's setup) replaced the wrapper: the next start wraps it
+    peak.start()
+    assert cp.cuda.get_allocator() == peak.malloc and peak.inner is pool
+    peak.close()
+    assert cp.cuda.get_allocator() is pool
+    del before, d, e
+
+
+def inflate(block):
+    """Six block-sized temporaries, written: a working set of about eight blocks."""
+    temporaries = np.ones((6, *block.shape))
+    return block + temporaries.sum(axis=0)
+
+
+def learned(c, source, timeout=30):
+    """The scheduler's working set per byte of block for ``source``, once one arrived."""
+    def ratio(dask_scheduler, source=source):
+        return dask_scheduler.plugins["octopus"].working_sets.ratio(source)
+
+    deadline = time.monotonic() + timeout
+    while (r := c.run_on_scheduler(ratio)) is None:
+        assert time.monotonic() < deadline, "no working set reached the scheduler"
+        time.sleep(0.05)
+    return r
+
+
+@pytest.mark.skipif(not RssPeak.available(), reason="needs Linux's /proc/self/clear_refs")
+def test_the_next_balance_of_an_input_keeps_blocks_within_what_its_working_set_lets_a_worker_process():
+    limit, fraction = 2**30, 0.2
+    with dask.config.set({"octopus.balance.memory-fraction": fraction}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, memory_limit=limit, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c, calibration_seconds=0.1)
+        x = da.random.default_rng(3).random(16_000_000, chunks=8_000_000)  # two blocks of 64 MB
+        expected = x.sum().compute() + 6 * x.size
+        first = dask_octopus.balance(x)
+        assert max(first.chunks[0]) <= 8_000_000  # no block above the user's own
+        assert first.map_blocks(inflate).sum().compute() == pytest.approx(expected, rel=1e-12)
+        ratio = learned(c, key_split(x.name))
+        assert 4 < ratio < 12  # about eight blocks' worth at the peak, by the process's resident set
+        assert max(first.chunks[0]) * 8 * ratio > limit * fraction  # the first plan's largest block does not fit
+        second = dask_octopus.balance(x)
+        # each block, times the working set, fits the memory share of one worker thread
+        assert all(n * 8 * ratio <= limit * fraction for n in second.chunks[0])
+        assert len(second.chunks[0]) > len(first.chunks[0])
+        assert second.map_blocks(inflate).sum().compute() == pytest.approx(expected, rel=1e-12)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dask_octopus.balance(x, per_worker=1)  # asked for: kept, with a warning naming the input
+        messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert len(messages) == 1 and f"'{key_split(x.name)}'" in messages[0] and "per_worker=None" in messages[0]
+        # another input is not sized by this one's working set
+        z = da.random.default_rng(4).standard_normal(16_000_000, chunks=8_000_000)
+        assert key_split(z.name) != key_split(x.name)
+        assert max(dask_octopus.balance(z).chunks[0]) * 8 * ratio > limit * fraction
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_only_tasks_pinned_by_a_balance_plan_are_marked_and_learned(c, s, a, b):
+    with dask.config.set({"octopus.refine.min-duration": "1h"}):
+        await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    plugin = s.plugins["octopus"]
+    x = da.ones(4 * MIN_BASIS // 8, chunks=MIN_BASIS // 8)  # four blocks of MIN_BASIS bytes
+    y = await dask_octopus.balance(x, client=c, per_worker=1)  # two of twice that
+    items = await dask_octopus.map(lambda i: i, range(4), client=c)
+    z = c.persist(y + 1)
+    await c.gather(items)
+    await z
+    marked = {k for k, ts in s.tasks.items() if (ts.annotations or {}).get(MEASURE)}
+    source = key_split(x.name)
+    balanced = {k for k in plugin.placement.pins if plugin.placement.measured_block(k) == (source, 2 * MIN_BASIS)}
+    assert marked and marked == balanced  # the blocks and what consumes only them, not map's items
+    assert not {k for k in s.tasks if "lambda" in str(k)} & marked
+    key = next(iter(marked))
+    plugin.log_event(working_set.TOPIC, {"worker": a.address, "samples": [(list(key), 8 * MIN_BASIS)]})
+    plugin.log_event(working_set.TOPIC, {"worker": a.address, "samples": [("unpinned", 64 * MIN_BASIS)]})
+    assert list(plugin.working_sets.ratios) == [source]
+    assert plugin.working_sets.ratio(source) == 4.0
