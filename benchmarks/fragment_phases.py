@@ -1,9 +1,11 @@
 """Where the time of one annotated compute goes, phase by phase: the floor Dask itself sets.
 
-The chain-and-sum shape of ``stream_groups.py`` (1024 persisted blocks, 256x384 float32 on GPU and
-64x96 float64 on CPU, the 8-kernel elementwise chain, then ``.sum()``) computed inside
-``dask_octopus.annotate()`` on a one-worker, one-thread cluster, ``--runs`` times (the first eager,
-the later ones replayed as CUDA graphs on GPU). Each compute is cut into phases by timestamps taken in
+Two workloads of ``stream_groups.py``, each computed inside ``dask_octopus.annotate()`` on a
+one-worker, one-thread cluster, ``--runs`` times (the first eager, the later ones replayed as CUDA
+graphs on GPU): ``chain-sum`` (1024 persisted blocks, 256x384 float32 on GPU and 64x96 float64 on
+CPU, the 8-kernel elementwise chain, then ``.sum()``) and ``frames`` (216 persisted frames, 256x256
+to 4K on GPU, a tenth of the side on CPU, through blur, Sobel, normalise and histogram, the
+histograms stacked on the host). Each compute is cut into phases by timestamps taken in
 this process (the scheduler runs here) and the fragment task's start and stop on the worker:
 
 - ``build``: the client builds the collection (Dask array code);
@@ -29,10 +31,12 @@ import functools
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
-from distributed import Client
+import dask
+from distributed import Client, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.scheduler import Scheduler
 
@@ -41,7 +45,14 @@ from dask_octopus.bench.experiment import local_cluster
 from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.small_tasks import chain_sum
-from dask_octopus.bench.workloads import persist_on_workers, random_matrix
+from dask_octopus.bench.workloads import (
+    frame_pipeline,
+    frame_specs,
+    make_frame,
+    persist_on_workers,
+    random_matrix,
+    stack_to_host,
+)
 from dask_octopus.cli import console as make_console
 from dask_octopus.groups import marks
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
@@ -96,10 +107,26 @@ def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
     marks.GroupingOptimizer.__call__ = timed_call
 
 
-def phases(client: Client, gpu: bool, runs: int) -> list[dict[str, float]]:
+def chain_sum_builder(client: Client, gpu: bool) -> Callable[[str], Any]:
+    """Builds the chain-and-sum collection over 1024 persisted blocks, named by its argument."""
     shape = (256, 384) if gpu else (64, 96)
     x = persist_on_workers(client, random_matrix(1024 * shape[0], shape[1], chunks=shape, gpu=gpu))
-    float(client.compute(chain_sum(x, "warm-up")).result())  # kernels compiled, first allocations
+    return lambda name: chain_sum(x, name)
+
+
+def frames_builder(client: Client, gpu: bool) -> Callable[[str], Any]:
+    """Builds the frames' histograms, stacked on the host, over 216 persisted frames."""
+    frames = [client.submit(make_frame, *spec, gpu=gpu, pure=False) for spec in frame_specs(1.0 if gpu else 0.1)]
+    wait(frames)
+    return lambda name: dask.delayed(stack_to_host)([dask.delayed(frame_pipeline, pure=False)(f) for f in frames])
+
+
+WORKLOADS = {"chain-sum": chain_sum_builder, "frames": frames_builder}
+
+
+def phases(client: Client, build: Callable[[str], Any], runs: int) -> list[dict[str, float]]:
+    with dask_octopus.annotate():
+        client.compute(build("warm-up")).result()  # kernels compiled, first allocations, captured once
     events: dict[str, float] = {}
     scheduler = client.cluster.scheduler  # in this process: its handlers and plugins are these objects
     instrument(scheduler, events)
@@ -108,16 +135,17 @@ def phases(client: Client, gpu: bool, runs: int) -> list[dict[str, float]]:
     out = []
     for run in range(runs):
         events.clear()
+        stamps.compute.clear()
         t0 = time.time()
         with dask_octopus.annotate():
-            y = chain_sum(x, f"phases-{run}")
+            y = build(f"phases-{run}")
             built = time.time()
             future = client.compute(y)
-        float(future.result())
+        future.result()
         done = time.time()
         if not stamps.compute:
             raise RuntimeError("no fragment task ran: the annotated compute was not made into a fragment")
-        start, stop = stamps.compute[-1]
+        start, stop = min(s for s, _ in stamps.compute), max(s for _, s in stamps.compute)
         marks_ = [t0, built, events["update_graph>"], events["optimize>"], events["dask<"], events["optimize<"],
                   events["update_graph<"], start, stop, done]
         out.append({name: b - a for name, a, b in zip(PHASES, marks_, marks_[1:], strict=False)} | {"total": done - t0})
@@ -127,25 +155,31 @@ def phases(client: Client, gpu: bool, runs: int) -> list[dict[str, float]]:
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
+@click.option("--workloads", default="chain-sum,frames", show_default=True, help="comma-separated: chain-sum, frames")
 @click.option("--runs", type=int, default=6, show_default=True)
 @click.option("--out", default="benchmark-results", show_default=True)
 @click.option("--tag", default="fragment-phases", show_default=True)
 @protocol_option
-def main(kind: str, devs: str, runs: int, out: str, tag: str, protocol: str) -> None:
+def main(kind: str, devs: str, workloads: str, runs: int, out: str, tag: str, protocol: str) -> None:
     """Time the phases of annotated computes and write one JSON file."""
     console = make_console()
     gpu = kind == "gpu"
+    names = workloads.split(",")
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        raise click.BadParameter(f"unknown workloads {sorted(unknown)}: choose from {', '.join(WORKLOADS)}")
     os.makedirs(out, exist_ok=True)
     with local_cluster(gpu, devs if gpu else None, n_workers=1, protocol=protocol) as client:
         record = header(gpu, protocol_of(client))
         dask_octopus.register(client, calibrate=False)
-        record["runs"] = phases(client, gpu, runs)
-    medians = {name: statistics.median(r[name] for r in record["runs"][1:] or record["runs"])
-               for name in [*PHASES, "total"]}
-    record["median_after_first"] = medians
-    for name in [*PHASES, "total"]:
-        console.print(f"{name:>14}: first {1000 * record['runs'][0][name]:7.1f} ms, "
-                      f"then median {1000 * medians[name]:7.1f} ms")
+        record["workloads"] = {}
+        for name in names:
+            runs_ = phases(client, WORKLOADS[name](client, gpu), runs)
+            medians = {p: statistics.median(r[p] for r in runs_[1:] or runs_) for p in [*PHASES, "total"]}
+            record["workloads"][name] = {"runs": runs_, "median_after_first": medians}
+            console.print(f"[bold]{name}[/bold]")
+            for p in [*PHASES, "total"]:
+                console.print(f"{p:>14}: first {1000 * runs_[0][p]:7.1f} ms, then median {1000 * medians[p]:7.1f} ms")
     console.print(f"wrote {write_json(os.path.join(out, f'{tag}-{kind}.json'), record)}")
 
 

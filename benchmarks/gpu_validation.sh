@@ -14,6 +14,7 @@
 #   (each command may run 10 minutes: run the steps as a few STEPS subsets, back to back)
 #   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
 #   all over tcp: PROTOCOL=tcp bash benchmarks/gpu_validation.sh "$OUT"
+#   some stream-groups operations only: STREAM_OPS=chain-sum,frames (default: all six)
 #   not run by default: suite-matmul (matmul_iterate alone, with the co-tenant), suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
 #   change against $COMPARE (a committed suite JSON, measured over tcp): the check that a change left the
 #   figures and the JSON fields as they were; scheduler-overhead (CPU only: the scheduler's throughput
@@ -53,8 +54,9 @@ p=(--protocol "$protocol")
 step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
 step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
 step 80 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 "${p[@]}" --out "$run"
-step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 "${p[@]}" --out "$run"
-step 90 fragment-phases python3 benchmarks/fragment_phases.py --type gpu --devs 0 --runs 6 "${p[@]}" --out "$run"
+step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 \
+  --operations "${STREAM_OPS:-chain-sum,tiny,dataframe,frames,large,mixed}" "${p[@]}" --out "$run"
+step 150 fragment-phases python3 benchmarks/fragment_phases.py --type gpu --devs 0 --runs 6 "${p[@]}" --out "$run"
 step 260 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
 step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
