@@ -125,3 +125,12 @@ def test_ucx_on_cpu_workers_fails_with_the_reason(tmp_path):
     result = CliRunner().invoke(local_octopus.main, ["--type", "cpu", "--protocol", "ucx", "--out", str(tmp_path)])
     assert result.exit_code != 0 and "protocol ucx needs GPU workers" in str(result.exception)
     assert not list(tmp_path.iterdir())  # no record of a run that did not happen
+
+
+def test_a_variant_replica_runs_as_its_variant():
+    from dask_octopus.bench.experiment import parse_variant
+
+    assert parse_variant("defaults@2") == parse_variant("defaults") == ("defaults", 1, False)
+    assert parse_variant("balance-4-streams@3") == ("balance", 4, True)
+    with pytest.raises(ValueError, match="unknown variant 'dflts@2'"):
+        parse_variant("dflts@2")

@@ -607,7 +607,7 @@ def test_balance_learns_a_cupy_working_set_and_sizes_the_next_blocks_by_it():
         x = rng.random(2**28, chunks=2**27, dtype=np.float32).persist()  # two blocks of 512 MiB
         expected = float(x.sum().compute()) + 6 * x.size
         first = dask_octopus.balance(x)
-        assert first.map_blocks(inflate_on_gpu).sum().compute() == pytest.approx(expected, rel=1e-5)
+        assert float(first.map_blocks(inflate_on_gpu).sum().compute()) == pytest.approx(expected, rel=1e-5)
 
         source = key_split(x.name)
 
@@ -624,4 +624,4 @@ def test_balance_learns_a_cupy_working_set_and_sizes_the_next_blocks_by_it():
         print("next plan", second.chunks)
         assert all(n * 4 * r <= free * fraction for n in second.chunks[0])
         assert len(second.chunks[0]) > len(first.chunks[0])
-        assert second.map_blocks(inflate_on_gpu).sum().compute() == pytest.approx(expected, rel=1e-5)
+        assert float(second.map_blocks(inflate_on_gpu).sum().compute()) == pytest.approx(expected, rel=1e-5)

@@ -108,8 +108,11 @@ def _rows_per_worker(client: Client, x: da.Array) -> dict[str, int]:
 def parse_variant(variant: str) -> tuple[str, int, bool]:
     """``(kind, blocks per worker, grouped)`` of a variant name: ``defaults`` (the user's chunking),
     ``equal``, ``over-K``, ``balance``, ``balance-K``, and any of them with ``-streams`` (its blocks'
-    work in stream groups; ``streams`` alone is ``defaults-streams``)."""
-    base, grouped = (variant[: -len("-streams")], True) if variant.endswith("-streams") else (variant, False)
+    work in stream groups; ``streams`` alone is ``defaults-streams``). A suffix ``@N`` names a replica
+    of the same variant, run and reported apart: ``defaults`` against ``defaults@2`` is an A/A
+    comparison, the noise floor of the others."""
+    name = variant.partition("@")[0]
+    base, grouped = (name[: -len("-streams")], True) if name.endswith("-streams") else (name, False)
     if base == "streams":
         base, grouped = "defaults", True
     kind, _, k = base.partition("-")

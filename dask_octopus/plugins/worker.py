@@ -32,9 +32,9 @@ class OctopusWorkerPlugin(WorkerPlugin):
     worker with one thread it also times tasks with CUDA events (:mod:`dask_octopus.profiling.gpu_timing`).
     A task that runs out of memory gets a note naming the worker, the bytes of its block and what
     to change in the plan. It measures the working sets of the tasks pinned for ``balance`` plans
-    (:mod:`dask_octopus.profiling.working_set`). It installs the worker's :class:`~dask_octopus.groups.streams.StreamRuntime`
-    (stream pools, captured graphs) as the worker extension ``octopus-streams`` and drops it on
-    teardown.
+    (:mod:`dask_octopus.profiling.working_set`). It installs the worker's
+    :class:`~dask_octopus.groups.streams.StreamRuntime` (stream pools, captured graphs) as the worker
+    extension ``octopus-streams`` and drops it on teardown.
 
     Arguments left ``None`` come from ``dask.config`` (``octopus.calibration.*``), read once here, on
     the client or scheduler that makes the plugin.
