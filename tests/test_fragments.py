@@ -107,6 +107,36 @@ async def test_a_failing_member_fails_only_its_own_outputs(c, s, a, blocks):
             np.testing.assert_array_equal(await f, expected[8 * i:8 * i + 8])
 
 
+FLAKY = {}  # calls per block of flaky_on_block_3 (the workers run in this process)
+
+
+def flaky_on_block_3(b, failures, block_info=None):
+    """Raises the first ``failures`` times it runs on block 3, as a task hitting a passing fault."""
+    i = block_info[0]["chunk-location"][0] if block_info else None
+    FLAKY[i] = FLAKY.get(i, 0) + 1
+    if i == 3 and FLAKY[i] <= failures:
+        raise OSError(f"block 3: transient fault {FLAKY[i]}")
+    return b + 1
+
+
+@pytest.mark.parametrize("failures, retries, fails", [(2, 2, False), (3, 2, True), (1, 0, True)])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_failing_member_runs_again_as_often_as_compute_retries_allow(c, s, a, blocks, failures, retries,
+                                                                             fails):
+    rec = await setup(c, s, [1.0])
+    FLAKY.clear()
+    with dask_octopus.annotate():
+        y = blocks.map_blocks(flaky_on_block_3, failures)
+    future = c.compute(y.sum(), retries=retries)
+    assert FRAGMENT_PREFIX in {key_split(k) for k in (await wait(future), rec.worker)[1]}
+    if fails:  # as without fragments: the error of the last try, after the retries
+        error = await future.exception()
+        assert isinstance(error, OSError) and f"transient fault {retries + 1}" in str(error)
+    else:
+        assert await future == pytest.approx(float((blocks + 1).sum().compute(scheduler="sync")), rel=1e-12)
+    assert FLAKY[3] == min(failures, retries) + 1 and FLAKY[2] == 1  # the other blocks ran once
+
+
 def slow_chain(b):
     """:func:`chain`, slowly, telling the test which worker ran it."""
     from distributed import get_worker

@@ -343,32 +343,52 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     return value
 
 
-def _step(name: Any, node: Any, reads: Sequence[tuple[Any, Any]], values: dict) -> Any:
+def _step(name: Any, node: Any, reads: Sequence[tuple[Any, Any]], values: dict, retries: int = 0) -> Any:
     args = {}
     for k, v in reads:
         value = args[k] = values[v]
         if type(value) is StepFailed:
             return value
+    for attempt in range(retries + 1):
+        try:
+            return node(args)
+        except Exception as e:
+            if attempt == retries:
+                e.add_note(f"dask_octopus: raised by task {name!r} of a fragment"
+                           + (f" (and on {retries} retries)" if retries else ""))
+                return StepFailed(e)
+            logger.info("dask_octopus: task %r of a fragment raised %r; retrying it (%d of %d)",
+                        name, e, attempt + 1, retries)
+
+
+def _task_retries() -> int:
+    """The retries Dask grants the running task (its ``retries`` annotation, as ``compute(retries=n)``
+    or ``dask.annotate(retries=n)`` set it), 0 outside a worker."""
+    from distributed import get_worker
+
     try:
-        return node(args)
-    except Exception as e:
-        e.add_note(f"dask_octopus: raised by task {name!r} of a fragment")
-        return StepFailed(e)
+        worker = get_worker()
+        ts = worker.state.tasks.get(worker.get_current_task())
+    except (ValueError, AttributeError):
+        return 0
+    retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
+    return retries if isinstance(retries, int) and retries > 0 else 0
 
 
-def walk(fragment: Fragment, values: dict) -> None:
+def walk(fragment: Fragment, values: dict, retries: int = 0) -> None:
     """Run the steps one after the other into ``values`` (names to values), dropping each value after
-    its last reader."""
+    its last reader; a step that raises runs again up to ``retries`` times."""
     for (name, node, reads), drop in zip(fragment.steps, fragment.drop):
-        values[name] = _step(name, node, reads, values)
+        values[name] = _step(name, node, reads, values, retries)
         for d in drop:
             del values[d]
 
 
-def launch(fragment: Fragment, layout: FragmentLayout, values: dict, streams: Sequence[Any]) -> list[Any]:
+def launch(fragment: Fragment, layout: FragmentLayout, values: dict, streams: Sequence[Any],
+           retries: int = 0) -> list[Any]:
     """Launch the steps on their streams into ``values``, waiting on an event where a step reads
-    another stream's result; returns the values kept alive for other streams (the caller holds them
-    until those streams are done)."""
+    another stream's result (a step that raises runs again up to ``retries`` times); returns the
+    values kept alive for other streams (the caller holds them until those streams are done)."""
     events: dict[int, Any] = {}
     held = []
     position = {name: i for i, (name, _, _) in enumerate(fragment.steps)}
@@ -378,7 +398,7 @@ def launch(fragment: Fragment, layout: FragmentLayout, values: dict, streams: Se
             if j in layout.shared and layout.streams[j] != layout.streams[i]:
                 s.wait_event(events[j])
         with s:
-            values[name] = _step(name, node, reads, values)
+            values[name] = _step(name, node, reads, values, retries)
             if i in layout.shared:
                 events[i] = s.record()
         for d in drop:
@@ -399,22 +419,24 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     the GPU with each step: it runs on the task's own stream, as Dask would run it. A fragment seen
     again with the same structure and input shapes is captured as one multi-stream CUDA graph and
     replayed; inputs that are the very buffers of the capture (persisted blocks) are read in place.
-    A step that raises does not stop the others: its value, and that of every step that reads it,
-    is a :class:`StepFailed` holding its exception (with the step's key in its notes), which the
-    tasks that read it from the fragment raise."""
+    A step that raises runs again, in place, as many times as the task's ``retries`` allow (Dask
+    would re-run the failed task that many times); then it does not stop the others: its value, and
+    that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
+    step's key in its notes), which the tasks that read it from the fragment raise."""
     values = dict(zip(fragment.inputs, inputs, strict=True))
+    retries = _task_retries()
     rt = runtime()
     rt.count(len(fragment.steps))
     cp = _cupy()
     if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
             config.get("streams.large-bytes"))):
-        return _run_on_gpu(cp, rt, fragment, values, inputs)
-    walk(fragment, values)
+        return _run_on_gpu(cp, rt, fragment, values, inputs, retries)
+    walk(fragment, values, retries)
     return tuple(values[o] for o in fragment.outputs)
 
 
-def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
-                inputs: Sequence[Any]) -> tuple[Any, ...]:
+def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
+                retries: int) -> tuple[Any, ...]:
     layout = rt.layout(fragment)
     streams = rt.streams(cp, layout.used)
     ready = cp.cuda.get_current_stream().record()
@@ -429,7 +451,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
                     try:
-                        graph = capture_fragment(cp, lambda v, st: launch(fragment, layout, v, st), values,
+                        graph = capture_fragment(cp, lambda v, st: launch(fragment, layout, v, st, retries), values,
                                                  fragment.inputs, fragment.outputs, streams, in_place)
                     except CaptureRefused as e:
                         rt.last_refusal = str(e)
@@ -451,7 +473,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict,
         if layout.pool_bytes(fragment, sizes) > one.pool_bytes(fragment, sizes) + max(sizes.values(), default=0):
             layout = one
     try:
-        held = launch(fragment, layout, values, streams)
+        held = launch(fragment, layout, values, streams, retries)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
         for s in streams:
             s.synchronize()
