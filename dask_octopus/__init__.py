@@ -1,7 +1,8 @@
 """dask-octopus: make every worker of a heterogeneous Dask cluster finish together.
 
 Public API: :func:`register`, :func:`speeds`, :func:`profiles` (profiling), :func:`balance` and
-:func:`map` and :func:`imap` (placement), :func:`annotate` (stream groups), and the errors they raise. The package
+:func:`map` and :func:`imap` (placement), :func:`annotate` (stream groups), and the errors and warnings they
+raise. The package
 is also a Dask preload: ``dask scheduler --preload dask_octopus``.
 """
 
@@ -12,14 +13,14 @@ from typing import Any
 
 from dask_octopus import config  # noqa: F401  (registers the dask.config defaults)
 from dask_octopus.groups.marks import annotate
-from dask_octopus.placement.blocks import balance
+from dask_octopus.placement.blocks import WorkingSetWarning, balance
 from dask_octopus.placement.items import imap, map
 from dask_octopus.placement.planning import PlanningError
 from dask_octopus.plugins.client import NotRegisteredError, profiles, register, speeds
 
 __version__ = "0.1.0"
-__all__ = ["NotRegisteredError", "PlanningError", "annotate", "balance", "imap", "map", "profiles", "register",
-           "speeds"]
+__all__ = ["NotRegisteredError", "PlanningError", "WorkingSetWarning", "annotate", "balance", "imap", "map",
+           "profiles", "register", "speeds"]
 
 logger = logging.getLogger(__name__)
 

@@ -111,7 +111,9 @@ def parse_variant(variant: str) -> tuple[str, int, bool]:
     work in stream groups; ``streams`` alone is ``defaults-streams``). A suffix ``@N`` names a replica
     of the same variant, run and reported apart: ``defaults`` against ``defaults@2`` is an A/A
     comparison, the noise floor of the others."""
-    name = variant.partition("@")[0]
+    name, at, replica = variant.partition("@")
+    if at and not replica.isdigit():
+        raise ValueError(f"unknown variant {variant!r}: a replica is named variant@N, N a number")
     base, grouped = (name[: -len("-streams")], True) if name.endswith("-streams") else (name, False)
     if base == "streams":
         base, grouped = "defaults", True

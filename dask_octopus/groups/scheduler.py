@@ -37,6 +37,7 @@ from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
 from dask_octopus.groups.rewrite import fragment_graph, fragment_members
 from dask_octopus.groups.streams import run_fragment
+from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -228,12 +229,15 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         first = tasks[members[0]]
         gts = scheduler.new_task(gkey, out[gkey], "released", computation=computation)
         gts.priority = min(tasks[m].priority for m in members)
-        gts.annotations = dict(first.annotations or {})
+        # a group task does the work of several blocks: not measured as one; it retries as its most retried member
+        gts.annotations = {k: v for k, v in (first.annotations or {}).items() if k != MEASURE}
         gts.worker_restrictions = set(first.worker_restrictions) if first.worker_restrictions else None
         gts.host_restrictions = set(first.host_restrictions) if first.host_restrictions else None
         gts.resource_restrictions = dict(first.resource_restrictions or {}) or None
         gts.loose_restrictions = first.loose_restrictions
         gts.retries = max(tasks[m].retries for m in members)
+        if gts.retries:  # the fragment re-runs a raising member that often (dask_octopus.groups.streams)
+            gts.annotations["retries"] = gts.retries
     for gkey in made:  # a group may read members of another group
         _relink(tasks[gkey], out[gkey].dependencies, tasks)
     for k, node in out.items():

@@ -369,7 +369,7 @@ def _task_retries() -> int:
     try:
         worker = get_worker()
         ts = worker.state.tasks.get(worker.get_current_task())
-    except (ValueError, AttributeError):
+    except (ValueError, KeyError):  # not in a worker, or not in the thread of a task
         return 0
     retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
     return retries if isinstance(retries, int) and retries > 0 else 0
@@ -450,8 +450,8 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
         if graph is None:
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
-                    try:
-                        graph = capture_fragment(cp, lambda v, st: launch(fragment, layout, v, st, retries), values,
+                    try:  # no retries while capturing: a step that raises refuses it, the eager run retries
+                        graph = capture_fragment(cp, lambda v, st: launch(fragment, layout, v, st), values,
                                                  fragment.inputs, fragment.outputs, streams, in_place)
                     except CaptureRefused as e:
                         rt.last_refusal = str(e)

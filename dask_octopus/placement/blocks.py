@@ -31,6 +31,7 @@ from dask_octopus.placement.planning import (
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.profiling.speedmodel import check_resource
+from dask_octopus.profiling.working_set import MIN_BASIS
 
 
 def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
@@ -43,7 +44,8 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
     not known before the graph that consumes the blocks is) or where a worker has no streaming
     figure. The rows a worker may process at once: its memory share divided among its threads and by
     the working set per byte of block learned from earlier runs on blocks of inputs named like this
-    one (``source``, a key prefix); no limit (``sys.maxsize``) before any such run."""
+    one (``source``, a key prefix), and never below :data:`~dask_octopus.profiling.working_set.MIN_BASIS`
+    bytes; no limit (``sys.maxsize``) before any such run."""
     profiles = call_scheduler(client, "octopus_profiles", resource=resource, source=source)
     workers = sorted(profiles)
     fraction = config.get("balance.memory-fraction")
@@ -54,7 +56,9 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
         memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
         caps.append(int(memory * fraction // row_bytes) if memory and row_bytes > 0 else None)
         ratio = p.get("working_set")
-        limits.append(max(1, int(memory * fraction / (ratio * p.get("threads", 1) * row_bytes)))
+        # never below the smallest block whose working set is learned: tasks of smaller ones are not measured
+        limits.append(max(math.ceil(MIN_BASIS / row_bytes), int(memory * fraction / (ratio * p.get("threads", 1)
+                                                                                      * row_bytes)))
                       if memory and ratio and row_bytes > 0 else sys.maxsize)
     streams = [profiles[w].get("memory") for w in workers]
     speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
@@ -103,6 +107,11 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
 
 
+class WorkingSetWarning(UserWarning):
+    """``balance(..., per_worker=k)`` makes blocks larger than a worker can process at once, by the
+    working set learned from earlier runs on blocks of the same input."""
+
+
 def _warn_over_working_set(workers: list[str], plan: list[list[int]], limits: list[int], row_bytes: float,
                            source: str) -> None:
     """Warn where ``per_worker`` gives a worker blocks larger than it can process at once."""
@@ -113,7 +122,7 @@ def _warn_over_working_set(workers: list[str], plan: list[list[int]], limits: li
             f"balance: blocks of {format_bytes(rows * row_bytes)} on {w} are larger than the "
             f"{format_bytes(n * row_bytes)} it can process at once: earlier tasks on blocks of "
             f"{source!r} needed more memory per byte of block; leave per_worker=None to size blocks by it",
-            ResourceWarning, stacklevel=4)
+            WorkingSetWarning, stacklevel=6)  # the caller of balance (through _plan, _balance_* and its wrapper)
 
 
 def _plan_or_none(total: int, weights: list[float], per_worker: int, align: int,

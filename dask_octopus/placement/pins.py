@@ -130,7 +130,7 @@ class Placement:
                     continue
                 stack.pop()
                 origin[ts.key] = block = self._origin(ts, origin)
-                if block is not None and self._pin(ts, block):
+                if block is not None and self._pin(ts, block, self._blocks_read(ts, origin) == 1):
                     pinned += 1
         return pinned
 
@@ -149,13 +149,23 @@ class Placement:
                 found.setdefault(self.worker_of(b), b)
         return next(iter(found.values())) if len(found) == 1 else None
 
-    def _pin(self, ts: TaskState, block: Block) -> bool:
+    def _blocks_read(self, ts: TaskState, origin: dict[Key, Block | None]) -> int:
+        """How many planned blocks the task ``ts`` is (fused into it) or, failing that, reads."""
+        own = {(_key_name(k), k[plan.index]) for k in inner_keys(ts.key, ts.run_spec)
+               if (plan := self.plans.get(_key_name(k))) is not None and isinstance(k, tuple) and len(k) > plan.index}
+        if own:
+            return len(own)
+        return len({b for d in ts.dependencies if (b := origin.get(d.key) or self.pins.get(d.key)) is not None})
+
+    def _pin(self, ts: TaskState, block: Block, measure: bool = False) -> bool:
+        """Pin ``ts`` to ``block``'s worker; with ``measure`` (a task of that one block of a balance
+        plan), mark it for measuring its working set."""
         worker = self.worker_of(block)
         if worker is None:
             return False
         self.pins[ts.key] = block
         ts.worker_restrictions = {worker}
-        if self.plans[block[0]].nbytes is not None:  # a new dict: a layer's tasks may share one
+        if measure and self.plans[block[0]].nbytes is not None:  # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
         ts.loose_restrictions = self.stealable(block)
         if ts.loose_restrictions:

@@ -137,7 +137,7 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
     as its user chunked it: a plan never asks a worker to hold a block larger than the user's own (the
     last block may also hold the ``total % align`` remainder)."""
     w = _check_weights(weights)
-    bounds = [largest] * len(w) if isinstance(largest, int) else list(largest)
+    bounds = list(largest) if isinstance(largest, Sequence) else [largest] * len(w)
     if len(bounds) != len(w) or any(b < 1 for b in bounds):
         raise PlanningError(f"largest must be >= 1, for all or for each of the {len(w)} workers, got {largest!r}")
     bounds = [max(b, align) for b in bounds]

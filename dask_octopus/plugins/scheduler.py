@@ -16,7 +16,7 @@ from collections.abc import Callable
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dask.utils import parse_timedelta
+from dask.utils import key_split, parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
@@ -364,9 +364,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 self._observe(msg["worker"], key, prefix, units, seconds)
         elif topic == WORKING_SETS:
             for key, peak in msg["samples"]:
-                block = self.placement.measured_block(tuple(key) if isinstance(key, list) else key)
+                key = tuple(key) if isinstance(key, list) else key
+                block = self.placement.measured_block(key)
                 if block is not None:
-                    self.working_sets.add(*block, peak)
+                    self.working_sets.add(block[0], key_split(key), block[1], peak)
 
     def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float) -> None:
         """Feed one task timing to the model; a planned task's cost replaces its bytes as work units."""

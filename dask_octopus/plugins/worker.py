@@ -87,7 +87,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
             self.timer = GpuTaskTimer(worker)
         profile["event_timing"] = self.timer is not None
         if profile.get("device") == "gpu":
-            self.meter = WorkingSetMeter(worker, CupyPeak())
+            if gpu_available():  # (calibrate=False with device="gpu" does not check it)
+                self.meter = WorkingSetMeter(worker, CupyPeak.shared())
         elif RssPeak.available():
             self.meter = WorkingSetMeter(worker, RssPeak())
         if profile.get("memory"):

@@ -18,6 +18,7 @@ peaks are mostly page and allocator granularity).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from distributed import Worker
+
+logger = logging.getLogger(__name__)
 
 TOPIC = "octopus-working-sets"  #: worker -> scheduler events: ``{"worker": ..., "samples": [(key, peak)]}``
 MEASURE = "octopus-measure"  #: annotation the scheduler plugin sets on the tasks to measure
@@ -91,22 +94,37 @@ class _Held:
 
 
 class CupyPeak:
-    """Bytes held through CuPy's allocator, and their peak, while measuring.
+    """Bytes held through CuPy's allocator, and their peak, while measuring; one per process
+    (:meth:`shared`), since wrapping a wrapper of the same kind would recurse.
 
     Wraps the allocator current when a measurement starts (CuPy's pool, or RMM's where dask-cuda set
     it up) with :meth:`malloc`. Outside a measurement the wrapper hands the inner allocation back
-    unchanged; during one it returns it inside an ``UnownedMemory`` whose owner counts the bytes down
-    when CuPy frees the array, from whichever thread. :meth:`close` puts the inner allocator back.
+    unchanged (one Python call more per allocation); during one it returns it inside an
+    ``UnownedMemory`` whose owner counts the bytes down when CuPy frees the array, from whichever
+    thread. Allocations made under a thread's own allocator (CuPy's ``using_allocator``, as in CUDA
+    graph capture) are not seen. :meth:`close` puts the inner allocator back when the last meter
+    that shares it closes.
     """
+
+    _process: CupyPeak | None = None
 
     def __init__(self) -> None:
         import cupy
 
         self.cupy = cupy
         self.inner = None
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.measuring = False
         self.held = self.peak = self.baseline = 0
+        self.users = 0
+
+    @classmethod
+    def shared(cls) -> CupyPeak:
+        """This process's instance, with one more user (each :meth:`close` removes one)."""
+        if cls._process is None:
+            cls._process = cls()
+        cls._process.users += 1
+        return cls._process
 
     def _wrap(self) -> None:
         current = self.cupy.cuda.get_allocator()
@@ -143,10 +161,16 @@ class CupyPeak:
             return max(self.peak - self.baseline, 0)
 
     def close(self) -> None:
-        """Put the wrapped allocator back (allocations still held keep their owners)."""
+        """One user less; the last puts the wrapped allocator back (allocations still held keep
+        their owners)."""
+        self.users = max(self.users - 1, 0)
+        if self.users:
+            return
         self.measuring = False
         if self.inner is not None and self.cupy.cuda.get_allocator() == self.malloc:
             self.cupy.cuda.set_allocator(self.inner)
+        if type(self)._process is self:
+            type(self)._process = None
 
 
 class _Measurement:
@@ -197,8 +221,12 @@ class WorkingSetMeter:
         alone = all(t is ts for meter in list(_meters) for t in meter.worker.state.executing)
         if not alone:
             return
+        try:
+            self.peak.start()
+        except OSError as e:  # /proc not writable after all: this task goes unmeasured
+            logger.debug("dask_octopus: cannot measure the working set of %r: %r", key, e)
+            return
         self.current = _Measurement(key, sum(d.nbytes or 0 for d in ts.dependencies))
-        self.peak.start()
 
     def close(self) -> None:
         """Stop measuring (the worker plugin's teardown)."""
@@ -209,32 +237,42 @@ class WorkingSetMeter:
 
 
 class WorkingSets:
-    """Recent working sets per byte of block, per balanced input (the key prefix of its collection).
+    """Recent working sets per byte of block, per balanced input (the key prefix of its collection) and
+    per task prefix of the tasks measured on its blocks: many light tasks of one kind (aliases,
+    replayed CUDA graphs, whose allocations go to the graph's own pool) do not push the heavy kind's
+    samples out.
 
     Parameters
     ----------
     window
-        Samples kept per input; :meth:`ratio` is the largest of them.
+        Samples kept per input and task prefix; :meth:`ratio` is the largest of them all.
     max_sources
         Inputs remembered (the least recently measured dropped first).
+    max_prefixes
+        Task prefixes remembered per input (likewise).
     """
 
-    def __init__(self, window: int = 16, max_sources: int = 1000):
+    def __init__(self, window: int = 16, max_sources: int = 1000, max_prefixes: int = 32):
         self.window = window
         self.max_sources = max_sources
-        self.ratios: OrderedDict[str, deque[float]] = OrderedDict()
+        self.max_prefixes = max_prefixes
+        self.ratios: OrderedDict[str, OrderedDict[str, deque[float]]] = OrderedDict()
 
-    def add(self, source: str, block: float, peak: float) -> None:
-        """A task of a block of ``block`` bytes of ``source`` held ``peak`` bytes at most; ignored
-        for blocks under :data:`MIN_BASIS`."""
+    def add(self, source: str, prefix: str, block: float, peak: float) -> None:
+        """A task of prefix ``prefix`` on a block of ``block`` bytes of ``source`` held ``peak`` bytes
+        at most; ignored for blocks under :data:`MIN_BASIS`."""
         if not (block >= MIN_BASIS and peak >= 0):
             return
-        self.ratios.setdefault(source, deque(maxlen=self.window)).append(peak / block)
+        prefixes = self.ratios.setdefault(source, OrderedDict())
+        prefixes.setdefault(prefix, deque(maxlen=self.window)).append(peak / block)
+        prefixes.move_to_end(prefix)
         self.ratios.move_to_end(source)
+        while len(prefixes) > self.max_prefixes:
+            prefixes.popitem(last=False)
         while len(self.ratios) > self.max_sources:
             self.ratios.popitem(last=False)
 
     def ratio(self, source: str) -> float | None:
         """Peak bytes per byte of block of ``source``'s recent tasks (the largest), or ``None``."""
-        recent = self.ratios.get(source)
-        return max(recent) if recent else None
+        prefixes = self.ratios.get(source)
+        return max((max(r) for r in prefixes.values()), default=None) if prefixes else None
