@@ -410,6 +410,33 @@ def test_a_fragment_spreads_its_members_over_streams_only_where_memory_allows(cu
     assert len(streams) >= 4 and 0 not in streams  # the pool's streams, not the legacy default stream
 
 
+def scaled_sum(block):
+    """Two block-sized intermediates, then a row of sums."""
+    return ((block * 2.0 + 1.0) * block).sum(axis=0)
+
+
+def test_a_captured_fragment_holds_no_more_than_one_stream_would_plus_a_block(cuda_one):
+    """Captured like eager runs: 16 independent members reading 16 device blocks, captured over 8 streams,
+    would keep about two blocks of intermediates per stream in the graph; on one stream, about two."""
+    import cupy
+    import dask
+
+    import dask_octopus
+
+    blocks = [cuda_one.submit(cupy.full, (512, 512), float(i), pure=False) for i in range(16)]
+    block_bytes = 512 * 512 * 8
+    for _ in range(3):  # eager, captured, replayed
+        with dask_octopus.annotate(resource="memory", group=16):
+            sums = [dask.delayed(scaled_sum, pure=False)(b) for b in blocks]
+        got = cuda_one.compute(dask.delayed(cupy.stack)(sums)).result()
+        assert [float(r[0]) for r in got] == [float(((2 * i + 1) * i) * 512) for i in range(16)]
+    stats = cuda_one.run(capture_stats)
+    (st,) = stats.values()
+    print("captured graph holds", st["graph_bytes"], "bytes; a block is", block_bytes)
+    assert st["graphs"] == 1 and st["replays"] >= 1
+    assert 0 < st["graph_bytes"] <= 4 * block_bytes
+
+
 def scaled_pair(block, k):
     """Two CuPy results of one item, one of them not contiguous."""
     return {"scaled": block * k, "transposed": (block + k).T}

@@ -438,6 +438,13 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
 def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
                 retries: int) -> tuple[Any, ...]:
     layout = rt.layout(fragment)
+    if layout.used > 1:  # more streams must not hold more memory than one block more than one stream does,
+        # eagerly (one pool arena per stream) or captured (a graph keeps what its run allocated)
+        sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True)
+                 if isinstance(x, cp.ndarray)}
+        one = rt.layout(fragment, 1)
+        if layout.pool_bytes(fragment, sizes) > one.pool_bytes(fragment, sizes) + max(sizes.values(), default=0):
+            layout = one
     streams = rt.streams(cp, layout.used)
     ready = cp.cuda.get_current_stream().record()
     for s in streams:
@@ -466,12 +473,6 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
             out = graph.replay(cp, inputs, streams[0])
             streams[0].synchronize()
             return tuple(out)
-    if layout.used > 1:  # eagerly, more streams must not hold more memory than one block more than one stream
-        sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True)
-                 if isinstance(x, cp.ndarray)}
-        one = rt.layout(fragment, 1)
-        if layout.pool_bytes(fragment, sizes) > one.pool_bytes(fragment, sizes) + max(sizes.values(), default=0):
-            layout = one
     try:
         held = launch(fragment, layout, values, streams, retries)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
