@@ -53,6 +53,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "streams.capture": ("true or false", lambda v: isinstance(v, bool)),
     "streams.capture-after": ("an integer >= 0", _integer(0)),
     "streams.max-graphs": ("an integer >= 1", _integer(1)),
+    "streams.capture-spare-bytes": ("a size such as 32MiB", _parses(parse_bytes)),
 }
 
 

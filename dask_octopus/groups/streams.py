@@ -437,13 +437,17 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
 
 def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
                 retries: int) -> tuple[Any, ...]:
-    layout = rt.layout(fragment)
-    if layout.used > 1:  # more streams must not hold more memory than one block more than one stream does,
-        # eagerly (one pool arena per stream) or captured (a graph keeps what its run allocated)
+    layout = eager = rt.layout(fragment)
+    if layout.used > 1:  # more streams may hold one block more than one stream does (one pool arena per
+        # stream), and a captured graph, which keeps what its run allocated, octopus.streams.capture-spare-bytes
+        # more as well: there its streams pay (Opara), eagerly they do not (launches are bound by Python)
         sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True)
                  if isinstance(x, cp.ndarray)}
         one = rt.layout(fragment, 1)
-        if layout.pool_bytes(fragment, sizes) > one.pool_bytes(fragment, sizes) + max(sizes.values(), default=0):
+        extra = layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
+        if extra > 0:
+            eager = one
+        if extra > _bytes(config.get("streams.capture-spare-bytes")):
             layout = one
     streams = rt.streams(cp, layout.used)
     ready = cp.cuda.get_current_stream().record()
@@ -473,6 +477,11 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
             out = graph.replay(cp, inputs, streams[0])
             streams[0].synchronize()
             return tuple(out)
+    if eager is not layout:
+        layout = eager
+        streams = rt.streams(cp, layout.used)
+        for s in streams:
+            s.wait_event(ready)
     try:
         held = launch(fragment, layout, values, streams, retries)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
