@@ -435,24 +435,39 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     return tuple(values[o] for o in fragment.outputs)
 
 
-def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
-                retries: int) -> tuple[Any, ...]:
-    layout = eager = rt.layout(fragment)
-    if layout.used > 1:  # more streams may hold one block more than one stream does (one pool arena per
-        # stream), and a captured graph, which keeps what its run allocated, octopus.streams.capture-spare-bytes
-        # more as well: there its streams pay (Opara), eagerly they do not (launches are bound by Python)
-        sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True)
-                 if isinstance(x, cp.ndarray)}
-        one = rt.layout(fragment, 1)
-        extra = layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
-        if extra > 0:
-            eager = one
-        if extra > _bytes(config.get("streams.capture-spare-bytes")):
-            layout = one
-    streams = rt.streams(cp, layout.used)
-    ready = cp.cuda.get_current_stream().record()
+def _ready_streams(rt: StreamRuntime, cp: Any, n: int, ready: Any) -> list[Any]:
+    """The first ``n`` streams of this thread's pool, waiting for ``ready`` (the inputs)."""
+    streams = rt.streams(cp, n)
     for s in streams:
         s.wait_event(ready)
+    return streams
+
+
+def _extra_bytes(rt: StreamRuntime, cp: Any, fragment: Fragment, layout: FragmentLayout,
+                 inputs: Sequence[Any]) -> float:
+    """The estimated bytes ``layout``'s streams would hold beyond one stream plus the largest input
+    (:meth:`FragmentLayout.pool_bytes`: one pool arena per stream)."""
+    sizes = {name: x.nbytes for name, x in zip(fragment.inputs, inputs, strict=True) if isinstance(x, cp.ndarray)}
+    one = rt.layout(fragment, 1)
+    return layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
+
+
+def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
+                retries: int) -> tuple[Any, ...]:
+    # More streams may hold one block more than one stream does (one pool arena per stream), and a captured
+    # graph, which keeps what its run allocated, octopus.streams.capture-spare-bytes more as well: there its
+    # streams pay (Opara), eagerly they do not (launches are bound by Python). A replay needs neither.
+    layout = full = rt.layout(fragment)
+    extra: list[float] = []  # made when first needed: a replay needs no layout
+
+    def over(allowance: float) -> bool:
+        if full.used == 1:
+            return False
+        if not extra:
+            extra.append(_extra_bytes(rt, cp, fragment, full, inputs))
+        return extra[0] > allowance
+
+    ready = cp.cuda.get_current_stream().record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
         shapes = _signature(layout.structure(fragment), inputs)
         pointers = tuple((x.data.ptr, x.strides) for x in inputs)
@@ -461,27 +476,27 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
         if graph is None:
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
+                    if over(_bytes(config.get("streams.capture-spare-bytes"))):
+                        layout = rt.layout(fragment, 1)
+                    streams = _ready_streams(rt, cp, layout.used, ready)
                     try:  # no retries while capturing: a step that raises refuses it, the eager run retries
-                        graph = capture_fragment(cp, lambda v, st: launch(fragment, layout, v, st), values,
+                        graph = capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, lay, v, st), values,
                                                  fragment.inputs, fragment.outputs, streams, in_place)
                     except CaptureRefused as e:
                         rt.last_refusal = str(e)
                         logger.debug("dask_octopus: fragment not captured, it runs eagerly: %s", e)
-                        streams = rt.streams(cp, layout.used, fresh=True)
-                        for s in streams:
-                            s.wait_event(ready)
+                        rt.streams(cp, layout.used, fresh=True)
                     cache.add(signature, graph)
                     break
         if graph is not None:
             cache.replays += 1
-            out = graph.replay(cp, inputs, streams[0])
-            streams[0].synchronize()
+            stream = _ready_streams(rt, cp, 1, ready)[0]
+            out = graph.replay(cp, inputs, stream)
+            stream.synchronize()
             return tuple(out)
-    if eager is not layout:
-        layout = eager
-        streams = rt.streams(cp, layout.used)
-        for s in streams:
-            s.wait_event(ready)
+    if over(0):
+        layout = rt.layout(fragment, 1)
+    streams = _ready_streams(rt, cp, layout.used, ready)
     try:
         held = launch(fragment, layout, values, streams, retries)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
