@@ -27,7 +27,7 @@ from dask.sizeof import sizeof
 
 from dask_octopus import config
 from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
-from dask_octopus.groups.replay import CaptureRefused, GraphCache, capture, capture_fragment
+from dask_octopus.groups.replay import CapturedGroup, CaptureRefused, GraphCache, capture, capture_fragment
 
 if TYPE_CHECKING:
     from dask_octopus.groups.fragment import Fragment
@@ -452,21 +452,41 @@ def _extra_bytes(rt: StreamRuntime, cp: Any, fragment: Fragment, layout: Fragmen
     return layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
 
 
+def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, values: dict, inputs: Sequence[Any],
+                    in_place: bool, ready: Any) -> CapturedGroup | None:
+    """The fragment captured over the pool's streams if that graph holds at most
+    ``octopus.streams.capture-spare-bytes`` plus the largest input more than the graph captured on one
+    stream, else the one-stream graph; ``None`` where capture is refused (the reason kept in
+    ``rt.last_refusal``)."""
+    layouts = [rt.layout(fragment, 1)]
+    if rt.layout(fragment).used > 1:
+        layouts.append(rt.layout(fragment))
+    graphs = []
+    for layout in layouts:
+        streams = _ready_streams(rt, cp, layout.used, ready)
+        try:  # no retries while capturing: a step that raises refuses it, the eager run retries
+            graphs.append(capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, lay, v, st), values,
+                                           fragment.inputs, fragment.outputs, streams, in_place))
+        except CaptureRefused as e:
+            rt.last_refusal = str(e)
+            logger.debug("dask_octopus: fragment not captured, it runs eagerly: %s", e)
+            rt.streams(cp, layout.used, fresh=True)
+            return None
+    if len(graphs) == 1:
+        return graphs[0]
+    one, spread = graphs
+    largest = max((x.nbytes for x in inputs), default=0)
+    allowance = one.held_bytes() + largest + _bytes(config.get("streams.capture-spare-bytes"))
+    return spread if spread.held_bytes() <= allowance else one
+
+
 def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
                 retries: int) -> tuple[Any, ...]:
-    # More streams may hold one block more than one stream does (one pool arena per stream), and a captured
-    # graph, which keeps what its run allocated, octopus.streams.capture-spare-bytes more as well: there its
-    # streams pay (Opara), eagerly they do not (launches are bound by Python). A replay needs neither.
+    # Eagerly, more streams may hold one block more than one stream does (one pool arena per stream): they
+    # buy no speed there (launches are bound by Python). A graph captured over several streams (Opara's
+    # speed) may hold octopus.streams.capture-spare-bytes more than the same graph captured on one stream
+    # plus a block: both are captured, measured and the other is dropped. A replay needs no layout.
     layout = full = rt.layout(fragment)
-    extra: list[float] = []  # made when first needed: a replay needs no layout
-
-    def over(allowance: float) -> bool:
-        if full.used == 1:
-            return False
-        if not extra:
-            extra.append(_extra_bytes(rt, cp, fragment, full, inputs))
-        return extra[0] > allowance
-
     ready = cp.cuda.get_current_stream().record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
         shapes = _signature(layout.structure(fragment), inputs)
@@ -476,16 +496,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
         if graph is None:
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
-                    if over(_bytes(config.get("streams.capture-spare-bytes"))):
-                        layout = rt.layout(fragment, 1)
-                    streams = _ready_streams(rt, cp, layout.used, ready)
-                    try:  # no retries while capturing: a step that raises refuses it, the eager run retries
-                        graph = capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, lay, v, st), values,
-                                                 fragment.inputs, fragment.outputs, streams, in_place)
-                    except CaptureRefused as e:
-                        rt.last_refusal = str(e)
-                        logger.debug("dask_octopus: fragment not captured, it runs eagerly: %s", e)
-                        rt.streams(cp, layout.used, fresh=True)
+                    graph = _capture_within(rt, cp, fragment, values, inputs, in_place, ready)
                     cache.add(signature, graph)
                     break
         if graph is not None:
@@ -494,7 +505,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
             out = graph.replay(cp, inputs, stream)
             stream.synchronize()
             return tuple(out)
-    if over(0):
+    if layout.used > 1 and _extra_bytes(rt, cp, fragment, full, inputs) > 0:
         layout = rt.layout(fragment, 1)
     streams = _ready_streams(rt, cp, layout.used, ready)
     try:
