@@ -442,6 +442,7 @@ def test_a_captured_fragment_holds_no_more_than_one_stream_would_plus_a_block(cu
         else:
             assert 4 * block_bytes < graph_bytes <= 4 * block_bytes + 32 * 2**20
     assert st["graphs"] == 2 and st["replays"] >= 2
+    assert st["graphs_on_streams"] == 1  # the 128 kB blocks' graph forks over the streams, the other does not
 
 
 def scaled_pair(block, k):

@@ -22,13 +22,15 @@ class CaptureRefused(RuntimeError):
 
 class CapturedGroup:
     """A captured group or fragment: the graph, the buffers it reads (``None``: it reads its inputs in
-    place, the very buffers it was captured on) and writes, and the pool it allocated from."""
+    place, the very buffers it was captured on) and writes, the pool it allocated from and the number
+    of streams it forks over."""
 
-    def __init__(self, graph: Any, inputs: list[Any] | None, outputs: list[Any], pool: Any):
+    def __init__(self, graph: Any, inputs: list[Any] | None, outputs: list[Any], pool: Any, streams: int = 1):
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
         self.pool = pool
+        self.streams = streams
 
     def held_bytes(self) -> int:
         """The device memory the graph holds: its private pool (its intermediates and outputs) and the
@@ -96,7 +98,7 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
 
     graph, pool, _ = _capture(cp, streams, launch)
     _check_outputs(cp, outputs)
-    return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool)
+    return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool, len(streams))
 
 
 def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], values: dict, inputs: Sequence[Hashable],
@@ -112,7 +114,7 @@ def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], valu
     graph, pool, _ = _capture(cp, streams, lambda: launch(captured, streams))
     results = [captured[o] for o in outputs]
     _check_outputs(cp, results)
-    return CapturedGroup(graph, None if in_place else [static[k] for k in inputs], results, pool)
+    return CapturedGroup(graph, None if in_place else [static[k] for k in inputs], results, pool, len(streams))
 
 
 class GraphCache:

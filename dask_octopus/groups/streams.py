@@ -141,9 +141,10 @@ class StreamRuntime:
         return cache
 
     def stats(self) -> dict[str, Any]:
-        """Groups run and their tasks, captured and refused group signatures and graph replays on this
-        worker (all threads), and why the latest capture was refused. The worker plugin sends it to
-        the scheduler with each heartbeat, for the dashboard."""
+        """Groups run and their tasks, captured group signatures (those read in place, those forked over
+        several streams, the bytes they hold) and refused ones, graph replays on this worker (all
+        threads), and why the latest capture was refused. The worker plugin sends it to the scheduler
+        with each heartbeat, for the dashboard."""
         with self._lock:
             caches = list(self._caches)
             groups, members = self.groups, self.members
@@ -151,6 +152,7 @@ class StreamRuntime:
         return {"groups": groups, "members": members, "graphs": len(graphs),
                 "graphs_in_place": sum(g.inputs is None for g in graphs),
                 "graph_bytes": sum(g.held_bytes() for g in graphs),
+                "graphs_on_streams": sum(g.streams > 1 for g in graphs),
                 "refused": sum(len(c.refused) for c in caches), "replays": sum(c.replays for c in caches),
                 "last_refusal": self.last_refusal}
 
