@@ -295,6 +295,44 @@ def test_an_eager_run_keeps_to_one_stream_where_more_would_hold_more_than_one_bl
     assert len(ran_on) > 1
 
 
+class HeldGraph:
+    """A stand-in captured graph holding ``n`` bytes, made over ``streams`` streams."""
+
+    def __init__(self, n, streams):
+        self.n, self.streams = n, streams
+
+    def held_bytes(self):
+        return self.n
+
+
+@pytest.mark.parametrize("one, spread, refuse, kept", [
+    (100, 100 + 32 * 2**20 + 100, False, "spread"),  # within capture-spare-bytes plus the largest input (100)
+    (100, 100 + 32 * 2**20 + 101, False, "one"),  # one byte over
+    (100, 200, True, "one"),  # the capture over the pool refused: the one-stream graph stays
+])
+def test_a_fragment_keeps_the_multi_stream_graph_only_within_the_capture_allowance(
+        fake_gpu, monkeypatch, one, spread, refuse, kept):  # noqa: F811
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+    rt = streams.runtime()
+    frag = two_chains()
+    full = rt.layout(frag)
+    assert full.used > 1
+
+    class Input(cp.ndarray):
+        nbytes = 100
+
+    def capture(cp_, launch, values, inputs, outputs, pool_streams, in_place):
+        if len(pool_streams) > 1 and refuse:
+            raise streams.CaptureRefused("a host synchronisation")
+        return HeldGraph(one if len(pool_streams) == 1 else spread, len(pool_streams))
+
+    monkeypatch.setattr(streams, "capture_fragment", capture)
+    graph = streams._capture_within(rt, cp, frag, full, {}, [Input(), Input()], True, object())
+    assert graph.streams == (1 if kept == "one" else full.used)
+    assert (rt.last_refusal is not None) == refuse
+
+
 def test_structure_tells_constants_and_partials_apart():
     from functools import partial
 

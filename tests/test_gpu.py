@@ -416,10 +416,10 @@ def scaled_sum(block):
 
 
 def test_a_captured_fragment_holds_no_more_than_one_stream_would_plus_a_block(cuda_one):
-    """16 independent members reading 16 device blocks, run eagerly, captured, replayed. Over 8 streams
-    the graph would keep about two blocks of intermediates per stream: with 32 MB blocks that is more
-    than octopus.streams.capture-spare-bytes (32 MiB) over one stream, so the graph is captured on one
-    stream; with 128 kB blocks it is not, and the graph forks over the streams."""
+    """16 independent members reading 16 device blocks, run eagerly, captured (on one stream and over
+    8), replayed. Over 8 streams the graph keeps about three blocks of intermediates per stream: with
+    32 MB blocks that is more than octopus.streams.capture-spare-bytes (32 MiB) beyond the one-stream
+    graph, which is kept; with 128 kB blocks it is not, and the graph forked over the streams is kept."""
     import cupy
     import dask
 

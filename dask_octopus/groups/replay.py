@@ -1,12 +1,13 @@
 """CUDA graph capture and replay of a repeated stream group.
 
 When a group with the same member functions, input shapes and dtypes runs again, its launches are
-captured once into a CUDA graph (forked over the group's streams and joined back, as Opara does)
-and replayed: new inputs are copied into the graph's own input buffers, the graph is launched and
-its outputs are copied out. Allocations made while capturing come from a memory pool private to
-the graph, so the addresses baked into it are never handed to anything else. Capture refused
-(cuBLAS, cuRAND, a host synchronisation, outputs that are not CuPy arrays) is remembered per group
-signature, and that group keeps running eagerly.
+captured once into a CUDA graph (forked over the group's streams and joined back, as Opara does, or
+on one stream where a fragment's streams would hold too much memory) and replayed: new inputs are
+copied into the graph's own input buffers, the graph is launched and its outputs are copied out.
+Allocations made while capturing come from a memory pool private to the graph, so the addresses
+baked into it are never handed to anything else. Capture refused (cuBLAS, cuRAND, a host
+synchronisation, outputs that are not CuPy arrays) is remembered per group signature, and that
+group keeps running eagerly.
 """
 
 from __future__ import annotations

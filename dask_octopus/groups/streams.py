@@ -127,7 +127,7 @@ class StreamRuntime:
         layout = FragmentLayout(fragment, streams)
         with self._lock:
             self.layouts[names] = layout
-            while len(self.layouts) > self.max_graphs:
+            while len(self.layouts) > 2 * self.max_graphs:  # a fragment's layouts on one stream and on the pool
                 self.layouts.popitem(last=False)
         return layout
 
@@ -419,8 +419,9 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     that read another stream's result, and the fragment ends with one synchronisation of its
     streams. A fragment whose inputs are ``octopus.streams.large-bytes`` or more on average fills
     the GPU with each step: it runs on the task's own stream, as Dask would run it. A fragment seen
-    again with the same structure and input shapes is captured as one multi-stream CUDA graph and
-    replayed; inputs that are the very buffers of the capture (persisted blocks) are read in place.
+    again with the same structure and input shapes is captured as one CUDA graph, over the pool's streams
+    or on one stream, whichever holds no more than ``octopus.streams.capture-spare-bytes`` beyond the
+    other, and replayed; inputs that are the very buffers of the capture (persisted blocks) are read in place.
     A step that raises runs again, in place, as many times as the task's ``retries`` allow (Dask
     would re-run the failed task that many times); then it does not stop the others: its value, and
     that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
@@ -454,26 +455,25 @@ def _extra_bytes(rt: StreamRuntime, cp: Any, fragment: Fragment, layout: Fragmen
     return layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
 
 
-def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, values: dict, inputs: Sequence[Any],
-                    in_place: bool, ready: Any) -> CapturedGroup | None:
-    """The fragment captured over the pool's streams if that graph holds at most
-    ``octopus.streams.capture-spare-bytes`` plus the largest input more than the graph captured on one
-    stream, else the one-stream graph; ``None`` where capture is refused (the reason kept in
-    ``rt.last_refusal``)."""
-    layouts = [rt.layout(fragment, 1)]
-    if rt.layout(fragment).used > 1:
-        layouts.append(rt.layout(fragment))
+def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, full: FragmentLayout, values: dict,
+                    inputs: Sequence[Any], in_place: bool, ready: Any) -> CapturedGroup | None:
+    """The fragment captured over the streams of ``full`` (its layout over the pool) if that graph holds
+    at most ``octopus.streams.capture-spare-bytes`` plus the largest input more than the graph captured
+    on one stream, else the one-stream graph (also where the pool's capture is refused); ``None`` where
+    the capture on one stream is refused (the reason kept in ``rt.last_refusal``). Each capture runs the
+    steps' Python code once, without retries: a step that raises refuses it, the eager run retries."""
+    layouts = [rt.layout(fragment, 1)] + ([full] if full.used > 1 else [])
     graphs = []
     for layout in layouts:
         streams = _ready_streams(rt, cp, layout.used, ready)
-        try:  # no retries while capturing: a step that raises refuses it, the eager run retries
+        try:
             graphs.append(capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, lay, v, st), values,
                                            fragment.inputs, fragment.outputs, streams, in_place))
         except CaptureRefused as e:
-            rt.last_refusal = str(e)
-            logger.debug("dask_octopus: fragment not captured, it runs eagerly: %s", e)
+            rt.last_refusal = str(e) if not graphs else f"over {layout.used} streams (kept on one): {e}"
+            logger.debug("dask_octopus: fragment not captured over %d streams: %s", layout.used, e)
             rt.streams(cp, layout.used, fresh=True)
-            return None
+            return graphs[0] if graphs else None
     if len(graphs) == 1:
         return graphs[0]
     one, spread = graphs
@@ -488,7 +488,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
     # buy no speed there (launches are bound by Python). A graph captured over several streams (Opara's
     # speed) may hold octopus.streams.capture-spare-bytes more than the same graph captured on one stream
     # plus a block: both are captured, measured and the other is dropped. A replay needs no layout.
-    layout = full = rt.layout(fragment)
+    layout = rt.layout(fragment)
     ready = cp.cuda.get_current_stream().record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
         shapes = _signature(layout.structure(fragment), inputs)
@@ -498,7 +498,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
         if graph is None:
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
-                    graph = _capture_within(rt, cp, fragment, values, inputs, in_place, ready)
+                    graph = _capture_within(rt, cp, fragment, layout, values, inputs, in_place, ready)
                     cache.add(signature, graph)
                     break
         if graph is not None:
@@ -507,7 +507,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
             out = graph.replay(cp, inputs, stream)
             stream.synchronize()
             return tuple(out)
-    if layout.used > 1 and _extra_bytes(rt, cp, fragment, full, inputs) > 0:
+    if layout.used > 1 and _extra_bytes(rt, cp, fragment, layout, inputs) > 0:
         layout = rt.layout(fragment, 1)
     streams = _ready_streams(rt, cp, layout.used, ready)
     try:
