@@ -66,8 +66,8 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
-          current: list[int], source: str) -> tuple[list[int], list[str]]:
-    """Flat block sizes and the worker of each block; the ``current`` sizes when moving data to the
+          current: list[int], source: str) -> tuple[list[int], list[str], float]:
+    """Flat block sizes, the worker of each block and the bytes of a row; the ``current`` sizes when moving data to the
     planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain`` or, where a
     pass's time can be predicted (``resource="memory"``), by more seconds than moving the rows that
     change worker takes at the cluster's measured bandwidths. Without ``per_worker``, as few blocks
@@ -103,8 +103,8 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
             move = rechunk_seconds(client, workers, kept, [sum(blocks) for blocks in plan], row_bytes)
         if not worth_moving(current, reference, weights, config.get("balance.min-gain"), speed=speed,
                             move_seconds=move):
-            return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks]
-    return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks]
+            return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks], row_bytes
+    return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks], row_bytes
 
 
 class WorkingSetWarning(UserWarning):
@@ -212,11 +212,11 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
         raise ValueError("the array has unknown chunk sizes (NaN, e.g. after boolean indexing): "
                          "call x.compute_chunk_sizes() first")
     source = key_split(x.name)
-    sizes, workers = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align, list(x.chunks[axis]), source)
+    sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
+                                      list(x.chunks[axis]), source)
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     y = x.rechunk(tuple(chunks), method="tasks") if tuple(sizes) != x.chunks[axis] else _named_blocks(x)
-    row_bytes = x.nbytes / x.shape[axis]
     call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis, sizes=sizes,
                    resource=resource, source=source, nbytes=[n * row_bytes for n in sizes])
     return y
@@ -278,8 +278,8 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]
     source = key_split(df._name)
-    sizes, workers = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker, align,
-                           lengths, source)
+    sizes, workers, row_bytes = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker,
+                                      align, lengths, source)
     divisions = None
     if df.known_divisions:
         sizes, divisions = _snapped(client, df, parts, lengths, sizes)
@@ -287,7 +287,6 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     name = "octopus-rows-" + tokenize(df, sizes)
     blocks = [delayed(_take_rows)([(parts[i], a, b) for i, a, b in seg], dask_key_name=(name, j))
               for j, seg in enumerate(segments)]
-    row_bytes = sum(b for _, b in shapes) / max(sum(lengths), 1)
     call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource,
                    source=source, nbytes=[n * row_bytes for n in sizes])
     return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)

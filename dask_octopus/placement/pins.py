@@ -15,7 +15,7 @@ survivors.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,12 +99,15 @@ class Placement:
         plan = self.plans.get(block[0])
         return bool(plan and plan.stealable and block[1] < len(plan.stealable) and plan.stealable[block[1]])
 
-    def _planned_block(self, key: Key, run_spec: Any) -> Block | None:
-        for k in inner_keys(key, run_spec):  # also the keys fused or grouped into this task
+    def _planned_blocks(self, key: Key, run_spec: Any) -> Iterator[Block]:
+        """The planned blocks whose keys the task ``key`` is, or has fused or grouped into it."""
+        for k in inner_keys(key, run_spec):
             plan = self.plans.get(_key_name(k))
             if plan is not None and isinstance(k, tuple) and len(k) > plan.index:
-                return (_key_name(k), k[plan.index])
-        return None
+                yield (_key_name(k), k[plan.index])
+
+    def _planned_block(self, key: Key, run_spec: Any) -> Block | None:
+        return next(self._planned_blocks(key, run_spec), None)
 
     def update_graph(self, scheduler: Scheduler, keys: Iterable[Key]) -> int:
         """Pin the planned blocks among ``keys`` and the tasks that consume only one worker's blocks.
@@ -130,7 +133,7 @@ class Placement:
                     continue
                 stack.pop()
                 origin[ts.key] = block = self._origin(ts, origin)
-                if block is not None and self._pin(ts, block, self._blocks_read(ts, origin) == 1):
+                if block is not None and self._pin(ts, block, origin):
                     pinned += 1
         return pinned
 
@@ -151,21 +154,22 @@ class Placement:
 
     def _blocks_read(self, ts: TaskState, origin: dict[Key, Block | None]) -> int:
         """How many planned blocks the task ``ts`` is (fused into it) or, failing that, reads."""
-        own = {(_key_name(k), k[plan.index]) for k in inner_keys(ts.key, ts.run_spec)
-               if (plan := self.plans.get(_key_name(k))) is not None and isinstance(k, tuple) and len(k) > plan.index}
+        own = set(self._planned_blocks(ts.key, ts.run_spec))
         if own:
             return len(own)
         return len({b for d in ts.dependencies if (b := origin.get(d.key) or self.pins.get(d.key)) is not None})
 
-    def _pin(self, ts: TaskState, block: Block, measure: bool = False) -> bool:
-        """Pin ``ts`` to ``block``'s worker; with ``measure`` (a task of that one block of a balance
-        plan), mark it for measuring its working set."""
+    def _pin(self, ts: TaskState, block: Block, origin: dict[Key, Block | None]) -> bool:
+        """Pin ``ts`` to ``block``'s worker; a task that does the work of that one block of a balance
+        plan (``origin``: the blocks of the graph's other tasks) is also marked for measuring its
+        working set."""
         worker = self.worker_of(block)
         if worker is None:
             return False
         self.pins[ts.key] = block
         ts.worker_restrictions = {worker}
-        if measure and self.plans[block[0]].nbytes is not None:  # a new dict: a layer's tasks may share one
+        if self.plans[block[0]].nbytes is not None and self._blocks_read(ts, origin) == 1:  # balance plans only
+            # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
         ts.loose_restrictions = self.stealable(block)
         if ts.loose_restrictions:
