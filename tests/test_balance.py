@@ -111,14 +111,18 @@ async def test_dataframe_partitions_run_where_planned(c, s, a, b):
     pdf = pd.DataFrame({"a": np.arange(800), "b": np.arange(800) * 0.5})
     df = dd.from_pandas(pdf, npartitions=7)
     bdf = await run_balance(c, df, per_worker=1)
-    assert bdf.npartitions == 2 and bdf.known_divisions and bdf.divisions == (0, 600, 799)
-    lengths, total = await c.gather(c.compute([bdf.map_partitions(len), (bdf.a * 2 + bdf.b).sum()]))
-    assert list(lengths) == [600, 200]
-    assert total == (pdf.a * 2 + pdf.b).sum()
     fast, slow = sorted(s.workers)
+    # the workers take the rows in the order of those they hold (balance computed the input's partitions)
+    (order,) = [p.workers for n, p in s.plugins["octopus"].placement.plans.items() if n.startswith("octopus-rows")]
+    assert sorted(order) == [fast, slow]
+    sizes = [600 if w == fast else 200 for w in order]
+    assert bdf.npartitions == 2 and bdf.known_divisions and bdf.divisions == (0, sizes[0], 799)
+    lengths, total = await c.gather(c.compute([bdf.map_partitions(len), (bdf.a * 2 + bdf.b).sum()]))
+    assert list(lengths) == sizes
+    assert total == (pdf.a * 2 + pdf.b).sum()
     names = ("mul", "add", "getitem", "octopus-rows")
     blocks = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and key_split(k) in names}
-    assert len(blocks) >= 8 and all(w == (fast, slow)[k[1]] for k, w in blocks.items()), blocks
+    assert len(blocks) >= 8 and all(w == order[k[1]] for k, w in blocks.items()), blocks
     pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
 
 
@@ -221,6 +225,47 @@ async def test_blocks_close_to_the_plan_are_kept_and_only_pinned(c, s, a, b):
     assert {k for k in rec.restricted if isinstance(k, tuple)} >= set(blocks)  # pinned, not placed by luck
 
 
+def reversed_layout(s, n_blocks):
+    """Annotations putting the first half of ``n_blocks`` row blocks on the last worker by address and
+    the rest on the first: the opposite of the sorted order."""
+    last, first = sorted(s.workers)[::-1]
+    return dask.annotate(workers=lambda k: [last] if k[1] < n_blocks // 2 else [first])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_kept_blocks_stay_on_the_workers_that_hold_them(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    with reversed_layout(s, 4):
+        x = da.random.random((1000, 4), chunks=(250, 4))
+    x = c.persist(x, optimize_graph=False)
+    await wait(x)
+    held = {k: ws for k, ws in (await c.who_has(x)).items()}
+    assert held[(x.name, 0, 0)] == (max(s.workers),)  # the layout is the reverse of the sorted workers
+    y = c.persist(await run_balance(c, x))
+    await wait(y)
+    assert y.chunks == x.chunks
+    planned = s.plugins["octopus"].placement.plans[y.name].workers
+    assert planned == [held[(x.name, i, 0)][0] for i in range(4)]
+    assert {k[1]: ws for k, ws in (await c.who_has(y)).items()} == {i: held[(x.name, i, 0)] for i in range(4)}
+    assert all(len(ws) == 1 for ws in (await c.who_has(x)).values())  # no block was copied to the other worker
+    assert np.array_equal(*await c.gather(c.compute([y, x])))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_re_chunk_gives_each_worker_the_rows_next_to_those_it_holds(c, s, a, b):
+    last = max(s.workers)
+    await setup(c, s, [1.0, 3.0])  # the last worker by address is three times faster
+    with reversed_layout(s, 2):
+        x = da.random.random((1000, 4), chunks=(500, 4))
+    x = c.persist(x, optimize_graph=False)
+    await wait(x)
+    y = await run_balance(c, x, per_worker=1)
+    planned = s.plugins["octopus"].placement.plans[y.name].workers
+    # it holds rows 0-499, so it takes the first 750 rows: 250 rows move (750 if it took the last ones)
+    assert planned[0] == last and y.chunks[0] == (750, 250)
+    assert np.array_equal(*await c.gather(c.compute([y, x])))
+
+
 def run_out_of_memory(block):
     raise MemoryError("cannot allocate the block")
 
@@ -258,7 +303,8 @@ async def test_dataframe_cuts_move_to_value_boundaries_and_keep_divisions(c, s, 
 async def test_dataframe_cuts_that_cannot_move_leave_divisions_unknown(c, s, a, b):
     await setup(c, s, [3.0, 1.0])
     pdf = pd.DataFrame({"a": np.arange(100)}, index=np.repeat([0, 1], [30, 70]))
-    df = dd.from_pandas(pdf, npartitions=2)
+    df = c.persist(dd.from_pandas(pdf, npartitions=2), workers=[min(s.workers)])  # the fast worker holds all rows
+    await wait(df)
     assert df.known_divisions
     bdf = await run_balance(c, df, per_worker=2)  # planned 38, 37, 13, 12: all three cuts inside the run of 1
     assert bdf.npartitions == 4 and not bdf.known_divisions and bdf.divisions == (None,) * 5

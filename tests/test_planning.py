@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from dask_octopus.placement.planning import (
     PlanningError,
+    axis_order,
     block_sizes,
     block_sizes_within,
+    kept_groups,
     proportional_split,
     reassign,
     row_segments,
@@ -139,16 +141,43 @@ def test_reassign_without_survivors():
 
 
 def test_worth_moving_only_when_the_makespan_gain_exceeds_the_threshold():
-    assert not worth_moving([500, 500], [[501], [499]], [0.501, 0.499], 0.03)  # equal workers: keep
-    assert worth_moving([500, 500], [[700], [300]], [0.7, 0.3], 0.03)  # 0.3-weight worker: 1667 vs 1000
-    assert worth_moving([250, 250, 250, 250], [[500], [500]], [0.5, 0.5], 0.03)  # other block count
+    assert not worth_moving([[500], [500]], [[501], [499]], [0.501, 0.499], 0.03)  # equal workers: keep
+    assert worth_moving([[500], [500]], [[700], [300]], [0.7, 0.3], 0.03)  # 0.3-weight worker: 1667 vs 1000
+    assert worth_moving([[250, 250, 250], [250]], [[500], [500]], [0.5, 0.5], 0.03)  # kept 750 rows on one
+    assert not worth_moving([[250, 250], [250, 250]], [[500], [500]], [0.5, 0.5], 0.03)
 
 
 @given(weights=weights_st, total=st.integers(100, 10_000))
 def test_the_plan_itself_is_never_worth_moving(weights, total):
     plan = block_sizes(total, weights) if total >= len(weights) and total * min(weights) / sum(weights) >= 1 else None
     assume(plan is not None)
-    assert not worth_moving([b for blocks in plan for b in blocks], plan, weights, 0.0)
+    assert not worth_moving(plan, plan, weights, 0.0)
+
+
+@given(data=st.data(), workers=st.integers(1, 6), per_worker=st.integers(1, 4))
+def test_a_contiguous_layout_is_ordered_as_it_lies_and_kept_where_it_is(data, workers, per_worker):
+    layout = data.draw(st.permutations(range(workers)))  # layout[k]: the worker holding the k-th range
+    sizes = data.draw(st.lists(st.integers(1, 1000), min_size=workers * per_worker, max_size=workers * per_worker))
+    holders = [layout[b // per_worker] for b in range(len(sizes))]
+    order = axis_order(holders, sizes, workers)
+    assert order == layout  # consecutive ranges planned in this order leave every row where it is
+    assert kept_groups(holders, workers, per_worker) == [[b for b, h in enumerate(holders) if h == w]
+                                                         for w in range(workers)]
+
+
+def test_axis_order_puts_workers_holding_nothing_last_and_needs_one_holder_per_block():
+    assert axis_order([2, None, 0], [10, 10, 10], 4) == [2, 0, 1, 3]
+    assert axis_order([None, None], [5, 5], 2) == [0, 1]
+    assert axis_order([1, 0, 1], [100, 10, 10], 2) == [1, 0]  # mean row position: worker 1 about 56, worker 0 105
+    with pytest.raises(PlanningError, match="2 holders for 3 blocks"):
+        axis_order([0, 1], [1, 1, 1], 2)
+
+
+def test_kept_groups_without_known_holders_are_consecutive():
+    assert kept_groups([None, None, None, None], 2, 2) == [[0, 1], [2, 3]]
+    assert kept_groups([0, None, 1, 1], 2, 2) == [[0, 1], [2, 3]]  # one holder unknown: the consecutive layout
+    assert kept_groups([None, None, None], 2, 2) is None
+    assert kept_groups([1, 0, 1, 0], 2, 2) == [[1, 3], [0, 2]]
 
 
 @given(runs=st.lists(st.integers(1, 30), min_size=1, max_size=40), weights=weights_st)

@@ -105,7 +105,7 @@ def test_owner_changes_between_two_workers_and_bad_input():
 
 
 def test_a_re_chunk_is_worth_its_moves_only_when_the_gain_in_seconds_exceeds_them():
-    current, planned, weights = [500, 500], [[600], [400]], [0.6, 0.4]  # makespan 1250 -> 1000
+    current, planned, weights = [[500], [500]], [[600], [400]], [0.6, 0.4]  # makespan 1250 -> 1000
     assert worth_moving(current, planned, weights, 0.03)  # 25% > 3%, no time scale: moves not weighed
     # 1000 rows per second in all: the planned pass is 1.0 s, the kept one 1.25 s
     assert worth_moving(current, planned, weights, 0.03, speed=1000.0, move_seconds=0.2)
@@ -122,7 +122,7 @@ def test_a_re_chunk_is_worth_its_moves_only_when_the_gain_in_seconds_exceeds_the
 @given(weights=st.lists(st.floats(0.1, 10.0), min_size=2, max_size=5), speed=st.floats(1.0, 1e9),
        move=st.floats(0.0, 1e3), data=st.data())
 def test_faster_moves_never_turn_a_re_chunk_down(weights, speed, move, data):
-    current = data.draw(st.lists(st.integers(1, 1000), min_size=len(weights), max_size=len(weights)))
+    current = [[n] for n in data.draw(st.lists(st.integers(1, 1000), min_size=len(weights), max_size=len(weights)))]
     planned = [[n] for n in data.draw(st.lists(st.integers(1, 1000), min_size=len(weights), max_size=len(weights)))]
     if worth_moving(current, planned, weights, 0.0, speed=speed, move_seconds=move):
         assert worth_moving(current, planned, weights, 0.0, speed=speed, move_seconds=move / 2)

@@ -11,19 +11,22 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections import Counter
 from typing import Any
 
 import dask
 import dask.array as da
 from dask.base import is_dask_collection, tokenize
 from dask.utils import format_bytes, key_split
-from distributed import Client
+from distributed import Client, futures_of
 
 from dask_octopus import config
 from dask_octopus.placement.planning import (
     PlanningError,
+    axis_order,
     block_sizes,
     block_sizes_within,
+    kept_groups,
     row_segments,
     snap_cuts,
     worth_moving,
@@ -66,13 +69,16 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
-          current: list[int], source: str) -> tuple[list[int], list[str], float]:
-    """Flat block sizes, the worker of each block and the bytes of a row; the ``current`` sizes when moving data to the
+          current: list[int], source: str, holders: list[str | None]) -> tuple[list[int], list[str], float]:
+    """Flat block sizes, the worker of each block and the bytes of a row; the ``current`` sizes, each
+    block on the worker that holds it (``holders``, None where not known), when moving data to the
     planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain`` or, where a
     pass's time can be predicted (``resource="memory"``), by more seconds than moving the rows that
-    change worker takes at the cluster's measured bandwidths. Without ``per_worker``, as few blocks
-    per worker as keep every block within the largest current one and within what the worker can
-    process at once (the working set learned for ``source``); with it, a warning where a block is not."""
+    change worker takes at the cluster's measured bandwidths. The workers take consecutive ranges in
+    the order the rows they hold lie along the axis, so a re-chunk moves only the rows that change
+    share. Without ``per_worker``, as few blocks per worker as keep every block within the largest
+    current one and within what the worker can process at once (the working set learned for
+    ``source``); with it, a warning where a block is not."""
     row_bytes = nbytes / total if total else 0.0
     workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
     if total < len(workers) * (per_worker or 1):
@@ -85,6 +91,12 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
             f"{format_bytes(sum(caps) * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
             "add workers or process it in pieces"
         )
+    index = {w: i for i, w in enumerate(workers)}
+    held = [index.get(h) for h in holders]
+    order = axis_order(held, current, len(workers))
+    workers, weights, caps, limits = ([seq[i] for i in order] for seq in (workers, weights, caps, limits))
+    rank = {w: r for r, w in enumerate(order)}
+    held = [None if h is None else rank[h] for h in held]
     if per_worker is None:
         plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps)
         per_worker = len(current) // len(workers)  # the current blocks, if kept: this many per worker
@@ -92,18 +104,20 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     else:
         plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
         _warn_over_working_set(workers, plan, limits, row_bytes, source)
-    fits = all(c is None or sum(current[i * per_worker:(i + 1) * per_worker]) <= c for i, c in enumerate(caps))
-    fits = fits and all(n % align == 0 for n in current[:-1])  # kept blocks must also honour align
-    fits = fits and all(max(current[i * per_worker:(i + 1) * per_worker], default=0) <= n
-                        for i, n in enumerate(limits))
-    if reference and fits and len(current) == len(workers) * per_worker:
+    groups = kept_groups(held, len(workers), per_worker)
+    keepable = groups is not None and all(len(g) == per_worker for g in groups)
+    keepable = keepable and all(n % align == 0 for n in current[:-1])  # kept blocks must also honour align
+    if reference and keepable:
+        kept = [[current[b] for b in g] for g in groups]
+        fits = all(c is None or sum(k) <= c for k, c in zip(kept, caps))
+        fits = fits and all(max(k, default=0) <= n for k, n in zip(kept, limits))
         move = 0.0
-        if speed is not None:  # the kept blocks' rows per worker against the plan's
-            kept = [sum(current[i * per_worker:(i + 1) * per_worker]) for i in range(len(workers))]
-            move = rechunk_seconds(client, workers, kept, [sum(blocks) for blocks in plan], row_bytes)
-        if not worth_moving(current, reference, weights, config.get("balance.min-gain"), speed=speed,
-                            move_seconds=move):
-            return list(current), [w for w, blocks in zip(workers, reference) for _ in blocks], row_bytes
+        if fits and speed is not None:  # the kept blocks' rows per worker against the plan's
+            move = rechunk_seconds(client, workers, [sum(k) for k in kept], [sum(blocks) for blocks in plan], row_bytes)
+        if fits and not worth_moving(kept, reference, weights, config.get("balance.min-gain"), speed=speed,
+                                     move_seconds=move):
+            owner = {b: workers[i] for i, g in enumerate(groups) for b in g}
+            return list(current), [owner[b] for b in range(len(current))], row_bytes
     return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks], row_bytes
 
 
@@ -212,14 +226,29 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
         raise ValueError("the array has unknown chunk sizes (NaN, e.g. after boolean indexing): "
                          "call x.compute_chunk_sizes() first")
     source = key_split(x.name)
+    slabs: list[list[Any]] = [[] for _ in x.chunks[axis]]  # the persisted blocks of each slab along axis
+    for f in futures_of(x):
+        if isinstance(f.key, tuple) and f.key[0] == x.name:
+            slabs[f.key[1 + axis]].append(f)
     sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
-                                      list(x.chunks[axis]), source)
+                                      list(x.chunks[axis]), source, _holders(client, slabs))
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     y = x.rechunk(tuple(chunks), method="tasks") if tuple(sizes) != x.chunks[axis] else _named_blocks(x)
     call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis, sizes=sizes,
                    resource=resource, source=source, nbytes=[n * row_bytes for n in sizes])
     return y
+
+
+def _holders(client: Client, slabs: list[list[Any]]) -> list[str | None]:
+    """For each slab of blocks (futures) along the axis, the worker holding most of them; None for a
+    slab with none in memory."""
+    who = client.who_has([f for slab in slabs for f in slab]) if any(slabs) else {}
+    out: list[str | None] = []
+    for slab in slabs:
+        counts = Counter(ws[0] for f in slab if (ws := who.get(f.key)))
+        out.append(counts.most_common(1)[0][0] if counts else None)
+    return out
 
 
 def _named_blocks(x: da.Array) -> da.Array:
@@ -279,7 +308,7 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     lengths = [n for n, _ in shapes]
     source = key_split(df._name)
     sizes, workers, row_bytes = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker,
-                                      align, lengths, source)
+                                      align, lengths, source, _holders(client, [[p] for p in parts]))
     divisions = None
     if df.known_divisions:
         sizes, divisions = _snapped(client, df, parts, lengths, sizes)

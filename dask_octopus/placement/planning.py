@@ -227,21 +227,43 @@ def makespan(blocks: Sequence[Sequence[int]], weights: Sequence[float]) -> float
     return max(sum(b) / w for b, w in zip(blocks, _check_weights(weights), strict=True))
 
 
-def worth_moving(current: Sequence[int], planned: Sequence[Sequence[int]], weights: Sequence[float],
+def worth_moving(kept: Sequence[Sequence[int]], planned: Sequence[Sequence[int]], weights: Sequence[float],
                  min_gain: float, *, speed: float | None = None, move_seconds: float = 0.0) -> bool:
-    """Whether re-chunking ``current`` blocks (assigned in order, as ``planned`` groups them) into
-    ``planned`` shortens the predicted makespan by more than ``min_gain`` (a fraction) and, when the
-    workers' total ``speed`` (rows per second; each worker's share of it is its share of the
-    weights) is known, by more seconds than the rows that change owner take to move
+    """Whether re-chunking the current blocks, ``kept[i]`` being the sizes of those worker ``i`` would
+    keep, into ``planned`` shortens the predicted makespan by more than ``min_gain`` (a fraction)
+    and, when the workers' total ``speed`` (rows per second; each worker's share of it is its share
+    of the weights) is known, by more seconds than the rows that change owner take to move
     (``move_seconds``)."""
-    counts = [len(b) for b in planned]
-    if len(current) != sum(counts):
-        return True
-    groups, start = [], 0
-    for n in counts:
-        groups.append(current[start:start + n])
-        start += n
-    kept, moved = makespan(groups, weights), makespan(planned, weights)
-    if speed is not None and (kept - moved) * sum(weights) / check_finite(speed, "speed") <= move_seconds:
+    before, after = makespan(kept, weights), makespan(planned, weights)
+    if speed is not None and (before - after) * sum(weights) / check_finite(speed, "speed") <= move_seconds:
         return False
-    return kept > (1 + min_gain) * moved
+    return before > (1 + min_gain) * after
+
+
+def axis_order(holders: Sequence[int | None], sizes: Sequence[int], workers: int) -> list[int]:
+    """The ``workers`` (indices) in the order the rows they hold lie along the axis: by the mean row
+    position of the blocks each holds (block ``b`` has ``sizes[b]`` rows and sits on worker
+    ``holders[b]``, None where not known); those holding nothing follow, by index. Consecutive
+    ranges planned in this order keep a contiguous layout's rows where they are."""
+    if len(holders) != len(sizes):
+        raise PlanningError(f"{len(holders)} holders for {len(sizes)} blocks")
+    mass = [0.0] * workers
+    rows = [0] * workers
+    start = 0
+    for h, n in zip(holders, sizes):
+        if h is not None:
+            mass[h] += (start + n / 2) * n
+            rows[h] += n
+        start += n
+    return sorted(range(workers), key=lambda w: (rows[w] == 0, mass[w] / rows[w] if rows[w] else 0.0, w))
+
+
+def kept_groups(holders: Sequence[int | None], workers: int, per_worker: int) -> list[list[int]] | None:
+    """The current blocks (indices) each worker keeps if they stay as they are: those it holds when
+    every block's holder is known, else ``per_worker`` consecutive blocks each; None when neither
+    applies (holders unknown and not ``per_worker`` blocks per worker)."""
+    if holders and all(h is not None for h in holders):
+        return [[b for b, h in enumerate(holders) if h == w] for w in range(workers)]
+    if len(holders) != workers * per_worker:
+        return None
+    return [list(range(w * per_worker, (w + 1) * per_worker)) for w in range(workers)]
