@@ -15,6 +15,8 @@
 #   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
 #   all over tcp: PROTOCOL=tcp bash benchmarks/gpu_validation.sh "$OUT"
 #   some stream-groups operations only: STREAM_OPS=chain-sum,frames (default: all six)
+#   the two-worker steps on other GPUs: DEVS=0,0 (two workers sharing GPU 0, where only one GPU is
+#   lent: an even cluster, not two GPUs' speed; default 0,1)
 #   not run by default: suite-matmul (matmul_iterate alone, with the co-tenant), suite-even-aa (the even
 #   suite with replicas defaults@2 and balance@2, 5 runs: balance against defaults beside defaults against
 #   itself, the noise floor), suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
@@ -26,6 +28,7 @@ out=${1:?usage: gpu_validation.sh OUTDIR}
 run="$out/run"
 mkdir -p "$run"
 protocol=${PROTOCOL:-ucx}
+devs=${DEVS:-0,1}
 shopt -s nullglob
 wheels=(.whl/*.whl)
 for w in .whl-ucx/*.whl; do [[ -e .whl/${w##*/} ]] || wheels+=("$w"); done  # the UCX wheels, when carried apart
@@ -55,14 +58,14 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 p=(--protocol "$protocol")
 step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
 step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
-step 80 fft-filter python3 benchmarks/fft_filter.py --devs 0,1 --cotenant-procs 2 "${p[@]}" --out "$run"
+step 80 fft-filter python3 benchmarks/fft_filter.py --devs "$devs" --cotenant-procs 2 "${p[@]}" --out "$run"
 step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 \
   --operations "${STREAM_OPS:-chain-sum,tiny,dataframe,frames,large,mixed}" "${p[@]}" --out "$run"
 step 150 fragment-phases python3 benchmarks/fragment_phases.py --type gpu --devs 0 --runs 6 "${p[@]}" --out "$run"
-step 260 long-run python3 benchmarks/long_run.py --type gpu --devs 0,1 --n 1000 "${p[@]}" --out "$run"
-step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --size 20000 \
+step 260 long-run python3 benchmarks/long_run.py --type gpu --devs "$devs" --n 1000 "${p[@]}" --out "$run"
+step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs "$devs" --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
-sizes=(--type gpu --devs 0,1 --size 1000000 --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1
+sizes=(--type gpu --devs "$devs" --size 1000000 --cols 1024 --square-size 20000 --width 1024 --passes 3 --warmup-runs 1
        --octopus all)
 moving=matmul_iterate,dot,transpose_sum,map_overlap  # the operations that move data between the GPUs
 suite=("${sizes[@]}" --operation "$moving,images" --image-repeat 2)
@@ -72,14 +75,14 @@ step 150 suite-matmul python3 benchmarks/local_octopus.py "${sizes[@]}" --operat
 step 120 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 "${p[@]}" --out "$run"
 step 400 suite-even-aa python3 benchmarks/local_octopus.py "${sizes[@]}" --operation "$moving" \
   --variants defaults,balance,defaults@2,balance@2 --runs 5 "${p[@]}" --tag suite-even-aa --out "$run"  # not run by default
-step 90 suite-images python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation images --octopus all \
+step 90 suite-images python3 benchmarks/local_octopus.py --type gpu --devs "$devs" --operation images --octopus all \
   --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images "${p[@]}" --out "$run"
 step 150 suite-tcp python3 benchmarks/local_octopus.py "${sizes[@]}" --operation "$moving" --runs 1 --cotenant 0 \
   --protocol tcp --tag suite-tcp --out "$run"  # beside the suite: what moves data, over tcp
-step 90 dashboard python3 benchmarks/dashboard_screenshot.py --type gpu --devs 0,1 --seconds 30 --no-png \
+step 90 dashboard python3 benchmarks/dashboard_screenshot.py --type gpu --devs "$devs" --seconds 30 --no-png \
   --html "$run/octopus-gpu.html" --metrics "$run/metrics-gpu.txt" "${p[@]}"  # screenshot it here: --from-html octopus-gpu.html --png ...
 compare=${COMPARE:-benchmarks/results/2026-11-30-h200x2-validation/suite-gpu-cotenant.json}
-step 120 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs 0,1 --operation matmul_iterate \
+step 120 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs "$devs" --operation matmul_iterate \
   --size 1000000 --cols 1024 --width 1024 --passes 3 --warmup-runs 1 --octopus all --runs 1 --cotenant 0 \
   --protocol tcp --tag compare --compare "$compare" --out "$run"
 step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --tasks 100000 --runs 2 --out "$run"
