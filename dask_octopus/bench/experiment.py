@@ -64,6 +64,24 @@ class Variant:
         return {w: self.rows[w] * len(self.passes) / busy[w] for w in self.rows if busy.get(w)}
 
 
+def shared_gpu_names(devs: str) -> str:
+    """``devs`` (``CUDA_VISIBLE_DEVICES`` form) with a GPU named a second time given by its UUID:
+    ``LocalCUDACluster`` starts one worker per distinct name, so ``"0,0"`` gives two workers sharing
+    GPU 0 (an even cluster where one GPU is all there is)."""
+    names: list[str] = []
+    for d in devs.split(","):
+        if d in names:
+            import pynvml
+
+            pynvml.nvmlInit()
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(int(d)))
+            d = uuid.decode() if isinstance(uuid, bytes) else uuid
+            if d in names:
+                raise ValueError(f"a GPU can be named at most twice in {devs!r} (as an index, then by UUID)")
+        names.append(d)
+    return ",".join(names)
+
+
 @contextlib.contextmanager
 def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protocol: str = "tcp") -> Iterator[Client]:
     """A client of a ``LocalCUDACluster`` on ``devs`` (all GPUs when None) or of a ``LocalCluster`` of
@@ -74,7 +92,8 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
     if gpu:
         from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs, dashboard_address=":0", protocol=protocol)
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs and shared_gpu_names(devs), dashboard_address=":0",
+                                   protocol=protocol)
     else:
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                                protocol=protocol)
