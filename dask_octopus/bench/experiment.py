@@ -11,6 +11,7 @@ consumers are pinned, so a worker's busy time is spent on its own rows, with the
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -64,24 +65,6 @@ class Variant:
         return {w: self.rows[w] * len(self.passes) / busy[w] for w in self.rows if busy.get(w)}
 
 
-def shared_gpu_names(devs: str) -> str:
-    """``devs`` (``CUDA_VISIBLE_DEVICES`` form) with a GPU named a second time given by its UUID:
-    ``LocalCUDACluster`` starts one worker per distinct name, so ``"0,0"`` gives two workers sharing
-    GPU 0 (an even cluster where one GPU is all there is)."""
-    names: list[str] = []
-    for d in devs.split(","):
-        if d in names:
-            import pynvml
-
-            pynvml.nvmlInit()
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(int(d)))
-            d = uuid.decode() if isinstance(uuid, bytes) else uuid
-            if d in names:
-                raise ValueError(f"a GPU can be named at most twice in {devs!r} (as an index, then by UUID)")
-        names.append(d)
-    return ",".join(names)
-
-
 @contextlib.contextmanager
 def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protocol: str = "tcp") -> Iterator[Client]:
     """A client of a ``LocalCUDACluster`` on ``devs`` (all GPUs when None) or of a ``LocalCluster`` of
@@ -92,8 +75,18 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
     if gpu:
         from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=devs and shared_gpu_names(devs), dashboard_address=":0",
+        names = devs.split(",") if devs else []
+        distinct = list(dict.fromkeys(names))
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(distinct) or None, dashboard_address=":0",
                                    protocol=protocol)
+        # a GPU named again ("0,0") gets one more worker of the same spec: workers sharing that GPU
+        # (LocalCUDACluster starts one worker per distinct device)
+        extra = [d for i, d in enumerate(names) if d in names[:i]]
+        for k, d in enumerate(extra):
+            original = next(spec for name, spec in cluster.worker_spec.items() if str(name) == d)
+            cluster.worker_spec[f"{d}-shared-{k}"] = copy.deepcopy(original)
+        if extra:
+            cluster.sync(cluster._correct_state)
     else:
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                                protocol=protocol)
