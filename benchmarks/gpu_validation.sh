@@ -19,7 +19,8 @@
 #   lent: an even cluster, not two GPUs' speed; default 0,1)
 #   not run by default: suite-matmul (matmul_iterate alone, with the co-tenant), suite-even-aa (the even
 #   suite with replicas defaults@2 and balance@2, 5 runs: balance against defaults beside defaults against
-#   itself, the noise floor), suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
+#   itself, the noise floor; AA_RUNS runs, default 5), suite-even-cpu (the same on two one-thread CPU
+#   workers), suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
 #   change against $COMPARE (a committed suite JSON, measured over tcp): the check that a change left the
 #   figures and the JSON fields as they were; scheduler-overhead (CPU only: the scheduler's throughput
 #   at 100,000 tasks, minutes per run).
@@ -74,7 +75,10 @@ step 150 suite-matmul python3 benchmarks/local_octopus.py "${sizes[@]}" --operat
   "${p[@]}" --tag suite-matmul --out "$run"  # not run by default: matmul_iterate alone, as in suite-cotenant
 step 120 suite-even python3 benchmarks/local_octopus.py "${suite[@]}" --runs 1 "${p[@]}" --out "$run"
 step 400 suite-even-aa python3 benchmarks/local_octopus.py "${sizes[@]}" --operation "$moving" \
-  --variants defaults,balance,defaults@2,balance@2 --runs 5 "${p[@]}" --tag suite-even-aa --out "$run"  # not run by default
+  --variants defaults,balance,defaults@2,balance@2 --runs "${AA_RUNS:-5}" "${p[@]}" --tag suite-even-aa --out "$run"  # not run by default
+step 200 suite-even-cpu python3 benchmarks/local_octopus.py --type cpu --n-workers 2 --operation "$moving" \
+  --variants defaults,balance,defaults@2,balance@2 --runs "${AA_RUNS:-5}" --protocol tcp --tag suite-even-cpu \
+  --out "$run"  # not run by default: the same on two CPU workers of the GPU machine's host
 step 90 suite-images python3 benchmarks/local_octopus.py --type gpu --devs "$devs" --operation images --octopus all \
   --image-repeat 4 --runs 3 --warmup-runs 1 --cotenant 0 --tag images "${p[@]}" --out "$run"
 step 150 suite-tcp python3 benchmarks/local_octopus.py "${sizes[@]}" --operation "$moving" --runs 1 --cotenant 0 \
