@@ -53,6 +53,16 @@ def test_working_sets_keep_the_largest_recent_ratio_per_input_and_task_prefix():
 
 
 @pytest.mark.skipif(not RssPeak.available(), reason="needs Linux's /proc/self/clear_refs")
+def test_working_sets_want_every_task_until_a_window_is_full_then_one_in_a_window():
+    sets = WorkingSets(window=4)
+    assert not sets.wants("x", "f", MIN_BASIS - 1)  # too small to be learned: never measured
+    assert all(sets.wants("x", "f", MIN_BASIS) for _ in range(10))  # no sample back yet: every task
+    for _ in range(4):
+        sets.add("x", "f", MIN_BASIS, MIN_BASIS)
+    assert [sets.wants("x", "f", MIN_BASIS) for _ in range(8)] == [False, False, False, True] * 2
+    assert sets.wants("x", "g", MIN_BASIS) and sets.wants("y", "f", MIN_BASIS)  # other kinds: their own windows
+
+
 def test_rss_peak_sees_memory_freed_before_the_end_and_resets_per_measurement():
     peak = RssPeak()
     peak.start()
@@ -288,11 +298,16 @@ async def test_only_tasks_pinned_by_a_balance_plan_are_marked_and_learned(c, s, 
     assert merges and not merges & marked  # two blocks' work is not measured against one block's bytes
     assert {k for k in one.__dask_keys__()} <= marked <= pinned - merges  # map's items are not pinned by balance
     assert not {k for k in s.tasks if "lambda" in str(k)} & marked
-    key = next(iter(marked))
+    key = next(iter(one.__dask_keys__()))
     plugin.log_event(working_set.TOPIC, {"worker": a.address, "samples": [(list(key), 4 * MIN_BASIS)]})
     plugin.log_event(working_set.TOPIC, {"worker": a.address, "samples": [("unpinned", 64 * MIN_BASIS)]})
     assert list(plugin.working_sets.ratios) == [source]
     assert plugin.working_sets.ratio(source) == 4.0
+    for _ in range(plugin.working_sets.window):  # a full window for the prefix of `one`'s tasks
+        plugin.log_event(working_set.TOPIC, {"worker": a.address, "samples": [(list(key), 4 * MIN_BASIS)]})
+    again = c.persist(y + 2)  # tasks of the same kind (prefix "add") once more: one in a window at most is marked
+    await wait(again)
+    assert len({k for k in again.__dask_keys__() if (s.tasks[k].annotations or {}).get(MEASURE)}) <= 1
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, worker_kwargs={"memory_limit": "1GiB"})

@@ -15,10 +15,11 @@ survivors.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import key_split
 from distributed.core import Status
 
 from dask_octopus._compat import expected_duration
@@ -56,8 +57,9 @@ def _key_name(key: Any) -> Any:
 class Placement:
     """Plans, pins and their upkeep; owned by :class:`~dask_octopus.plugins.scheduler.OctopusSchedulerPlugin`."""
 
-    def __init__(self, max_plans: int = 1000):
+    def __init__(self, max_plans: int = 1000, measure: Callable[[str, str, float], bool] | None = None):
         self.max_plans = max_plans
+        self.measure = measure  # (input prefix, task prefix, block bytes) -> mark the task for measuring
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         self.pins: dict[Key, Block] = {}
         self.stealable_keys: set[Key] = set()
@@ -162,13 +164,16 @@ class Placement:
     def _pin(self, ts: TaskState, block: Block, origin: dict[Key, Block | None]) -> bool:
         """Pin ``ts`` to ``block``'s worker; a task that does the work of that one block of a balance
         plan (``origin``: the blocks of the graph's other tasks) is also marked for measuring its
-        working set."""
+        working set, where ``measure`` wants a sample of its kind."""
         worker = self.worker_of(block)
         if worker is None:
             return False
         self.pins[ts.key] = block
         ts.worker_restrictions = {worker}
-        if self.plans[block[0]].nbytes is not None and self._blocks_read(ts, origin) == 1:  # balance plans only
+        plan = self.plans[block[0]]
+        if (self.measure is not None and plan.source is not None and plan.nbytes is not None  # balance plans only
+                and block[1] < len(plan.nbytes) and self._blocks_read(ts, origin) == 1
+                and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]])):
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
         ts.loose_restrictions = self.stealable(block)

@@ -121,10 +121,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                 confidence_samples=config.get("refine.confidence-samples", confidence_samples),
                                 significance=config.get("refine.significance"))
         self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
-        self.placement = Placement(config.get("max-plans", max_plans))
+        plans = config.get("max-plans", max_plans)
+        self.working_sets = WorkingSets(max_sources=plans)
+        self.placement = Placement(plans, measure=self.working_sets.wants)
         self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
         self.profiles = {}
-        self.working_sets = WorkingSets(max_sources=self.placement.max_plans)
         self.failed_hooks = set()
         self.bad_timings = set()
         self.history = WeightHistory()
