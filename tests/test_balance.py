@@ -16,6 +16,7 @@ from distributed.utils_test import async_poll_for, gen_cluster
 
 import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError
+from dask_octopus.placement.blocks import aligned
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
@@ -266,6 +267,30 @@ async def test_a_re_chunk_gives_each_worker_the_rows_next_to_those_it_holds(c, s
     assert np.array_equal(*await c.gather(c.compute([y, x])))
 
 
+def test_aligned_copies_only_a_block_whose_data_is_not_aligned():
+    raw = np.zeros(8 * 100 + 4, dtype=np.uint8)
+    view = raw[4:].view(np.float64).reshape(10, 10)  # data 4 bytes past an 8-byte boundary
+    view[:] = np.arange(100).reshape(10, 10)
+    assert not view.flags.aligned
+    fixed = aligned(view)
+    assert fixed.flags.aligned and np.array_equal(fixed, view)
+    ok = np.ones((3, 3))
+    assert aligned(ok) is ok
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_re_chunked_numpy_blocks_pass_through_aligned_and_keep_their_values(c, s, a, b):
+    await setup(c, s, [1.0, 3.0])
+    x = da.random.random((40000, 64), chunks=(20000, 64))
+    y = await run_balance(c, x, per_worker=1)
+    assert y.chunks[0] == (10000, 30000)
+    # the first block is one piece of the input's first block, which Dask's rechunk gives as a view
+    first, second = y.dask[(y.name, 0, 0)], y.dask[(y.name, 1, 0)]
+    assert first.func is aligned and len(first.dependencies) == 1
+    assert second.func is not aligned  # joined from two pieces: a new array
+    assert np.array_equal(await c.compute(y), await c.compute(x))
+
+
 def run_out_of_memory(block):
     raise MemoryError("cannot allocate the block")
 
@@ -287,7 +312,8 @@ async def test_out_of_memory_on_a_planned_block_names_worker_size_and_remedy(c, 
 async def test_dataframe_cuts_move_to_value_boundaries_and_keep_divisions(c, s, a, b):
     await setup(c, s, [3.0, 1.0])
     pdf = pd.DataFrame({"a": np.arange(5000), "b": np.arange(5000) * 0.5}, index=np.repeat(np.arange(50), 100))
-    df = dd.from_pandas(pdf, npartitions=4)
+    df = c.persist(dd.from_pandas(pdf, npartitions=4), workers=[min(s.workers)])  # the fast worker holds all rows
+    await wait(df)
     assert df.known_divisions
     bdf = await run_balance(c, df, per_worker=1)  # planned 3750 | 1250: the cut falls inside the run of value 37
     assert bdf.npartitions == 2 and bdf.known_divisions, bdf.divisions
