@@ -67,31 +67,29 @@ class Variant:
 
 @contextlib.contextmanager
 def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protocol: str = "tcp") -> Iterator[Client]:
-    """A client of a ``LocalCUDACluster`` on ``devs`` (all GPUs when None) or of a ``LocalCluster`` of
-    ``n_workers`` one-thread worker processes pinned to cores, over ``protocol``
-    (:func:`resolve_protocol`)."""
+    """A client of a ``LocalCUDACluster`` on ``devs`` (all GPUs when None; a GPU named twice, as in
+    ``"0,0"``, gets two workers that share it, each with the spec of that GPU's worker: the same device
+    memory limit and CPU affinity) or of a ``LocalCluster`` of ``n_workers`` one-thread worker
+    processes pinned to cores, over ``protocol`` (:func:`resolve_protocol`)."""
     gpus = (len(devs.split(",")) if devs else gpu_count()) if gpu else 0
     protocol = resolve_protocol(protocol, gpus)
+    names = [d.strip() for d in devs.split(",")] if gpu and devs else []
+    distinct = list(dict.fromkeys(names))
     if gpu:
         from dask_cuda import LocalCUDACluster
 
-        names = devs.split(",") if devs else []
-        distinct = list(dict.fromkeys(names))
         cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(distinct) or None, dashboard_address=":0",
                                    protocol=protocol)
-        # a GPU named again ("0,0") gets one more worker of the same spec: workers sharing that GPU
-        # (LocalCUDACluster starts one worker per distinct device)
-        extra = [d for i, d in enumerate(names) if d in names[:i]]
-        for k, d in enumerate(extra):
-            original = next(spec for name, spec in cluster.worker_spec.items() if str(name) == d)
-            cluster.worker_spec[f"{d}-shared-{k}"] = copy.deepcopy(original)
-        if extra:
-            cluster.sync(cluster._correct_state)
     else:
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                                protocol=protocol)
     with cluster, Client(cluster) as client:
-        client.wait_for_workers(len(cluster.workers))
+        # LocalCUDACluster starts one worker per distinct device: a GPU named again gets a copy of its spec
+        specs = {str(name): spec for name, spec in cluster.worker_spec.items()}
+        for k, d in enumerate(d for i, d in enumerate(names) if d in names[:i]):
+            cluster.worker_spec[f"{d}-shared-{k}"] = copy.deepcopy(specs[d])
+        cluster.scale(len(cluster.worker_spec))  # starts the added workers (a no-op otherwise)
+        client.wait_for_workers(len(cluster.worker_spec))
         if not gpu:
             pin_workers(client)
         yield client

@@ -72,7 +72,8 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
           current: list[int], source: str, holders: list[str | None]) -> tuple[list[int], list[str], float]:
     """Flat block sizes, the worker of each block and the bytes of a row; the ``current`` sizes, each
-    block on the worker that holds it (``holders``, None where not known), when moving data to the
+    block on the worker that holds it (``holders``, None where not known; unless every block's holder
+    is a profiled worker, the workers' sorted order is used instead), when moving data to the
     planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain`` or, where a
     pass's time can be predicted (``resource="memory"``), by more seconds than moving the rows that
     change worker takes at the cluster's measured bandwidths. The workers take consecutive ranges in
@@ -94,6 +95,8 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
         )
     index = {w: i for i, w in enumerate(workers)}
     held = [index.get(h) for h in holders]
+    if None in held:  # a block not in memory, or on a worker without a profile: the workers' own order
+        held = [None] * len(held)
     order = axis_order(held, current, len(workers))
     workers, weights, caps, limits = ([seq[i] for i in order] for seq in (workers, weights, caps, limits))
     rank = {w: r for r, w in enumerate(order)}
@@ -268,7 +271,9 @@ def _copied_where_unaligned(y: da.Array) -> da.Array:
         node = layer.get(k)
         if isinstance(node, Alias):
             layer[k] = Task(k, aligned, TaskRef(node.target))
-    layers = {**graph.layers, y.name: MaterializedLayer(layer)}
+    old = graph.layers[y.name]
+    layers = {**graph.layers, y.name: MaterializedLayer(layer, annotations=old.annotations,
+                                                        collection_annotations=old.collection_annotations)}
     return da.Array(HighLevelGraph(layers, graph.dependencies), y.name, y.chunks, meta=y._meta)
 
 

@@ -257,20 +257,23 @@ class WorkingSets:
         self.max_sources = max_sources
         self.max_prefixes = max_prefixes
         self.ratios: OrderedDict[str, OrderedDict[str, deque[float]]] = OrderedDict()
-        self.asked: dict[tuple[str, str], int] = {}  # tasks offered to wants() since its window filled
+        # how many tasks of each input and prefix were offered to wants() (least recently asked dropped)
+        self.asked: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def wants(self, source: str, prefix: str, block: float) -> bool:
         """Whether to measure a task of prefix ``prefix`` on a block of ``block`` bytes of ``source``:
-        never below :data:`MIN_BASIS` bytes (not learned), every such task while the window of that
-        input and prefix is not full, then one in ``window`` (each measurement costs the worker about
-        half a millisecond, and a full window changes slowly: an input processed over and over would
-        otherwise pay it on every task)."""
+        never below :data:`MIN_BASIS` bytes (not learned); the first ``window`` tasks of that input and
+        prefix while its window of samples is not full; then one in ``window``. Each measurement costs
+        the worker a few tenths of a millisecond, and a full window changes slowly: an input processed
+        over and over (or the first graph of one with many blocks) would otherwise pay it on every task."""
         if block < MIN_BASIS:
             return False
-        samples = self.ratios.get(source, {}).get(prefix)
-        if samples is None or len(samples) < self.window:
-            return True
         n = self.asked[source, prefix] = self.asked.get((source, prefix), 0) + 1
+        self.asked.move_to_end((source, prefix))
+        while len(self.asked) > self.max_sources * self.max_prefixes:
+            self.asked.popitem(last=False)
+        if n <= self.window and len(self.ratios.get(source, {}).get(prefix, ())) < self.window:
+            return True
         return n % self.window == 0
 
     def add(self, source: str, prefix: str, block: float, peak: float) -> None:
@@ -283,11 +286,9 @@ class WorkingSets:
         prefixes.move_to_end(prefix)
         self.ratios.move_to_end(source)
         while len(prefixes) > self.max_prefixes:
-            self.asked.pop((source, prefixes.popitem(last=False)[0]), None)
+            prefixes.popitem(last=False)
         while len(self.ratios) > self.max_sources:
-            gone, dropped = self.ratios.popitem(last=False)
-            for p in dropped:
-                self.asked.pop((gone, p), None)
+            self.ratios.popitem(last=False)
 
     def ratio(self, source: str) -> float | None:
         """Peak bytes per byte of block of ``source``'s recent tasks (the largest), or ``None``."""
