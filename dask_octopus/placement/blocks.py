@@ -18,8 +18,9 @@ import dask
 import dask.array as da
 import numpy as np
 from dask.base import is_dask_collection, tokenize
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import format_bytes, key_split
-from distributed import Client, futures_of
+from distributed import Client, Future
 
 from dask_octopus import config
 from dask_octopus.placement.planning import (
@@ -231,9 +232,11 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
                          "call x.compute_chunk_sizes() first")
     source = key_split(x.name)
     slabs: list[list[Any]] = [[] for _ in x.chunks[axis]]  # the persisted blocks of each slab along axis
-    for f in futures_of(x):
-        if isinstance(f.key, tuple) and f.key[0] == x.name:
-            slabs[f.key[1 + axis]].append(f)
+    layer = x.__dask_graph__().layers.get(x.name) if isinstance(x.__dask_graph__(), HighLevelGraph) else None
+    if isinstance(layer, MaterializedLayer):  # a persisted array: its own layer holds its futures (an
+        for f in layer.values():  # array built on top of one is not looked through: that would materialize it)
+            if isinstance(f, Future) and isinstance(f.key, tuple) and f.key[0] == x.name:
+                slabs[f.key[1 + axis]].append(f)
     sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
                                       list(x.chunks[axis]), source, _holders(client, slabs))
     chunks = list(x.chunks)
@@ -261,8 +264,6 @@ def _copied_where_unaligned(y: da.Array) -> da.Array:
     """The re-chunked ``y`` whose blocks that are one piece of an input block (Dask's rechunk makes
     them aliases of a slice, a view) pass through :func:`aligned`; blocks joined from several pieces
     are new arrays already. Same keys, so the plan pins the same tasks."""
-    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
-
     from dask_octopus._compat import Alias, Task, TaskRef
 
     graph = y.__dask_graph__()
