@@ -120,6 +120,7 @@ class Placement:
             return 0
         todo = [scheduler.tasks[k] for k in keys if k in scheduler.tasks]
         origin: dict[Key, Block | None] = {}
+        owned: dict[Key, int] = {}  # how many planned blocks a task is (fused into it), once looked up
         pinned = 0
         for root in todo:
             stack = [root]
@@ -134,19 +135,20 @@ class Placement:
                     stack.extend(pending)
                     continue
                 stack.pop()
-                origin[ts.key] = block = self._origin(ts, origin)
-                if block is not None and self._pin(ts, block, origin):
+                origin[ts.key] = block = self._origin(ts, origin, owned)
+                if block is not None and self._pin(ts, block, origin, owned):
                     pinned += 1
         return pinned
 
-    def _origin(self, ts: TaskState, origin: dict[Key, Block | None]) -> Block | None:
+    def _origin(self, ts: TaskState, origin: dict[Key, Block | None], owned: dict[Key, int]) -> Block | None:
         if ts.key in self.pins:
             return self.pins[ts.key]
         if ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
             return None
-        block = self._planned_block(ts.key, ts.run_spec)
-        if block is not None:
-            return block
+        own = list(dict.fromkeys(self._planned_blocks(ts.key, ts.run_spec)))
+        owned[ts.key] = len(own)
+        if own:
+            return own[0]
         found: dict[str | None, Block] = {}
         for dts in ts.dependencies:
             b = origin.get(dts.key) or self.pins.get(dts.key)
@@ -154,14 +156,17 @@ class Placement:
                 found.setdefault(self.worker_of(b), b)
         return next(iter(found.values())) if len(found) == 1 else None
 
-    def _blocks_read(self, ts: TaskState, origin: dict[Key, Block | None]) -> int:
-        """How many planned blocks the task ``ts`` is (fused into it) or, failing that, reads."""
-        own = set(self._planned_blocks(ts.key, ts.run_spec))
+    def _blocks_read(self, ts: TaskState, origin: dict[Key, Block | None], owned: dict[Key, int]) -> int:
+        """How many planned blocks the task ``ts`` is (fused into it; ``owned`` has the count where
+        :meth:`_origin` looked it up) or, failing that, reads."""
+        own = owned.get(ts.key)
+        if own is None:
+            own = len(set(self._planned_blocks(ts.key, ts.run_spec)))
         if own:
-            return len(own)
+            return own
         return len({b for d in ts.dependencies if (b := origin.get(d.key) or self.pins.get(d.key)) is not None})
 
-    def _pin(self, ts: TaskState, block: Block, origin: dict[Key, Block | None]) -> bool:
+    def _pin(self, ts: TaskState, block: Block, origin: dict[Key, Block | None], owned: dict[Key, int]) -> bool:
         """Pin ``ts`` to ``block``'s worker; a task that does the work of that one block of a balance
         plan (``origin``: the blocks of the graph's other tasks) is also marked for measuring its
         working set, where ``measure`` wants a sample of its kind."""
@@ -172,7 +177,7 @@ class Placement:
         ts.worker_restrictions = {worker}
         plan = self.plans[block[0]]
         if (self.measure is not None and plan.source is not None and plan.nbytes is not None  # balance plans only
-                and block[1] < len(plan.nbytes) and self._blocks_read(ts, origin) == 1
+                and block[1] < len(plan.nbytes) and self._blocks_read(ts, origin, owned) == 1
                 and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]])):
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
