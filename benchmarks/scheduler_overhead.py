@@ -56,7 +56,7 @@ def main(tasks: int, runs: int, out: str | None) -> None:
     with contextlib.ExitStack() as stack:
         clients = {v: _cluster(v, stack) for v in VARIANTS}
         protocol = protocol_of(clients["dask"])  # in-process clusters: inproc
-        times = interleave({v: (lambda run, c=c: one_run(c)) for v, c in clients.items()}, runs, rotate=True)
+        times = interleave({v: (lambda run, c=c: one_run(c)) for v, c in clients.items()}, runs)
     rate = {v: n_tasks / statistics.median(t) for v, t in times.items()}
     for v in VARIANTS:
         console.print(f"{v:>12}: {rate[v]:8.0f} tasks/s (median of {runs}), {rate[v] / rate['dask']:.3f} of Dask alone")

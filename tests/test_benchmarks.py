@@ -134,3 +134,16 @@ def test_a_variant_replica_runs_as_its_variant():
     assert parse_variant("balance-4-streams@3") == ("balance", 4, True)
     with pytest.raises(ValueError, match="unknown variant 'dflts@2'"):
         parse_variant("dflts@2")
+
+
+def test_interleaved_variants_take_every_position_equally():
+    from dask_octopus.bench.runner import interleave
+
+    calls = []
+    got = interleave({v: (lambda run, v=v: calls.append((run, v)) or f"{v}{run}") for v in "ABC"}, 6, warmup=1)
+    assert got == {v: [f"{v}{run}" for run in range(1, 7)] for v in "ABC"}
+    runs = [[v for r, v in calls if r == run] for run in range(7)]
+    assert runs[:4] == [list("ABC"), list("BCA"), list("CAB"), list("ABC")]
+    timed = [order.index(v) for order in runs[1:] for v in "ABC"]
+    assert all(timed.count(p) == 6 for p in range(3))  # 6 timed runs: each variant twice in each position
+    assert interleave({}, 3) == {}

@@ -9,16 +9,19 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0, rotate: bool = False,
+def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0,
                progress: Callable[[str], None] | None = None) -> dict[str, list[T]]:
-    """Call each variant once per run, in turn (A B C A B C ...), with the run's index; return what
-    each call returned, per variant, for the runs after the first ``warmup`` ones. ``rotate`` starts
-    each run one variant later (no variant always first); ``progress`` is told each call as it starts.
+    """Call each variant once per run, in turn, with the run's index; return what each call returned,
+    per variant, for the runs after the first ``warmup`` ones. Each run starts one variant later
+    (A B C, B C A, C A B, ...): over a multiple of ``len(variants)`` runs every variant runs as often
+    in each position, so what one variant leaves behind (memory still being freed, a warm cache)
+    never favours the same one. ``progress`` is told each call as it starts.
     """
     names = list(variants)
     out: dict[str, list[T]] = {name: [] for name in names}
     for run in range(warmup + runs):
-        order = names[run % len(names):] + names[:run % len(names)] if rotate and names else names
+        k = run % len(names) if names else 0
+        order = names[k:] + names[:k]
         for name in order:
             if progress is not None:
                 progress(f"run {run + 1}/{warmup + runs}: {name}")
