@@ -1,11 +1,11 @@
-"""dask-cuda's own ``local_cupy.py`` against one cluster, with the dask_octopus plugin registered and
-without it, alternated (off on off on ...) in the same run: the plugin must cost nothing measurable
+"""dask-cuda's own ``local_cupy.py`` against a ``LocalCUDACluster``, with the dask_octopus plugin registered and
+without it, alternated (off on, on off, ...): the plugin must cost nothing measurable
 when the user does not ask for balancing.
 
-The cluster is a ``LocalCUDACluster`` started here; ``local_cupy.py`` (from the installed dask-cuda)
-connects to it with ``--scheduler-address``. Where RMM is not installed, CuPy's own memory pool is
-used and ``local_cupy.py`` is told so through its external-cluster check (a no-op worker plugin whose
-name contains ``RMMSetup``).
+The cluster is a ``LocalCUDACluster`` started here, afresh every ``--rounds-per-cluster`` rounds;
+``local_cupy.py`` (from the installed dask-cuda) connects to it with ``--scheduler-address``. Where
+RMM is not installed, CuPy's own memory pool is used and ``local_cupy.py`` is told so through its
+external-cluster check (a no-op worker plugin whose name contains ``RMMSetup``).
 
     python benchmarks/dask_cuda_overhead.py --devs 0,1 --operations transpose_sum,dot --out DIR
 """
@@ -70,35 +70,49 @@ def run_local_cupy(address: str, protocol: str, operation: str, size: int, chunk
 @click.option("--chunk-size", type=int, default=5000, show_default=True)
 @click.option("--runs", type=int, default=3, show_default=True, help="local_cupy runs per call")
 @click.option("--rounds", type=int, default=3, show_default=True, help="off/on alternations")
+@click.option("--rounds-per-cluster", type=int, default=2, show_default=True,
+              help="rounds on one cluster before a fresh one starts (many local_cupy calls on one shared GPU "
+                   "run it out of memory)")
 @click.option("--out", default="benchmark-results", show_default=True)
 @protocol_option
-def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, out: str,
-         protocol: str) -> None:
+def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, rounds_per_cluster: int,
+         out: str, protocol: str) -> None:
     """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
+    if rounds_per_cluster < 1:
+        raise click.BadParameter(f"must be >= 1, got {rounds_per_cluster}", param_hint="--rounds-per-cluster")
     console = make_console()
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
-    with local_cluster(True, devs, protocol=protocol) as client, tempfile.TemporaryDirectory() as folder:
-        used = protocol_of(client)
-        record = header(True, used, rmm_installed=importlib.util.find_spec("rmm") is not None,
-                        config={"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds, "devs": devs,
-                                "protocol": protocol}, operations={})
-        if not record["rmm_installed"]:
-            client.register_plugin(NoRMM())
-        address = client.scheduler_info()["address"]
-        for op in operations.split(","):
-            def one_round(state: str, r: int, op: str = op) -> list[float]:
-                set_plugin(client, state == "on")
-                got = run_local_cupy(address, used, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
-                console.print(f"{op} round {r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
-                return got
+    record: dict | None = None
+    for op in operations.split(","):
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for first in range(0, rounds, rounds_per_cluster):
+            with local_cluster(True, devs, protocol=protocol) as client, tempfile.TemporaryDirectory() as folder:
+                used = protocol_of(client)
+                if record is None:
+                    record = header(True, used, rmm_installed=importlib.util.find_spec("rmm") is not None,
+                                    config={"size": size, "chunk_size": chunk_size, "runs": runs, "rounds": rounds,
+                                            "rounds_per_cluster": rounds_per_cluster, "devs": devs,
+                                            "protocol": protocol}, operations={})
+                if not record["rmm_installed"]:
+                    client.register_plugin(NoRMM())
+                address = client.scheduler_info()["address"]
 
-            rounds_run = interleave({s: partial(one_round, s) for s in ("off", "on")}, rounds)
-            times = {s: [t for got in r for t in got] for s, r in rounds_run.items()}
-            med = {s: statistics.median(t) for s, t in times.items()}
-            record["operations"][op] = {"seconds": times, "median_seconds": med, "on_over_off": med["on"] / med["off"]}
-            write_json(path, record)  # what ran so far
-            console.print(f"{op}: plugin off {med['off']:.4f} s, on {med['on']:.4f} s (median of {len(times['on'])}); "
-                          f"on / off = {med['on'] / med['off']:.3f}")
+                def one_round(state: str, r: int, op: str = op, client: Client = client, address: str = address,
+                              folder: str = folder, used: str = used, first: int = first) -> list[float]:
+                    set_plugin(client, state == "on")
+                    got = run_local_cupy(address, used, op, size, chunk_size, runs, folder, f"{op}-{state}-{first + r}")
+                    console.print(f"{op} round {first + r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
+                    return got
+
+                done = interleave({s: partial(one_round, s) for s in ("off", "on")}, min(rounds_per_cluster,
+                                                                                         rounds - first))
+                for s, got in done.items():
+                    times[s] += [t for g in got for t in g]
+        med = {s: statistics.median(t) for s, t in times.items()}
+        record["operations"][op] = {"seconds": times, "median_seconds": med, "on_over_off": med["on"] / med["off"]}
+        write_json(path, record)  # what ran so far
+        console.print(f"{op}: plugin off {med['off']:.4f} s, on {med['on']:.4f} s (median of {len(times['on'])}); "
+                      f"on / off = {med['on'] / med['off']:.3f}")
     console.print(f"wrote {write_json(path, record)}")
 
 
