@@ -104,8 +104,9 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
                     console.print(f"{op} round {first + r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
                     return got
 
-                done = interleave({s: partial(one_round, s) for s in ("off", "on")}, min(rounds_per_cluster,
-                                                                                         rounds - first))
+                k = first // rounds_per_cluster % 2  # clusters take turns at starting with "off"
+                states = ("off", "on")[k:] + ("off", "on")[:k]
+                done = interleave({s: partial(one_round, s) for s in states}, min(rounds_per_cluster, rounds - first))
                 for s, got in done.items():
                     times[s] += [t for g in got for t in g]
         med = {s: statistics.median(t) for s, t in times.items()}
