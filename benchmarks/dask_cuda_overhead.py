@@ -2,7 +2,8 @@
 without it, alternated (off on, on off, ...): the plugin must cost nothing measurable
 when the user does not ask for balancing.
 
-The cluster is a ``LocalCUDACluster`` started here, afresh every ``--rounds-per-cluster`` rounds;
+The cluster is a ``LocalCUDACluster`` started here, afresh every ``--rounds-per-cluster`` rounds
+(each fresh one takes an untimed call first, and they take turns at starting with plugin off or on);
 ``local_cupy.py`` (from the installed dask-cuda) connects to it with ``--scheduler-address``. Where
 RMM is not installed, CuPy's own memory pool is used and ``local_cupy.py`` is told so through its
 external-cluster check (a no-op worker plugin whose name contains ``RMMSetup``).
@@ -13,6 +14,7 @@ external-cluster check (a no-op worker plugin whose name contains ``RMMSetup``).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import statistics
 import subprocess
@@ -69,8 +71,8 @@ def run_local_cupy(address: str, protocol: str, operation: str, size: int, chunk
 @click.option("--size", type=int, default=20000, show_default=True)
 @click.option("--chunk-size", type=int, default=5000, show_default=True)
 @click.option("--runs", type=int, default=3, show_default=True, help="local_cupy runs per call")
-@click.option("--rounds", type=int, default=3, show_default=True, help="off/on alternations")
-@click.option("--rounds-per-cluster", type=int, default=2, show_default=True,
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="off/on alternations")
+@click.option("--rounds-per-cluster", type=click.IntRange(min=1), default=2, show_default=True,
               help="rounds on one cluster before a fresh one starts (many local_cupy calls on one shared GPU "
                    "run it out of memory)")
 @click.option("--out", default="benchmark-results", show_default=True)
@@ -78,11 +80,10 @@ def run_local_cupy(address: str, protocol: str, operation: str, size: int, chunk
 def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, rounds_per_cluster: int,
          out: str, protocol: str) -> None:
     """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
-    if rounds_per_cluster < 1:
-        raise click.BadParameter(f"must be >= 1, got {rounds_per_cluster}", param_hint="--rounds-per-cluster")
     console = make_console()
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
     record: dict | None = None
+    clusters = itertools.count()
     for op in operations.split(","):
         times: dict[str, list[float]] = {"off": [], "on": []}
         for first in range(0, rounds, rounds_per_cluster):
@@ -96,6 +97,8 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
                 if not record["rmm_installed"]:
                     client.register_plugin(NoRMM())
                 address = client.scheduler_info()["address"]
+                # a fresh cluster's first call is slower (connections, kernels): one untimed call first
+                run_local_cupy(address, used, op, size, chunk_size, 1, folder, f"{op}-warmup-{first}")
 
                 def one_round(state: str, r: int, op: str = op, client: Client = client, address: str = address,
                               folder: str = folder, used: str = used, first: int = first) -> list[float]:
@@ -104,7 +107,7 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
                     console.print(f"{op} round {first + r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
                     return got
 
-                k = first // rounds_per_cluster % 2  # clusters take turns at starting with "off"
+                k = next(clusters) % 2  # clusters take turns at starting with "off"
                 states = ("off", "on")[k:] + ("off", "on")[:k]
                 done = interleave({s: partial(one_round, s) for s in states}, min(rounds_per_cluster, rounds - first))
                 for s, got in done.items():

@@ -1,12 +1,13 @@
 """The dask_octopus benchmark suite, in the shape of dask-cuda's ``local_cupy.py``.
 
-One invocation runs Dask's baselines and dask_octopus side by side in the same cluster,
-interleaved (A B A B) so drift hits all alike: ``defaults`` (the user's chunking, ``--chunk-size``
-rows per block; one block per worker when not given), ``over-4`` / ``over-16`` (equal blocks, 4 or
-16 per worker, work stealing and queuing on), and the octopus variants chosen by ``--octopus``:
-``balance`` (speed-weighted blocks, one and four per worker, pinned), ``streams`` (the per-block
-work in stream groups), ``all`` (both, and both at once). ``images`` runs image pipelines of five
-size mixes: ``client.map`` one task each, equal batches, a loop on one worker, ``dask_octopus.map``.
+One invocation runs Dask's baselines and dask_octopus side by side in the same cluster, interleaved
+in balanced orders (``bench.runner.run_orders``) so drift hits all alike: ``defaults`` (the user's
+chunking, ``--chunk-size`` rows per block; one block per worker when not given), ``over-4`` /
+``over-16`` (equal blocks, 4 or 16 per worker, work stealing and queuing on), and the octopus
+variants chosen by ``--octopus``: ``balance`` (speed-weighted blocks, one and four per worker,
+pinned), ``streams`` (the per-block work in stream groups), ``all`` (both, and both at once).
+``images`` runs image pipelines of five size mixes: ``client.map`` one task each, equal batches, a
+loop on one worker, ``dask_octopus.map``.
 
 Prints a table per operation (median and spread of wall time, throughput, per-worker finish spread,
 speedups, the ideal with its formula and the ratio to it), writes one JSON (config, hardware,

@@ -1,5 +1,6 @@
 """Smoke runs of the benchmark CLIs at tiny sizes (CPU): they run, and write what they promise."""
 
+import itertools
 import json
 
 import pytest
@@ -136,14 +137,29 @@ def test_a_variant_replica_runs_as_its_variant():
         parse_variant("dflts@2")
 
 
-def test_interleaved_variants_take_every_position_equally():
-    from dask_octopus.bench.runner import interleave
+@pytest.mark.parametrize("n", range(1, 9))
+def test_run_orders_balance_positions_and_predecessors(n):
+    from dask_octopus.bench.runner import run_orders
+
+    orders = run_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    times = len(orders) // n  # each variant this often in each position, and after each other variant
+    for position in range(n):
+        assert sorted(order[position] for order in orders) == sorted(list(range(n)) * times)
+    pairs = [pair for order in orders for pair in itertools.pairwise(order)]
+    follows = {(a, b): 0 for a in range(n) for b in range(n) if a != b}
+    for pair in pairs:
+        follows[pair] += 1
+    assert len(set(follows.values())) <= 1  # every variant right after every other equally often
+
+
+def test_interleave_calls_each_variant_once_per_run_in_those_orders():
+    from dask_octopus.bench.runner import interleave, run_orders
 
     calls = []
-    got = interleave({v: (lambda run, v=v: calls.append((run, v)) or f"{v}{run}") for v in "ABC"}, 6, warmup=1)
-    assert got == {v: [f"{v}{run}" for run in range(1, 7)] for v in "ABC"}
-    runs = [[v for r, v in calls if r == run] for run in range(7)]
-    assert runs[:4] == [list("ABC"), list("BCA"), list("CAB"), list("ABC")]
-    timed = [order.index(v) for order in runs[1:] for v in "ABC"]
-    assert all(timed.count(p) == 6 for p in range(3))  # 6 timed runs: each variant twice in each position
+    got = interleave({v: (lambda run, v=v: calls.append((run, v)) or f"{v}{run}") for v in "ABCD"}, 4, warmup=1)
+    assert got == {v: [f"{v}{run}" for run in range(1, 5)] for v in "ABCD"}
+    runs = ["".join(v for r, v in calls if r == run) for run in range(5)]
+    assert runs == ["".join("ABCD"[i] for i in run_orders(4)[run % 4]) for run in range(5)]
+    assert runs[:2] == ["ABDC", "BCAD"]
     assert interleave({}, 3) == {}

@@ -80,9 +80,9 @@ class VariantTimes:
 
 def time_variants(client: Client, items: list, variants: list[str], runs: int, workers: list[str],
                   warmup: int = 1) -> dict[str, VariantTimes]:
-    """Each variant's runs, interleaved (A B A B), from submission until every result is on the
-    client, after ``warmup`` untimed rounds (kernel compilation); raises if two variants disagree.
-    ``workers``: the cluster's workers, fastest last."""
+    """Each variant's runs, interleaved (:func:`~dask_octopus.bench.runner.interleave`), from submission
+    until every result is on the client, after ``warmup`` untimed rounds (kernel compilation); raises
+    if two variants disagree. ``workers``: the cluster's workers, fastest last."""
     reference: list = []
     times = {v: VariantTimes() for v in variants}
 

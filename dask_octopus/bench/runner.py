@@ -9,20 +9,27 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def run_orders(n: int) -> list[list[int]]:
+    """The orders, by position, in which runs call ``n`` variants: a Williams design (a balanced Latin
+    square, mirrored when ``n`` is odd), so that over ``len(run_orders(n))`` runs every variant runs
+    as often in each position and right after each other variant (A B D C, B C A D, C D B A, D A C B
+    for four): neither what runs first nor what one variant leaves behind (memory still being freed,
+    a warm cache) favours one of them."""
+    first = [(k + 1) // 2 if k % 2 else (n - k // 2) % n for k in range(n)]  # 0, 1, n-1, 2, n-2, ...
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+
+
 def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0,
                progress: Callable[[str], None] | None = None) -> dict[str, list[T]]:
-    """Call each variant once per run, in turn, with the run's index; return what each call returned,
-    per variant, for the runs after the first ``warmup`` ones. Each run starts one variant later
-    (A B C, B C A, C A B, ...): over a multiple of ``len(variants)`` runs every variant runs as often
-    in each position, so what one variant leaves behind (memory still being freed, a warm cache)
-    never favours the same one. ``progress`` is told each call as it starts.
-    """
+    """Call each variant once per run, in turn, with the run's index, in the orders of
+    :func:`run_orders`; return what each call returned, per variant, for the runs after the first
+    ``warmup`` ones. ``progress`` is told each call as it starts."""
     names = list(variants)
+    orders = run_orders(len(names))
     out: dict[str, list[T]] = {name: [] for name in names}
     for run in range(warmup + runs):
-        k = run % len(names) if names else 0
-        order = names[k:] + names[:k]
-        for name in order:
+        for name in (names[i] for i in orders[run % len(orders)]) if orders else ():
             if progress is not None:
                 progress(f"run {run + 1}/{warmup + runs}: {name}")
             value = variants[name](run)
