@@ -1,8 +1,8 @@
 """Scheduler throughput with and without the dask_octopus plugin (CPU, in-process cluster).
 
-Three clusters, measured interleaved (the order rotates from run to run): Dask alone, the plugin
-registered (no plan), and the plugin with
-a balance plan active for another collection (so ``update_graph`` walks every new task). Each run
+Three clusters, measured interleaved in balanced orders (``bench.runner.run_orders``): Dask alone,
+the plugin registered (no plan), and the plugin with a balance plan active for another collection
+(so ``update_graph`` walks every new task). Each run
 computes one graph of about ``--tasks`` tiny tasks; reports tasks per second and the ratio to Dask alone.
 
     python benchmarks/scheduler_overhead.py --tasks 100000 --runs 3 --out benchmarks/results/DIR
