@@ -14,7 +14,6 @@ external-cluster check (a no-op worker plugin whose name contains ``RMMSetup``).
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 import statistics
 import subprocess
@@ -83,7 +82,6 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
     console = make_console()
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
     record: dict | None = None
-    clusters = itertools.count()
     for op in operations.split(","):
         times: dict[str, list[float]] = {"off": [], "on": []}
         for first in range(0, rounds, rounds_per_cluster):
@@ -101,15 +99,15 @@ def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, roun
                 run_local_cupy(address, used, op, size, chunk_size, 1, folder, f"{op}-warmup-{first}")
 
                 def one_round(state: str, r: int, op: str = op, client: Client = client, address: str = address,
-                              folder: str = folder, used: str = used, first: int = first) -> list[float]:
+                              folder: str = folder, used: str = used) -> list[float]:
                     set_plugin(client, state == "on")
-                    got = run_local_cupy(address, used, op, size, chunk_size, runs, folder, f"{op}-{state}-{first + r}")
-                    console.print(f"{op} round {first + r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
+                    got = run_local_cupy(address, used, op, size, chunk_size, runs, folder, f"{op}-{state}-{r}")
+                    console.print(f"{op} round {r} plugin {state}: " + ", ".join(f"{t:.4f}" for t in got))
                     return got
 
-                k = next(clusters) % 2  # clusters take turns at starting with "off"
-                states = ("off", "on")[k:] + ("off", "on")[:k]
-                done = interleave({s: partial(one_round, s) for s in states}, min(rounds_per_cluster, rounds - first))
+                # the rounds continue from cluster to cluster: which state goes first keeps alternating
+                done = interleave({s: partial(one_round, s) for s in ("off", "on")},
+                                  min(rounds_per_cluster, rounds - first), start=first)
                 for s, got in done.items():
                     times[s] += [t for g in got for t in g]
         med = {s: statistics.median(t) for s, t in times.items()}

@@ -163,3 +163,55 @@ def test_interleave_calls_each_variant_once_per_run_in_those_orders():
     assert runs == ["".join("ABCD"[i] for i in run_orders(4)[run % 4]) for run in range(5)]
     assert runs[:2] == ["ABDC", "BCAD"]
     assert interleave({}, 3) == {}
+
+
+def test_interleave_continues_the_run_orders_from_start():
+    from dask_octopus.bench.runner import interleave, run_orders
+
+    calls = []
+    interleave({v: (lambda run, v=v: calls.append((run, v))) for v in "AB"}, 2, start=3)
+    assert calls == [(3, v) for v in "BA"] + [(4, v) for v in "AB"]
+    assert [run_orders(2)[r % 2] for r in (3, 4)] == [[1, 0], [0, 1]]
+
+
+def test_overhead_benchmark_starts_fresh_clusters_warms_them_and_alternates(tmp_path, monkeypatch):
+    """dask_cuda_overhead.py's schedule, with the cluster and local_cupy.py replaced by stand-ins (CPU)."""
+    import contextlib
+
+    overhead = load_script("benchmarks/dask_cuda_overhead.py")
+    events = []
+
+    class Client:
+        def register_plugin(self, plugin):
+            events.append(("plugin", type(plugin).__name__))
+
+        def scheduler_info(self):
+            return {"address": "tcp://stand-in"}
+
+    @contextlib.contextmanager
+    def cluster(gpu, devs, protocol):
+        events.append(("cluster", devs))
+        yield Client()
+
+    def local_cupy(address, protocol, op, size, chunk_size, runs, folder, label):
+        events.append(("call", label, runs))
+        return [1.0 + 0.1 * ("on" in label)] * runs
+
+    monkeypatch.setattr(overhead, "local_cluster", cluster)
+    monkeypatch.setattr(overhead, "protocol_of", lambda client: "tcp")
+    monkeypatch.setattr(overhead, "run_local_cupy", local_cupy)
+    monkeypatch.setattr(overhead, "set_plugin", lambda client, on: None)
+    real_header = overhead.header
+    monkeypatch.setattr(overhead, "header", lambda gpu, protocol, **fields: real_header(False, protocol, **fields))
+    result = CliRunner().invoke(overhead.main, ["--devs", "0,0", "--operations", "dot", "--runs", "2", "--rounds",
+                                                "3", "--rounds-per-cluster", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert events == [
+        ("cluster", "0,0"), ("plugin", "NoRMM"), ("call", "dot-warmup-0", 1),
+        ("call", "dot-off-0", 2), ("call", "dot-on-0", 2), ("call", "dot-on-1", 2), ("call", "dot-off-1", 2),
+        ("cluster", "0,0"), ("plugin", "NoRMM"), ("call", "dot-warmup-2", 1),
+        ("call", "dot-off-2", 2), ("call", "dot-on-2", 2)]
+    record = json.loads((tmp_path / "dask-cuda-local-cupy-overhead.json").read_text())
+    assert record["config"]["rounds_per_cluster"] == 2
+    assert record["operations"]["dot"]["seconds"] == {"off": [1.0] * 6, "on": [1.1] * 6}
+    assert record["operations"]["dot"]["on_over_off"] == pytest.approx(1.1)

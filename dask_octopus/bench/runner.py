@@ -20,20 +20,21 @@ def run_orders(n: int) -> list[list[int]]:
     return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
 
 
-def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0,
+def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0, start: int = 0,
                progress: Callable[[str], None] | None = None) -> dict[str, list[T]]:
-    """Call each variant once per run, in turn, with the run's index, in the orders of
+    """Call each variant once per run, in turn, with the run's number (from ``start``: a series of runs
+    split over several calls continues where the last one stopped), in the orders of
     :func:`run_orders`; return what each call returned, per variant, for the runs after the first
     ``warmup`` ones. ``progress`` is told each call as it starts."""
     names = list(variants)
     orders = run_orders(len(names))
     out: dict[str, list[T]] = {name: [] for name in names}
-    for run in range(warmup + runs):
+    for run in range(start, start + warmup + runs):
         for name in (names[i] for i in orders[run % len(orders)]) if orders else ():
             if progress is not None:
-                progress(f"run {run + 1}/{warmup + runs}: {name}")
+                progress(f"run {run + 1}/{start + warmup + runs}: {name}")
             value = variants[name](run)
-            if run >= warmup:
+            if run >= start + warmup:
                 out[name].append(value)
     return out
 
