@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -116,6 +117,21 @@ def test_a_protocol_the_cluster_cannot_talk_is_refused_before_it_starts(monkeypa
     monkeypatch.setattr(protocol, "ucx_available", lambda: ucx)
     with pytest.raises(ValueError, match=error):
         protocol.resolve_protocol(asked, gpus)
+
+
+def test_a_record_over_ucx_names_the_ucx_environment_its_workers_inherited(monkeypatch):
+    from dask_octopus.bench.record import header
+
+    for k in [k for k in os.environ if k.startswith(("UCX_", "UCXPY_"))]:
+        monkeypatch.delenv(k)
+    assert header(False, "ucx")["ucx_environment"] == {}  # distributed-ucxx's defaults
+    monkeypatch.setenv("UCXPY_PROGRESS_MODE", "thread")
+    monkeypatch.setenv("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+    monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy")
+    monkeypatch.setenv("UCXX_NOT_UCX", "x")
+    assert header(False, "ucx")["ucx_environment"] == {
+        "UCXPY_ENABLE_PYTHON_FUTURE": "1", "UCXPY_PROGRESS_MODE": "thread", "UCX_TLS": "tcp,cuda_copy"}
+    assert "ucx_environment" not in header(False, "tcp")
 
 
 def test_ucx_on_cpu_workers_fails_with_the_reason(tmp_path):
