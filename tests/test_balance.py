@@ -9,6 +9,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.sizeof import sizeof
 from dask.utils import key_split
 from distributed import Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -265,6 +266,86 @@ async def test_a_re_chunk_gives_each_worker_the_rows_next_to_those_it_holds(c, s
     # it holds rows 0-499, so it takes the first 750 rows: 250 rows move (750 if it took the last ones)
     assert planned[0] == last and y.chunks[0] == (750, 250)
     assert np.array_equal(*await c.gather(c.compute([y, x])))
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_re_chunk_moves_only_the_rows_that_change_worker(c, s, a, b, blocks):
+    rec = await setup(c, s, [1.0, 3.0])
+    with reversed_layout(s, blocks):
+        x = da.random.random((4000, 100), chunks=(4000 // blocks, 100))
+    x = c.persist(x, optimize_graph=False)
+    await wait(x)
+    held = {k[1]: ws[0] for k, ws in (await c.who_has(x)).items()}
+    y = await run_balance(c, x, per_worker=4)
+    planned = s.plugins["octopus"].placement.plans[y.name].workers
+    # smaller blocks than the input's: some are one slice of an input block held by the other worker
+    assert len(planned) == 8 and y.chunks[0] != x.chunks[0]
+    ends = np.cumsum(y.chunks[0])
+    away = sum(max(0, min(end, (j + 1) * x.chunks[0][0]) - max(end - size, j * x.chunks[0][0]))
+               for i, (end, size) in enumerate(zip(ends, y.chunks[0]))
+               for j in held if held[j] != planned[i])
+    slices = {k: next(iter(node.dependencies)) for k, node in y.dask.items()
+              if key_split(k) == "rechunk-split"}
+    y = c.persist(y)
+    await wait(y)
+    moved = sum(e["total"] for w in (a, b) for e in w.transfer_incoming_log)
+    assert moved == away * 100 * 8  # the rows that change worker, not the input blocks they are in
+    assert all(len(ws) == 1 for ws in (await c.who_has(x)).values())  # no input block was copied
+    ran = {k: w for k, w in rec.worker.items() if k in slices}
+    assert ran and all(w == held[slices[k][1]] for k, w in ran.items())  # each slice where its block is
+    assert np.array_equal(*await c.gather(c.compute([y, x])))
+
+
+def frame_part(i, rows=2000):
+    return pd.DataFrame({"a": np.arange(i * rows, (i + 1) * rows, dtype=float), "b": 1.0})
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_dataframe_re_chunk_moves_only_the_rows_that_change_worker(c, s, a, b):
+    rec = await setup(c, s, [1.0, 3.0])
+    first, last = sorted(s.workers)  # the last is three times faster: it takes 1000 of the other's rows
+    parts = [c.submit(frame_part, i, workers=[last if i == 0 else first]) for i in range(2)]
+    await wait(parts)
+    df = dd.from_delayed(parts, meta=frame_part(0, 0), verify_meta=False)
+    y = await run_balance(c, df, per_worker=4)
+    for w in (a, b):
+        w.transfer_incoming_log.clear()
+    y = c.persist(y)
+    await wait(y)
+    moved = {k: e["total"] for w in (a, b) for e in w.transfer_incoming_log for k in e["keys"]}
+    assert moved and {key_split(k) for k in moved} == {"octopus-slice"}  # slices, not the partitions
+    assert sum(moved.values()) < sizeof(frame_part(1)) * 0.6  # 1000 of its 2000 rows
+    (holder,) = (await c.who_has(parts[1]))[parts[1].key]
+    assert {w for k, w in rec.worker.items() if key_split(k) == "octopus-slice"} == {holder}  # cut where it is
+    got = (await c.compute(y)).sort_values("a")
+    assert np.array_equal(got.a.values, np.arange(4000.0))
+
+
+@pytest.mark.parametrize("numpy", [True, False])
+def test_a_slice_planned_away_from_its_input_block_stays_out_of_fusion(numpy):
+    from dask.array.optimization import optimize
+
+    from dask_octopus._compat import Alias
+    from dask_octopus.placement.blocks import _pieces_cut_where_held
+    from dask_octopus.placement.unfused import UnfusedTask
+
+    x = da.ones((4000, 10), chunks=(2000, 10))
+    y = x.rechunk(((750,) * 4 + (250,) * 4, (10,)), method="tasks")
+    # input block 0 on worker A, 1 on B; the first four blocks planned on B: block 0 is one slice of
+    # A's block (away), block 3 is one slice of B's own block, block 2 is joined from two slices
+    z, pieces = _pieces_cut_where_held(y, 0, ["A", "B"], ["B"] * 4 + ["A"] * 4, numpy=numpy)
+    layer = dict(z.dask.layers[z.name])
+    first, own = layer[(z.name, 0, 0)], layer[(z.name, 3, 0)]
+    assert first.func is aligned and type(layer[next(iter(first.dependencies))]) is UnfusedTask
+    assert pieces == next(iter(first.dependencies))[0] and key_split(pieces) == "rechunk-split"
+    if numpy:  # NumPy blocks all pass through aligned (views of received messages)
+        assert own.func is aligned and type(layer[next(iter(own.dependencies))]) is not UnfusedTask
+    else:  # others keep Dask's alias of the slice, which fusion merges into the block's task
+        assert isinstance(own, Alias)
+    fused = optimize(z.__dask_graph__(), z.__dask_keys__())
+    assert next(iter(first.dependencies)) in fused  # Dask's low-level fusion left the slice on its own
+    assert np.array_equal(z.compute(), np.ones((4000, 10)))
 
 
 def test_aligned_copies_only_a_block_whose_data_is_not_aligned():

@@ -5,6 +5,7 @@ key's error, the other outputs intact), a worker killed mid-fragment, and the GP
 and events (with a stand-in for CuPy on CPU machines).
 """
 
+import operator
 import time
 
 import dask
@@ -24,6 +25,7 @@ from dask_octopus._compat import DataNode, Task, TaskRef
 from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+from dask_octopus.placement.unfused import UnfusedTask
 
 
 def chain(b):
@@ -428,3 +430,25 @@ def test_every_fragment_cut_by_the_budget_fits_it_or_holds_one_source():
         assert got["top"] == pytest.approx(expected, rel=1e-12)
         counts.append(len(made))
     assert counts[0] == 1 and counts[-1] > counts[2] > counts[1] >= 1, counts
+
+
+class Barrier(Task):
+    """A special task, as Dask's P2P barrier is: a subclass of Task whose neighbours Dask tracks by key."""
+
+    __slots__ = ()
+
+
+@pytest.mark.parametrize("kind, joins", [(Task, True), (UnfusedTask, True), (Barrier, False)])
+def test_a_task_reading_an_unfused_slice_joins_a_fragment_and_one_next_to_a_special_task_does_not(kind, joins):
+    from dask_octopus.groups.marks import _dependents
+    from dask_octopus.groups.rewrite import fragment_graph
+
+    graph = {"slice": kind("slice", operator.getitem, TaskRef("x"), slice(0, 2))}  # "x" exists already
+    for i in range(4):
+        graph[("c", i)] = Task(("c", i), chain, TaskRef("slice"))
+    graph["top"] = Task("top", total, *(TaskRef(("c", i)) for i in range(4)))
+    specs = {("c", i): {"resource": "memory"} for i in range(4)}
+    out = fragment_graph(graph, specs, {"top"}, _dependents(graph), {}, {None: 1})
+    grouped = {m for k, node in out.items() if k not in graph for m in node.args[0].value.members}
+    assert grouped == ({("c", i) for i in range(4)} if joins else set())
+    assert type(out["slice"]) is kind  # the slice itself stays a task of its own

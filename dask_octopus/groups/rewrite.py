@@ -21,6 +21,7 @@ from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_sub
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import plan_fragments, topological
 from dask_octopus.groups.streams import pick, run_fragment
+from dask_octopus.placement.unfused import UnfusedTask
 
 FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-letter words (hex-like names)
 
@@ -84,7 +85,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
     ``keep`` are the keys the caller asks for. Those, tasks read by something other than a plain
     task, and tasks next to a special one (a subclass of ``Task``, such as the barrier of a P2P
-    shuffle, whose transfer and output tasks Dask's shuffle extension tracks by key) stay tasks.
+    shuffle, whose transfer and output tasks Dask's shuffle extension tracks by key; not
+    :class:`~dask_octopus.placement.unfused.UnfusedTask`) stay tasks.
     ``dependents`` is the graph's reverse dependency map (:func:`dask.core.reverse_dict`);
     ``places[key]`` says where each annotated task may run (``None``: anywhere) and ``parts[place]``
     how many fragments to cut the sources of a place into (its worker threads). The smallest
@@ -96,7 +98,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     specs = _pull_downstream(dsk, specs, dependencies, pullable)
-    special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) is not Task}
+    special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     candidates = {k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
                   and dsk[k].func is not run_fragment and not dependencies[k] & special
                   and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}

@@ -34,6 +34,7 @@ from dask_octopus.placement.planning import (
     worth_moving,
 )
 from dask_octopus.placement.transfers import rechunk_seconds
+from dask_octopus.placement.unfused import UnfusedTask
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
@@ -237,45 +238,64 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
         for f in layer.values():  # array built on top of one is not looked through: that would materialize it)
             if isinstance(f, Future) and isinstance(f.key, tuple) and f.key[0] == x.name:
                 slabs[f.key[1 + axis]].append(f)
+    holders = _holders(client, slabs)
     sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
-                                      list(x.chunks[axis]), source, _holders(client, slabs))
+                                      list(x.chunks[axis]), source, holders)
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
+    pieces = None
     if tuple(sizes) == x.chunks[axis]:
         y = _named_blocks(x)
     else:
-        y = x.rechunk(tuple(chunks), method="tasks")
-        if isinstance(x._meta, np.ndarray):
-            y = _copied_where_unaligned(y)
+        y, pieces = _pieces_cut_where_held(x.rechunk(tuple(chunks), method="tasks"), axis, holders, workers,
+                                           numpy=isinstance(x._meta, np.ndarray))
     call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis, sizes=sizes,
-                   resource=resource, source=source, nbytes=[n * row_bytes for n in sizes])
+                   resource=resource, source=source, nbytes=[n * row_bytes for n in sizes], pieces=pieces)
     return y
 
 
-def aligned(block: np.ndarray) -> np.ndarray:
+def aligned(block: Any) -> Any:
     """``block``, or a copy of it where its data does not start at a multiple of its item size: a
     piece of a re-chunk that arrived from another worker is a view into the received message at
     whatever offset it had there, and NumPy's matrix products then leave BLAS for a loop several
-    times slower (``x.T @ x`` on a balanced block: 5x)."""
-    return block if block.flags.aligned else np.require(block, requirements="A")
+    times slower (``x.T @ x`` on a balanced block: 5x). Arrays without that flag (CuPy) are returned
+    as they are."""
+    return block if getattr(getattr(block, "flags", None), "aligned", True) else np.require(block, requirements="A")
 
 
-def _copied_where_unaligned(y: da.Array) -> da.Array:
-    """The re-chunked ``y`` whose blocks that are one piece of an input block (Dask's rechunk makes
-    them aliases of a slice, a view) pass through :func:`aligned`; blocks joined from several pieces
-    are new arrays already. Same keys, so the plan pins the same tasks."""
+def _pieces_cut_where_held(y: da.Array, axis: int, holders: list[str | None], workers: list[str],
+                           numpy: bool) -> tuple[da.Array, str | None]:
+    """The re-chunked ``y``, ready to run where its inputs are, and the key name of its slices of input
+    blocks (``None`` if it has none), which the plan has the scheduler run where those blocks are held.
+
+    Dask's rechunk makes a block that is one piece of an input block an alias of a slice (a view).
+    Such blocks pass through :func:`aligned` (all of them for ``numpy`` blocks); where the block is
+    planned on another worker than the one holding its input (``holders``, per input slab along
+    ``axis``; ``workers``, per planned block), its slice becomes an
+    :class:`~dask_octopus.placement.unfused.UnfusedTask`: low-level fusion would otherwise merge it into
+    the block's task, pinned to the planned worker, and the whole input block would move there. Blocks
+    joined from several pieces are new arrays already. Same keys, so the plan pins the same tasks."""
     from dask_octopus._compat import Alias, Task, TaskRef
 
     graph = y.__dask_graph__()
     layer = dict(graph.layers[y.name])
     for k in dask.core.flatten(y.__dask_keys__()):
         node = layer.get(k)
-        if isinstance(node, Alias):
+        if not isinstance(node, Alias):
+            continue
+        piece = layer.get(node.target)  # None: the alias names a whole input block
+        inputs = list(piece.dependencies) if isinstance(piece, Task) else []
+        away = len(inputs) == 1 and holders[inputs[0][1 + axis]] not in (None, workers[k[1 + axis]])
+        if away:
+            layer[node.target] = UnfusedTask(piece.key, piece.func, *piece.args, **piece.kwargs)
+        if numpy or away:
             layer[k] = Task(k, aligned, TaskRef(node.target))
     old = graph.layers[y.name]
     layers = {**graph.layers, y.name: MaterializedLayer(layer, annotations=old.annotations,
                                                         collection_annotations=old.collection_annotations)}
-    return da.Array(HighLevelGraph(layers, graph.dependencies), y.name, y.chunks, meta=y._meta)
+    slices = {k[0] for k in layer if isinstance(k, tuple) and k[0] != y.name}
+    pieces = slices.pop() if len(slices) == 1 else None
+    return da.Array(HighLevelGraph(layers, graph.dependencies), y.name, y.chunks, meta=y._meta), pieces
 
 
 def _holders(client: Client, slabs: list[list[Any]]) -> list[str | None]:
@@ -345,17 +365,31 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]
     source = key_split(df._name)
+    holders = _holders(client, [[p] for p in parts])
     sizes, workers, row_bytes = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker,
-                                      align, lengths, source, _holders(client, [[p] for p in parts]))
+                                      align, lengths, source, holders)
     divisions = None
     if df.known_divisions:
         sizes, divisions = _snapped(client, df, parts, lengths, sizes)
     segments = row_segments(lengths, sizes)
-    name = "octopus-rows-" + tokenize(df, sizes)
-    blocks = [delayed(_take_rows)([(parts[i], a, b) for i, a, b in seg], dask_key_name=(name, j))
-              for j, seg in enumerate(segments)]
+    token = tokenize(df, sizes)
+    name, pieces = "octopus-rows-" + token, "octopus-slice-" + token
+    wanted = Counter()  # rows of each partition that each worker's blocks take
+    for j, seg in enumerate(segments):
+        for i, a, b in seg:
+            wanted[i, workers[j]] += b - a
+    blocks = []
+    for j, seg in enumerate(segments):
+        rows = []
+        for i, a, b in seg:
+            # the rows another worker takes of a partition, when not all of it, are cut where it is held
+            if holders[i] not in (None, workers[j]) and wanted[i, workers[j]] < lengths[i]:
+                rows.append((delayed(_take_rows)([(parts[i], a, b)], dask_key_name=(pieces, j, i)), 0, b - a))
+            else:
+                rows.append((parts[i], a, b))
+        blocks.append(delayed(_take_rows)(rows, dask_key_name=(name, j)))
     call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource,
-                   source=source, nbytes=[n * row_bytes for n in sizes])
+                   source=source, nbytes=[n * row_bytes for n in sizes], pieces=pieces)
     return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
 
 

@@ -48,10 +48,27 @@ class Plan:
     stealable: list[bool] | None = None
     source: str | None = None  # a balance plan: the key prefix of the collection it re-blocked
     nbytes: list[float] | None = None  # ... and the bytes of each block
+    pieces: str | None = None  # ... and the key name of its re-chunk's slices of input blocks
 
 
 def _key_name(key: Any) -> Any:
     return key[0] if isinstance(key, tuple) else key
+
+
+def _pin_where_held(ts: TaskState) -> bool:
+    """Pin ``ts``, a slice of input blocks, loosely to the workers that hold all of them (Dask would
+    place a group of such slices as root tasks, wherever a thread is free, and move whole blocks
+    there); if those workers leave, Dask runs it elsewhere. False where its inputs are not all held
+    by one worker or where it has restrictions of its own."""
+    if ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
+        return False
+    holders = [set(d.who_has or ()) for d in ts.dependencies]
+    common = set.intersection(*holders) if holders else set()
+    if not common:
+        return False
+    ts.worker_restrictions = {ws.address for ws in common}
+    ts.loose_restrictions = True
+    return True
 
 
 class Placement:
@@ -66,10 +83,11 @@ class Placement:
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
-                 source: str | None = None, nbytes: list[float] | None = None) -> None:
+                 source: str | None = None, nbytes: list[float] | None = None, pieces: str | None = None) -> None:
         """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``; with ``source``
-        and the blocks' ``nbytes``, the tasks pinned for it are marked for measuring their working sets."""
-        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes)
+        and the blocks' ``nbytes``, the tasks pinned for it are marked for measuring their working sets;
+        the tasks named ``pieces`` (slices of input blocks) run where the blocks they slice are held."""
+        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes, pieces)
         self.plans.move_to_end(name)
         while len(self.plans) > self.max_plans:
             self.plans.popitem(last=False)
@@ -112,13 +130,15 @@ class Placement:
         return next(self._planned_blocks(key, run_spec), None)
 
     def update_graph(self, scheduler: Scheduler, keys: Iterable[Key]) -> int:
-        """Pin the planned blocks among ``keys`` and the tasks that consume only one worker's blocks.
+        """Pin the planned blocks among ``keys`` and the tasks that consume only one worker's blocks,
+        and the slices a balance plan cuts them from to the workers holding what they slice.
 
         Returns the number of tasks pinned.
         """
         if not self.plans:
             return 0
         todo = [scheduler.tasks[k] for k in keys if k in scheduler.tasks]
+        pieces = {plan.pieces for plan in self.plans.values() if plan.pieces is not None}
         origin: dict[Key, Block | None] = {}
         owned: dict[Key, int] = {}  # how many planned blocks a task is (fused into it), once looked up
         pinned = 0
@@ -136,8 +156,10 @@ class Placement:
                     continue
                 stack.pop()
                 origin[ts.key] = block = self._origin(ts, origin, owned)
-                if block is not None and self._pin(ts, block, origin, owned):
-                    pinned += 1
+                if block is not None:
+                    pinned += self._pin(ts, block, origin, owned)
+                elif _key_name(ts.key) in pieces:
+                    pinned += _pin_where_held(ts)
         return pinned
 
     def _origin(self, ts: TaskState, origin: dict[Key, Block | None], owned: dict[Key, int]) -> Block | None:

@@ -266,13 +266,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
                  sizes: list[float] | None = None, resource: str = "compute", source: str | None = None,
-                 nbytes: list[float] | None = None) -> None:
+                 nbytes: list[float] | None = None, pieces: str | None = None) -> None:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
         ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``).
         ``sizes[i]`` (rows) and the weights of ``resource`` now give the dashboard the plan's
         predicted finish per worker (``costs`` when ``sizes`` is not given). A ``balance`` plan names
         its input's key prefix, ``source``, and its blocks' bytes, ``nbytes``: the working sets of
-        its tasks are learned for that input."""
+        its tasks are learned for that input; and the key name of its re-chunk's slices of input
+        blocks, ``pieces``: each runs on the worker holding the block it slices."""
         check_resource(resource)
         unknown = sorted(set(workers) - set(self.scheduler.workers))
         if unknown:
@@ -285,7 +286,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             raise ValueError("plan has item counts without costs")
         if (source is None) != (nbytes is None):
             raise ValueError("plan has a source without block bytes, or block bytes without a source")
-        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes)
+        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
                                          self.speeds(resource)))
