@@ -287,6 +287,8 @@ async def test_a_re_chunk_moves_only_the_rows_that_change_worker(c, s, a, b, blo
                for j in held if held[j] != planned[i])
     slices = {k: next(iter(node.dependencies)) for k, node in y.dask.items()
               if key_split(k) == "rechunk-split"}
+    for w in (a, b):
+        w.transfer_incoming_log.clear()
     y = c.persist(y)
     await wait(y)
     moved = sum(e["total"] for w in (a, b) for e in w.transfer_incoming_log)
@@ -330,21 +332,31 @@ def test_a_slice_planned_away_from_its_input_block_stays_out_of_fusion(numpy):
     from dask_octopus.placement.blocks import _pieces_cut_where_held
     from dask_octopus.placement.unfused import UnfusedTask
 
-    x = da.ones((4000, 10), chunks=(2000, 10))
-    y = x.rechunk(((750,) * 4 + (250,) * 4, (10,)), method="tasks")
-    # input block 0 on worker A, 1 on B; the first four blocks planned on B: block 0 is one slice of
-    # A's block (away), block 3 is one slice of B's own block, block 2 is joined from two slices
-    z, pieces = _pieces_cut_where_held(y, 0, ["A", "B"], ["B"] * 4 + ["A"] * 4, numpy=numpy)
+    x = da.ones((4000, 10), chunks=(2000, 5))
+    y = x.rechunk(((750,) * 4 + (250,) * 4, (5, 5)), method="tasks")
+    # the input's blocks by (row, column) block: its first row slab split between workers A and B, the
+    # last block held by both; the first four row blocks planned on B, the others on A
+    held = {(x.name, 0, 0): ("A",), (x.name, 0, 1): ("B",), (x.name, 1, 0): ("B",), (x.name, 1, 1): ("B", "A")}
+    z, pieces = _pieces_cut_where_held(y, 0, held, ["B"] * 4 + ["A"] * 4, numpy=numpy)
     layer = dict(z.dask.layers[z.name])
-    first, own = layer[(z.name, 0, 0)], layer[(z.name, 3, 0)]
-    assert first.func is aligned and type(layer[next(iter(first.dependencies))]) is UnfusedTask
-    assert pieces == next(iter(first.dependencies))[0] and key_split(pieces) == "rechunk-split"
-    if numpy:  # NumPy blocks all pass through aligned (views of received messages)
-        assert own.func is aligned and type(layer[next(iter(own.dependencies))]) is not UnfusedTask
-    else:  # others keep Dask's alias of the slice, which fusion merges into the block's task
-        assert isinstance(own, Alias)
+
+    def slice_of(i, j):
+        node = layer[(z.name, i, j)]
+        return None if isinstance(node, Alias) else layer[next(iter(node.dependencies))]
+
+    # one slice each: (0, 0) of A's block for B and (5, 0) of B's block for A are away; (0, 1) is B's
+    # own; (3, 1) and (5, 1) slice the block both hold
+    away = {(0, 0), (5, 0)}
+    for i, j in [(0, 0), (0, 1), (3, 1), (5, 0), (5, 1)]:
+        node, piece = layer[(z.name, i, j)], slice_of(i, j)
+        if (i, j) in away or numpy:  # through aligned (NumPy: all; a view of a received message)
+            assert node.func is aligned and (type(piece) is UnfusedTask) == ((i, j) in away), (i, j)
+        else:  # Dask's alias of the slice, which fusion merges into the block's task
+            assert isinstance(node, Alias), (i, j)
+    first = next(iter(layer[(z.name, 0, 0)].dependencies))
+    assert pieces == first[0] and key_split(pieces) == "rechunk-split"
     fused = optimize(z.__dask_graph__(), z.__dask_keys__())
-    assert next(iter(first.dependencies)) in fused  # Dask's low-level fusion left the slice on its own
+    assert first in fused  # Dask's low-level fusion left the slice on its own
     assert np.array_equal(z.compute(), np.ones((4000, 10)))
 
 

@@ -124,7 +124,7 @@ def test_a_record_over_ucx_names_the_ucx_environment_its_workers_inherited(monke
 
     for k in [k for k in os.environ if k.startswith(("UCX_", "UCXPY_"))]:
         monkeypatch.delenv(k)
-    assert header(False, "ucx")["ucx_environment"] == {}  # distributed-ucxx's defaults
+    assert header(False, "ucx")["ucx_environment"] == {}  # none set
     monkeypatch.setenv("UCXPY_PROGRESS_MODE", "thread")
     monkeypatch.setenv("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy")

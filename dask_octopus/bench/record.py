@@ -48,8 +48,9 @@ def versions() -> dict[str, str | None]:
 
 
 def ucx_environment() -> dict[str, str]:
-    """The ``UCX_*`` and ``UCXPY_*`` variables of this process's environment, which the local cluster's
-    workers inherit: how UCX and distributed-ucxx were tuned (``UCXPY_PROGRESS_MODE`` and
+    """The ``UCX_*`` and ``UCXPY_*`` variables of this process's environment as the record is made:
+    the user's, which the local cluster's workers inherit, and those dask-cuda sets when it starts a
+    UCX cluster. They say how UCX and distributed-ucxx were tuned (``UCXPY_PROGRESS_MODE`` and
     ``UCXPY_ENABLE_PYTHON_FUTURE`` change how fast Python-bound work runs beside the comms)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "UCXPY_"))}
 
@@ -57,7 +58,7 @@ def ucx_environment() -> dict[str, str]:
 def header(gpu: bool, protocol: str, **fields: Any) -> dict[str, Any]:
     """The start of every record: date, the exact command, hardware, versions and the protocol the
     cluster's workers talked over (``tcp``, ``ucx``, ``inproc``), with the UCX environment
-    (:func:`ucx_environment`, empty where distributed-ucxx's defaults hold) over ``ucx``, then ``fields``."""
+    (:func:`ucx_environment`) over ``ucx``, then ``fields``."""
     ucx = {"ucx_environment": ucx_environment()} if protocol == "ucx" else {}
     return {"date": now(), "command": " ".join(sys.argv), "hardware": hardware(gpu), "versions": versions(),
             "protocol": protocol, **ucx, **fields}

@@ -12,6 +12,7 @@ import math
 import sys
 import warnings
 from collections import Counter
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import dask
@@ -238,7 +239,7 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
         for f in layer.values():  # array built on top of one is not looked through: that would materialize it)
             if isinstance(f, Future) and isinstance(f.key, tuple) and f.key[0] == x.name:
                 slabs[f.key[1 + axis]].append(f)
-    holders = _holders(client, slabs)
+    holders, held = _holders(client, slabs)
     sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
                                       list(x.chunks[axis]), source, holders)
     chunks = list(x.chunks)
@@ -247,7 +248,7 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
     if tuple(sizes) == x.chunks[axis]:
         y = _named_blocks(x)
     else:
-        y, pieces = _pieces_cut_where_held(x.rechunk(tuple(chunks), method="tasks"), axis, holders, workers,
+        y, pieces = _pieces_cut_where_held(x.rechunk(tuple(chunks), method="tasks"), axis, held, workers,
                                            numpy=isinstance(x._meta, np.ndarray))
     call_scheduler(client, "octopus_add_plan", name=y.name, workers=workers, axis=axis, sizes=sizes,
                    resource=resource, source=source, nbytes=[n * row_bytes for n in sizes], pieces=pieces)
@@ -263,15 +264,15 @@ def aligned(block: Any) -> Any:
     return block if getattr(getattr(block, "flags", None), "aligned", True) else np.require(block, requirements="A")
 
 
-def _pieces_cut_where_held(y: da.Array, axis: int, holders: list[str | None], workers: list[str],
+def _pieces_cut_where_held(y: da.Array, axis: int, held: Mapping[Any, Collection[str]], workers: list[str],
                            numpy: bool) -> tuple[da.Array, str | None]:
     """The re-chunked ``y``, ready to run where its inputs are, and the key name of its slices of input
     blocks (``None`` if it has none), which the plan has the scheduler run where those blocks are held.
 
     Dask's rechunk makes a block that is one piece of an input block an alias of a slice (a view).
     Such blocks pass through :func:`aligned` (all of them for ``numpy`` blocks); where the block is
-    planned on another worker than the one holding its input (``holders``, per input slab along
-    ``axis``; ``workers``, per planned block), its slice becomes an
+    planned (``workers``, per block along ``axis``) on a worker that does not hold its input block
+    (``held``: the workers holding each input block now, by key), its slice becomes an
     :class:`~dask_octopus.placement.unfused.UnfusedTask`: low-level fusion would otherwise merge it into
     the block's task, pinned to the planned worker, and the whole input block would move there. Blocks
     joined from several pieces are new arrays already. Same keys, so the plan pins the same tasks."""
@@ -285,10 +286,10 @@ def _pieces_cut_where_held(y: da.Array, axis: int, holders: list[str | None], wo
             continue
         piece = layer.get(node.target)  # None: the alias names a whole input block
         inputs = list(piece.dependencies) if isinstance(piece, Task) else []
-        away = len(inputs) == 1 and holders[inputs[0][1 + axis]] not in (None, workers[k[1 + axis]])
+        away = len(inputs) == 1 and bool(held.get(inputs[0])) and workers[k[1 + axis]] not in held[inputs[0]]
         if away:
             layer[node.target] = UnfusedTask(piece.key, piece.func, *piece.args, **piece.kwargs)
-        if numpy or away:
+        if numpy or away:  # a task, not an alias: Dask would collapse an alias and its slice into one task
             layer[k] = Task(k, aligned, TaskRef(node.target))
     old = graph.layers[y.name]
     layers = {**graph.layers, y.name: MaterializedLayer(layer, annotations=old.annotations,
@@ -298,15 +299,15 @@ def _pieces_cut_where_held(y: da.Array, axis: int, holders: list[str | None], wo
     return da.Array(HighLevelGraph(layers, graph.dependencies), y.name, y.chunks, meta=y._meta), pieces
 
 
-def _holders(client: Client, slabs: list[list[Any]]) -> list[str | None]:
-    """For each slab of blocks (futures) along the axis, the worker holding most of them; None for a
-    slab with none in memory."""
+def _holders(client: Client, slabs: list[list[Any]]) -> tuple[list[str | None], dict[Any, tuple[str, ...]]]:
+    """For each slab of blocks (futures) along the axis, the worker holding most of them (None for a
+    slab with none in memory), and the workers holding each block in memory, by key."""
     who = client.who_has([f for slab in slabs for f in slab]) if any(slabs) else {}
     out: list[str | None] = []
     for slab in slabs:
         counts = Counter(ws[0] for f in slab if (ws := who.get(f.key)))
         out.append(counts.most_common(1)[0][0] if counts else None)
-    return out
+    return out, {k: tuple(ws) for k, ws in who.items() if ws}
 
 
 def _named_blocks(x: da.Array) -> da.Array:
@@ -365,14 +366,14 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]
     source = key_split(df._name)
-    holders = _holders(client, [[p] for p in parts])
+    holders, held = _holders(client, [[p] for p in parts])
     sizes, workers, row_bytes = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker,
                                       align, lengths, source, holders)
     divisions = None
     if df.known_divisions:
         sizes, divisions = _snapped(client, df, parts, lengths, sizes)
     segments = row_segments(lengths, sizes)
-    token = tokenize(df, sizes)
+    token = tokenize(df, sizes, workers, held)  # where the partitions are decides which blocks read slices
     name, pieces = "octopus-rows-" + token, "octopus-slice-" + token
     wanted = Counter()  # rows of each partition that each worker's blocks take
     for j, seg in enumerate(segments):
@@ -383,7 +384,8 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
         rows = []
         for i, a, b in seg:
             # the rows another worker takes of a partition, when not all of it, are cut where it is held
-            if holders[i] not in (None, workers[j]) and wanted[i, workers[j]] < lengths[i]:
+            where = held.get(parts[i].key, ())
+            if where and workers[j] not in where and wanted[i, workers[j]] < lengths[i]:
                 rows.append((delayed(_take_rows)([(parts[i], a, b)], dask_key_name=(pieces, j, i)), 0, b - a))
             else:
                 rows.append((parts[i], a, b))

@@ -56,10 +56,11 @@ def _key_name(key: Any) -> Any:
 
 
 def _pin_where_held(ts: TaskState) -> bool:
-    """Pin ``ts``, a slice of input blocks, loosely to the workers that hold all of them (Dask would
-    place a group of such slices as root tasks, wherever a thread is free, and move whole blocks
-    there); if those workers leave, Dask runs it elsewhere. False where its inputs are not all held
-    by one worker or where it has restrictions of its own."""
+    """Pin ``ts``, a slice of input blocks, loosely to the workers that hold all of them (Dask places a
+    group of slices of an input with few blocks as root tasks, wherever a thread is free, and moves
+    whole blocks there); if those workers leave, Dask runs it elsewhere, and with work stealing on an
+    idle worker may still steal it. False where its inputs are not all held by one worker or where it
+    has restrictions of its own."""
     if ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
         return False
     holders = [set(d.who_has or ()) for d in ts.dependencies]
@@ -131,7 +132,9 @@ class Placement:
 
     def update_graph(self, scheduler: Scheduler, keys: Iterable[Key]) -> int:
         """Pin the planned blocks among ``keys`` and the tasks that consume only one worker's blocks,
-        and the slices a balance plan cuts them from to the workers holding what they slice.
+        and the slices a balance plan cuts them from to the workers holding what they slice (loose
+        pins, not kept in :attr:`pins`: a worker that leaves frees them, and :meth:`rehome` does not
+        move them).
 
         Returns the number of tasks pinned.
         """

@@ -12,7 +12,8 @@ class UnfusedTask(Task):
     :func:`~dask_octopus.balance` gives this class to the slice of an input block that a planned block
     on another worker is cut from: fused into that block's task, which is pinned to the planned worker,
     the slice would move the whole input block there; on its own it runs where the input block is held
-    and only the slice moves. Fragments treat it as a plain task (it is not special to Dask)."""
+    and only the slice moves. It never joins a fragment itself, but unlike Dask's special tasks it does
+    not keep the tasks that read it out of one."""
 
     __slots__ = ()
 

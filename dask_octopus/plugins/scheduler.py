@@ -273,7 +273,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         predicted finish per worker (``costs`` when ``sizes`` is not given). A ``balance`` plan names
         its input's key prefix, ``source``, and its blocks' bytes, ``nbytes``: the working sets of
         its tasks are learned for that input; and the key name of its re-chunk's slices of input
-        blocks, ``pieces``: each runs on the worker holding the block it slices."""
+        blocks, ``pieces``: each is pinned, loosely, to the workers holding the block it slices when
+        that block is in memory as the graph arrives."""
         check_resource(resource)
         unknown = sorted(set(workers) - set(self.scheduler.workers))
         if unknown:
