@@ -55,13 +55,19 @@ def _key_name(key: Any) -> Any:
     return key[0] if isinstance(key, tuple) else key
 
 
+def _pinnable(ts: TaskState) -> bool:
+    """Whether the plugin may pin ``ts``: not run yet, and without restrictions of its own (the user's
+    are never touched)."""
+    return not (ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
+
+
 def _pin_where_held(ts: TaskState) -> bool:
     """Pin ``ts``, a slice of input blocks, loosely to the workers that hold all of them (Dask places a
     group of slices of an input with few blocks as root tasks, wherever a thread is free, and moves
     whole blocks there); if those workers leave, Dask runs it elsewhere, and with work stealing on an
     idle worker may still steal it. False where its inputs are not all held by one worker or where it
     has restrictions of its own."""
-    if ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
+    if not _pinnable(ts):
         return False
     holders = [set(d.who_has or ()) for d in ts.dependencies]
     common = set.intersection(*holders) if holders else set()
@@ -168,7 +174,7 @@ class Placement:
     def _origin(self, ts: TaskState, origin: dict[Key, Block | None], owned: dict[Key, int]) -> Block | None:
         if ts.key in self.pins:
             return self.pins[ts.key]
-        if ts.state in _DONE or ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
+        if not _pinnable(ts):
             return None
         own = list(dict.fromkeys(self._planned_blocks(ts.key, ts.run_spec)))
         owned[ts.key] = len(own)
