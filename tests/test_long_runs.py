@@ -1,7 +1,7 @@
-"""400 balanced computes and 400 grouped map calls: the plugin's tables stay bounded and memory flat.
+"""200 balanced computes and 200 grouped map calls: the plugin's tables stay bounded and memory flat.
 
-400 (0.2 s each on the 2-core CI machine) keeps the suite under its 10 minutes: the plans fill their
-bound of 50 after 50 runs, and the memory is compared over the last 200. ``OCTOPUS_LONG_N=1000`` runs
+200 (0.2 s each on the 2-core CI machine) keeps the suite under its 10 minutes: the plans fill their
+bound of 50 after 50 runs, and the memory is compared over the last 100. ``OCTOPUS_LONG_N=1000`` runs
 the longer loop; the GPU validation's long run does 1,000."""
 
 import os
@@ -15,7 +15,7 @@ import dask_octopus
 
 long_run = load_script("benchmarks/long_run.py")
 
-N = int(os.environ.get("OCTOPUS_LONG_N", 400))
+N = int(os.environ.get("OCTOPUS_LONG_N", 200))
 
 
 def test_many_balanced_computes_and_grouped_maps_keep_state_bounded():
@@ -33,6 +33,7 @@ def test_many_balanced_computes_and_grouped_maps_keep_state_bounded():
     assert tables["pins"] == 0  # released with their tasks
     assert tables["rates"] <= 40  # one entry per (task prefix, worker), not per task
     print("rss MiB at 25/50/75/100% of the runs:", rss, "tables:", tables)
-    # MiB over the second half (measured: 26 with the plugin, 24 for the same loop without it: Dask's own
-    # bounded logs fill up); the plugin's own state is checked exactly above
-    assert rss[3] - rss[1] < 80, rss
+    # MiB over the second half, at most 0.4 MiB a run (measured over runs 101-200: 11 with the plugin; over
+    # 201-400, 26, and 24 for the same loop without it: Dask's own bounded logs fill up); the plugin's own
+    # state is checked exactly above
+    assert rss[3] - rss[1] < 0.4 * (N - N // 2), rss
