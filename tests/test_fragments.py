@@ -6,6 +6,8 @@ and events (with a stand-in for CuPy on CPU machines).
 """
 
 import operator
+import pickle
+import threading
 import time
 
 import dask
@@ -21,7 +23,7 @@ from test_balance import setup
 from test_documented import fake_gpu  # noqa: F401 (a fixture)
 
 import dask_octopus
-from dask_octopus._compat import DataNode, Task, TaskRef
+from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
@@ -202,14 +204,14 @@ def test_fragment_walks_its_steps_and_frees_intermediates():
     frag = two_chains()
     assert frag.inputs == ("x", "y") and frag.outputs == ("j", "c")
     assert streams.run_fragment(frag, 1, 100) == (1 + 3 + 100 + 2, 1 + 3 + 10)
-    values = {"x": 1, "y": 100}
+    values = {0: 1, 1: 100}  # by slot: the inputs first
     streams.walk(frag, values)
-    assert values == {"j": 106, "c": 14}  # every input and intermediate is dropped after its last reader
+    assert values == dict(zip(frag.results, (106, 14)))  # every input and intermediate is dropped after its last reader
 
 
 def test_peak_bytes_counts_the_intermediates_alive_at_once_in_the_run_order():
     frag = two_chains()  # x -> a1 -> a2 -> a3; y -> b1 -> b2; j = a3 + b2; c = a3 + 10
-    order = [name for name, _, _ in frag.steps]
+    order = list(frag.names)
     assert order.index("a3") < order.index("b1")  # depth first: chain a ends before chain b starts
     assert order == ["a1", "a2", "a3", "b1", "b2", "j", "c"]
     # each step as large as the largest value it reads: a* 100 bytes, b* 10, outputs j and c 100 held to
@@ -229,7 +231,7 @@ def test_fused_members_are_flattened_once_and_keep_their_keys():
     fused = {k: v for k, v in graph.items() if isinstance(v, Task) and v.func is execute_subgraph}
     assert fused  # Dask fused each block's chain
     frag = Fragment(fused, list(fused), dict.fromkeys(fused, "memory"))
-    assert not any(node.func is execute_subgraph for _, node, _ in frag.steps if isinstance(node, Task))
+    assert not any(execute_subgraph in spec for spec in frag.specs())
     assert set(frag.covers) > set(fused)  # the members and the keys fused into them
     got = streams.run_fragment(frag, *[graph[k]({}) for k in frag.inputs])
     expected = (np.arange(32.0).reshape(8, 4) + 2).sum(axis=1)
@@ -252,7 +254,8 @@ def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, 
         return run
 
     frag = two_chains()  # the steps report their stream (the fake has no device arrays: no capture)
-    frag.steps = tuple((name, Task(name, spy(name, node.func), *node.args), reads) for name, node, reads in frag.steps)
+    specs = tuple((head, spy(name, func), *rest) for name, (head, func, *rest) in zip(frag.names, frag.specs()))
+    frag.specs = lambda: specs
     assert streams.run_fragment(frag, 1, 100) == (106, 14)
     assert ran_on["a1"] == ran_on["a2"] == ran_on["a3"] and ran_on["b1"] == ran_on["b2"]
     assert ran_on["a1"] != ran_on["b1"] and "task's own" not in ran_on.values()
@@ -288,7 +291,8 @@ def test_an_eager_run_keeps_to_one_stream_where_more_would_hold_more_than_one_bl
 
         return run
 
-    frag.steps = tuple((name, Task(name, spy(node.func), *node.args), reads) for name, node, reads in frag.steps)
+    specs = tuple((head, spy(func), *rest) for head, func, *rest in frag.specs())
+    frag.specs = lambda: specs
     with dask.config.set({"octopus.streams.capture": False}):  # eager runs (the stand-in cannot capture)
         j, c = streams.run_fragment(frag, Block(1), Block(100))
     assert (j.n, c.n) == (106, 14) and len(ran_on) == 1
@@ -330,7 +334,7 @@ def test_a_fragment_keeps_the_multi_stream_graph_only_within_the_capture_allowan
         return HeldGraph(one if len(pool_streams) == 1 else spread, len(pool_streams))
 
     monkeypatch.setattr(streams, "capture_fragment", capture)
-    graph = streams._capture_within(rt, cp, frag, full, {}, [Input(), Input()], True, object())
+    graph = streams._capture_within(rt, cp, frag, frag.specs(), full, {}, [Input(), Input()], True, object())
     assert graph.streams == (1 if kept == "one" else full.used)
     assert (rt.last_refusal is not None) == refuse
 
@@ -346,6 +350,13 @@ def test_structure_tells_constants_and_partials_apart():
     assert one.structure() != frag(Task("s", np.roll, TaskRef("x"), -2)).structure()  # hash(-1) == hash(-2)
     sums = [frag(Task("s", partial(np.sum, axis=a), TaskRef("x"))).structure() for a in (0, 1)]
     assert sums[0] != sums[1]
+    # a lambda travels by value (cloudpickle), the same each time
+    increment = Task("s", lambda v: v + 1, TaskRef("x"))
+    assert streams.run_fragment(pickle.loads(pickle.dumps(frag(increment))), 2) == (3,)
+    assert frag(increment).structure() == frag(increment).structure()
+    # a constant that nothing pickles still runs where the scheduler is this process
+    locked = frag(Task("s", lambda v, held: v + held.locked(), TaskRef("x"), threading.Lock()))
+    assert streams.run_fragment(locked, 2) == (2,) and locked.structure()
 
 
 def test_replay_in_place_copies_nothing_and_returns_copies_of_the_outputs():
@@ -452,3 +463,37 @@ def test_a_task_reading_an_unfused_slice_joins_a_fragment_and_one_next_to_a_spec
     grouped = {m for k, node in out.items() if k not in graph for m in node.args[0].value.members}
     assert grouped == ({("c", i) for i in range(4)} if joins else set())
     assert type(out["slice"]) is kind  # the slice itself stays a task of its own
+
+
+class Doubled(Task):
+    """A task kind that calls itself differently from Dask's ``Task``: a step keeps it as it is."""
+
+    def __call__(self, values=()):
+        return 2 * super().__call__(values)
+
+
+@pytest.mark.parametrize("node", [
+    Task("s", operator.add, TaskRef("x"), 10),
+    Task("s", operator.add, TaskRef("x"), TaskRef("y")),
+    Task("s", operator.add, TaskRef("y"), TaskRef("x")),  # refs numbered as the arguments name them
+    Task("s", pow, TaskRef("x"), exp=TaskRef("y")),  # a ref among the keyword arguments
+    Task("s", operator.add, Task(None, operator.mul, TaskRef("x"), DataNode(None, 3)), TaskRef("x")),
+    Task("s", sum, parse_input([TaskRef("x"), TaskRef("y"), 5])),  # Dask's List
+    Task("s", dict, parse_input({"a": TaskRef("x"), "b": (TaskRef("y"), 1)})),  # Dict with a Tuple inside
+    Task("s", sorted, parse_input({TaskRef("x"), TaskRef("y")})),  # Set
+    Task("s", len, ((0, 1), (2,))),  # constant tuples stay constants
+    Doubled("s", operator.add, TaskRef("x"), TaskRef("y")),
+])
+def test_a_step_gives_what_dask_s_task_gives_and_travels_without_task_objects(node):
+    frag = Fragment({"s": node}, ["s"], {"s": "memory"})
+    inputs = [{"x": 4, "y": 7}[k] for k in frag.inputs]
+    assert streams.run_fragment(frag, *inputs) == (node({"x": 4, "y": 7}),)
+    assert streams.run_fragment(pickle.loads(pickle.dumps(frag)), *inputs) == (node({"x": 4, "y": 7}),)
+
+    def graph_nodes(spec):  # Dask's task objects inside a step's spec
+        if isinstance(spec, GraphNode):
+            return [spec]
+        return [n for part in spec for n in graph_nodes(part)] if type(spec) is tuple else []
+
+    # plain tuples travel to the worker, not Dask's task objects (those cost ten times more to pickle)
+    assert bool(graph_nodes(frag.specs())) == isinstance(node, Doubled)

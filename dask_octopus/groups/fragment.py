@@ -7,15 +7,25 @@ inner tasks (renamed, since fusion reuses names across levels), orders all steps
 (depth first from the fragment's results: a chain or a branch of a reduction tree finishes before
 the next one starts, so few intermediates are alive at once), and lists what each
 step reads and which values can be dropped after it. Running it is then a walk over the steps.
+
+Each step is kept as a *spec* made of plain tuples (:func:`evaluate` calls it as Dask's ``Task``
+would be called): ``(Call, func, args, kwargs)``, its arguments ``(Ref, i)`` for the step's ``i``-th
+read value, nested calls or constants. A spec names no key, so the steps of one block look alike
+whatever the compute's keys (the fragment's :meth:`~Fragment.structure`). The specs are pickled once,
+where the fragment is made, into one bytes object: on the chain-and-sum workload (3,070 steps)
+the fragment task pickles in 2 ms and unpickles in 3 ms, against 41 ms each way with Dask's ``Task``
+objects, and the scheduler keeps no thousands of objects per fragment for its garbage collector.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import cloudpickle
 from dask.base import tokenize
 from dask.typing import Key
 
@@ -23,15 +33,73 @@ from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, exec
 from dask_octopus.groups.planning import interleave, live_peak, topological
 
 
+class Ref:
+    """Head of the spec ``(Ref, i)``: the ``i``-th value the step reads."""
+
+
+class Call:
+    """Head of the spec ``(Call, func, args, kwargs)``: ``func`` called on its evaluated arguments
+    (``kwargs``: pairs of a name and a spec), as ``Task.__call__`` calls it."""
+
+
+class Node:
+    """Head of the spec ``(Node, node, ((key, i), ...))``: a graph node of another kind, called as Dask
+    calls it, with the values it reads by key."""
+
+
+_REFS: list[tuple] = []  # (Ref, i), one tuple per i: a pickle holds each once
+
+
+def _ref(i: int) -> tuple:
+    while len(_REFS) <= i:
+        _REFS.append((Ref, len(_REFS)))
+    return _REFS[i]
+
+
+def spec_of(node: Any, index: dict[Key, int]) -> Any:
+    """The spec of ``node``, numbering in ``index`` (key -> position, in the order the arguments first
+    name them) the keys it reads."""
+    if isinstance(node, TaskRef):
+        return _ref(index.setdefault(node.key, len(index)))
+    kind = type(node)
+    if kind is DataNode:
+        return node.value
+    if kind is Alias:
+        return _ref(index.setdefault(node.target, len(index)))
+    if isinstance(node, Task) and kind.__call__ is Task.__call__:  # and Dask's containers (List, Dict, ...)
+        args = tuple(spec_of(a, index) for a in node.args)
+        return (Call, node.func, args, tuple((k, spec_of(v, index)) for k, v in node.kwargs.items()))
+    if isinstance(node, GraphNode):
+        return (Node, node, tuple((k, index.setdefault(k, len(index))) for k in sorted(node.dependencies, key=str)))
+    return node  # a constant
+
+
+def evaluate(spec: Any, values: Sequence[Any]) -> Any:
+    """The value of ``spec`` (:func:`spec_of`) on ``values``, the values its step reads, in order."""
+    if type(spec) is not tuple or not spec:
+        return spec
+    head = spec[0]
+    if head is Ref:
+        return values[spec[1]]
+    if head is Call:
+        _, func, args, kwargs = spec
+        if kwargs:
+            return func(*[evaluate(a, values) for a in args], **{k: evaluate(v, values) for k, v in kwargs})
+        return func(*[evaluate(a, values) for a in args])
+    if head is Node:
+        return spec[1]({k: values[i] for k, i in spec[2]})
+    return spec  # a constant tuple
+
+
 def _unwrap(arg: Any) -> Any:
     return arg.value if isinstance(arg, DataNode) else arg
 
 
-def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key, tuple[GraphNode, dict, Key]],
+def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key, tuple[Any, tuple, Key]],
              covers: list[Key], member: Key) -> None:
-    """Add ``node`` under ``key`` to ``out`` with the names of the values it reads, looking into fused
-    tasks (whose inner keys, as the graph named them, go to ``covers``). ``names`` renames the keys of
-    the enclosing scope (the inputs of a fused task); ``member`` is the member task it belongs to."""
+    """Add the spec of ``node`` under ``key`` to ``out`` with the names of the values it reads, looking
+    into fused tasks (whose inner keys, as the graph named them, go to ``covers``). ``names`` renames the
+    keys of the enclosing scope (the inputs of a fused task); ``member`` is the member task it belongs to."""
     if isinstance(node, Task) and node.func is execute_subgraph:
         inner, outkey, inkeys = _unwrap(node.args[0]), _unwrap(node.args[1]), _unwrap(node.args[2])
         scope = {}
@@ -46,28 +114,47 @@ def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key,
         for k, child in inner.items():
             _flatten(scope[k], child, scope, out, covers, member)
         return
-    out[key] = (node, {d: names.get(d, d) for d in node.dependencies}, member)
+    index: dict[Key, int] = {}
+    spec = spec_of(node, index)
+    out[key] = (spec, tuple(names.get(d, d) for d in index), member)
+
+
+def _pack(specs: tuple) -> bytes | tuple:
+    """``specs`` pickled (cloudpickle for lambdas and local functions), or as they are where neither
+    can pickle them (constants such as locks, which only a scheduler in this process can run)."""
+    for dumps in (functools.partial(pickle.dumps, protocol=5), cloudpickle.dumps):
+        try:
+            return dumps(specs)
+        except Exception:  # the next can, or none
+            continue
+    return specs
 
 
 class Fragment:
     """The steps of one fragment, ready to run.
 
-    ``steps[i]`` is ``(name, node, reads)``: the graph node to call, and ``reads`` the pairs
-    ``(key the node asks for, name of the value)``; ``inputs`` are the names of the values the
-    fragment receives (results of tasks outside it), ``outputs`` those it returns, in that order;
-    ``drop[i]`` the names no later step reads (freed after step ``i``); ``deps[i]`` the earlier steps
-    that step ``i`` reads; ``covers`` the keys whose work the fragment does (members and the keys
-    fused into them). ``resources`` maps each member to its declared class (``"compute"``, ``"memory"``
-    or ``"auto"``, run as memory-bound): where steps of both classes are ready they alternate.
+    Values live in *slots*: slot ``j < len(inputs)`` holds input ``j``, slot ``len(inputs) + i`` the
+    result of step ``i``. ``inputs`` are the names of the values the fragment receives (results of
+    tasks outside it) and ``outputs`` those it returns, in that order, at the slots ``results``;
+    ``names[i]`` is step ``i``'s key, ``reads[i]`` the slots it reads, in the order of its ``(Ref, j)``,
+    ``deps[i]`` the earlier steps it reads and ``drop[i]`` the slots no later step reads (freed after
+    it); :meth:`specs` gives the steps' specs (:func:`evaluate`). ``covers`` are the keys whose work the
+    fragment does (members and the keys fused into them). ``resources`` maps each member to its
+    declared class (``"compute"``, ``"memory"`` or ``"auto"``, run as memory-bound): where steps of
+    both classes are ready they alternate.
+
+    The specs travel pickled, as one bytes object made here: the scheduler that sends the fragment
+    copies it, Dask's logs of sent messages hold it without thousands of objects for the garbage
+    collector to walk, and the worker unpickles it once, when the fragment runs.
     """
 
     def __init__(self, members: Mapping[Key, GraphNode], outputs: Iterable[Key], resources: Mapping[Key, str]):
-        flat: dict[Key, tuple[GraphNode, dict, Key]] = {}
+        flat: dict[Key, tuple[Any, tuple, Key]] = {}
         covers: list[Key] = []
         for key, node in members.items():
             covers.append(key)
             _flatten(key, node, {}, flat, covers, key)
-        reads = {name: [d for d in pairs.values() if d in flat] for name, (_, pairs, _) in flat.items()}
+        reads = {name: [d for d in names if d in flat] for name, (_, names, _) in flat.items()}
         read = {d for deps in reads.values() for d in deps}
         # depth first from the results (each one's inputs just before it): a chain or a branch of a
         # reduction tree finishes before the next starts, so few intermediates are alive at a time
@@ -77,36 +164,45 @@ class Fragment:
         classes = [resources[flat[name][2]] for name in names]
         names = [names[i] for i in interleave([[position[d] for d in reads[n]] for n in names],
                                               [c if c != "auto" else "memory" for c in classes])]
-        position = {name: i for i, name in enumerate(names)}
-        self.inputs: tuple[Key, ...] = tuple(sorted({d for _, pairs, _ in flat.values() for d in pairs.values()}
+        self.inputs: tuple[Key, ...] = tuple(sorted({d for _, names_, _ in flat.values() for d in names_}
                                                     - flat.keys(), key=str))
         self.outputs: tuple[Key, ...] = tuple(outputs)
-        self.steps = tuple((name, flat[name][0], tuple(flat[name][1].items())) for name in names)
-        self.deps = tuple(tuple(sorted(position[d] for d in reads[name])) for name in names)
-        last: dict[Key, int] = {}
-        for i, (_, _, pairs) in enumerate(self.steps):
-            for _, value in pairs:
-                last[value] = i
-        keep = set(self.outputs)
-        drop: list[list[Key]] = [[] for _ in names]
-        for value, i in last.items():
-            if value not in keep:
-                drop[i].append(value)
-        self.drop = tuple(tuple(d) for d in drop)
+        first = len(self.inputs)
+        slot = {name: j for j, name in enumerate(self.inputs)}
+        slot.update((name, first + i) for i, name in enumerate(names))
+        self.names: tuple[Key, ...] = tuple(names)
+        self.reads: tuple[tuple[int, ...], ...] = tuple(tuple(slot[v] for v in flat[name][1]) for name in names)
+        self.deps: tuple[tuple[int, ...], ...] = tuple(tuple(sorted({s - first for s in r if s >= first}))
+                                                       for r in self.reads)
+        self.results: tuple[int, ...] = tuple(slot[o] for o in self.outputs)
+        last: dict[int, int] = {}
+        for i, r in enumerate(self.reads):
+            for s in r:
+                last[s] = i
+        drop: list[list[int]] = [[] for _ in names]
+        keep = set(self.results)
+        for s, i in last.items():
+            if s not in keep:
+                drop[i].append(s)
+        self.drop: tuple[tuple[int, ...], ...] = tuple(map(tuple, drop))
         self.covers = tuple(dict.fromkeys(covers))
         self.members: tuple[Key, ...] = tuple(members)
+        self._specs = _pack(tuple(flat[name][0] for name in names))
+
+    def specs(self) -> tuple:
+        """The steps' specs, in step order (unpickled at each call: the worker asks once per run)."""
+        return pickle.loads(self._specs) if isinstance(self._specs, bytes) else self._specs
 
     def estimate(self, sizes: Mapping[Key, float]) -> tuple[list[float], list[list[int]]]:
         """Each step's estimated result bytes, as large as the largest value it reads (elementwise work;
         0 for a step reading none: Dask does not say how large a result will be before it exists), from
-        ``sizes``, the bytes of the inputs (those missing count 0); and the steps whose results are freed
-        after each step."""
-        position = {name: i for i, (name, _, _) in enumerate(self.steps)}
-        estimated: list[float] = []
-        for _, _, reads in self.steps:
-            estimated.append(max((estimated[position[v]] if v in position else sizes.get(v, 0) for _, v in reads),
-                                 default=0))
-        return estimated, [[position[v] for v in drop if v in position] for drop in self.drop]
+        ``sizes``, the bytes of the inputs by name (those missing count 0); and the steps whose results
+        are freed after each step."""
+        first = len(self.inputs)
+        held = [float(sizes.get(name, 0)) for name in self.inputs]
+        for r in self.reads:
+            held.append(max((held[s] for s in r), default=0))
+        return held[first:], [[s - first for s in d if s >= first] for d in self.drop]
 
     def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
         """The estimated peak of the bytes of intermediate results held while the steps run in their order
@@ -115,39 +211,9 @@ class Fragment:
         return live_peak(*self.estimate(sizes))
 
     def structure(self) -> str:
-        """What the fragment computes, whatever its keys: a token of its steps' functions and constants,
-        with the values they read named by position (constants that cannot be hashed, such as arrays,
-        are tokenized). Equal structures on equal input shapes do equal work."""
-        position = {name: ("in", j) for j, name in enumerate(self.inputs)}
-        position.update((name, ("step", i)) for i, (name, _, _) in enumerate(self.steps))
-        parts = []
-        for _, node, reads in self.steps:
-            where = {k: position[v] for k, v in reads}
-            parts.append(_shape(node, where))
-        described = (parts, [position[o] for o in self.outputs])
-        try:  # pickle is fast and names functions by module and name, partials by their arguments
-            return hashlib.sha1(pickle.dumps(described, protocol=5)).hexdigest()
-        except (pickle.PicklingError, AttributeError, TypeError):  # lambdas, local functions
-            return tokenize(described)
-
-
-def _shape(node: Any, where: Mapping[Key, Any]) -> Any:
-    """A hashable description of ``node`` with the values it reads replaced by ``where``."""
-    if isinstance(node, TaskRef):
-        return where[node.key]
-    if isinstance(node, DataNode):
-        return _shape(node.value, where)
-    if isinstance(node, Task):
-        kwargs = tuple(sorted((k, _shape(v, where)) for k, v in node.kwargs.items())) if node.kwargs else ()
-        return (node.func, tuple(_shape(a, where) for a in node.args), kwargs)
-    if isinstance(node, Alias):
-        return ("alias", where[node.target])
-    if isinstance(node, GraphNode):  # another kind of node (a list or dict of tasks): by its token
-        return tokenize(node.substitute({k: str(v) for k, v in where.items()}))
-    if isinstance(node, (tuple, list)):
-        return (type(node), tuple(_shape(a, where) for a in node))
-    try:  # scalars, dtypes, functions: themselves (within this process)
-        hash(node)
-    except TypeError:  # arrays and other mutable constants: by their token
-        return tokenize(node)
-    return (type(node), node)
+        """What the fragment computes, whatever its keys: a token of its steps' specs (functions and
+        constants, pickled) and of the slots they read and return. Equal structures on equal input
+        shapes do equal work."""
+        if not isinstance(self._specs, bytes):
+            return tokenize(self._specs, self.reads, self.results)
+        return hashlib.sha1(self._specs + pickle.dumps((self.reads, self.results), protocol=5)).hexdigest()

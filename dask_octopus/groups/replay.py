@@ -105,8 +105,9 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
 def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], values: dict, inputs: Sequence[Hashable],
                      outputs: Sequence[Hashable], streams: Sequence[Any], in_place: bool) -> CapturedGroup:
     """Capture ``launch(values, streams)`` (a fragment's launches over ``streams``) reading the input
-    values named ``inputs`` in place or from copies; raises :class:`CaptureRefused` when CUDA or CuPy
-    refuses. The streams must already wait for the inputs."""
+    values of ``values`` at the keys ``inputs`` in place or from copies, the results being those at
+    ``outputs``; raises :class:`CaptureRefused` when CUDA or CuPy refuses. The streams must already wait
+    for the inputs."""
     with streams[0]:
         static = {k: values[k] if in_place else values[k].copy() for k in inputs}
     captured = dict(static)

@@ -20,17 +20,15 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dask.utils
 from dask.sizeof import sizeof
 
 from dask_octopus import config
+from dask_octopus.groups.fragment import Fragment, evaluate
 from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
 from dask_octopus.groups.replay import CapturedGroup, CaptureRefused, GraphCache, capture, capture_fragment
-
-if TYPE_CHECKING:
-    from dask_octopus.groups.fragment import Fragment
 
 logger = logging.getLogger(__name__)
 EXTENSION = "octopus-streams"  #: the name of the :class:`StreamRuntime` in ``Worker.extensions``
@@ -115,18 +113,18 @@ class StreamRuntime:
 
     def layout(self, fragment: Fragment, streams: int | None = None) -> FragmentLayout:
         """The fragment's :class:`FragmentLayout` over ``streams`` streams (``None``:
-        ``octopus.streams.max-streams``), made once per fragment seen on this worker (by its steps'
-        names and outputs) and remembered with the graphs."""
+        ``octopus.streams.max-streams``), made once per shape of fragment seen on this worker (which
+        steps read which: the same work on new keys has the same layout) and remembered with the graphs."""
         streams = config.get("streams.max-streams") if streams is None else streams
-        names = (tuple(name for name, _, _ in fragment.steps), fragment.outputs, streams)
+        shape = (fragment.deps, streams)
         with self._lock:
-            layout = self.layouts.get(names)
+            layout = self.layouts.get(shape)
             if layout is not None:
-                self.layouts.move_to_end(names)
+                self.layouts.move_to_end(shape)
                 return layout
         layout = FragmentLayout(fragment, streams)
         with self._lock:
-            self.layouts[names] = layout
+            self.layouts[shape] = layout
             while len(self.layouts) > 2 * self.max_graphs:  # a fragment's layouts on one stream and on the pool
                 self.layouts.popitem(last=False)
         return layout
@@ -298,20 +296,12 @@ class FragmentLayout:
     """How a fragment runs on a GPU worker: the stream of each step (:func:`assign_streams`), the
     steps whose result another stream reads (an event is recorded after them, and their values stay
     alive until the fragment's end: memory freed while another stream may still read it could be
-    reused early), the fragment's structure (for its capture signature, made when capture first asks)
-    and the bytes CuPy's pool would hold after an eager run on these streams."""
+    reused early), and the bytes CuPy's pool would hold after an eager run on these streams."""
 
     def __init__(self, fragment: Fragment, streams: int):
         self.streams = assign_streams(fragment.deps, streams)
         self.used = len(set(self.streams))
         self.shared = {j for i, deps in enumerate(fragment.deps) for j in deps if self.streams[j] != self.streams[i]}
-        self._structure: str | None = None
-
-    def structure(self, fragment: Fragment) -> str:
-        """``fragment``'s :meth:`~Fragment.structure` (the fragment this layout was made for), made once."""
-        if self._structure is None:
-            self._structure = fragment.structure()
-        return self._structure
 
     def pool_bytes(self, fragment: Fragment, sizes: Mapping[Any, float]) -> float:
         """The estimated bytes CuPy's pool holds after an eager run of ``fragment`` on these streams
@@ -345,15 +335,16 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     return value
 
 
-def _step(name: Any, node: Any, reads: Sequence[tuple[Any, Any]], values: dict, retries: int = 0) -> Any:
-    args = {}
-    for k, v in reads:
-        value = args[k] = values[v]
+def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], retries: int = 0) -> Any:
+    args = []
+    for v in reads:
+        value = values[v]
         if type(value) is StepFailed:
             return value
+        args.append(value)
     for attempt in range(retries + 1):
         try:
-            return node(args)
+            return evaluate(spec, args)
         except Exception as e:
             if attempt == retries:
                 e.add_note(f"dask_octopus: raised by task {name!r} of a fragment"
@@ -377,35 +368,38 @@ def _task_retries() -> int:
     return retries if isinstance(retries, int) and retries > 0 else 0
 
 
-def walk(fragment: Fragment, values: dict, retries: int = 0) -> None:
-    """Run the steps one after the other into ``values`` (names to values), dropping each value after
-    its last reader; a step that raises runs again up to ``retries`` times."""
-    for (name, node, reads), drop in zip(fragment.steps, fragment.drop):
-        values[name] = _step(name, node, reads, values, retries)
+def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0) -> None:
+    """Run the steps one after the other into ``values`` (slots to values, the inputs' first), dropping
+    each value after its last reader; a step that raises runs again up to ``retries`` times."""
+    slot = len(fragment.inputs)
+    for name, spec, reads, drop in zip(fragment.names, fragment.specs(), fragment.reads, fragment.drop):
+        values[slot] = _step(name, spec, reads, values, retries)
+        slot += 1
         for d in drop:
             del values[d]
 
 
-def launch(fragment: Fragment, layout: FragmentLayout, values: dict, streams: Sequence[Any],
-           retries: int = 0) -> list[Any]:
-    """Launch the steps on their streams into ``values``, waiting on an event where a step reads
-    another stream's result (a step that raises runs again up to ``retries`` times); returns the
-    values kept alive for other streams (the caller holds them until those streams are done)."""
+def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, values: dict[int, Any],
+           streams: Sequence[Any], retries: int = 0) -> list[Any]:
+    """Launch the steps (``specs``: :meth:`Fragment.specs`) on their streams into ``values`` (slots to
+    values), waiting on an event where a step reads another stream's result (a step that raises runs
+    again up to ``retries`` times); returns the values kept alive for other streams (the caller holds
+    them until those streams are done)."""
     events: dict[int, Any] = {}
     held = []
-    position = {name: i for i, (name, _, _) in enumerate(fragment.steps)}
-    for i, ((name, node, reads), drop) in enumerate(zip(fragment.steps, fragment.drop)):
+    first = len(fragment.inputs)
+    for i, (name, spec, reads, drop) in enumerate(zip(fragment.names, specs, fragment.reads, fragment.drop)):
         s = streams[layout.streams[i]]
         for j in fragment.deps[i]:
             if j in layout.shared and layout.streams[j] != layout.streams[i]:
                 s.wait_event(events[j])
         with s:
-            values[name] = _step(name, node, reads, values, retries)
+            values[first + i] = _step(name, spec, reads, values, retries)
             if i in layout.shared:
                 events[i] = s.record()
         for d in drop:
             value = values.pop(d)
-            if position.get(d) in layout.shared:
+            if d - first in layout.shared:
                 held.append(value)
     return held
 
@@ -426,16 +420,18 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     would re-run the failed task that many times); then it does not stop the others: its value, and
     that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
     step's key in its notes), which the tasks that read it from the fragment raise."""
-    values = dict(zip(fragment.inputs, inputs, strict=True))
+    if len(inputs) != len(fragment.inputs):
+        raise ValueError(f"a fragment of {len(fragment.inputs)} inputs was given {len(inputs)}")
+    values = dict(enumerate(inputs))
     retries = _task_retries()
     rt = runtime()
-    rt.count(len(fragment.steps))
+    rt.count(len(fragment.names))
     cp = _cupy()
     if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
             config.get("streams.large-bytes"))):
         return _run_on_gpu(cp, rt, fragment, values, inputs, retries)
     walk(fragment, values, retries)
-    return tuple(values[o] for o in fragment.outputs)
+    return tuple(values[s] for s in fragment.results)
 
 
 def _ready_streams(rt: StreamRuntime, cp: Any, n: int, ready: Any) -> list[Any]:
@@ -455,8 +451,8 @@ def _extra_bytes(rt: StreamRuntime, cp: Any, fragment: Fragment, layout: Fragmen
     return layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
 
 
-def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, full: FragmentLayout, values: dict,
-                    inputs: Sequence[Any], in_place: bool, ready: Any) -> CapturedGroup | None:
+def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, specs: Sequence[Any], full: FragmentLayout,
+                    values: dict[int, Any], inputs: Sequence[Any], in_place: bool, ready: Any) -> CapturedGroup | None:
     """The fragment captured over the streams of ``full`` (its layout over the pool) if that graph holds
     at most ``octopus.streams.capture-spare-bytes`` plus the largest input more than the graph captured
     on one stream, else the one-stream graph (also where the pool's capture is refused); ``None`` where
@@ -467,8 +463,8 @@ def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, full: Fragme
     for layout in layouts:
         streams = _ready_streams(rt, cp, layout.used, ready)
         try:
-            graphs.append(capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, lay, v, st), values,
-                                           fragment.inputs, fragment.outputs, streams, in_place))
+            graphs.append(capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, specs, lay, v, st), values,
+                                           range(len(inputs)), fragment.results, streams, in_place))
         except CaptureRefused as e:
             rt.last_refusal = str(e) if not graphs else f"over {layout.used} streams (kept on one): {e}"
             logger.debug("dask_octopus: fragment not captured over %d streams: %s", layout.used, e)
@@ -482,7 +478,7 @@ def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, full: Fragme
     return spread if spread.held_bytes() <= allowance else one
 
 
-def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, inputs: Sequence[Any],
+def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int, Any], inputs: Sequence[Any],
                 retries: int) -> tuple[Any, ...]:
     # Eagerly, more streams may hold one block more than one stream does (one pool arena per stream): they
     # buy no speed there (launches are bound by Python). A graph captured over several streams (Opara's
@@ -491,14 +487,15 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
     layout = rt.layout(fragment)
     ready = cp.cuda.get_current_stream().record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
-        shapes = _signature(layout.structure(fragment), inputs)
+        shapes = _signature(fragment.structure(), inputs)
         pointers = tuple((x.data.ptr, x.strides) for x in inputs)
         cache = rt.graph_cache()
         graph = cache.get((shapes, pointers)) or cache.get(shapes)
         if graph is None:
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
-                    graph = _capture_within(rt, cp, fragment, layout, values, inputs, in_place, ready)
+                    graph = _capture_within(rt, cp, fragment, fragment.specs(), layout, values, inputs, in_place,
+                                            ready)
                     cache.add(signature, graph)
                     break
         if graph is not None:
@@ -511,9 +508,9 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict, in
         layout = rt.layout(fragment, 1)
     streams = _ready_streams(rt, cp, layout.used, ready)
     try:
-        held = launch(fragment, layout, values, streams, retries)
+        held = launch(fragment, fragment.specs(), layout, values, streams, retries)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
         for s in streams:
             s.synchronize()
     del held
-    return tuple(values[o] for o in fragment.outputs)
+    return tuple(values[s] for s in fragment.results)
