@@ -497,3 +497,38 @@ def test_a_step_gives_what_dask_s_task_gives_and_travels_without_task_objects(no
 
     # plain tuples travel to the worker, not Dask's task objects (those cost ten times more to pickle)
     assert bool(graph_nodes(frag.specs())) == isinstance(node, Doubled)
+
+
+def test_the_collector_is_paused_while_an_annotated_graph_is_optimized_and_resumed_after():
+    import gc
+
+    from dask_octopus.groups.collector import collector_paused
+    from dask_octopus.groups.marks import GroupingOptimizer
+
+    seen = []
+
+    def base(dsk, keys, **kwargs):  # Dask's optimizer, recording whether the collector runs
+        seen.append(gc.isenabled())
+        return dsk
+
+    optimize = GroupingOptimizer(base)
+    x = da.ones(8, chunks=4)
+    with dask_octopus.annotate():
+        marked = x + 1
+    unmarked = x + 2
+    optimize(marked.__dask_graph__(), marked.__dask_keys__())
+    optimize(unmarked.__dask_graph__(), unmarked.__dask_keys__())
+    assert seen == [False, True] and gc.isenabled()  # paused for the marked graph only
+    with pytest.raises(RuntimeError), collector_paused():
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # the outer block (another thread's planning) still pauses it
+        raise RuntimeError("planning failed")
+    assert gc.isenabled()  # resumed by the outermost block, also on an error
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a collector paused by the user stays paused
+    finally:
+        gc.enable()

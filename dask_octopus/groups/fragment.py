@@ -59,16 +59,18 @@ def _ref(i: int) -> tuple:
 def spec_of(node: Any, index: dict[Key, int]) -> Any:
     """The spec of ``node``, numbering in ``index`` (key -> position, in the order the arguments first
     name them) the keys it reads."""
-    if isinstance(node, TaskRef):
+    if isinstance(node, TaskRef):  # and distributed's Future
         return _ref(index.setdefault(node.key, len(index)))
     kind = type(node)
+    if kind is Task or (isinstance(node, Task) and kind.__call__ is Task.__call__):  # and Dask's List, Dict...
+        args = tuple([spec_of(a, index) if isinstance(a, (GraphNode, TaskRef)) else a for a in node.args])
+        kwargs = tuple([(k, spec_of(v, index) if isinstance(v, (GraphNode, TaskRef)) else v)
+                        for k, v in node.kwargs.items()]) if node.kwargs else ()
+        return (Call, node.func, args, kwargs)
     if kind is DataNode:
         return node.value
     if kind is Alias:
         return _ref(index.setdefault(node.target, len(index)))
-    if isinstance(node, Task) and kind.__call__ is Task.__call__:  # and Dask's containers (List, Dict, ...)
-        args = tuple(spec_of(a, index) for a in node.args)
-        return (Call, node.func, args, tuple((k, spec_of(v, index)) for k, v in node.kwargs.items()))
     if isinstance(node, GraphNode):
         return (Node, node, tuple((k, index.setdefault(k, len(index))) for k in sorted(node.dependencies, key=str)))
     return node  # a constant
@@ -159,11 +161,11 @@ class Fragment:
         # depth first from the results (each one's inputs just before it): a chain or a branch of a
         # reduction tree finishes before the next starts, so few intermediates are alive at a time
         names = topological([n for n in flat if n not in read] + [n for n in flat if n in read], reads)
-        position = {name: i for i, name in enumerate(names)}
         # then compute- and memory-bound steps alternate where both are ready ("auto": memory, as on CPU)
-        classes = [resources[flat[name][2]] for name in names]
-        names = [names[i] for i in interleave([[position[d] for d in reads[n]] for n in names],
-                                              [c if c != "auto" else "memory" for c in classes])]
+        classes = [resources[flat[name][2]] if resources[flat[name][2]] != "auto" else "memory" for name in names]
+        if len(set(classes)) > 1:  # (with one class, interleave keeps the order)
+            position = {name: i for i, name in enumerate(names)}
+            names = [names[i] for i in interleave([[position[d] for d in reads[n]] for n in names], classes)]
         self.inputs: tuple[Key, ...] = tuple(sorted({d for _, names_, _ in flat.values() for d in names_}
                                                     - flat.keys(), key=str))
         self.outputs: tuple[Key, ...] = tuple(outputs)

@@ -35,6 +35,7 @@ from dask.typing import Key
 from dask.utils import ensure_dict
 
 from dask_octopus._compat import convert_legacy_graph, resolve_aliases
+from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
 from dask_octopus.groups.rewrite import fragment_graph, inner_keys
 from dask_octopus.groups.scheduler import fragment_here, grouping_here
@@ -49,9 +50,15 @@ class GroupingOptimizer:
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
         dsk = pull_marks(dsk)
         specs = marked_keys(dsk)
+        if not specs:
+            return self.base(dsk, keys, **kwargs)
+        with collector_paused():  # Dask's optimizer and ours allocate many short-lived objects
+            return self._group(dsk, keys, specs, **kwargs)
+
+    def _group(self, dsk: Any, keys: Any, specs: Mapping[Key, Mapping[str, Any]], **kwargs: Any) -> Any:
         optimized = self.base(dsk, keys, **kwargs)
         keep = set(flatten(keys))
-        if not specs or (specs.keys() <= keep and isinstance(optimized, HighLevelGraph)):
+        if specs.keys() <= keep and isinstance(optimized, HighLevelGraph):
             return optimized  # nothing to group (yet): the marks stay on the layers
         graph = convert_legacy_graph(ensure_dict(optimized))
         graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names

@@ -31,22 +31,30 @@ def topological(order: Sequence[Hashable], dependencies: Mapping[Hashable, Colle
     """The keys of ``order`` with every key after its dependencies, otherwise as close to ``order`` as a
     depth-first walk allows; dependencies outside ``order`` are ignored. Raises ``ValueError`` on a cycle."""
     index = {k: i for i, k in enumerate(order)}
+
+    def inside(key: Hashable) -> list[Hashable]:  # its dependencies in order, last first (popped first)
+        deps = [d for d in dependencies[key] if d in index]
+        if len(deps) > 1:
+            deps.sort(key=index.__getitem__, reverse=True)
+        return deps
+
     done: set[Hashable] = set()
     out: list[Hashable] = []
     for root in order:
         if root in done:
             continue
-        stack = [(root, iter(sorted((d for d in dependencies[root] if d in index), key=index.__getitem__)))]
+        stack = [(root, inside(root))]
         on_path = {root}
         while stack:
             node, deps = stack[-1]
-            for d in deps:
-                if d not in done:
-                    if d in on_path:
-                        raise ValueError(f"the graph has a cycle through {d!r}")
-                    stack.append((d, iter(sorted((e for e in dependencies[d] if e in index), key=index.__getitem__))))
-                    on_path.add(d)
-                    break
+            while deps and deps[-1] in done:
+                deps.pop()
+            if deps:
+                d = deps.pop()
+                if d in on_path:
+                    raise ValueError(f"the graph has a cycle through {d!r}")
+                stack.append((d, inside(d)))
+                on_path.add(d)
             else:
                 stack.pop()
                 on_path.discard(node)

@@ -70,9 +70,15 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
 
 def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,
                  budgets: Mapping[Any, float | None] | None) -> bool:
-    """Whether ``fragment``'s estimated peak (:meth:`Fragment.peak_bytes`) exceeds its place's budget."""
+    """Whether ``fragment``'s estimated peak (:meth:`Fragment.peak_bytes`) exceeds its place's budget
+    (not estimated where every step holding a result as large as the largest input fits)."""
     budget = (budgets or {}).get(place)
-    return budget is not None and fragment.peak_bytes(sizes or {}) > budget
+    if budget is None:
+        return False
+    sizes = sizes or {}
+    if len(fragment.names) * max((sizes.get(k, 0) for k in fragment.inputs), default=0) <= budget:
+        return False
+    return fragment.peak_bytes(sizes) > budget
 
 
 def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],

@@ -220,7 +220,7 @@ class Placement:
     def planned_worker(self, key: Key, run_spec: Any) -> str | None:
         """The worker that the task ``key`` (or a task fused into it) is pinned to by a plan, if any
         (``None`` also for a stealable block, which may run elsewhere)."""
-        block = self._planned_block(key, run_spec)
+        block = self._planned_block(key, run_spec) if self.plans else None
         return self.worker_of(block) if block is not None and not self.stealable(block) else None
 
     def inherit(self, key: Key, member: Key) -> None:

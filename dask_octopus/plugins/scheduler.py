@@ -25,6 +25,7 @@ from dask_octopus import config
 from dask_octopus._checks import is_finite
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory
 from dask_octopus.groups import scheduler as scheduler_groups
+from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.placement.pins import Placement
 from dask_octopus.plugins.messages import Profile, WorkerInfo
@@ -303,7 +304,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         unread: list = []
         marks = (annotations or {}).get(ANNOTATION)
         if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
-            made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles)
+            with collector_paused():
+                made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles)
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
             if unread:  # after update_graph: later plugins are still given these keys
