@@ -25,7 +25,7 @@ from test_documented import fake_gpu  # noqa: F401 (a fixture)
 import dask_octopus
 from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
-from dask_octopus.groups.fragment import Fragment
+from dask_octopus.groups.fragment import Call, Fragment, Ref
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.placement.unfused import UnfusedTask
 
@@ -350,6 +350,9 @@ def test_structure_tells_constants_and_partials_apart():
     assert one.structure() != frag(Task("s", np.roll, TaskRef("x"), -2)).structure()  # hash(-1) == hash(-2)
     sums = [frag(Task("s", partial(np.sum, axis=a), TaskRef("x"))).structure() for a in (0, 1)]
     assert sums[0] != sums[1]
+    # a task kind with its own __call__ is kept as it is, its keys renamed: the same whatever the keys
+    assert frag(Doubled("s", operator.add, TaskRef("x"), 1)).structure() == \
+        frag(Doubled("t", operator.add, TaskRef("y"), 1)).structure()
     # a lambda travels by value (cloudpickle), the same each time
     increment = Task("s", lambda v: v + 1, TaskRef("x"))
     assert streams.run_fragment(pickle.loads(pickle.dumps(frag(increment))), 2) == (3,)
@@ -482,6 +485,8 @@ class Doubled(Task):
     Task("s", dict, parse_input({"a": TaskRef("x"), "b": (TaskRef("y"), 1)})),  # Dict with a Tuple inside
     Task("s", sorted, parse_input({TaskRef("x"), TaskRef("y")})),  # Set
     Task("s", len, ((0, 1), (2,))),  # constant tuples stay constants
+    Task("s", list, (Ref, 5)),  # also one that begins as a spec does
+    Task("s", list, DataNode(None, (Call, 5))),
     Doubled("s", operator.add, TaskRef("x"), TaskRef("y")),
 ])
 def test_a_step_gives_what_dask_s_task_gives_and_travels_without_task_objects(node):
@@ -532,3 +537,26 @@ def test_the_collector_is_paused_while_an_annotated_graph_is_optimized_and_resum
         assert not gc.isenabled()  # a collector paused by the user stays paused
     finally:
         gc.enable()
+
+
+def test_a_fragment_of_functions_defined_in_a_script_runs_in_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    # a script's functions live in its __main__: they must travel by value, as Dask sends a task's
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys\n"
+        "from distributed.protocol.pickle import dumps\n"
+        "from dask_octopus._compat import Task, TaskRef\n"
+        "from dask_octopus.groups.fragment import Fragment\n"
+        "def double(x):\n"
+        "    return 2 * x\n"
+        "frag = Fragment({'a': Task('a', double, TaskRef('x')), 'b': Task('b', double, TaskRef('a'))}, ['b'],\n"
+        "                {'a': 'memory', 'b': 'memory'})\n"
+        "sys.stdout.buffer.write(dumps(frag))\n")
+    sent = subprocess.run([sys.executable, str(script)], capture_output=True, check=True).stdout
+    run = ("import sys; from distributed.protocol.pickle import loads; from dask_octopus.groups import streams; "
+           "print(streams.run_fragment(loads(sys.stdin.buffer.read()), 21))")
+    got = subprocess.run([sys.executable, "-c", run], input=sent, capture_output=True, check=True)
+    assert got.stdout.decode().strip() == "(84,)"

@@ -19,15 +19,14 @@ objects, and the scheduler keeps no thousands of objects per fragment for its ga
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import cloudpickle
 from dask.base import tokenize
 from dask.typing import Key
+from distributed.protocol.pickle import dumps
 
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.planning import interleave, live_peak, topological
@@ -43,17 +42,26 @@ class Call:
 
 
 class Node:
-    """Head of the spec ``(Node, node, ((key, i), ...))``: a graph node of another kind, called as Dask
-    calls it, with the values it reads by key."""
+    """Head of the spec ``(Node, node, (i, ...))``: a graph node of another kind (a task with its own
+    ``__call__``), called as Dask calls it, renamed ``"octopus-step"`` and its dependencies
+    ``("octopus-read", i)``."""
 
 
-_REFS: list[tuple] = []  # (Ref, i), one tuple per i: a pickle holds each once
+class Const:
+    """Head of the spec ``(Const, value)``: a constant tuple that begins with one of these heads."""
+
+
+_HEADS = (Ref, Call, Node, Const)
+
+
+_REFS: dict[int, tuple] = {}  # (Ref, i), one tuple per i: a pickle holds each once
 
 
 def _ref(i: int) -> tuple:
-    while len(_REFS) <= i:
-        _REFS.append((Ref, len(_REFS)))
-    return _REFS[i]
+    return _REFS.get(i) or _REFS.setdefault(i, (Ref, i))  # setdefault: one tuple also when threads race
+
+
+_SPECIAL = (GraphNode, TaskRef, tuple)  # arguments that spec_of looks into (the rest are constants as they are)
 
 
 def spec_of(node: Any, index: dict[Key, int]) -> Any:
@@ -63,16 +71,21 @@ def spec_of(node: Any, index: dict[Key, int]) -> Any:
         return _ref(index.setdefault(node.key, len(index)))
     kind = type(node)
     if kind is Task or (isinstance(node, Task) and kind.__call__ is Task.__call__):  # and Dask's List, Dict...
-        args = tuple([spec_of(a, index) if isinstance(a, (GraphNode, TaskRef)) else a for a in node.args])
-        kwargs = tuple([(k, spec_of(v, index) if isinstance(v, (GraphNode, TaskRef)) else v)
+        args = tuple([spec_of(a, index) if isinstance(a, _SPECIAL) else a for a in node.args])
+        kwargs = tuple([(k, spec_of(v, index) if isinstance(v, _SPECIAL) else v)
                         for k, v in node.kwargs.items()]) if node.kwargs else ()
         return (Call, node.func, args, kwargs)
     if kind is DataNode:
-        return node.value
+        return spec_of(node.value, index) if type(node.value) is tuple else node.value
     if kind is Alias:
         return _ref(index.setdefault(node.target, len(index)))
     if isinstance(node, GraphNode):
-        return (Node, node, tuple((k, index.setdefault(k, len(index))) for k in sorted(node.dependencies, key=str)))
+        keys = sorted(node.dependencies, key=str)
+        reads = tuple(index.setdefault(k, len(index)) for k in keys)
+        return (Node, node.substitute({k: ("octopus-read", i) for k, i in zip(keys, reads)}, key="octopus-step"),
+                reads)
+    if kind is tuple and node and node[0] in _HEADS:
+        return (Const, node)
     return node  # a constant
 
 
@@ -89,7 +102,9 @@ def evaluate(spec: Any, values: Sequence[Any]) -> Any:
             return func(*[evaluate(a, values) for a in args], **{k: evaluate(v, values) for k, v in kwargs})
         return func(*[evaluate(a, values) for a in args])
     if head is Node:
-        return spec[1]({k: values[i] for k, i in spec[2]})
+        return spec[1]({("octopus-read", i): values[i] for i in spec[2]})
+    if head is Const:
+        return spec[1]
     return spec  # a constant tuple
 
 
@@ -122,14 +137,13 @@ def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key,
 
 
 def _pack(specs: tuple) -> bytes | tuple:
-    """``specs`` pickled (cloudpickle for lambdas and local functions), or as they are where neither
-    can pickle them (constants such as locks, which only a scheduler in this process can run)."""
-    for dumps in (functools.partial(pickle.dumps, protocol=5), cloudpickle.dumps):
-        try:
-            return dumps(specs)
-        except Exception:  # the next can, or none
-            continue
-    return specs
+    """``specs`` pickled as distributed pickles a task (by value where pickle cannot, or where they name
+    ``__main__``: functions of a script or notebook), or as they are where nothing can pickle them
+    (constants such as locks, which only a scheduler in this process can run)."""
+    try:
+        return dumps(specs)
+    except Exception:
+        return specs
 
 
 class Fragment:
@@ -192,7 +206,8 @@ class Fragment:
         self._specs = _pack(tuple(flat[name][0] for name in names))
 
     def specs(self) -> tuple:
-        """The steps' specs, in step order (unpickled at each call: the worker asks once per run)."""
+        """The steps' specs, in step order (unpickled at each call: a run asks once, or twice where it
+        tries a capture that CUDA refuses and then runs eagerly)."""
         return pickle.loads(self._specs) if isinstance(self._specs, bytes) else self._specs
 
     def estimate(self, sizes: Mapping[Key, float]) -> tuple[list[float], list[list[int]]]:
