@@ -37,16 +37,18 @@ def test_calibration_sees_a_cotenant(pinned_client):
 
 def test_online_refinement_after_a_real_slowdown(pinned_client):
     c, plan = pinned_client
-    dask_octopus.register(c)
+    # uncalibrated: the workers start equal, so the weight the slowed worker loses is the task timings'
+    # doing (a 0.6 s probe on 2 shared cores varies by +-0.1 of weight; test_calibration_sees_a_cotenant)
+    dask_octopus.register(c, calibrate=False)
     slow = min(plan)
     before = dask_octopus.speeds(c)[slow]
-    assert before > 0.3  # about equal workers before the co-tenant (a 0.6 s probe on 2 shared cores varies)
+    assert before == pytest.approx(0.5)
     data = {w: c.scatter(np.ones((512, 512), dtype=np.float64), workers=[w]) for w in plan}
     with CoTenant(cores=[plan[slow]], procs=2):
         futs = [c.submit(gemm_repeat, data[w], 20, workers=[w], pure=False) for _ in range(6) for w in plan]
         wait(futs)
         w = dask_octopus.speeds(c)
-    assert w[slow] < min(0.4, before - 0.1), (before, w)  # the slowed worker lost weight
+    assert w[slow] < 0.4, w  # the slowed worker lost weight (it runs at about a third of the other's speed)
     assert dask_octopus.profiles(c)[slow]["samples"] >= 3
 
 
