@@ -47,8 +47,8 @@ def reaches(deps, a, b):
 @settings(max_examples=400, deadline=None)
 def test_fragments_are_candidates_of_one_place_that_contract_to_an_acyclic_graph(dag):
     deps, candidates, places, parts, cap = dag
-    order = list(deps)[::-1]  # built in any order: dependencies may come later
-    fragments = plan_fragments(order, deps, candidates, places, parts, cap)
+    steps = topological(list(deps)[::-1], deps)  # built in any order, then dependencies first
+    fragments = plan_fragments(steps, deps, candidates, places, parts, cap)
     flat = [k for f in fragments for k in f]
     assert len(flat) == len(set(flat)) and set(flat) <= set(candidates)
     owner = {k: i for i, f in enumerate(fragments) for k in f}

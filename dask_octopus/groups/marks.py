@@ -61,9 +61,13 @@ class GroupingOptimizer:
         if specs.keys() <= keep and isinstance(optimized, HighLevelGraph):
             return optimized  # nothing to group (yet): the marks stay on the layers
         graph = convert_legacy_graph(ensure_dict(optimized))
-        graph = resolve_aliases(graph, keep, _dependents(graph))  # fusion leaves aliases of the fused names
+        dependents = _dependents(graph)
+        resolved = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
+        if len(resolved) != len(graph):  # each alias it collapses takes a key out
+            dependents = _dependents(resolved)
+        graph = resolved
         marks = inner_marks(graph, specs)
-        here = fragment_here(graph, marks, keep, _dependents(graph)) if grouping_here() else None
+        here = fragment_here(graph, marks, keep, dependents) if grouping_here() else None
         if here is not None:  # on the scheduler, knowing where the tasks run
             graph = here
             marks = {k: v for k, v in marks.items() if k in graph}
@@ -73,7 +77,7 @@ class GroupingOptimizer:
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
         else:
             threads = dask.config.get("num_workers", None) or CPU_COUNT
-            graph = fragment_graph(graph, marks, keep, _dependents(graph), {}, {None: threads})
+            graph = fragment_graph(graph, marks, keep, dependents, {}, {None: threads})
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
             # again when it becomes an input of another one (delayed arguments), and they may group then.
             marks = {k: v for k, v in marks.items() if k in graph}
@@ -142,7 +146,9 @@ def inner_marks(graph: Mapping[Key, Any], specs: Mapping[Key, Mapping[str, Any]]
     """The marks of the tasks of an optimized graph: their own, or that of a task fused into them."""
     out = {}
     for k, node in graph.items():
-        spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
+        spec = specs.get(k)  # its own first, as inner_keys lists it
+        if spec is None:
+            spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
         if spec is not None:
             out[k] = spec
     return out

@@ -68,13 +68,14 @@ def _chunks(n: int, parts: int) -> list[int]:
     return [i * parts // n for i in range(n)] if n else []
 
 
-def plan_fragments(order: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]],
+def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]],
                    candidates: Collection[Hashable], places: Mapping[Hashable, Hashable],
                    parts: Mapping[Hashable, int], cap: int | None = None) -> list[list[Hashable]]:
     """Fragments of a graph: sets of ``candidates`` that each run as one task, members in dependency order.
 
-    ``order`` is every key of the graph, in the order it was built; ``dependencies`` maps each to its
-    dependencies (keys outside ``order`` are inputs that exist already). A *source* is a candidate with
+    ``steps`` is every key of the graph, each after its dependencies: the order it was built, as
+    :func:`topological` keeps it; ``dependencies`` maps each to its dependencies (keys outside ``steps``
+    are inputs that exist already). A *source* is a candidate with
     no candidate upstream of it; the sources of each place (``places[k]``, ``None``: anywhere) are cut
     into ``parts[place]`` runs of consecutive sources (more where ``cap`` sources per part would be
     exceeded), one fragment each. A candidate that reads candidates of exactly one fragment, and reads
@@ -87,7 +88,6 @@ def plan_fragments(order: Sequence[Hashable], dependencies: Mapping[Hashable, Co
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1 or None, got {cap!r}")
     candidates = set(candidates)
-    steps = topological(order, dependencies)
     upstream: dict[Hashable, bool] = {}  # a candidate is upstream (or the key itself is one)
     for k in steps:
         upstream[k] = k in candidates or any(upstream.get(d, False) for d in dependencies[k])

@@ -11,7 +11,7 @@ the same keys), and the graph has fewer tasks.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from dask.base import tokenize
@@ -46,15 +46,15 @@ def fragment_members(node: GraphNode) -> list[Key]:
     return []
 
 
-def _pull_downstream(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
+def _pull_downstream(steps: Sequence[Key], specs: Mapping[Key, Mapping[str, Any]],
                      dependencies: Mapping[Key, Any], pullable: Collection[Key] | None) -> dict[Key, Mapping[str, Any]]:
     """``specs`` with the unannotated tasks (among ``pullable``, ``None``: all) that read only annotated
     tasks of the graph (the partial sums of an annotated collection's reduction), which take the
-    annotation of the first they read."""
+    annotation of the first they read; ``steps`` are the graph's keys, each after its dependencies."""
     out = dict(specs)
-    for k in topological(list(dsk), dependencies):
+    for k in steps:
         if k not in out and (pullable is None or k in pullable):
-            inside = [d for d in dependencies[k] if d in dsk]
+            inside = [d for d in dependencies[k] if d in dependencies]
             if inside and all(d in out for d in inside):
                 out[k] = out[inside[0]]
     return out
@@ -103,7 +103,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     parts, until they fit or hold one source each.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
-    specs = _pull_downstream(dsk, specs, dependencies, pullable)
+    steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
+    specs = _pull_downstream(steps, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     candidates = {k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
                   and dsk[k].func is not run_fragment and not dependencies[k] & special
@@ -111,7 +112,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
     while True:
-        fragments = plan_fragments(list(dsk), dependencies, candidates, {k: places.get(k) for k in candidates},
+        fragments = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                    parts, min(caps) if caps else None)
         built = [_build(dsk, specs, dependents, members) for members in fragments]
         made: dict[Any, int] = {}
