@@ -3,7 +3,6 @@
 import asyncio
 import logging
 import math
-import statistics
 import warnings
 
 import pytest
@@ -58,35 +57,28 @@ async def test_register_twice_is_harmless(c, s, a, b):
 def test_cpu_probes_count_flop_and_bytes_as_numpy_and_a_clock_do():
     from dask_octopus.profiling.probes import run_probes
 
-    # probe and reference one after the other in one thread, five times, so the same cores and BLAS
-    # threads serve both; the median ratio within a few times of one, not a factor of n (FLOP) or of
-    # the element size (bytes) off
-    ratios = []
+    # probe and reference alternated five times in one thread, so the same cores and BLAS threads serve
+    # both; the best rate of each within a few times of the other's, not a factor of n (FLOP) or of the
+    # element size (bytes) off
+    probes, references = [], []
     for _ in range(5):
-        p, reference = run_probes(0.2, "cpu"), numpy_rates(0.1)
-        ratios.append((p["compute"] / reference[0], p["memory"] / reference[1]))
-    for resource in zip(*ratios):
-        assert 1 / 3 < statistics.median(resource) < 3
+        p = run_probes(0.2, "cpu")
+        probes.append((p["compute"], p["memory"]))
+        references.append(numpy_rates(0.1))
+    for probe, reference in zip(zip(*probes), zip(*references)):
+        assert 1 / 3 < max(probe) / max(reference) < 3
 
 
 @gen_cluster(client=True, config=FAST)
-async def test_calibration_figures_per_worker(c, s, a, b, monkeypatch):
-    from dask_octopus.plugins import worker as worker_plugin
-    from dask_octopus.profiling import probes
-
-    measured = []
-
-    def recorded(seconds, device):
-        measured.append(probes.run_probes(seconds, device))
-        return measured[-1]
-
-    monkeypatch.setattr(worker_plugin, "run_probes", recorded)
+async def test_calibration_figures_per_worker(c, s, a, b):
     await c.register_plugin(OctopusSchedulerPlugin())
-    got = [plugin(s).profiles[w.address] for w in (a, b)]
-    for p in got:
+    for w in (a, b):
+        p = plugin(s).profiles[w.address]
         assert p["error"] is None and p["device"] == "cpu" and 0 < p["probe_seconds"] < 2
-    # each worker's own figures reach the scheduler, none swapped or mixed
-    assert sorted((p["compute"], p["memory"]) for p in got) == sorted((m["compute"], m["memory"]) for m in measured)
+        # each worker's own figures, as its probes measured them, reach the scheduler under its address
+        measured = w.plugins["octopus-worker"].profile
+        assert (p["compute"], p["memory"]) == (measured["compute"], measured["memory"])
+    assert plugin(s).profiles[a.address]["compute"] != plugin(s).profiles[b.address]["compute"]
     profiles = await c.scheduler.octopus_profiles(resource="memory")
     assert profiles[a.address]["memory_total"] == a.memory_manager.memory_limit
     assert sum(p["weight"] for p in profiles.values()) == pytest.approx(1)

@@ -63,7 +63,7 @@ class GroupingOptimizer:
         graph = convert_legacy_graph(ensure_dict(optimized))
         dependents = _dependents(graph)
         resolved = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
-        if len(resolved) != len(graph):  # each alias it collapses takes a key out
+        if resolved.keys() != graph.keys():  # each alias it collapses takes a key out
             dependents = _dependents(resolved)
         graph = resolved
         marks = inner_marks(graph, specs)
@@ -146,9 +146,7 @@ def inner_marks(graph: Mapping[Key, Any], specs: Mapping[Key, Mapping[str, Any]]
     """The marks of the tasks of an optimized graph: their own, or that of a task fused into them."""
     out = {}
     for k, node in graph.items():
-        spec = specs.get(k)  # its own first, as inner_keys lists it
-        if spec is None:
-            spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
+        spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
         if spec is not None:
             out[k] = spec
     return out
