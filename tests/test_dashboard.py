@@ -150,8 +150,11 @@ def test_a_balanced_compute_shows_its_plan_pins_groups_and_observed_finish(dashb
     assert all(f >= 0.6 for f in latest["observed"])  # each worker ran its two blocks (slow_double sleeps)
     assert re.fullmatch(rf"{names[0]}: \d+\.\d{{3}} s · {names[1]}: \d+\.\d{{3}} s", plans["observed"][0])
     assert "Latest plan" in data["latest_title"] and y.name in data["latest_title"]
-    assert (y + 1).sum().compute() == 2 * 800 * 10  # a fast run of the same plan replaces the slow one
-    assert max(json.loads(get(port, "octopus/data.json")[2])["latest"]["observed"]) < min(latest["observed"])
+    assert (y + 1).sum().compute() == 2 * 800 * 10  # a later run of the same plan replaces the slow one
+    again = json.loads(get(port, "octopus/data.json")[2])
+    # its own finish times (not compared with the slow run's: a 2-core CI run once stalled this fast run
+    # past the slow one's 0.6 s), and complete
+    assert again["latest"]["observed"] != latest["observed"] and again["plans"]["run"][0].startswith("done")
 
     ran = client.run(lambda dask_worker: dask_worker.extensions[EXTENSION].stats())
     assert sum(r["groups"] for r in ran.values()) >= 1 and all(r["members"] >= 2 * r["groups"] for r in ran.values())
