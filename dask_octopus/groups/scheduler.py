@@ -163,9 +163,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
                 continue
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
-            if held:
-                sizes.update(_sizes(held))
-            places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held)) if held else None
+            sizes.update(_sizes(held))
+            places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}

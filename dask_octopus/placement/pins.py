@@ -128,6 +128,8 @@ class Placement:
 
     def _planned_blocks(self, key: Key, run_spec: Any) -> Iterator[Block]:
         """The planned blocks whose keys the task ``key`` is, or has fused or grouped into it."""
+        if not self.plans:  # (no fused keys to walk then)
+            return
         for k in inner_keys(key, run_spec):
             plan = self.plans.get(_key_name(k))
             if plan is not None and isinstance(k, tuple) and len(k) > plan.index:
@@ -220,7 +222,7 @@ class Placement:
     def planned_worker(self, key: Key, run_spec: Any) -> str | None:
         """The worker that the task ``key`` (or a task fused into it) is pinned to by a plan, if any
         (``None`` also for a stealable block, which may run elsewhere)."""
-        block = self._planned_block(key, run_spec) if self.plans else None
+        block = self._planned_block(key, run_spec)
         return self.worker_of(block) if block is not None and not self.stealable(block) else None
 
     def inherit(self, key: Key, member: Key) -> None:
