@@ -11,10 +11,10 @@ import pytest
 from dask._task_spec import Alias
 from dask.core import flatten
 from dask.utils import key_split
-from distributed import Nanny, wait
+from distributed import Event, Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import gen_cluster
-from test_balance import WhereRan, mid_compute, run_balance, setup, slow_copy
+from test_balance import RESUME, WhereRan, mid_compute, run_balance, setup, slow_copy
 
 import dask_octopus
 from dask_octopus.groups import streams
@@ -208,13 +208,14 @@ async def test_killed_worker_mid_compute_with_groups_and_balance(c, s, a, b):
     x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((25, 10))
     y = await run_balance(c, x, per_worker=8)
     with dask_octopus.annotate(group=4):
-        z = y.map_blocks(slow_copy, 0.15, dtype=y.dtype)
+        z = y.map_blocks(slow_copy, 0.05, 4, dtype=y.dtype)
     fut = c.compute(z.sum(axis=1))
     victim = min(s.workers)
-    await mid_compute(rec, victim, FRAGMENT_PREFIX)  # the victim finished a group of 4 blocks of 0.15 s
-    assert not fut.done()
+    await mid_compute(rec, victim, FRAGMENT_PREFIX)  # the victim finished a group of 4 blocks
+    assert not fut.done()  # its second group waits for RESUME
     assert any(isinstance(k, tuple) and str(k[0]).startswith(FRAGMENT_PREFIX) for k in s.tasks)
     await (a if a.worker_address == victim else b).kill()
+    await Event(RESUME).set()
     np.testing.assert_array_equal(await fut, np.arange(4000).reshape(400, 10).sum(axis=1))
     assert not s.unrunnable
 
@@ -298,13 +299,14 @@ async def test_killed_worker_mid_compute_with_balanced_dataframe_groups(c, s, a,
     rec = await setup(c, s, [1.0, 1.0])
     df = await run_balance(c, dd.from_pandas(frame, npartitions=4), per_worker=8)
     with dask_octopus.annotate(group=4):
-        fut = c.compute(df.map_partitions(slow_copy, 0.15, meta=df._meta).a.sum())
+        fut = c.compute(df.map_partitions(slow_copy, 0.05, 4, meta=df._meta).a.sum())
     await mid_compute(rec, min(s.workers), FRAGMENT_PREFIX)  # the victim finished a group of 4 partitions
-    assert not fut.done()
+    assert not fut.done()  # its second group waits for RESUME
     groups = [ts for k, ts in s.tasks.items() if key_split(k) == FRAGMENT_PREFIX]
     assert groups and all(ts.worker_restrictions for ts in groups)  # pinned where their partitions are
     victim = min(s.workers)
     await (a if a.worker_address == victim else b).kill()
+    await Event(RESUME).set()
     assert await fut == frame.a.sum()
     assert not s.unrunnable
 

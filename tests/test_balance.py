@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from dask.sizeof import sizeof
 from dask.utils import key_split
-from distributed import Nanny, wait
+from distributed import Event, Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 
@@ -146,7 +146,16 @@ async def test_unbalanced_compute_is_not_touched(c, s, a, b):
     assert rec.restricted == set()
 
 
-def slow_copy(block, delay):
+RESUME = "octopus-test-resume"
+
+
+def slow_copy(block, delay, free):
+    """``block`` copied after ``delay`` seconds; past its first ``free`` calls on a worker, only once the
+    test sets the event :data:`RESUME`: a worker killed before that is surely mid-compute."""
+    worker = get_worker()
+    worker.octopus_test_calls = getattr(worker, "octopus_test_calls", 0) + 1
+    if worker.octopus_test_calls > free:
+        Event(RESUME).wait()
     time.sleep(delay)
     return block.copy()
 
@@ -156,13 +165,14 @@ async def test_killed_worker_blocks_move_to_survivors(c, s, a, b):
     rec = await setup(c, s, [1.0, 1.0])
     x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((50, 10))
     y = await run_balance(c, x, per_worker=4)
-    z = y.map_blocks(slow_copy, 0.3, dtype=y.dtype).sum(axis=1)
+    z = y.map_blocks(slow_copy, 0.05, 1, dtype=y.dtype).sum(axis=1)
     fut = c.compute(z)
     victim = sorted(s.workers)[0]
     await mid_compute(rec, victim, "octopus-blocks")  # a block (its slow_copy fused in) is done
-    assert not fut.done()  # 16 blocks of 0.3 s on 2 workers: the victim has done one, not all
+    assert not fut.done()  # the workers' other blocks wait for RESUME
     nanny = a if a.worker_address == victim else b
     await nanny.kill()
+    await Event(RESUME).set()
     result = await fut
     np.testing.assert_array_equal(result, np.arange(4000).reshape(400, 10).sum(axis=1))
     assert not s.unrunnable
