@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dask._expr import LLGExpr
+from dask._expr import LLGExpr, _AnnotationsTombstone
 from dask._task_spec import (
     Alias,
     DataNode,
@@ -35,6 +35,7 @@ from dask._task_spec import (
 __all__ = [
     "Alias",
     "AnnotatedLLGExpr",
+    "AnnotationsTombstone",
     "DataNode",
     "GraphNode",
     "LLGExpr",
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 execute_subgraph = _execute_subgraph
+AnnotationsTombstone = _AnnotationsTombstone  # what Dask's per-key annotations give keys they do not annotate
 
 
 class AnnotatedLLGExpr(LLGExpr):

@@ -84,7 +84,7 @@ def spec_of(node: Any, index: dict[Key, int]) -> Any:
         reads = tuple(index.setdefault(k, len(index)) for k in keys)
         return (Node, node.substitute({k: ("octopus-read", i) for k, i in zip(keys, reads)}, key="octopus-step"),
                 reads)
-    if kind is tuple and node and node[0] in _HEADS:
+    if kind is tuple and node and any(node[0] is head for head in _HEADS):  # not ==: arrays compare elementwise
         return (Const, node)
     return node  # a constant
 
@@ -157,14 +157,19 @@ class Fragment:
     it); :meth:`specs` gives the steps' specs (:func:`evaluate`). ``covers`` are the keys whose work the
     fragment does (members and the keys fused into them). ``resources`` maps each member to its
     declared class (``"compute"``, ``"memory"`` or ``"auto"``, run as memory-bound): where steps of
-    both classes are ready they alternate.
+    both classes are ready they alternate. ``retries`` maps members to the times a raising step of
+    theirs may run again (:meth:`step_retries`; members missing: the fragment task's ``retries``).
 
     The specs travel pickled, as one bytes object made here: the scheduler that sends the fragment
     copies it, Dask's logs of sent messages hold it without thousands of objects for the garbage
-    collector to walk, and the worker unpickles it once, when the fragment runs.
+    collector to walk, and the worker unpickles it once, when the fragment runs. With ``pack=False``
+    (made where a local scheduler may run it in this process) they stay as they are until the fragment
+    itself is pickled: the members' functions run in this process with the very globals of their
+    modules, ``__main__``'s included, as without fragments.
     """
 
-    def __init__(self, members: Mapping[Key, GraphNode], outputs: Iterable[Key], resources: Mapping[Key, str]):
+    def __init__(self, members: Mapping[Key, GraphNode], outputs: Iterable[Key], resources: Mapping[Key, str],
+                 retries: Mapping[Key, int] | None = None, pack: bool = True):
         flat: dict[Key, tuple[Any, tuple, Key]] = {}
         covers: list[Key] = []
         for key, node in members.items():
@@ -203,7 +208,24 @@ class Fragment:
         self.drop: tuple[tuple[int, ...], ...] = tuple(map(tuple, drop))
         self.covers = tuple(dict.fromkeys(covers))
         self.members: tuple[Key, ...] = tuple(members)
-        self._specs = _pack(tuple(flat[name][0] for name in names))
+        known = retries or {}
+        self.retries: tuple[int | None, ...] | None = (tuple(known.get(flat[name][2]) for name in names)
+                                                       if known.keys() & members.keys() else None)
+        specs = tuple(flat[name][0] for name in names)
+        self._specs = _pack(specs) if pack else specs
+
+    def step_retries(self, default: int) -> list[int]:
+        """How many times each step may run again after raising: its member's own ``retries``, else
+        ``default`` (the task's)."""
+        if self.retries is None:
+            return [default] * len(self.names)
+        return [default if r is None else r for r in self.retries]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if not isinstance(self._specs, bytes):
+            state["_specs"] = _pack(self._specs)
+        return state
 
     def specs(self) -> tuple:
         """The steps' specs, in step order (unpickled at each call: a run asks once, or twice where it

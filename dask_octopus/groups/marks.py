@@ -4,8 +4,10 @@ The marks are Dask layer annotations (``octopus``). Dask's low-level fusion drop
 annotations, so ``annotate`` installs (once, process-wide) a wrapper around the array and delayed
 optimizers: it reads the marks before Dask optimizes, lets Dask optimize as usual (fusion on),
 finds the marked tasks again (also inside fused tasks) and groups them
-(:mod:`dask_octopus.groups.rewrite`). Graphs without marks pass through unchanged. The optimizer
-runs where Dask materializes the graph, which for ``distributed`` is the scheduler.
+(:mod:`dask_octopus.groups.rewrite`). Graphs without marks pass through unchanged. The other Dask
+annotations of the optimized graph's tasks stay with them (a fragment groups tasks of equal ones and
+carries them; each step keeps its ``retries``). The optimizer runs where Dask materializes the graph,
+which for ``distributed`` is the scheduler.
 
 When every running scheduler of the process has the plugin registered (the optimizer then runs on
 one of them), the optimizer only carries the marks through fusion, as per-key annotations with the
@@ -20,6 +22,7 @@ the registered scheduler plugin.
 from __future__ import annotations
 
 import copy
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,11 +37,11 @@ from dask.system import CPU_COUNT
 from dask.typing import Key
 from dask.utils import ensure_dict
 
-from dask_octopus._compat import convert_legacy_graph, resolve_aliases
+from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, resolve_aliases
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
-from dask_octopus.groups.rewrite import fragment_graph, inner_keys
-from dask_octopus.groups.scheduler import fragment_here, grouping_here
+from dask_octopus.groups.rewrite import fragment_graph, fragment_members, inner_keys
+from dask_octopus.groups.scheduler import annotated_places, annotated_retries, fragment_here, grouping_here
 
 
 class GroupingOptimizer:
@@ -60,6 +63,7 @@ class GroupingOptimizer:
         keep = set(flatten(keys))
         if specs.keys() <= keep and isinstance(optimized, HighLevelGraph):
             return optimized  # nothing to group (yet): the marks stay on the layers
+        annotations = key_annotations(optimized)
         graph = convert_legacy_graph(ensure_dict(optimized))
         dependents = _dependents(graph)
         resolved = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
@@ -67,7 +71,7 @@ class GroupingOptimizer:
             dependents = _dependents(resolved)
         graph = resolved
         marks = inner_marks(graph, specs)
-        here = fragment_here(graph, marks, keep, dependents) if grouping_here() else None
+        here = fragment_here(graph, marks, keep, dependents, annotations) if grouping_here() else None
         if here is not None:  # on the scheduler, knowing where the tasks run
             graph = here
             marks = {k: v for k, v in marks.items() if k in graph}
@@ -77,12 +81,22 @@ class GroupingOptimizer:
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
         else:
             threads = dask.config.get("num_workers", None) or CPU_COUNT
-            graph = fragment_graph(graph, marks, keep, dependents, {}, {None: threads})
+            places = annotated_places(annotations)
+            # not pickled until sent elsewhere: a local scheduler runs the fragments in this process
+            graph = fragment_graph(graph, marks, keep, dependents, places, dict.fromkeys({None, *places.values()},
+                                   threads), retries=annotated_retries(annotations), pack=False)
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
             # again when it becomes an input of another one (delayed arguments), and they may group then.
             marks = {k: v for k, v in marks.items() if k in graph}
-        layer = MaterializedLayer(graph, annotations={ANNOTATION: Marks(marks)} if marks else None)
-        return HighLevelGraph({"octopus": layer}, {"octopus": set()})
+        by_name: dict[str, dict[Key, Any]] = {ANNOTATION: marks} if marks else {}
+        for k, node in graph.items() if annotations else ():  # Dask's, by task; a fragment has its first member's
+            members = fragment_members(node)
+            for name, value in annotations.get(members[0] if members else k, {}).items():
+                if not (members and name == "retries"):  # each step keeps its own
+                    by_name.setdefault(name, {})[k] = value
+        layer = MaterializedLayer(graph, annotations={name: Marks(v) for name, v in by_name.items()} or None)
+        name = f"{ANNOTATION}-{uuid.uuid4().hex}"  # layers merge by name when Dask computes several collections
+        return HighLevelGraph({name: layer}, {name: set()})
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, GroupingOptimizer) and other.base is self.base
@@ -139,6 +153,24 @@ def marked_keys(dsk: Any) -> dict[Key, Mapping[str, Any]]:
             value = mark(k) if callable(mark) else mark  # Dask's convention: callables are per key
             if isinstance(value, Mapping):  # not None or Dask's tombstone for unannotated keys
                 out[k] = value
+    return out
+
+
+def key_annotations(dsk: Any) -> dict[Key, dict[str, Any]]:
+    """The Dask annotations of each key of ``dsk`` other than the mark of ``annotate`` (a callable gives
+    each key's value, as Dask applies them); none for a graph that is not a ``HighLevelGraph``: Dask's
+    low-level fusion, which makes such graphs, drops the annotations without ``annotate`` too."""
+    if not isinstance(dsk, HighLevelGraph):
+        return {}
+    out: dict[Key, dict[str, Any]] = {}
+    for layer in dsk.layers.values():
+        annotations = {name: v for name, v in (layer.annotations or {}).items() if name != ANNOTATION}
+        for k in layer if annotations else ():
+            values = {name: v(k) if callable(v) else v for name, v in annotations.items()}
+            values = {name: v for name, v in values.items()
+                      if v is not None and not isinstance(v, AnnotationsTombstone)}
+            if values:
+                out[k] = values
     return out
 
 

@@ -35,7 +35,8 @@ from dask.utils import parse_bytes
 
 from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
-from dask_octopus.groups.rewrite import fragment_graph, fragment_members
+from dask_octopus.groups.planning import ANNOTATION
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, fragment_members
 from dask_octopus.groups.streams import run_fragment
 from dask_octopus.profiling.working_set import MEASURE
 
@@ -76,18 +77,56 @@ def _home(inputs: Iterable[TaskState]) -> str | None:
     return max(sorted(held), key=held.__getitem__) if held else None
 
 
+UNSHARED = (ANNOTATION, MEASURE, "retries")  # annotations a fragment's members need not share (retries: per step)
+
+
+def _hashable(value: Any) -> Hashable:
+    if isinstance(value, Mapping):
+        return ("mapping", tuple(sorted(((repr(k), _hashable(v)) for k, v in value.items()), key=repr)))
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_hashable(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((_hashable(v) for v in value), key=repr)))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))  # equal to itself only: such tasks group only with the same object's
+    return value
+
+
+def shared_annotations(annotations: Mapping[str, Any] | None) -> Hashable:
+    """The Dask annotations of a task that the fragment task running it carries (restrictions, priority,
+    any of the user's own; not ``octopus`` nor ``retries``, which each step keeps), as one hashable
+    value: tasks join a fragment only with tasks of equal such annotations."""
+    if not annotations:
+        return ()
+    return tuple(sorted((name, _hashable(v)) for name, v in annotations.items() if name not in UNSHARED))
+
+
 def _place_of(workers: Iterable[str] = (), hosts: Iterable[str] = (), resources: Mapping[str, float] | None = None,
-              loose: bool = False, home: str | None = None) -> Hashable:
-    place = (frozenset(workers), frozenset(hosts), tuple(sorted((resources or {}).items())), loose, home)
-    return None if place == (frozenset(), frozenset(), (), False, None) else place
+              loose: bool = False, home: str | None = None, annotations: Hashable = ()) -> Hashable:
+    place = (frozenset(workers), frozenset(hosts), tuple(sorted((resources or {}).items())), loose, home, annotations)
+    return None if place == (frozenset(), frozenset(), (), False, None, ()) else place
+
+
+def annotated_places(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key, Hashable]:
+    """The place of each task whose ``annotations`` (by key) hold some that its fragment must share
+    (:func:`shared_annotations`), for tasks not restricted otherwise."""
+    return {k: _place_of(annotations=shared) for k, a in annotations.items() if (shared := shared_annotations(a))}
+
+
+def annotated_retries(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key, int]:
+    """The ``retries`` annotation of each task of ``annotations`` (by key) that has one."""
+    return {k: a["retries"] for k, a in annotations.items() if isinstance(a.get("retries"), int)}
 
 
 def _place(ts: TaskState) -> Hashable:
     """Where a task may run, as one hashable value (``None``: anywhere): its restrictions and, when
     its inputs are already in memory, the worker holding most of their bytes (so that a fragment does
-    not pull the inputs of members that live on different workers to one of them)."""
+    not pull the inputs of members that live on different workers to one of them), and its other
+    annotations (:func:`shared_annotations`)."""
     return _place_of(ts.worker_restrictions or (), ts.host_restrictions or (), ts.resource_restrictions,
-                     ts.loose_restrictions, _home(_inputs(ts)))
+                     ts.loose_restrictions, _home(_inputs(ts)), shared_annotations(ts.annotations))
 
 
 def _threads(scheduler: Scheduler, place: Hashable) -> int:
@@ -142,36 +181,44 @@ def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
 
 
 def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: set[Key],
-                  dependents: Mapping[Key, set[Key]]) -> dict[Key, GraphNode] | None:
+                  dependents: Mapping[Key, set[Key]], annotations: Mapping[Key, Mapping[str, Any]] | None = None,
+                  ) -> dict[Key, GraphNode] | None:
     """Fragments of an optimized graph made where the optimizer runs, on the one scheduler of this
     process (which has the plugin): the places of its marked tasks are their plans' workers or the
     worker holding their inputs, as :func:`group_new_tasks` finds them later, but before Dask makes
-    a task state for each of the graph's tasks (most of the cost of a graph of small tasks). ``None``
-    when not exactly one such scheduler runs here, or when the scheduler's state changed while being
-    read (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
+    a task state for each of the graph's tasks (most of the cost of a graph of small tasks), and
+    their other Dask annotations (``annotations``, by key: tasks group only with tasks of equal such
+    annotations, :func:`shared_annotations`; each step keeps its ``retries``). Tasks the scheduler has
+    already (held, running, or wanted by a client: Dask reuses them) are not grouped. ``None`` when
+    not exactly one such scheduler runs here, or when the scheduler's state changed while being read
+    (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
     plugins = [p for p in hosts if p.scheduler is not None]
     if len(plugins) != 1 or len(running_schedulers() or ()) != 1:
         return None
     plugin = plugins[0]
     scheduler, placement = plugin.scheduler, plugin.placement
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
+        annotations = annotations or {}
+        marks = {k: m for k, m in marks.items() if k in graph and k not in scheduler.tasks}
         places: dict[Key, Hashable] = {}
         sizes: dict[Key, float] = {}
         for k in marks:
-            node = graph.get(k)
-            if node is None:
-                continue
+            node = graph[k]
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
             sizes.update(_sizes(held))
-            places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
+            shared = shared_annotations(annotations.get(k))
+            places[k] = _place_of([worker], annotations=shared) if worker is not None else _place_of(
+                home=_home(held), annotations=shared)
+        places = {**annotated_places(annotations), **places}  # tasks that may be pulled in keep theirs too
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None
-    return fragment_graph(graph, marks, keep, dependents, places, threads, sizes=sizes, budgets=budgets)
+    return fragment_graph(graph, marks, keep, dependents, places, threads, sizes=sizes, budgets=budgets,
+                          retries=annotated_retries(annotations))
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -216,11 +263,12 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
     dsk = {k: new[k].run_spec for k in ranked}
     dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
-    places = {k: _place(new[k]) for k in specs}
+    places = {k: _place(new[k]) for k in groupable}  # pulled-in tasks keep their restrictions too
     kinds = set(places.values()) | {None}
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
                          groupable, sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
-                         budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds})
+                         budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
+                         retries={k: new[k].retries for k in groupable})
     made = {k: fragment_members(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already
         return {}, orphans
@@ -229,15 +277,14 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         first = tasks[members[0]]
         gts = scheduler.new_task(gkey, out[gkey], "released", computation=computation)
         gts.priority = min(tasks[m].priority for m in members)
-        # a group task does the work of several blocks: not measured as one; it retries as its most retried member
-        gts.annotations = {k: v for k, v in (first.annotations or {}).items() if k != MEASURE}
+        # a group task does the work of several blocks: not measured as one; each step retries as its own
+        # member would (the fragment keeps them), the task as its most retried member
+        gts.annotations = {k: v for k, v in (first.annotations or {}).items() if k not in (MEASURE, "retries")}
         gts.worker_restrictions = set(first.worker_restrictions) if first.worker_restrictions else None
         gts.host_restrictions = set(first.host_restrictions) if first.host_restrictions else None
         gts.resource_restrictions = dict(first.resource_restrictions or {}) or None
         gts.loose_restrictions = first.loose_restrictions
         gts.retries = max(tasks[m].retries for m in members)
-        if gts.retries:  # the fragment re-runs a raising member that often (dask_octopus.groups.streams)
-            gts.annotations["retries"] = gts.retries
     for gkey in made:  # a group may read members of another group
         _relink(tasks[gkey], out[gkey].dependencies, tasks)
     for k, node in out.items():
@@ -253,12 +300,24 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     return made, orphans + members
 
 
+def _unread(ts: TaskState) -> bool:
+    return ts.state == "released" and not ts.dependents and not ts.who_wants
+
+
+def stale_fragments(scheduler: Scheduler, keys: Iterable[Key]) -> list[Key]:
+    """The fragment tasks among ``keys`` that nothing reads: :func:`fragment_here` makes such when the
+    same work is in flight already, cut otherwise (its consumers keep their first run spec)."""
+    tasks = scheduler.tasks
+    return [k for k in keys if type(k) is tuple and type(k[0]) is str and k[0].startswith(FRAGMENT_PREFIX)
+            and (ts := tasks.get(k)) is not None and _unread(ts)]
+
+
 def forget_unread(scheduler: Scheduler, keys: Iterable[Key], stimulus_id: str) -> None:
     """Forget the tasks among ``keys`` that are still released and read or wanted by nothing."""
     recs: dict[Key, str] = {}
     for k in keys:
         ts = scheduler.tasks.get(k)
-        if ts is not None and ts.state == "released" and not ts.dependents and not ts.who_wants:
+        if ts is not None and _unread(ts):
             recs[k] = "forgotten"
     if recs:
         scheduler.transitions(recs, stimulus_id)

@@ -24,6 +24,7 @@ from typing import Any
 
 import dask.utils
 from dask.sizeof import sizeof
+from distributed.protocol.pickle import dumps, loads
 
 from dask_octopus import config
 from dask_octopus.groups.fragment import Fragment, evaluate
@@ -324,6 +325,12 @@ class StepFailed:
         self.error = error
 
     def __reduce__(self) -> tuple:
+        # as distributed sends a task's error: one that does not come back from pickle goes as its repr,
+        # so that the fragment's other outputs still reach other workers, and the spill
+        try:
+            loads(dumps(self.error))
+        except Exception:
+            return (StepFailed, (Exception(repr(self.error)),))
         return (StepFailed, (self.error,))
 
 
@@ -370,10 +377,12 @@ def _task_retries() -> int:
 
 def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0) -> None:
     """Run the steps one after the other into ``values`` (slots to values, the inputs' first), dropping
-    each value after its last reader; a step that raises runs again up to ``retries`` times."""
+    each value after its last reader; a step that raises runs again as often as its member's retries
+    allow (:meth:`Fragment.step_retries`; ``retries``, the task's, where the member has none)."""
     slot = len(fragment.inputs)
-    for name, spec, reads, drop in zip(fragment.names, fragment.specs(), fragment.reads, fragment.drop):
-        values[slot] = _step(name, spec, reads, values, retries)
+    for name, spec, reads, drop, again in zip(fragment.names, fragment.specs(), fragment.reads, fragment.drop,
+                                              fragment.step_retries(retries)):
+        values[slot] = _step(name, spec, reads, values, again)
         slot += 1
         for d in drop:
             del values[d]
@@ -383,18 +392,19 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
            streams: Sequence[Any], retries: int = 0) -> list[Any]:
     """Launch the steps (``specs``: :meth:`Fragment.specs`) on their streams into ``values`` (slots to
     values), waiting on an event where a step reads another stream's result (a step that raises runs
-    again up to ``retries`` times); returns the values kept alive for other streams (the caller holds
+    again as in :func:`walk`); returns the values kept alive for other streams (the caller holds
     them until those streams are done)."""
     events: dict[int, Any] = {}
     held = []
     first = len(fragment.inputs)
+    again = fragment.step_retries(retries)
     for i, (name, spec, reads, drop) in enumerate(zip(fragment.names, specs, fragment.reads, fragment.drop)):
         s = streams[layout.streams[i]]
         for j in fragment.deps[i]:
             if j in layout.shared and layout.streams[j] != layout.streams[i]:
                 s.wait_event(events[j])
         with s:
-            values[first + i] = _step(name, spec, reads, values, retries)
+            values[first + i] = _step(name, spec, reads, values, again[i])
             if i in layout.shared:
                 events[i] = s.record()
         for d in drop:

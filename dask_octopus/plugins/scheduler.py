@@ -301,15 +301,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                      **kwargs: Any) -> None:
         pinned = self.placement.update_graph(scheduler, tasks)
         made: dict = {}
-        unread: list = []
+        unread = scheduler_groups.stale_fragments(scheduler, tasks)
         marks = (annotations or {}).get(ANNOTATION)
         if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
             with collector_paused():
-                made, unread = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles)
+                made, grouped = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles)
+            unread += grouped
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
-            if unread:  # after update_graph: later plugins are still given these keys
-                scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
+        if unread:  # after update_graph: later plugins are still given these keys
+            scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
         if pinned:  # a new run of these plans, for the dashboard: the pinned tasks that will run
             pins, skip = self.placement.pins, set(unread)
             self.plan_records.restart(Counter(

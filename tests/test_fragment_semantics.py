@@ -1,0 +1,225 @@
+"""Fragments keep what plain Dask does: results of every graph, user annotations (restrictions, retries
+per task), reuse of results the scheduler holds, collections computed together, errors that do not
+pickle, and module globals with local schedulers. Each test compares with the unannotated run."""
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.utils import key_split
+from distributed import get_worker, wait
+from distributed.utils_test import async_poll_for, gen_cluster
+from test_balance import setup
+
+import dask_octopus
+from dask_octopus.groups import marks
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+from dask_octopus.groups.streams import StepFailed, pick
+
+
+def scaled(pair, x):
+    """Reads a constant tuple that begins with an array (as Dask's cumulative reductions build)."""
+    weights, bias = pair
+    return x * weights.sum() + bias
+
+
+def test_tuple_constants_that_begin_with_an_array_are_plain_arguments():
+    x = da.arange(64.0, chunks=8).reshape(8, 8).rechunk(4)
+    plain = [(x + 1).cumsum(axis=1), (x + 1).cumprod(axis=0) % 7,
+             dask.delayed(scaled)((np.ones(3), 0.5), dask.delayed(np.add)(1.0, 2.0))]
+    with dask_octopus.annotate():
+        grouped = [(x + 1).cumsum(axis=1), (x + 1).cumprod(axis=0) % 7,
+                   dask.delayed(scaled)((np.ones(3), 0.5), dask.delayed(np.add)(1.0, 2.0))]
+    for got, expected in zip(dask.compute(*grouped, scheduler="sync"), dask.compute(*plain, scheduler="sync")):
+        np.testing.assert_array_equal(got, expected)
+
+
+def inc(x):
+    return x + 1
+
+
+def test_an_array_and_a_delayed_computed_together():
+    with dask_octopus.annotate():
+        total = ((da.arange(8, chunks=2) + 1) * 2).sum()
+        chains = [dask.delayed(inc)(dask.delayed(inc)(dask.delayed(inc)(i))) for i in (1, 10)]
+    assert dask.compute(total, dask.delayed(sum)(chains), scheduler="sync") == (72, 17)
+
+
+def on_the_fpga(b):
+    """``b`` doubled, on a worker with the FPGA only."""
+    if "FPGA" not in get_worker().state.total_resources:
+        raise RuntimeError(f"ran without the FPGA, on {get_worker().address}")
+    return 2 * b
+
+
+@pytest.fixture(params=["optimizer", "update_graph"])
+def grouped_by(request, monkeypatch):
+    """Where the marked delayed tasks are grouped: by the optimizer on the scheduler (as usual), or by
+    the plugin's ``update_graph`` (as when the optimizer cannot read the scheduler's state)."""
+    if request.param == "update_graph":
+        monkeypatch.setattr(marks, "fragment_here", lambda *args: None)
+    return request.param
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])
+async def test_tasks_annotated_with_resources_run_where_they_are(c, s, a, b, grouped_by):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.arange(64.0, chunks=4)
+    with dask.config.set({"optimization.fuse.active": False}):  # Dask's fusion drops annotations, with or without us
+        for i in range(3):  # wherever the fragments land
+            with dask_octopus.annotate():
+                y = (x + i).map_blocks(inc, dtype=float)
+            with dask.annotate(resources={"FPGA": 1}):
+                z = y.map_blocks(on_the_fpga, dtype=float)  # each reads one marked block: joinable
+            assert await c.compute(z.sum()) == 2 * (64 * 63 / 2 + 64 * (i + 1))
+    assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+
+
+def where(value):
+    """``value`` and the worker that read it."""
+    return value, get_worker().address
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])
+async def test_an_unmarked_task_pulled_into_a_fragment_keeps_its_resources(c, s, a, b, monkeypatch):
+    """Grouped in ``update_graph`` (the optimizer sees tasks given to another delayed call as outputs):
+    each ``where`` reads one marked chain only, so it may join its fragment, on the FPGA's worker only."""
+    monkeypatch.setattr(marks, "fragment_here", lambda *args: None)
+    rec = await setup(c, s, [1.0, 1.0])
+    for _ in range(3):  # wherever the fragments land
+        with dask_octopus.annotate():
+            parts = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
+        with dask.annotate(resources={"FPGA": 1}):
+            ends = [dask.delayed(where)(p) for p in parts]
+        assert await c.compute(dask.delayed(list)(ends)) == [(i + 2, b.address) for i in range(8)]
+    assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+
+
+FLAKY = {}  # calls per name (the workers run in this process)
+
+
+def flaky(name, failures):
+    """Raises the first ``failures`` times it runs under ``name``."""
+    FLAKY[name] = FLAKY.get(name, 0) + 1
+    if FLAKY[name] <= failures:
+        raise OSError(f"{name}: transient fault {FLAKY[name]}")
+    return name
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_each_member_retries_as_its_own_annotation_says(c, s, a, grouped_by):
+    rec = await setup(c, s, [1.0])
+    FLAKY.clear()
+    with dask_octopus.annotate():
+        with dask.annotate(retries=2):
+            patient = [dask.delayed(flaky)(f"patient-{i}", 2) for i in range(3)]
+        strict = [dask.delayed(flaky)(f"strict-{i}", 1) for i in range(3)]
+        tasks = [dask.delayed(inc)(dask.delayed(len)(t)) for t in patient + strict]
+    futures = c.compute(tasks)
+    await wait(futures)
+    assert [f.status for f in futures] == ["finished"] * 3 + ["error"] * 3
+    assert {k: n for k, n in FLAKY.items()} == {**{f"patient-{i}": 3 for i in range(3)},
+                                                **{f"strict-{i}": 1 for i in range(3)}}
+    assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+
+
+CALLS = []  # the blocks counted() computed (the workers run in this process)
+
+
+def counted(b, block_info=None):
+    CALLS.append(block_info[0]["chunk-location"][0])
+    return b * 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_results_the_scheduler_holds_are_reused_not_computed_again(c, s, a):
+    await setup(c, s, [1.0])
+    CALLS.clear()
+    x = da.arange(64.0, chunks=4)
+    with dask_octopus.annotate():
+        y = x.map_blocks(counted, dtype=float)
+    held = c.compute(list(y.to_delayed()))  # the blocks, in memory and wanted by this client
+    await wait(held)
+    with dask_octopus.annotate():  # y's tasks in the graph again, not fused (each is read twice): Dask reuses them
+        total = await c.compute((y + 1).sum() + y.sum())
+    assert total == 2 * (2 * 64 * 63 / 2) + 64
+    assert sorted(CALLS) == list(range(16))  # once each
+
+
+def slow_inc(i):
+    time.sleep(0.01)
+    return i + 1
+
+
+def pure_chains(group):
+    """The same keys whatever ``group`` (pure calls), cut into other fragments."""
+    with dask_octopus.annotate(group=group):
+        parts = [dask.delayed(slow_inc, pure=True)(dask.delayed(slow_inc, pure=True)(i)) for i in range(16)]
+    return dask.delayed(sum, pure=True)(parts)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_the_same_keys_cut_otherwise_while_in_flight_leave_no_task_behind(c, s, a):
+    await setup(c, s, [1.0])
+    first = c.compute(pure_chains(4))
+    second = c.compute(pure_chains(2))  # its total is the first's: its own fragments are read by nothing
+    assert await first == await second == sum(i + 2 for i in range(16))
+    del first, second
+    await async_poll_for(lambda: not s.tasks, timeout=10)
+
+
+class CodedError(Exception):
+    """An exception whose arguments pickle does not give back to its ``__init__``."""
+
+    def __init__(self, code, detail):
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+def test_a_failed_step_whose_error_does_not_unpickle_travels_as_its_repr():
+    failed = StepFailed(CodedError(7, "bad block"))
+    with pytest.raises(TypeError):
+        pickle.loads(pickle.dumps(failed.error))
+    copy = pickle.loads(pickle.dumps((failed, 1.0)))  # a fragment's outputs, sent to another worker
+    assert pick(copy, 1) == 1.0
+    with pytest.raises(Exception, match=r"CodedError\('7: bad block'\)"):
+        pick(copy, 0)
+    fine = pickle.loads(pickle.dumps(StepFailed(ValueError("block 3"))))
+    with pytest.raises(ValueError, match="block 3"):
+        pick([fine], 0)
+
+
+SCRIPT = """
+import dask, dask.array as da
+import dask_octopus
+
+SEEN = []
+
+
+def record(b, block_info=None):
+    SEEN.append(block_info[0]["chunk-location"][0])
+    return b + 1
+
+
+if __name__ == "__main__":
+    for scheduler in ("sync", "threads"):
+        SEEN.clear()
+        with dask_octopus.annotate():
+            total = da.arange(32.0, chunks=4).map_blocks(record, dtype=float).sum()
+        assert total.compute(scheduler=scheduler) == 32 * 31 / 2 + 32
+        assert sorted(SEEN) == list(range(8)), (scheduler, SEEN)
+    print("ok")
+"""
+
+
+def test_a_script_s_functions_see_its_globals_with_local_schedulers(tmp_path):
+    script = tmp_path / "globals_script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
