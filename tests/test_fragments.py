@@ -328,7 +328,7 @@ def test_a_fragment_keeps_the_multi_stream_graph_only_within_the_capture_allowan
     class Input(cp.ndarray):
         nbytes = 100
 
-    def capture(cp_, launch, values, inputs, outputs, pool_streams, in_place):
+    def capture(cp_, launch, values, inputs, outputs, pool_streams, in_place, constants):
         if len(pool_streams) > 1 and refuse:
             raise streams.CaptureRefused("a host synchronisation")
         return HeldGraph(one if len(pool_streams) == 1 else spread, len(pool_streams))

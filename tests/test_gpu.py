@@ -572,6 +572,42 @@ def test_fragments_exact_eager_then_replayed_reading_persisted_blocks_in_place(c
     assert s["graphs_in_place"] >= 1 and s["replays"] >= 2 and s["refused"] == 0
 
 
+def scale_by(b, w):
+    return b * w + 1
+
+
+def churn(dask_worker):
+    """Take device memory of the sizes a constant and a block of the test below have, and fill it (held
+    until the next call): a freed buffer of that size then holds -7s."""
+    import cupy
+
+    sizes = [384] * 32 + [256 * 384] * 32
+    dask_worker.octopus_test_junk = [cupy.full(n, -7.0, dtype=cupy.float32) for n in sizes]
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def test_a_replayed_fragment_reads_the_constants_it_was_captured_with(cuda_one):
+    """A CuPy constant of the steps (a map_blocks argument, inside the fragment's specs) is read at its
+    address of the capture by every replay: it lives as long as the graph, whatever takes memory between."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    rng = da.random.default_rng(cupy.random.default_rng(12))
+    x = cuda_one.persist(rng.random((16 * 256, 384), chunks=(256, 384), dtype=np.float32))
+    w = cupy.linspace(0.5, 1.5, 384, dtype=cupy.float32)
+    expected = cuda_one.compute(x.map_blocks(scale_by, w, name="scaled-ref").sum(axis=0)).result()
+    for run in range(5):
+        cuda_one.run(churn)
+        with dask_octopus.annotate():
+            got = cuda_one.compute(x.map_blocks(scale_by, w, name=f"scaled-{run}").sum(axis=0)).result()
+        cupy.testing.assert_allclose(got, expected, rtol=1e-5)
+    (s,) = cuda_one.run(capture_stats).values()
+    print("capture stats", s)
+    assert s["graphs"] >= 1 and s["replays"] >= 2
+
+
 def test_a_failing_fragment_member_on_a_gpu_fails_only_its_own_outputs(cuda_one):
     import cupy
     import dask.array as da

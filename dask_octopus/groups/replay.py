@@ -23,15 +23,19 @@ class CaptureRefused(RuntimeError):
 
 class CapturedGroup:
     """A captured group or fragment: the graph, the buffers it reads (``None``: it reads its inputs in
-    place, the very buffers it was captured on) and writes, the pool it allocated from and the number
-    of streams it forks over."""
+    place, the very buffers it was captured on) and writes, the pool it allocated from, the number
+    of streams it forks over, and what its launches read besides their inputs (the members' or steps'
+    constants and closures: device arrays among them are read by every replay, at the addresses of
+    the capture, so they live as long as the graph)."""
 
-    def __init__(self, graph: Any, inputs: list[Any] | None, outputs: list[Any], pool: Any, streams: int = 1):
+    def __init__(self, graph: Any, inputs: list[Any] | None, outputs: list[Any], pool: Any, streams: int = 1,
+                 constants: Any = None):
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
         self.pool = pool
         self.streams = streams
+        self.constants = constants
 
     def held_bytes(self) -> int:
         """The device memory the graph holds: its private pool (its intermediates and outputs) and the
@@ -99,15 +103,16 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
 
     graph, pool, _ = _capture(cp, streams, launch)
     _check_outputs(cp, outputs)
-    return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool, len(streams))
+    return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool, len(streams), members)
 
 
 def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], values: dict, inputs: Sequence[Hashable],
-                     outputs: Sequence[Hashable], streams: Sequence[Any], in_place: bool) -> CapturedGroup:
-    """Capture ``launch(values, streams)`` (a fragment's launches over ``streams``) reading the input
-    values of ``values`` at the keys ``inputs`` in place or from copies, the results being those at
-    ``outputs``; raises :class:`CaptureRefused` when CUDA or CuPy refuses. The streams must already wait
-    for the inputs."""
+                     outputs: Sequence[Hashable], streams: Sequence[Any], in_place: bool,
+                     constants: Any = None) -> CapturedGroup:
+    """Capture ``launch(values, streams)`` (a fragment's launches over ``streams``, reading ``constants``
+    besides its inputs: the steps' specs) reading the input values of ``values`` at the keys ``inputs``
+    in place or from copies, the results being those at ``outputs``; raises :class:`CaptureRefused`
+    when CUDA or CuPy refuses. The streams must already wait for the inputs."""
     with streams[0]:
         static = {k: values[k] if in_place else values[k].copy() for k in inputs}
     captured = dict(static)
@@ -116,7 +121,8 @@ def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], valu
     graph, pool, _ = _capture(cp, streams, lambda: launch(captured, streams))
     results = [captured[o] for o in outputs]
     _check_outputs(cp, results)
-    return CapturedGroup(graph, None if in_place else [static[k] for k in inputs], results, pool, len(streams))
+    return CapturedGroup(graph, None if in_place else [static[k] for k in inputs], results, pool, len(streams),
+                         constants)
 
 
 class GraphCache:

@@ -474,7 +474,7 @@ def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, specs: Seque
         streams = _ready_streams(rt, cp, layout.used, ready)
         try:
             graphs.append(capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, specs, lay, v, st), values,
-                                           range(len(inputs)), fragment.results, streams, in_place))
+                                           range(len(inputs)), fragment.results, streams, in_place, specs))
         except CaptureRefused as e:
             rt.last_refusal = str(e) if not graphs else f"over {layout.used} streams (kept on one): {e}"
             logger.debug("dask_octopus: fragment not captured over %d streams: %s", layout.used, e)
@@ -517,10 +517,11 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
     if layout.used > 1 and _extra_bytes(rt, cp, fragment, layout, inputs) > 0:
         layout = rt.layout(fragment, 1)
     streams = _ready_streams(rt, cp, layout.used, ready)
+    specs = fragment.specs()  # their constants (device arrays among them) live until the streams are done
     try:
-        held = launch(fragment, fragment.specs(), layout, values, streams, retries)
+        held = launch(fragment, specs, layout, values, streams, retries)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
         for s in streams:
             s.synchronize()
-    del held
+    del held, specs
     return tuple(values[s] for s in fragment.results)
