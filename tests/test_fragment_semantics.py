@@ -223,3 +223,22 @@ def test_a_script_s_functions_see_its_globals_with_local_schedulers(tmp_path):
     script.write_text(textwrap.dedent(SCRIPT))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_keys_that_print_alike_make_other_fragments():
+    from dask_octopus._compat import Task, TaskRef
+    from dask_octopus.groups.rewrite import fragment_graph
+
+    def graph(name):  # a chain of four tasks named name(i) and its total
+        dsk = {name(0): Task(name(0), inc, 0)}
+        dsk.update({name(i): Task(name(i), inc, TaskRef(name(i - 1))) for i in range(1, 4)})
+        dsk["total"] = Task("total", inc, TaskRef(name(3)))
+        return dsk
+
+    made = []
+    for name in (lambda i: ("a", i), lambda i: str(("a", i))):  # ('a', 0) and "('a', 0)"
+        dsk = graph(name)
+        specs = {k: {"resource": "auto", "group": None} for k in dsk if k != "total"}
+        dependents = {k: {d for d, node in dsk.items() if k in node.dependencies} for k in dsk}
+        made.append({k for k in fragment_graph(dsk, specs, {"total"}, dependents, {}, {None: 1}) if k not in dsk})
+    assert all(len(m) == 1 for m in made) and not made[0] & made[1]

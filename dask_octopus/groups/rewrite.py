@@ -135,7 +135,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     if not fragments:
         return dict(dsk)
     # the same members with other outputs (other keys asked for) are another fragment task
-    token = tokenize([list(map(str, f.members)) for f in built], [list(map(str, f.outputs)) for f in built])
+    # (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ; and faster than the keys as they are)
+    token = tokenize(repr([(f.members, f.outputs) for f in built]))
     picks: dict[Key, Task] = {}
     made: dict[Key, Fragment] = {}
     for n, fragment in enumerate(built):
