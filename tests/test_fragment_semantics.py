@@ -242,3 +242,20 @@ def test_keys_that_print_alike_make_other_fragments():
         dependents = {k: {d for d, node in dsk.items() if k in node.dependencies} for k in dsk}
         made.append({k for k in fragment_graph(dsk, specs, {"total"}, dependents, {}, {None: 1}) if k not in dsk})
     assert all(len(m) == 1 for m in made) and not made[0] & made[1]
+
+
+def test_plugins_registering_while_the_optimizer_reads_them_do_not_fail_it(monkeypatch):
+    from dask_octopus.groups import scheduler as groups_scheduler
+
+    class Changing(list):  # the first copy sees the set change size (a plugin registering meanwhile)
+        changed = False
+
+        def __iter__(self):
+            if not Changing.changed:
+                Changing.changed = True
+                raise RuntimeError("Set changed size during iteration")
+            return super().__iter__()
+
+    monkeypatch.setattr(groups_scheduler, "hosts", Changing())
+    monkeypatch.setattr(groups_scheduler, "running_schedulers", lambda: [])
+    assert groups_scheduler.grouping_here() is False and Changing.changed

@@ -47,11 +47,21 @@ logger = logging.getLogger(__name__)
 hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process that group marked tasks
 
 
+def _hosts() -> list[Any]:
+    """The plugins of :data:`hosts` with a scheduler (read from Dask's offload thread, while a plugin
+    may start or close on the event loop: copied again if the set changed while being copied)."""
+    while True:
+        try:
+            return [p for p in hosts if p.scheduler is not None]
+        except RuntimeError:  # "set changed size during iteration"
+            continue
+
+
 def grouping_here() -> bool:
     """Whether every running scheduler of this process groups marked tasks (has the plugin): the
     array and delayed optimizer, which runs on the scheduler, then leaves the grouping to it. With
     several schedulers in one process and one of them without the plugin, the optimizer groups."""
-    ours = {id(p.scheduler) for p in hosts if p.scheduler is not None}
+    ours = {id(p.scheduler) for p in _hosts()}
     schedulers = running_schedulers()
     if schedulers is None:  # not tracked by this version of distributed
         return bool(ours)
@@ -192,7 +202,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     already (held, running, or wanted by a client: Dask reuses them) are not grouped. ``None`` when
     not exactly one such scheduler runs here, or when the scheduler's state changed while being read
     (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
-    plugins = [p for p in hosts if p.scheduler is not None]
+    plugins = _hosts()
     if len(plugins) != 1 or len(running_schedulers() or ()) != 1:
         return None
     plugin = plugins[0]
