@@ -3,6 +3,7 @@ per task), reuse of results the scheduler holds, collections computed together, 
 pickle, and module globals with local schedulers. Each test compares with the unannotated run."""
 
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -259,3 +260,42 @@ def test_plugins_registering_while_the_optimizer_reads_them_do_not_fail_it(monke
     monkeypatch.setattr(groups_scheduler, "hosts", Changing())
     monkeypatch.setattr(groups_scheduler, "running_schedulers", lambda: [])
     assert groups_scheduler.grouping_here() is False and Changing.changed
+
+
+def cancelled_on_2(i):
+    """Raises a ``BaseException`` (not an ``Exception``) for item 2, as a task may."""
+    import asyncio
+
+    if i == 2:
+        raise asyncio.CancelledError("item 2 cancelled")
+    return i
+
+
+def boom_on_block_3(b, block_id=None):
+    if block_id == (3,):
+        raise KeyError("bad block 3")
+    return b * 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_base_exception_fails_only_what_reads_it_and_notes_name_user_keys(c, s, a):
+    import asyncio
+
+    await setup(c, s, [1.0])
+    with dask_octopus.annotate():
+        items = [dask.delayed(inc)(dask.delayed(cancelled_on_2)(i)) for i in range(6)]
+    futures = c.compute(items)
+    await wait(futures)
+    assert [f.status for f in futures] == ["finished"] * 2 + ["error"] + ["finished"] * 3
+    assert isinstance(await futures[2].exception(), asyncio.CancelledError)
+    assert await c.gather([f for i, f in enumerate(futures) if i != 2]) == [1, 2, 4, 5, 6]
+    x = da.arange(40, chunks=4)
+    with dask_octopus.annotate():
+        y = x.map_blocks(boom_on_block_3)
+    with pytest.raises(KeyError, match="bad block 3") as info:
+        await c.compute(y.sum())
+    notes = getattr(info.value, "__notes__", [])
+    # the task of Dask's optimized graph that does block 3's work (fused into its partial sum), as Dask's
+    # dashboard shows it failing without annotate; not a name made up inside the fragment
+    note = r"dask_octopus: raised by task \('sum-[0-9a-f]+', 3\) of a fragment"
+    assert any(re.fullmatch(note, n) for n in notes), notes

@@ -108,6 +108,17 @@ def evaluate(spec: Any, values: Sequence[Any]) -> Any:
     return spec  # a constant tuple
 
 
+INNER = "octopus-inner"  # the step names of the tasks inside a fused member: (INNER, outer name, inner key)
+
+
+def step_key(name: Any) -> Any:
+    """The key of the task of Dask's graph whose work step ``name`` does: its name, or for a task fused
+    into a member (whose inner names Dask made up) the member's."""
+    while type(name) is tuple and name[:1] == (INNER,):
+        name = name[1]
+    return name
+
+
 def _unwrap(arg: Any) -> Any:
     return arg.value if isinstance(arg, DataNode) else arg
 
@@ -124,9 +135,9 @@ def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key,
             if isinstance(arg, TaskRef):
                 scope[ik] = names.get(arg.key, arg.key)
             else:  # a constant or an inline task given to the fused graph: a step of its own
-                scope[ik] = ("octopus-inner", key, ik)
+                scope[ik] = (INNER, key, ik)
                 _flatten(scope[ik], arg, names, out, covers, member)
-        scope.update((k, key if k == outkey else ("octopus-inner", key, k)) for k in inner)
+        scope.update((k, key if k == outkey else (INNER, key, k)) for k in inner)
         covers.extend(inner)
         for k, child in inner.items():
             _flatten(scope[k], child, scope, out, covers, member)

@@ -27,7 +27,7 @@ from dask.sizeof import sizeof
 from distributed.protocol.pickle import dumps, loads
 
 from dask_octopus import config
-from dask_octopus.groups.fragment import Fragment, evaluate
+from dask_octopus.groups.fragment import Fragment, evaluate, step_key
 from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
 from dask_octopus.groups.replay import CapturedGroup, CaptureRefused, GraphCache, capture, capture_fragment
 
@@ -352,13 +352,16 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
     for attempt in range(retries + 1):
         try:
             return evaluate(spec, args)
-        except Exception as e:
+        except (SystemExit, KeyboardInterrupt):  # as a Dask worker lets them through
+            raise
+        except BaseException as e:  # as a Dask worker catches a task's (asyncio.CancelledError among them)
+            key = step_key(name)
             if attempt == retries:
-                e.add_note(f"dask_octopus: raised by task {name!r} of a fragment"
+                e.add_note(f"dask_octopus: raised by task {key!r} of a fragment"
                            + (f" (and on {retries} retries)" if retries else ""))
                 return StepFailed(e)
             logger.info("dask_octopus: task %r of a fragment raised %r; retrying it (%d of %d)",
-                        name, e, attempt + 1, retries)
+                        key, e, attempt + 1, retries)
 
 
 def _task_retries() -> int:
