@@ -108,7 +108,8 @@ def watch(make: Callable[[], Table], interval: float, out: Console) -> None:
 @click.option("--watch", "watching", is_flag=True, help="refresh the table until Ctrl-C")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="--watch: seconds between refreshes")
-def profile(scheduler_address: str, watching: bool, interval: float) -> None:
+@click.option("--timeout", default="10s", show_default=True, help="how long to try to reach the scheduler")
+def profile(scheduler_address: str, watching: bool, interval: float, timeout: str) -> None:
     """Print each worker's device, calibration figures, current weights and refining samples."""
     from distributed import Client
 
@@ -122,7 +123,11 @@ def profile(scheduler_address: str, watching: bool, interval: float) -> None:
         except (dask_octopus.NotRegisteredError, ValueError) as e:  # no plugin, no workers: say so, exit 1
             raise click.ClickException(str(e)) from None
 
-    with Client(scheduler_address, timeout="10s") as client:
+    try:
+        client = Client(scheduler_address, timeout=timeout)
+    except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
+        raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None
+    with client:
         if watching:
             watch(make, interval, console())
         else:

@@ -120,6 +120,13 @@ def test_profile_without_workers_says_so(loop):
     assert "Traceback" not in result.output
 
 
+def test_profile_of_an_address_without_a_scheduler_says_so():
+    result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "1s"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("Error: no scheduler reachable at tcp://127.0.0.1:1: ")
+    assert len(result.output.splitlines()) <= 2
+
+
 def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "dask_octopus", "--help"], capture_output=True, text=True,
                          env={**os.environ}, check=True)
