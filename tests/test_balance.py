@@ -485,6 +485,16 @@ async def test_no_planned_block_is_larger_than_the_users_largest_block(c, s, a, 
     assert await run_balance(c, x, per_worker=1) is not None  # asked for: one block per worker, 1244 rows
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_array_of_fewer_rows_than_the_slow_worker_s_share_of_one_takes_one_row_there(c, s, a, b):
+    await setup(c, s, [3.0, 1.0])
+    x = da.arange(3, chunks=1)  # the slow worker's share: 0.75 rows
+    y = await run_balance(c, x)
+    fast, slow = sorted(s.workers)
+    assert y.chunks == ((1, 1, 1),) and s.plugins["octopus"].placement.plans[y.name].workers == [fast, fast, slow]
+    np.testing.assert_array_equal(await c.compute(y), np.arange(3))
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
 async def test_a_lost_worker_blocks_go_to_the_survivors_in_proportion_to_their_weights(c, s, a, b, w):
     await setup(c, s, [3.0, 1.0, 1.0])

@@ -69,7 +69,7 @@ def test_caps_and_minimum_are_respected(total, weights, data):
 def test_block_sizes(weights, per_worker, align, extra):
     total = len(weights) * per_worker * align * 4 + extra
     share = total * min(weights) / sum(weights) / per_worker
-    if align > share:
+    if 1 < align > share:
         with pytest.raises(PlanningError, match="align"):
             block_sizes(total, weights, per_worker=per_worker, align=align)
         return
@@ -282,6 +282,7 @@ def test_blocks_within_the_largest_block_are_the_fewest_that_fit():
 
 def test_block_sizes_at_their_bounds():
     assert block_sizes(4, [1, 1], per_worker=2) == [[1, 1], [1, 1]]  # as many rows as blocks: one row each
+    assert block_sizes(3, [3, 1]) == [[2], [1]]  # a share under one row (0.75) still gets its one row
     assert block_sizes(20, [1, 1], align=10) == [[10], [10]]  # align equal to the smallest share
 
 
