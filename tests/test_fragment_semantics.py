@@ -299,3 +299,26 @@ async def test_a_base_exception_fails_only_what_reads_it_and_notes_name_user_key
     # dashboard shows it failing without annotate; not a name made up inside the fragment
     note = r"dask_octopus: raised by task \('sum-[0-9a-f]+', 3\) of a fragment"
     assert any(re.fullmatch(note, n) for n in notes), notes
+
+
+SLOW = []  # the blocks slow_block ran (the workers run in this process)
+
+
+def slow_block(b, block_info=None):
+    SLOW.append(block_info[0]["chunk-location"][0])
+    time.sleep(0.03)
+    return b + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_cancelled_compute_stops_its_running_fragment(c, s, a):
+    await setup(c, s, [1.0])
+    SLOW.clear()
+    x = await c.persist(da.arange(100.0, chunks=1))
+    with dask_octopus.annotate():
+        future = c.compute(x.map_blocks(slow_block, dtype=float).sum())  # one fragment of 100 blocks, 3 s
+    await async_poll_for(lambda: len(SLOW) >= 3, timeout=30)
+    await future.cancel()
+    await async_poll_for(lambda: not a.state.executing, timeout=30)  # the thread is free again
+    assert len(SLOW) < 50  # as a cancelled small task would, the fragment stopped (within a step)
+    assert await c.compute(x[:4].sum()) == 6  # and the worker takes the next compute

@@ -18,6 +18,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -364,24 +365,47 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
                         key, e, attempt + 1, retries)
 
 
-def _task_retries() -> int:
-    """The retries Dask grants the running task (its ``retries`` annotation, as ``compute(retries=n)``
-    or ``dask.annotate(retries=n)`` set it), 0 outside a worker."""
-    from distributed import get_worker
-
-    try:
-        worker = get_worker()
-        ts = worker.state.tasks.get(worker.get_current_task())
-    except (ValueError, KeyError):  # not in a worker, or not in the thread of a task
-        return 0
-    retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
-    return retries if isinstance(retries, int) and retries > 0 else 0
+class FragmentReleased(Exception):
+    """Dask released a fragment's task while it ran (a cancel, a restart): its run stops there."""
 
 
-def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0) -> None:
+class RunningTask:
+    """The Dask task that runs a fragment in this thread: the retries Dask grants it (its ``retries``
+    annotation, as ``compute(retries=n)`` or ``dask.annotate(retries=n)`` set it; 0 outside a worker),
+    and :meth:`check`, which stops the run once Dask released the task."""
+
+    every = 0.05  #: seconds between two looks at the worker's state
+
+    def __init__(self) -> None:
+        from distributed import get_worker
+
+        try:
+            self._worker: Any = get_worker()
+            self._key = self._worker.get_current_task()
+            ts = self._worker.state.tasks.get(self._key)
+        except (ValueError, KeyError):  # not in a worker, or not in the thread of a task
+            self._worker, ts = None, None
+        retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
+        self.retries = retries if isinstance(retries, int) and retries > 0 else 0
+        self._next = time.perf_counter() + self.every
+
+    def check(self) -> None:
+        """Raise :class:`FragmentReleased` when the worker no longer wants the task's result (looked up
+        every :attr:`every` seconds at most): as a cancelled small task would end, the fragment ends
+        within one step instead of running its whole share for nothing."""
+        if self._worker is None or time.perf_counter() < self._next:
+            return
+        self._next = time.perf_counter() + self.every
+        ts = self._worker.state.tasks.get(self._key)
+        if ts is None or ts.state == "cancelled":
+            raise FragmentReleased(f"task {self._key!r} was released while its fragment ran")
+
+
+def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0, task: RunningTask | None = None) -> None:
     """Run the steps one after the other into ``values`` (slots to values, the inputs' first), dropping
     each value after its last reader; a step that raises runs again as often as its member's retries
-    allow (:meth:`Fragment.step_retries`; ``retries``, the task's, where the member has none)."""
+    allow (:meth:`Fragment.step_retries`; ``retries``, the task's, where the member has none). With
+    ``task``, the run stops once Dask released it (:meth:`RunningTask.check`)."""
     slot = len(fragment.inputs)
     for name, spec, reads, drop, again in zip(fragment.names, fragment.specs(), fragment.reads, fragment.drop,
                                               fragment.step_retries(retries)):
@@ -389,10 +413,12 @@ def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0) -> None:
         slot += 1
         for d in drop:
             del values[d]
+        if task is not None:
+            task.check()
 
 
 def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, values: dict[int, Any],
-           streams: Sequence[Any], retries: int = 0) -> list[Any]:
+           streams: Sequence[Any], retries: int = 0, task: RunningTask | None = None) -> list[Any]:
     """Launch the steps (``specs``: :meth:`Fragment.specs`) on their streams into ``values`` (slots to
     values), waiting on an event where a step reads another stream's result (a step that raises runs
     again as in :func:`walk`); returns the values kept alive for other streams (the caller holds
@@ -414,6 +440,8 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
             value = values.pop(d)
             if d - first in layout.shared:
                 held.append(value)
+        if task is not None:
+            task.check()
     return held
 
 
@@ -429,21 +457,23 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     again with the same structure and input shapes is captured as one CUDA graph, over the pool's streams
     or on one stream, whichever holds no more than ``octopus.streams.capture-spare-bytes`` beyond the
     other, and replayed; inputs that are the very buffers of the capture (persisted blocks) are read in place.
-    A step that raises runs again, in place, as many times as the task's ``retries`` allow (Dask
+    A step that raises runs again, in place, as many times as its ``retries`` allow (Dask
     would re-run the failed task that many times); then it does not stop the others: its value, and
     that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
-    step's key in its notes), which the tasks that read it from the fragment raise."""
+    step's key in its notes), which the tasks that read it from the fragment raise. A run whose task
+    Dask releases meanwhile (a cancel, a restart) stops within a step (:class:`RunningTask`; a
+    replayed graph, one launch, runs to its end)."""
     if len(inputs) != len(fragment.inputs):
         raise ValueError(f"a fragment of {len(fragment.inputs)} inputs was given {len(inputs)}")
     values = dict(enumerate(inputs))
-    retries = _task_retries()
+    task = RunningTask()
     rt = runtime()
     rt.count(len(fragment.names))
     cp = _cupy()
     if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
             config.get("streams.large-bytes"))):
-        return _run_on_gpu(cp, rt, fragment, values, inputs, retries)
-    walk(fragment, values, retries)
+        return _run_on_gpu(cp, rt, fragment, values, inputs, task)
+    walk(fragment, values, task.retries, task)
     return tuple(values[s] for s in fragment.results)
 
 
@@ -492,7 +522,7 @@ def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, specs: Seque
 
 
 def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int, Any], inputs: Sequence[Any],
-                retries: int) -> tuple[Any, ...]:
+                task: RunningTask) -> tuple[Any, ...]:
     # Eagerly, more streams may hold one block more than one stream does (one pool arena per stream): they
     # buy no speed there (launches are bound by Python). A graph captured over several streams (Opara's
     # speed) may hold octopus.streams.capture-spare-bytes more than the same graph captured on one stream
@@ -522,7 +552,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
     streams = _ready_streams(rt, cp, layout.used, ready)
     specs = fragment.specs()  # their constants (device arrays among them) live until the streams are done
     try:
-        held = launch(fragment, specs, layout, values, streams, retries)
+        held = launch(fragment, specs, layout, values, streams, task.retries, task)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
         for s in streams:
             s.synchronize()
