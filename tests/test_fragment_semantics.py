@@ -322,3 +322,18 @@ async def test_a_cancelled_compute_stops_its_running_fragment(c, s, a):
     await async_poll_for(lambda: not a.state.executing, timeout=30)  # the thread is free again
     assert len(SLOW) < 50  # as a cancelled small task would, the fragment stopped (within a step)
     assert await c.compute(x[:4].sum()) == 6  # and the worker takes the next compute
+
+
+def test_store_into_an_array_of_this_process_with_workers_in_it():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as lc, \
+            Client(lc) as client:
+        dask_octopus.register(client, calibrate=False)
+        x = da.arange(40, chunks=4, dtype=float)
+        plain, grouped = np.zeros(40), np.zeros(40)
+        da.store(x * 2 + 1, plain)  # the workers run the very target array: Dask writes into it
+        with dask_octopus.annotate():
+            da.store(x * 2 + 1, grouped)
+    np.testing.assert_array_equal(plain, np.arange(40) * 2 + 1)
+    np.testing.assert_array_equal(grouped, plain)

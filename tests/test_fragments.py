@@ -494,12 +494,12 @@ def test_a_step_gives_what_dask_s_task_gives_and_travels_without_task_objects(no
     inputs = [{"x": 4, "y": 7}[k] for k in frag.inputs]
     assert streams.run_fragment(frag, *inputs) == (node({"x": 4, "y": 7}),)
     assert streams.run_fragment(pickle.loads(pickle.dumps(frag)), *inputs) == (node({"x": 4, "y": 7}),)
-    # made for a local scheduler: its steps stay as they are (the very functions and constants) until it
-    # is pickled, and then travel packed as the others do
-    live = Fragment({"s": node}, ["s"], {"s": "memory"}, pack=False)
+    # its steps stay as they are (the very functions and constants) until it is pickled, then travel packed
+    live = Fragment({"s": node}, ["s"], {"s": "memory"})
     assert streams.run_fragment(live, *inputs) == (node({"x": 4, "y": 7}),) and live.specs() is live.specs()
     sent = pickle.loads(pickle.dumps(live))
     assert streams.run_fragment(sent, *inputs) == (node({"x": 4, "y": 7}),) and sent.specs() is not sent.specs()
+    assert live.specs() is not live.specs()  # once sent, the sender keeps the packed steps only
 
     def graph_nodes(spec):  # Dask's task objects inside a step's spec
         if isinstance(spec, GraphNode):

@@ -12,9 +12,10 @@ Each step is kept as a *spec* made of plain tuples (:func:`evaluate` calls it as
 would be called): ``(Call, func, args, kwargs)``, its arguments ``(Ref, i)`` for the step's ``i``-th
 read value, nested calls or constants. A spec names no key, so the steps of one block look alike
 whatever the compute's keys (the fragment's :meth:`~Fragment.structure`). The specs are pickled once,
-where the fragment is made, into one bytes object: on the chain-and-sum workload (3,070 steps)
-the fragment task pickles in 2 ms and unpickles in 3 ms, against 41 ms each way with Dask's ``Task``
-objects, and the scheduler keeps no thousands of objects per fragment for its garbage collector.
+when the fragment is first sent to another process, into one bytes object: on the chain-and-sum
+workload (3,070 steps) the fragment task pickles in 2 ms and unpickles in 3 ms, against 41 ms each way
+with Dask's ``Task`` objects, and once sent the scheduler keeps no thousands of objects per fragment
+for its garbage collector. In the process that made it, it runs the steps' objects as they are.
 """
 
 from __future__ import annotations
@@ -171,16 +172,16 @@ class Fragment:
     both classes are ready they alternate. ``retries`` maps members to the times a raising step of
     theirs may run again (:meth:`step_retries`; members missing: the fragment task's ``retries``).
 
-    The specs travel pickled, as one bytes object made here: the scheduler that sends the fragment
-    copies it, Dask's logs of sent messages hold it without thousands of objects for the garbage
-    collector to walk, and the worker unpickles it once, when the fragment runs. With ``pack=False``
-    (made where a local scheduler may run it in this process) they stay as they are until the fragment
-    itself is pickled: the members' functions run in this process with the very globals of their
-    modules, ``__main__``'s included, as without fragments.
+    The specs stay as they are until the fragment is pickled (sent to another process): a worker or
+    local scheduler of this process runs the members' very functions and constants, as without
+    fragments (a function of ``__main__`` sees its module's globals, ``da.store`` writes into the
+    target array). Pickled, they travel as one bytes object, which the fragment then keeps: the
+    scheduler that sends it copies it, Dask's logs of sent messages hold it without thousands of
+    objects for the garbage collector to walk, and the worker unpickles it once, when the fragment runs.
     """
 
     def __init__(self, members: Mapping[Key, GraphNode], outputs: Iterable[Key], resources: Mapping[Key, str],
-                 retries: Mapping[Key, int] | None = None, pack: bool = True):
+                 retries: Mapping[Key, int] | None = None):
         flat: dict[Key, tuple[Any, tuple, Key]] = {}
         covers: list[Key] = []
         for key, node in members.items():
@@ -222,8 +223,7 @@ class Fragment:
         known = retries or {}
         self.retries: tuple[int | None, ...] | None = (tuple(known.get(flat[name][2]) for name in names)
                                                        if known.keys() & members.keys() else None)
-        specs = tuple(flat[name][0] for name in names)
-        self._specs = _pack(specs) if pack else specs
+        self._specs: bytes | tuple = tuple(flat[name][0] for name in names)
 
     def step_retries(self, default: int) -> list[int]:
         """How many times each step may run again after raising: its member's own ``retries``, else
@@ -235,7 +235,8 @@ class Fragment:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if not isinstance(self._specs, bytes):
-            state["_specs"] = _pack(self._specs)
+            # sent elsewhere: from now on packed here too (a scheduler keeps no steps' objects alive)
+            self._specs = state["_specs"] = _pack(self._specs)
         return state
 
     def specs(self) -> tuple:

@@ -82,9 +82,8 @@ class GroupingOptimizer:
         else:
             threads = dask.config.get("num_workers", None) or CPU_COUNT
             places = annotated_places(annotations)
-            # not pickled until sent elsewhere: a local scheduler runs the fragments in this process
             graph = fragment_graph(graph, marks, keep, dependents, places, dict.fromkeys({None, *places.values()},
-                                   threads), retries=annotated_retries(annotations), pack=False)
+                                   threads), retries=annotated_retries(annotations))
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
             # again when it becomes an input of another one (delayed arguments), and they may group then.
             marks = {k: v for k, v in marks.items() if k in graph}

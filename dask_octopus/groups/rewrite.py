@@ -61,13 +61,11 @@ def _pull_downstream(steps: Sequence[Key], specs: Mapping[Key, Mapping[str, Any]
 
 
 def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
-           dependents: Mapping[Key, set[Key]], members: list[Key], retries: Mapping[Key, int] | None,
-           pack: bool) -> Fragment:
+           dependents: Mapping[Key, set[Key]], members: list[Key], retries: Mapping[Key, int] | None) -> Fragment:
     """The :class:`Fragment` of ``members``; its outputs are the members read from outside it."""
     inside = set(members)
     outputs = [m for m in members if not dependents.get(m, set()) <= inside]
-    return Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries,
-                    pack)
+    return Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries)
 
 
 def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,
@@ -88,7 +86,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
                    sizes: Mapping[Key, float] | None = None,
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
-                   pack: bool = True) -> dict[Key, GraphNode]:
+                   ) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
@@ -104,8 +102,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     estimated peak bytes of a fragment's intermediates (:meth:`Fragment.peak_bytes`, from ``sizes``, the
     bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
-    take the fragment task's) and ``pack`` says whether the fragments pickle their steps when made
-    (:class:`~dask_octopus.groups.fragment.Fragment`).
+    take the fragment task's).
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
@@ -119,7 +116,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     while True:
         fragments = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                    parts, min(caps) if caps else None)
-        built = [_build(dsk, specs, dependents, members, retries, pack) for members in fragments]
+        built = [_build(dsk, specs, dependents, members, retries) for members in fragments]
         made: dict[Any, int] = {}
         over = set()  # places with a fragment over its budget that can still be cut (two sources or more)
         for members, fragment in zip(fragments, built):
