@@ -337,3 +337,14 @@ def test_store_into_an_array_of_this_process_with_workers_in_it():
             da.store(x * 2 + 1, grouped)
     np.testing.assert_array_equal(plain, np.arange(40) * 2 + 1)
     np.testing.assert_array_equal(grouped, plain)
+
+
+def test_a_failed_step_s_traceback_starts_in_the_user_s_code():
+    import traceback
+
+    with dask_octopus.annotate():
+        y = da.arange(40, chunks=4).map_blocks(boom_on_block_3)
+    with pytest.raises(KeyError) as info:
+        y.sum().compute(scheduler="sync")
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert frames[-1] == "boom_on_block_3" and "_step" not in frames and "evaluate" not in frames, frames

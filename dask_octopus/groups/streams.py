@@ -360,7 +360,10 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
             if attempt == retries:
                 e.add_note(f"dask_octopus: raised by task {key!r} of a fragment"
                            + (f" (and on {retries} retries)" if retries else ""))
-                return StepFailed(e)
+                tb = e.__traceback__  # from the user's code on, as without fragments: not _step's, evaluate's
+                while tb is not None and tb.tb_frame.f_code in (_step.__code__, evaluate.__code__):
+                    tb = tb.tb_next
+                return StepFailed(e.with_traceback(tb))
             logger.info("dask_octopus: task %r of a fragment raised %r; retrying it (%d of %d)",
                         key, e, attempt + 1, retries)
 
