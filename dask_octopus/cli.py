@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import click
-from dask.utils import format_bytes
+from dask.utils import format_bytes, parse_timedelta
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -103,13 +103,21 @@ def watch(make: Callable[[], Table], interval: float, out: Console) -> None:
         pass
 
 
+def _duration(value: str) -> float:
+    try:
+        return parse_timedelta(value)
+    except (ValueError, KeyError, TypeError):
+        raise click.BadParameter(f"a duration such as 10s or 500ms, got {value!r}") from None
+
+
 @main.command()
 @click.option("--scheduler-address", required=True, help="address of a scheduler running dask_octopus")
 @click.option("--watch", "watching", is_flag=True, help="refresh the table until Ctrl-C")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="--watch: seconds between refreshes")
-@click.option("--timeout", default="10s", show_default=True, help="how long to try to reach the scheduler")
-def profile(scheduler_address: str, watching: bool, interval: float, timeout: str) -> None:
+@click.option("--timeout", default="10s", show_default=True, callback=lambda ctx, param, value: _duration(value),
+              help="how long to try to reach the scheduler")
+def profile(scheduler_address: str, watching: bool, interval: float, timeout: float) -> None:
     """Print each worker's device, calibration figures, current weights and refining samples."""
     from distributed import Client
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import dask
@@ -16,7 +17,7 @@ import pytest
 from dask.utils import key_split
 from distributed import get_worker, wait
 from distributed.utils_test import async_poll_for, gen_cluster
-from test_balance import setup
+from test_balance import run_balance, setup
 
 import dask_octopus
 from dask_octopus.groups import marks
@@ -77,7 +78,7 @@ async def test_tasks_annotated_with_resources_run_where_they_are(c, s, a, b, gro
             with dask_octopus.annotate():
                 y = (x + i).map_blocks(inc, dtype=float)
             with dask.annotate(resources={"FPGA": 1}):
-                z = y.map_blocks(on_the_fpga, dtype=float)  # each reads one marked block: joinable
+                z = y.map_blocks(on_the_fpga, dtype=float)  # marked too (pull_marks): fragments of their own
             assert await c.compute(z.sum()) == 2 * (64 * 63 / 2 + 64 * (i + 1))
     assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
 
@@ -88,9 +89,10 @@ def where(value):
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])
-async def test_an_unmarked_task_pulled_into_a_fragment_keeps_its_resources(c, s, a, b, monkeypatch):
+async def test_an_unmarked_task_that_could_join_a_fragment_keeps_its_resources(c, s, a, b, monkeypatch):
     """Grouped in ``update_graph`` (the optimizer sees tasks given to another delayed call as outputs):
-    each ``where`` reads one marked chain only, so it may join its fragment, on the FPGA's worker only."""
+    each ``where`` reads one marked chain only, so it could join that chain's fragment, which has no
+    resources: it stays a task of its own, on the FPGA's worker."""
     monkeypatch.setattr(marks, "fragment_here", lambda *args: None)
     rec = await setup(c, s, [1.0, 1.0])
     for _ in range(3):  # wherever the fragments land
@@ -100,6 +102,7 @@ async def test_an_unmarked_task_pulled_into_a_fragment_keeps_its_resources(c, s,
             ends = [dask.delayed(where)(p) for p in parts]
         assert await c.compute(dask.delayed(list)(ends)) == [(i + 2, b.address) for i in range(8)]
     assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+    assert [w for k, w in rec.worker.items() if key_split(k) == "where"] == [b.address] * 24
 
 
 FLAKY = {}  # calls per name (the workers run in this process)
@@ -184,13 +187,16 @@ class CodedError(Exception):
 
 
 def test_a_failed_step_whose_error_does_not_unpickle_travels_as_its_repr():
-    failed = StepFailed(CodedError(7, "bad block"))
+    error = CodedError(7, "bad block")
+    error.add_note("dask_octopus: raised by task 'x' of a fragment")
+    failed = StepFailed(error)
     with pytest.raises(TypeError):
         pickle.loads(pickle.dumps(failed.error))
     copy = pickle.loads(pickle.dumps((failed, 1.0)))  # a fragment's outputs, sent to another worker
     assert pick(copy, 1) == 1.0
-    with pytest.raises(Exception, match=r"CodedError\('7: bad block'\)"):
+    with pytest.raises(Exception, match=r"CodedError\('7: bad block'\)") as info:
         pick(copy, 0)
+    assert info.value.__notes__ == ["dask_octopus: raised by task 'x' of a fragment"]
     fine = pickle.loads(pickle.dumps(StepFailed(ValueError("block 3"))))
     with pytest.raises(ValueError, match="block 3"):
         pick([fine], 0)
@@ -302,11 +308,14 @@ async def test_a_base_exception_fails_only_what_reads_it_and_notes_name_user_key
 
 
 SLOW = []  # the blocks slow_block ran (the workers run in this process)
+GATE = threading.Event()  # the third block waits for it
 
 
 def slow_block(b, block_info=None):
     SLOW.append(block_info[0]["chunk-location"][0])
-    time.sleep(0.03)
+    if len(SLOW) == 3:
+        GATE.wait(30)
+    time.sleep(0.01)
     return b + 1
 
 
@@ -314,13 +323,17 @@ def slow_block(b, block_info=None):
 async def test_a_cancelled_compute_stops_its_running_fragment(c, s, a):
     await setup(c, s, [1.0])
     SLOW.clear()
+    GATE.clear()
     x = await c.persist(da.arange(100.0, chunks=1))
     with dask_octopus.annotate():
-        future = c.compute(x.map_blocks(slow_block, dtype=float).sum())  # one fragment of 100 blocks, 3 s
-    await async_poll_for(lambda: len(SLOW) >= 3, timeout=30)
+        future = c.compute(x.map_blocks(slow_block, dtype=float).sum())  # one fragment of 100 blocks, 1 s
+    await async_poll_for(lambda: len(SLOW) == 3, timeout=30)  # the third block waits for the gate
     await future.cancel()
-    await async_poll_for(lambda: not a.state.executing, timeout=30)  # the thread is free again
-    assert len(SLOW) < 50  # as a cancelled small task would, the fragment stopped (within a step)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX and ts.state == "cancelled"
+                                     for k, ts in a.state.tasks.items()), timeout=30)
+    GATE.set()  # the fragment goes on: its next look at the worker's state (50 ms at most) ends it
+    await async_poll_for(lambda: not a.state.executing, timeout=30)
+    assert len(SLOW) < 20  # of 100: as a cancelled small task would, the fragment stopped (in 5 blocks or so)
     assert await c.compute(x[:4].sum()) == 6  # and the worker takes the next compute
 
 
@@ -348,3 +361,53 @@ def test_a_failed_step_s_traceback_starts_in_the_user_s_code():
         y.sum().compute(scheduler="sync")
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert frames[-1] == "boom_on_block_3" and "_step" not in frames and "evaluate" not in frames, frames
+
+
+@pytest.mark.parametrize("priority", [None, 1])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_partial_sums_of_pinned_blocks_join_their_fragments(c, s, a, b, grouped_by, priority):
+    """Balanced blocks are pinned (and held) where they live; the partial sums that read them are
+    pinned too, or not, and share the blocks' annotations (none, or the same priority): they join."""
+    rec = await setup(c, s, [1.0, 1.0])
+    x = await c.persist(await run_balance(c, da.arange(4096.0, chunks=16), per_worker=4))
+    with dask.annotate(**({"priority": priority} if priority else {})):
+        with dask_octopus.annotate():
+            y = x.map_blocks(inc)
+        total = await c.compute(y.sum(split_every=4))
+    assert total == 4096 * 4095 / 2 + 4096
+    ran = [key_split(k) for k in rec.worker]
+    assert FRAGMENT_PREFIX in ran and "sum-partial" not in ran and "inc" not in ran, sorted(set(ran))
+
+
+class OneStream:
+    """Stands in for a CUDA stream: a context, events that are nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def record(self):
+        return None
+
+    def wait_event(self, event):
+        pass
+
+
+def test_a_captured_launch_never_runs_a_step_again_a_running_task_does():
+    from dask_octopus._compat import Task, TaskRef
+    from dask_octopus.groups import streams
+    from dask_octopus.groups.fragment import Fragment
+
+    frag = Fragment({"a": Task("a", flaky, "captured", 1), "b": Task("b", len, TaskRef("a"))}, ["b"],
+                    {"a": "memory", "b": "memory"}, retries={"a": 2})
+    layout = streams.FragmentLayout(frag, 1)
+    FLAKY.clear()
+    values = {}
+    streams.launch(frag, frag.specs(), layout, values, [OneStream()])  # as captured: no task, no retries
+    assert type(values[1]) is StepFailed and FLAKY == {"captured": 1}  # the failed launch is not repeated
+    task = streams.RunningTask()  # outside a worker: the fragment's own retries only
+    values = {}
+    streams.launch(frag, frag.specs(), layout, values, [OneStream()], task)
+    assert values[1] == len("captured") and FLAKY == {"captured": 2}

@@ -16,6 +16,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.base import tokenize
 from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
 from distributed.utils_test import async_poll_for, gen_cluster
@@ -497,6 +498,8 @@ def test_a_step_gives_what_dask_s_task_gives_and_travels_without_task_objects(no
     # its steps stay as they are (the very functions and constants) until it is pickled, then travel packed
     live = Fragment({"s": node}, ["s"], {"s": "memory"})
     assert streams.run_fragment(live, *inputs) == (node({"x": 4, "y": 7}),) and live.specs() is live.specs()
+    assert tokenize(DataNode(None, live)) == tokenize(DataNode(None, frag))  # a token from its keys, unpacked
+    assert live.specs() is live.specs() and live.structure() == frag.structure()
     sent = pickle.loads(pickle.dumps(live))
     assert streams.run_fragment(sent, *inputs) == (node({"x": 4, "y": 7}),) and sent.specs() is not sent.specs()
     assert live.specs() is not live.specs()  # once sent, the sender keeps the packed steps only

@@ -19,14 +19,15 @@ from dask_octopus.groups.planning import (
 @st.composite
 def dags(draw):
     """A random DAG over keys 0..n-1 (edges only from lower to higher keys), some keys candidates, each
-    with a place, and the parts per place."""
+    with a place and a label, and the parts per place."""
     n = draw(st.integers(1, 30))
     deps = {k: sorted(draw(st.sets(st.integers(0, k - 1), max_size=3))) if k else [] for k in range(n)}
     candidates = sorted(draw(st.sets(st.integers(0, n - 1))))
     places = {k: draw(st.sampled_from(["w0", "w1", None])) for k in candidates}
+    labels = {k: draw(st.sampled_from(["priority-1", None])) for k in candidates}
     parts = {p: draw(st.integers(1, 4)) for p in ("w0", "w1", None)}
     cap = draw(st.one_of(st.none(), st.integers(1, 6)))
-    return deps, candidates, places, parts, cap
+    return deps, candidates, places, parts, cap, labels
 
 
 def reaches(deps, a, b):
@@ -46,15 +47,16 @@ def reaches(deps, a, b):
 @given(dags())
 @settings(max_examples=400, deadline=None)
 def test_fragments_are_candidates_of_one_place_that_contract_to_an_acyclic_graph(dag):
-    deps, candidates, places, parts, cap = dag
+    deps, candidates, places, parts, cap, labels = dag
     steps = topological(list(deps)[::-1], deps)  # built in any order, then dependencies first
-    fragments = plan_fragments(steps, deps, candidates, places, parts, cap)
+    fragments = plan_fragments(steps, deps, candidates, places, parts, cap, labels)
     flat = [k for f in fragments for k in f]
     assert len(flat) == len(set(flat)) and set(flat) <= set(candidates)
     owner = {k: i for i, f in enumerate(fragments) for k in f}
     for i, f in enumerate(fragments):
         assert len(f) >= 2
         assert len({places[k] for k in f} - {None}) <= 1  # one place (members of no place join any)
+        assert len({labels[k] for k in f}) == 1  # one label: the same annotations
         position = {k: j for j, k in enumerate(f)}
         assert all(position[d] < position[k] for k in f for d in deps[k] if d in position)  # dependency order
         assert all(owner.get(d, i) == i for k in f for d in deps[k])  # never reads another fragment's member
@@ -98,6 +100,13 @@ def test_a_pinned_task_joins_only_a_fragment_of_its_place():
     deps = {"a": [], "b": ["a"], "c": ["a"]}
     got = plan_fragments(list(deps), deps, set(deps), {"a": "w0", "b": "w1", "c": None}, {"w0": 1, "w1": 1})
     assert got == [["a", "c"]]
+
+
+def test_a_task_joins_only_a_fragment_of_its_label_and_sources_of_two_labels_part():
+    deps = {"a": [], "b": [], "a2": ["a"], "a3": ["a"], "b2": ["b"]}
+    labels = {"b": "fpga", "a3": "fpga", "b2": "fpga"}  # a, a2: no label
+    got = plan_fragments(list(deps), deps, set(deps), dict.fromkeys(deps), {None: 1}, labels=labels)
+    assert got == [["a", "a2"], ["b", "b2"]]  # one thread, yet two fragments; a3 runs alone
 
 
 @pytest.mark.parametrize("order", [["a", "b", "c"], ["c", "b", "a"]])

@@ -224,6 +224,7 @@ class Fragment:
         self.retries: tuple[int | None, ...] | None = (tuple(known.get(flat[name][2]) for name in names)
                                                        if known.keys() & members.keys() else None)
         self._specs: bytes | tuple = tuple(flat[name][0] for name in names)
+        self._structure: str | None = None
 
     def step_retries(self, default: int) -> list[int]:
         """How many times each step may run again after raising: its member's own ``retries``, else
@@ -234,15 +235,21 @@ class Fragment:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        if not isinstance(self._specs, bytes):
+        specs = self._specs
+        if not isinstance(specs, bytes):
             # sent elsewhere: from now on packed here too (a scheduler keeps no steps' objects alive)
-            self._specs = state["_specs"] = _pack(self._specs)
+            self._specs = state["_specs"] = _pack(specs)
         return state
+
+    def __dask_tokenize__(self) -> Any:
+        # what the fragment is (the same keys are the same tasks), without pickling its steps for a token
+        return type(self).__name__, repr(self.members), repr(self.outputs)
 
     def specs(self) -> tuple:
         """The steps' specs, in step order (unpickled at each call: a run asks once, or twice where it
         tries a capture that CUDA refuses and then runs eagerly)."""
-        return pickle.loads(self._specs) if isinstance(self._specs, bytes) else self._specs
+        specs = self._specs  # read once: pickling the fragment in another thread swaps it for its bytes
+        return pickle.loads(specs) if isinstance(specs, bytes) else specs
 
     def estimate(self, sizes: Mapping[Key, float]) -> tuple[list[float], list[list[int]]]:
         """Each step's estimated result bytes, as large as the largest value it reads (elementwise work;
@@ -262,9 +269,15 @@ class Fragment:
         return live_peak(*self.estimate(sizes))
 
     def structure(self) -> str:
-        """What the fragment computes, whatever its keys: a token of its steps' specs (functions and
-        constants, pickled) and of the slots they read and return. Equal structures on equal input
-        shapes do equal work."""
-        if not isinstance(self._specs, bytes):
-            return tokenize(self._specs, self.reads, self.results)
-        return hashlib.sha1(self._specs + pickle.dumps((self.reads, self.results), protocol=5)).hexdigest()
+        """What the fragment computes, whatever its keys: a hash of its steps' specs (functions and
+        constants, pickled) and of the slots they read and return (a token where they do not pickle).
+        Equal structures on equal input shapes do equal work. Computed once."""
+        if self._structure is None:
+            specs = self._specs
+            packed = specs if isinstance(specs, bytes) else _pack(specs)
+            if isinstance(packed, bytes):
+                extra = pickle.dumps((self.reads, self.results), protocol=5)
+                self._structure = hashlib.sha1(packed + extra).hexdigest()
+            else:
+                self._structure = tokenize(packed, self.reads, self.results)
+        return self._structure

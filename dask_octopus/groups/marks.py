@@ -41,7 +41,7 @@ from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, res
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
 from dask_octopus.groups.rewrite import fragment_graph, fragment_members, inner_keys
-from dask_octopus.groups.scheduler import annotated_places, annotated_retries, fragment_here, grouping_here
+from dask_octopus.groups.scheduler import annotated_retries, annotation_labels, fragment_here, grouping_here
 
 
 class GroupingOptimizer:
@@ -81,9 +81,8 @@ class GroupingOptimizer:
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
         else:
             threads = dask.config.get("num_workers", None) or CPU_COUNT
-            places = annotated_places(annotations)
-            graph = fragment_graph(graph, marks, keep, dependents, places, dict.fromkeys({None, *places.values()},
-                                   threads), retries=annotated_retries(annotations))
+            graph = fragment_graph(graph, marks, keep, dependents, {}, {None: threads},
+                                   retries=annotated_retries(annotations), labels=annotation_labels(annotations))
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
             # again when it becomes an input of another one (delayed arguments), and they may group then.
             marks = {k: v for k, v in marks.items() if k in graph}

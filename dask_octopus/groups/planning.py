@@ -70,7 +70,8 @@ def _chunks(n: int, parts: int) -> list[int]:
 
 def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]],
                    candidates: Collection[Hashable], places: Mapping[Hashable, Hashable],
-                   parts: Mapping[Hashable, int], cap: int | None = None) -> list[list[Hashable]]:
+                   parts: Mapping[Hashable, int], cap: int | None = None,
+                   labels: Mapping[Hashable, Hashable] | None = None) -> list[list[Hashable]]:
     """Fragments of a graph: sets of ``candidates`` that each run as one task, members in dependency order.
 
     ``steps`` is every key of the graph, each after its dependencies: the order it was built, as
@@ -83,34 +84,38 @@ def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Co
     fragment's; any other candidate (one that combines several fragments, such as the top of a
     reduction tree) and everything downstream of it stays out. So no fragment reads another fragment's
     member through a task outside it, and the fragments never form a cycle. Fragments of one member
-    are left out (those tasks run as they are).
+    are left out (those tasks run as they are). ``labels[k]`` (missing: ``None``) must be equal among a
+    fragment's members: sources of one place with other labels form other fragments, and a candidate
+    joins a fragment of its own label only.
     """
     if cap is not None and cap < 1:
         raise ValueError(f"cap must be >= 1 or None, got {cap!r}")
     candidates = set(candidates)
+    labels = labels or {}
     upstream: dict[Hashable, bool] = {}  # a candidate is upstream (or the key itself is one)
     for k in steps:
         upstream[k] = k in candidates or any(upstream.get(d, False) for d in dependencies[k])
-    sources: dict[Hashable, list[Hashable]] = {}
+    sources: dict[tuple[Hashable, Hashable], list[Hashable]] = {}
     for k in steps:
         if k in candidates and not any(upstream.get(d, False) for d in dependencies[k]):
-            sources.setdefault(places[k], []).append(k)
-    part: dict[Hashable, tuple[Hashable, int]] = {}
-    for place, keys in sources.items():
+            sources.setdefault((places[k], labels.get(k)), []).append(k)
+    part: dict[Hashable, tuple[Hashable, Hashable, int]] = {}
+    for (place, label), keys in sources.items():
         n = max(1, parts[place], -(-len(keys) // cap) if cap else 1)
-        part.update((k, (place, p)) for k, p in zip(keys, _chunks(len(keys), min(n, len(keys)))))
+        part.update((k, (place, label, p)) for k, p in zip(keys, _chunks(len(keys), min(n, len(keys)))))
     tainted: set[Hashable] = set()  # keys downstream of a fragment, not in one
     for k in steps:
         if k in part:
             continue
         deps = [d for d in dependencies[k] if d in upstream]
         owners = {part[d] for d in deps if d in part}
-        if (k in candidates and len(owners) == 1 and not any(d in tainted for d in deps)
-                and places[k] in (None, next(iter(owners))[0])):
-            part[k] = next(iter(owners))
+        owner = next(iter(owners)) if len(owners) == 1 else None
+        if (k in candidates and owner is not None and not any(d in tainted for d in deps)
+                and places[k] in (None, owner[0]) and labels.get(k) == owner[1]):
+            part[k] = owner
         elif owners or any(d in tainted for d in deps):
             tainted.add(k)
-    members: dict[tuple[Hashable, int], list[Hashable]] = {}
+    members: dict[tuple[Hashable, Hashable, int], list[Hashable]] = {}
     for k in steps:
         if k in part:
             members.setdefault(part[k], []).append(k)

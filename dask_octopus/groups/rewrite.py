@@ -86,7 +86,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
                    sizes: Mapping[Key, float] | None = None,
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
-                   ) -> dict[Key, GraphNode]:
+                   labels: Mapping[Key, Any] | None = None) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
@@ -102,7 +102,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     estimated peak bytes of a fragment's intermediates (:meth:`Fragment.peak_bytes`, from ``sizes``, the
     bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
-    take the fragment task's).
+    take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
+    fragment (:func:`~dask_octopus.groups.planning.plan_fragments`).
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
@@ -115,7 +116,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     parts = dict(parts)
     while True:
         fragments = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
-                                   parts, min(caps) if caps else None)
+                                   parts, min(caps) if caps else None, labels)
         built = [_build(dsk, specs, dependents, members, retries) for members in fragments]
         made: dict[Any, int] = {}
         over = set()  # places with a fragment over its budget that can still be cut (two sources or more)

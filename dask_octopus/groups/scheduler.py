@@ -53,8 +53,9 @@ def _hosts() -> list[Any]:
     while True:
         try:
             return [p for p in hosts if p.scheduler is not None]
-        except RuntimeError:  # "set changed size during iteration"
-            continue
+        except RuntimeError as e:
+            if "changed size during iteration" not in str(e):
+                raise
 
 
 def grouping_here() -> bool:
@@ -107,22 +108,22 @@ def _hashable(value: Any) -> Hashable:
 def shared_annotations(annotations: Mapping[str, Any] | None) -> Hashable:
     """The Dask annotations of a task that the fragment task running it carries (restrictions, priority,
     any of the user's own; not ``octopus`` nor ``retries``, which each step keeps), as one hashable
-    value: tasks join a fragment only with tasks of equal such annotations."""
-    if not annotations:
-        return ()
-    return tuple(sorted((name, _hashable(v)) for name, v in annotations.items() if name not in UNSHARED))
+    value (``None`` for none), a task's label for
+    :func:`~dask_octopus.groups.planning.plan_fragments`: tasks join a fragment only with tasks of
+    equal such annotations."""
+    shared = tuple(sorted((name, _hashable(v)) for name, v in (annotations or {}).items() if name not in UNSHARED))
+    return shared or None
+
+
+def annotation_labels(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key, Hashable]:
+    """The label (:func:`shared_annotations`) of each task of ``annotations`` (by key) that has one."""
+    return {k: label for k, a in annotations.items() if (label := shared_annotations(a)) is not None}
 
 
 def _place_of(workers: Iterable[str] = (), hosts: Iterable[str] = (), resources: Mapping[str, float] | None = None,
-              loose: bool = False, home: str | None = None, annotations: Hashable = ()) -> Hashable:
-    place = (frozenset(workers), frozenset(hosts), tuple(sorted((resources or {}).items())), loose, home, annotations)
-    return None if place == (frozenset(), frozenset(), (), False, None, ()) else place
-
-
-def annotated_places(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key, Hashable]:
-    """The place of each task whose ``annotations`` (by key) hold some that its fragment must share
-    (:func:`shared_annotations`), for tasks not restricted otherwise."""
-    return {k: _place_of(annotations=shared) for k, a in annotations.items() if (shared := shared_annotations(a))}
+              loose: bool = False, home: str | None = None) -> Hashable:
+    place = (frozenset(workers), frozenset(hosts), tuple(sorted((resources or {}).items())), loose, home)
+    return None if place == (frozenset(), frozenset(), (), False, None) else place
 
 
 def annotated_retries(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key, int]:
@@ -133,10 +134,15 @@ def annotated_retries(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key,
 def _place(ts: TaskState) -> Hashable:
     """Where a task may run, as one hashable value (``None``: anywhere): its restrictions and, when
     its inputs are already in memory, the worker holding most of their bytes (so that a fragment does
-    not pull the inputs of members that live on different workers to one of them), and its other
-    annotations (:func:`shared_annotations`)."""
+    not pull the inputs of members that live on different workers to one of them)."""
     return _place_of(ts.worker_restrictions or (), ts.host_restrictions or (), ts.resource_restrictions,
-                     ts.loose_restrictions, _home(_inputs(ts)), shared_annotations(ts.annotations))
+                     ts.loose_restrictions, _home(_inputs(ts)))
+
+
+def _new(ts: TaskState | None) -> bool:
+    """Whether the scheduler has no use of a key: no task, or a released one that nothing reads or wants
+    (about to be forgotten). Dask reuses the others (results held, tasks in flight), so do fragments."""
+    return ts is None or _unread(ts)
 
 
 def _threads(scheduler: Scheduler, place: Hashable) -> int:
@@ -209,7 +215,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     scheduler, placement = plugin.scheduler, plugin.placement
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
         annotations = annotations or {}
-        marks = {k: m for k, m in marks.items() if k in graph and k not in scheduler.tasks}
+        marks = {k: m for k, m in marks.items() if k in graph and _new(scheduler.tasks.get(k))}
         places: dict[Key, Hashable] = {}
         sizes: dict[Key, float] = {}
         for k in marks:
@@ -217,10 +223,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
             sizes.update(_sizes(held))
-            shared = shared_annotations(annotations.get(k))
-            places[k] = _place_of([worker], annotations=shared) if worker is not None else _place_of(
-                home=_home(held), annotations=shared)
-        places = {**annotated_places(annotations), **places}  # tasks that may be pulled in keep theirs too
+            places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
@@ -228,7 +231,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None
     return fragment_graph(graph, marks, keep, dependents, places, threads, sizes=sizes, budgets=budgets,
-                          retries=annotated_retries(annotations))
+                          retries=annotated_retries(annotations), labels=annotation_labels(annotations))
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -273,12 +276,13 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
     dsk = {k: new[k].run_spec for k in ranked}
     dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
-    places = {k: _place(new[k]) for k in groupable}  # pulled-in tasks keep their restrictions too
+    places = {k: _place(new[k]) for k in specs}
     kinds = set(places.values()) | {None}
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
                          groupable, sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
-                         retries={k: new[k].retries for k in groupable})
+                         retries={k: new[k].retries for k in groupable},
+                         labels={k: shared_annotations(new[k].annotations) for k in groupable})
     made = {k: fragment_members(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already
         return {}, orphans

@@ -320,19 +320,24 @@ class StepFailed:
     depend on it still run, and a task that reads it from the fragment raises ``error``
     (:func:`pick`), as it would have raised reading the failed task's result without fragments."""
 
-    __slots__ = ("error",)
+    __slots__ = ("_sent", "error")
 
     def __init__(self, error: BaseException):
         self.error = error
+        self._sent: BaseException | None = None  # the error as it travels (found at the first send)
 
     def __reduce__(self) -> tuple:
-        # as distributed sends a task's error: one that does not come back from pickle goes as its repr,
-        # so that the fragment's other outputs still reach other workers, and the spill
-        try:
-            loads(dumps(self.error))
-        except Exception:
-            return (StepFailed, (Exception(repr(self.error)),))
-        return (StepFailed, (self.error,))
+        # as distributed sends a task's error: one that does not come back from pickle goes as its repr
+        # (with its notes), so that the fragment's other outputs still reach other workers, and the spill
+        if self._sent is None:
+            try:
+                loads(dumps(self.error))
+                self._sent = self.error
+            except Exception:
+                self._sent = Exception(repr(self.error))
+                for note in getattr(self.error, "__notes__", ()):
+                    self._sent.add_note(note)
+        return (StepFailed, (self._sent,))
 
 
 def pick(outputs: Sequence[Any], i: int) -> Any:
@@ -368,10 +373,6 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
                         key, e, attempt + 1, retries)
 
 
-class FragmentReleased(Exception):
-    """Dask released a fragment's task while it ran (a cancel, a restart): its run stops there."""
-
-
 class RunningTask:
     """The Dask task that runs a fragment in this thread: the retries Dask grants it (its ``retries``
     annotation, as ``compute(retries=n)`` or ``dask.annotate(retries=n)`` set it; 0 outside a worker),
@@ -393,25 +394,32 @@ class RunningTask:
         self._next = time.perf_counter() + self.every
 
     def check(self) -> None:
-        """Raise :class:`FragmentReleased` when the worker no longer wants the task's result (looked up
+        """Raise ``distributed.Reschedule`` once the worker no longer wants the task's result (looked up
         every :attr:`every` seconds at most): as a cancelled small task would end, the fragment ends
-        within one step instead of running its whole share for nothing."""
+        within one step instead of running its whole share for nothing. The worker then releases the
+        task, or, where the task was asked for again meanwhile, has the scheduler run it again."""
         if self._worker is None or time.perf_counter() < self._next:
             return
         self._next = time.perf_counter() + self.every
         ts = self._worker.state.tasks.get(self._key)
         if ts is None or ts.state == "cancelled":
-            raise FragmentReleased(f"task {self._key!r} was released while its fragment ran")
+            from distributed import Reschedule
+
+            raise Reschedule(f"task {self._key!r} was released while its fragment ran")
 
 
-def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0, task: RunningTask | None = None) -> None:
+def _retries(fragment: Fragment, task: RunningTask | None) -> list[int]:
+    return fragment.step_retries(task.retries) if task is not None else [0] * len(fragment.names)
+
+
+def walk(fragment: Fragment, values: dict[int, Any], task: RunningTask | None = None) -> None:
     """Run the steps one after the other into ``values`` (slots to values, the inputs' first), dropping
-    each value after its last reader; a step that raises runs again as often as its member's retries
-    allow (:meth:`Fragment.step_retries`; ``retries``, the task's, where the member has none). With
-    ``task``, the run stops once Dask released it (:meth:`RunningTask.check`)."""
+    each value after its last reader. With ``task`` (the :class:`RunningTask`), a step that raises runs
+    again as often as its member's retries allow (:meth:`Fragment.step_retries`, the task's where the
+    member has none), and the run stops once Dask released the task (:meth:`RunningTask.check`)."""
     slot = len(fragment.inputs)
     for name, spec, reads, drop, again in zip(fragment.names, fragment.specs(), fragment.reads, fragment.drop,
-                                              fragment.step_retries(retries)):
+                                              _retries(fragment, task)):
         values[slot] = _step(name, spec, reads, values, again)
         slot += 1
         for d in drop:
@@ -421,15 +429,16 @@ def walk(fragment: Fragment, values: dict[int, Any], retries: int = 0, task: Run
 
 
 def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, values: dict[int, Any],
-           streams: Sequence[Any], retries: int = 0, task: RunningTask | None = None) -> list[Any]:
+           streams: Sequence[Any], task: RunningTask | None = None) -> list[Any]:
     """Launch the steps (``specs``: :meth:`Fragment.specs`) on their streams into ``values`` (slots to
-    values), waiting on an event where a step reads another stream's result (a step that raises runs
-    again as in :func:`walk`); returns the values kept alive for other streams (the caller holds
+    values), waiting on an event where a step reads another stream's result (with ``task``, retries and
+    release as in :func:`walk`; without, as when captured, a step that raises is not run again: its
+    launches would stay in the graph); returns the values kept alive for other streams (the caller holds
     them until those streams are done)."""
     events: dict[int, Any] = {}
     held = []
     first = len(fragment.inputs)
-    again = fragment.step_retries(retries)
+    again = _retries(fragment, task)
     for i, (name, spec, reads, drop) in enumerate(zip(fragment.names, specs, fragment.reads, fragment.drop)):
         s = streams[layout.streams[i]]
         for j in fragment.deps[i]:
@@ -476,7 +485,7 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
             config.get("streams.large-bytes"))):
         return _run_on_gpu(cp, rt, fragment, values, inputs, task)
-    walk(fragment, values, task.retries, task)
+    walk(fragment, values, task)
     return tuple(values[s] for s in fragment.results)
 
 
@@ -555,7 +564,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
     streams = _ready_streams(rt, cp, layout.used, ready)
     specs = fragment.specs()  # their constants (device arrays among them) live until the streams are done
     try:
-        held = launch(fragment, specs, layout, values, streams, task.retries, task)
+        held = launch(fragment, specs, layout, values, streams, task)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
         for s in streams:
             s.synchronize()

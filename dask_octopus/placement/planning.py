@@ -114,7 +114,7 @@ def block_sizes(
         )
     units, rest = divmod(total, align)
     share = min(total * wi / sum(w) / k for wi, k in zip(w, counts))
-    if units < nblocks or 1 < align > share:  # (align 1 below a share: that block takes one row, its least)
+    if units < nblocks or (align > 1 and align > share):  # (at align 1 a share under a row takes its one row)
         raise PlanningError(
             f"align={align} is larger than the smallest block's share ({share:.1f} of {total}); "
             "use a smaller align or per_worker"
