@@ -519,3 +519,29 @@ async def test_a_worker_is_planned_no_more_than_its_memory_allows(c, s, a, b):
     with dask.config.set({"octopus.balance.memory-fraction": 0.3}), \
             pytest.raises(PlanningError, match="does not fit in the workers' memory"):
         await run_balance(c, x, per_worker=1)  # 2 x 1.8 MB < 6.4 MB
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.max-plans": 2})
+async def test_blocks_of_a_dropped_plan_run_again_elsewhere_when_their_worker_leaves(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    y = await c.persist(await run_balance(c, da.arange(40, chunks=10)))
+    for k in range(2):  # two newer plans: y's is dropped (octopus.max-plans), its pins stay
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda k=k: dask_octopus.map(abs, [-k, -2, -3], client=c, gather=True))
+    placement = s.plugins["octopus"].placement
+    assert len(placement.plans) == 2 and any(key_split(k) == key_split(y.name) for k in placement.pins)
+    await s.remove_worker(address=a.address, stimulus_id="test", close=True)  # y's blocks there: lost
+    assert await asyncio.wait_for(c.compute(y.sum()), 30) == 780
+    assert not s.unrunnable
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_blocks_pinned_by_an_unregistered_plugin_run_again_elsewhere(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    y = await c.persist(await run_balance(c, da.arange(40, chunks=10)))
+    plugin = s.plugins["octopus"]
+    await c.unregister_scheduler_plugin("octopus")
+    await async_poll_for(lambda: not plugin.placement.pins, timeout=10)  # its sampler saw it go: pins loose
+    await a.close()
+    assert await asyncio.wait_for(c.compute(y.sum()), 30) == 780
+    assert not s.unrunnable

@@ -263,8 +263,9 @@ class Placement:
     def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
         """Move blocks planned on workers that left to the live ones in proportion to ``weights``.
 
-        Updates the restrictions of their pinned tasks and reschedules those stuck in
-        ``no-worker``. Returns the number of tasks re-pinned.
+        Updates the restrictions of their pinned tasks (unpins those of plans dropped since, pinned to
+        no live worker) and reschedules those stuck in ``no-worker``. Returns the number of tasks
+        re-pinned or unpinned.
         """
         if not weights:
             return 0
@@ -277,14 +278,34 @@ class Placement:
             plan.workers = new
         recs = {}
         count = 0
-        for key, block in self.pins.items():
-            if block not in moved or key not in scheduler.tasks:
+        for key, block in list(self.pins.items()):
+            ts = scheduler.tasks.get(key)
+            if ts is None:
                 continue
-            ts = scheduler.tasks[key]
-            ts.worker_restrictions = {self.worker_of(block)}
+            if block[0] not in self.plans:  # its plan was dropped (octopus.max-plans): no one to move it to
+                if ts.worker_restrictions and not ts.worker_restrictions & weights.keys():
+                    ts.worker_restrictions = None  # pinned to workers that left: Dask places it, as unplanned
+                    del self.pins[key]
+                else:
+                    continue
+            elif block in moved:
+                ts.worker_restrictions = {self.worker_of(block)}
+            else:
+                continue
             count += 1
             if ts in scheduler.unrunnable:
                 recs[key] = "processing"
         if recs:
             scheduler.transitions(recs, stimulus_id)
         return count
+
+    def loosen(self, scheduler: Scheduler) -> None:
+        """Let every pinned task run elsewhere too (loose restrictions) and forget the pins: the plugin
+        that kept them up to date is gone (unregistered), so a pin to a worker that leaves would hold
+        its task forever."""
+        for key in self.pins:
+            ts = scheduler.tasks.get(key)
+            if ts is not None:
+                ts.loose_restrictions = True
+        self.pins.clear()
+        self.stealable_keys.clear()

@@ -185,6 +185,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds)."""
         if self.scheduler.plugins.get(self.name) is not self:  # unregistered (which does not close a plugin)
             self._stop_sampling()
+            scheduler_groups.hosts.discard(self)  # the optimizer no longer leaves grouping to this plugin
+            self.placement.loosen(self.scheduler)
             return
         try:
             if self.scheduler.workers:
