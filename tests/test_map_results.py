@@ -3,6 +3,7 @@ a worker lost mid-map, and stealing of a slowed worker's tail (the pure split of
 tests/test_packing.py)."""
 
 import asyncio
+import threading
 import time
 import traceback
 
@@ -206,3 +207,26 @@ async def test_tails_too_short_to_pay_for_their_own_task_are_not_split_off(c, s,
     _, plan = plan_of(s)
     # each worker's 20 units take 20 us: a quarter of it in two tasks is far below 50 ms
     assert any(plan.stealable) is tails and len(plan.workers) == (6 if tails else 2)
+
+
+class LockedError(Exception):
+    """An exception that holds a lock: it does not pickle."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def locked_on_3(i):
+    if i == 3:
+        raise LockedError("item 3")
+    return i * 10
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_item_error_that_does_not_pickle_fails_that_item_only(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    out = await in_thread(dask_octopus.map, locked_on_3, range(8), client=c, gather=True, errors="skip")
+    assert out == [0, 10, 20, 40, 50, 60, 70]  # the batch's results travel; item 3's error as its repr
+    with pytest.raises(Exception, match=r"LockedError\('item 3'\)"):
+        await in_thread(dask_octopus.map, locked_on_3, range(8), client=c, gather=True)

@@ -268,6 +268,10 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
     assert "2 counts for 3 blocks" in reply[ERROR]
     reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address], counts=[1])
     assert "counts without costs" in reply[ERROR]
+    # a worker that left while the client planned: its blocks go to the others
+    await c.scheduler.octopus_add_plan(name="y", workers=["tcp://127.0.0.1:1", b.address, "tcp://127.0.0.1:1"])
+    assert plugin(s).placement.plans["y"].workers[1] == b.address
+    assert set(plugin(s).placement.plans["y"].workers) <= {a.address, b.address}
     await c.scheduler.retire_workers(workers=[b.address])
     assert b.address not in plugin(s).item_costs["octopus-map-f"]
 

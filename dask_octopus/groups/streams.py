@@ -327,17 +327,23 @@ class StepFailed:
         self._sent: BaseException | None = None  # the error as it travels (found at the first send)
 
     def __reduce__(self) -> tuple:
-        # as distributed sends a task's error: one that does not come back from pickle goes as its repr
-        # (with its notes), so that the fragment's other outputs still reach other workers, and the spill
+        # so that the fragment's other outputs still reach other workers, and the spill
         if self._sent is None:
-            try:
-                loads(dumps(self.error))
-                self._sent = self.error
-            except Exception:
-                self._sent = Exception(repr(self.error))
-                for note in getattr(self.error, "__notes__", ()):
-                    self._sent.add_note(note)
+            self._sent = sendable(self.error)
         return (StepFailed, (self._sent,))
+
+
+def sendable(error: BaseException) -> BaseException:
+    """``error`` as distributed sends a task's error: itself where it comes back from pickle, else an
+    ``Exception`` of its repr, with its notes."""
+    try:
+        loads(dumps(error))
+        return error
+    except Exception:
+        sent = Exception(repr(error))
+        for note in getattr(error, "__notes__", ()):
+            sent.add_note(note)
+        return sent
 
 
 def pick(outputs: Sequence[Any], i: int) -> Any:

@@ -45,6 +45,10 @@ class ItemError:
     def __init__(self, exception: BaseException):
         self.exception = exception
 
+    def __reduce__(self) -> tuple:
+        # the batch's other results still travel where its exception does not pickle
+        return (ItemError, (streams.sendable(self.exception),))
+
 
 def _each_on_its_own(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``call``, returning an :class:`ItemError` instead of raising."""

@@ -28,6 +28,7 @@ from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.placement.pins import Placement
+from dask_octopus.placement.planning import reassign
 from dask_octopus.plugins.messages import Profile, WorkerInfo
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
@@ -279,9 +280,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         blocks, ``pieces``: each is pinned, loosely, to the workers holding the block it slices when
         that block is in memory as the graph arrives."""
         check_resource(resource)
-        unknown = sorted(set(workers) - set(self.scheduler.workers))
-        if unknown:
-            raise ValueError(f"plan names workers that are not in the cluster: {unknown}")
+        if not set(workers) <= self.scheduler.workers.keys():  # left while the client planned: to the others
+            left = sorted(set(workers) - self.scheduler.workers.keys())
+            workers = reassign(workers, self.speeds(resource))
+            logger.info("dask_octopus: plan %s names workers that left (%s): their blocks go to the others",
+                        name, ", ".join(left))
         for label, values in (("costs", costs), ("counts", counts), ("stealable flags", stealable),
                               ("sizes", sizes), ("block bytes", nbytes)):
             if values is not None and len(values) != len(workers):
