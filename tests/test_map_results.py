@@ -230,3 +230,33 @@ async def test_an_item_error_that_does_not_pickle_fails_that_item_only(c, s, a, 
     assert out == [0, 10, 20, 40, 50, 60, 70]  # the batch's results travel; item 3's error as its repr
     with pytest.raises(Exception, match=r"LockedError\('item 3'\)"):
         await in_thread(dask_octopus.map, locked_on_3, range(8), client=c, gather=True)
+
+
+FLAKY_ITEMS = {}  # calls per item of flaky_item (the workers run in this process)
+
+
+def flaky_item(i, run):
+    """Raises the first time it runs on item 3, as a task hitting a passing fault (``run``: new keys)."""
+    FLAKY_ITEMS[i] = FLAKY_ITEMS.get(i, 0) + 1
+    if i == 3 and FLAKY_ITEMS[i] == 1:
+        raise OSError("item 3: transient fault")
+    return i * 10
+
+
+@pytest.mark.parametrize("kwargs", [{"group": 2}, {"gather": True}])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_item_in_a_batch_runs_again_as_its_retries_allow(c, s, a, b, kwargs):
+    await setup(c, s, [1.0, 1.0])
+
+    def annotated_map(retries):  # dask.annotate as a user writes it around the call (in the calling thread)
+        with dask.annotate(retries=retries):
+            return dask_octopus.map(flaky_item, range(6), client=c, run=retries, **kwargs)
+
+    FLAKY_ITEMS.clear()
+    with pytest.raises(OSError, match="transient"):
+        out = await in_thread(annotated_map, 0)
+        await c.gather(out) if "group" in kwargs else None
+    FLAKY_ITEMS.clear()
+    out = await in_thread(annotated_map, 2)
+    assert (await c.gather(out) if "group" in kwargs else out) == [i * 10 for i in range(6)]
+    assert FLAKY_ITEMS == {0: 1, 1: 1, 2: 1, 3: 2, 4: 1, 5: 1}  # item 3 again, in place; the others once

@@ -50,14 +50,22 @@ class ItemError:
         return (ItemError, (streams.sendable(self.exception),))
 
 
-def _each_on_its_own(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``call``, returning an :class:`ItemError` instead of raising."""
+def _each_on_its_own(call: Callable[[Any], Any], retries: int) -> Callable[[Any], Any]:
+    """``call``, run again up to ``retries`` times when it raises (as Dask re-runs a task), then
+    returning an :class:`ItemError` instead of raising (any exception but ``SystemExit`` and
+    ``KeyboardInterrupt``, as a Dask worker catches a task's)."""
 
     def run(item: Any) -> Any:
-        try:
-            return call(item)
-        except Exception as e:
-            return ItemError(e)
+        attempt = 0
+        while True:
+            try:
+                return call(item)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:
+                if attempt == retries:
+                    return ItemError(e)
+                attempt += 1
 
     return run
 
@@ -65,11 +73,12 @@ def _each_on_its_own(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], resource: str, group: int | None,
               to_host: bool = False) -> list[Any]:
     """Run ``func`` on each item in one task: one after the other without ``group``, else ``group`` items
-    at a time as a stream group; an item that raises gives an :class:`ItemError` in its place. The
+    at a time as a stream group; an item that raises runs again as often as the task's ``retries``
+    allow (Dask would re-run the item's task), then gives an :class:`ItemError` in its place. The
     token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is computed
     once for the whole batch, when a group first asks for it. ``to_host``: CuPy results are copied to
     host memory at the end, all at once (:func:`~dask_octopus.placement.tohost.to_host`)."""
-    call = _each_on_its_own(partial(func, **kwargs))
+    call = _each_on_its_own(partial(func, **kwargs), streams.RunningTask().retries)
     if group is None:
         out = [call(item) for item in items]
     else:
