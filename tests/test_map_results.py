@@ -10,7 +10,7 @@ import traceback
 import dask
 import numpy as np
 import pytest
-from distributed import Client, Nanny, get_worker
+from distributed import Client, Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import setup
@@ -260,3 +260,25 @@ async def test_an_item_in_a_batch_runs_again_as_its_retries_allow(c, s, a, b, kw
     out = await in_thread(annotated_map, 2)
     assert (await c.gather(out) if "group" in kwargs else out) == [i * 10 for i in range(6)]
     assert FLAKY_ITEMS == {0: 1, 1: 1, 2: 1, 3: 2, 4: 1, 5: 1}  # item 3 again, in place; the others once
+
+
+def fail_on_3(i):
+    if i == 3:
+        raise ZeroDivisionError("input 3 failed")
+    return i
+
+
+@pytest.mark.parametrize("kwargs", [{"group": 2}, {"gather": True, "errors": "skip"}, {"cost": lambda v: 1.0 + v}])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_input_that_failed_before_the_map_fails_only_its_item(c, s, a, b, kwargs):
+    await setup(c, s, [1.0, 1.0])
+    inputs = c.map(fail_on_3, range(6))
+    await wait(inputs)
+    out = await in_thread(dask_octopus.map, lambda v: v + 1, inputs, client=c, **kwargs)
+    if kwargs.get("gather"):
+        assert out == [1, 2, 3, 5, 6]
+        return
+    results = await c.gather(out, errors="skip")
+    assert results == [1, 2, 3, 5, 6]  # plain client.map: only the item that reads input 3 fails
+    with pytest.raises(ZeroDivisionError, match="input 3 failed"):
+        await out[3]

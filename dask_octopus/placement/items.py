@@ -16,7 +16,7 @@ import dask
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split, parse_timedelta
-from distributed import Client, Future, as_completed, default_client
+from distributed import Client, Future, as_completed, default_client, wait
 
 from dask_octopus import config
 from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input
@@ -56,6 +56,8 @@ def _each_on_its_own(call: Callable[[Any], Any], retries: int) -> Callable[[Any]
     ``KeyboardInterrupt``, as a Dask worker catches a task's)."""
 
     def run(item: Any) -> Any:
+        if isinstance(item, ItemError):  # an input that failed before the map (:func:`_failed_inputs`)
+            return item
         attempt = 0
         while True:
             try:
@@ -116,6 +118,13 @@ def _cost_of(cost: Callable[[Any], float], item: Any) -> tuple[bool, Any]:
         return False, e
 
 
+def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
+    """The items that are futures which failed already, as the :class:`ItemError` a batch gives in
+    their place: a batch task that read them would fail every item of the batch with their error."""
+    failed = [(i, it) for i, it in enumerate(items) if isinstance(it, Future) and it.status == "error"]
+    return {i: ItemError(it.exception()) for i, it in failed}
+
+
 def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
     """One cost per item. Futures (delayed items are futures by now) are equal by default, and a
     ``cost`` callable runs on the worker that holds them (one task each, gathered at once)."""
@@ -123,8 +132,10 @@ def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequ
         return [1.0 if isinstance(it, Future) else float(getattr(it, "nbytes", 1)) for it in items]
     if callable(cost):
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
-        found = dict(zip(remote, client.gather(client.map(partial(_cost_of, cost), [items[i] for i in remote],
-                                                          pure=False))))
+        costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
+        wait(costed)
+        # an item that failed upstream fails on its own when it runs: costed as one, meanwhile
+        found = {i: f.result() if f.status == "finished" else (True, 1.0) for i, f in zip(remote, costed)}
         out = []
         for i, it in enumerate(items):
             ok, value = found[i] if i in found else _cost_of(cost, it)
@@ -243,6 +254,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
     costs = _costs(client, items, cost)
+    failed = _failed_inputs(items)
     # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
     # under which its speeds are kept) stops at the first word with a character that is not a letter
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
@@ -273,8 +285,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
                 resolved = {k: parse_input(v) for k, v in kwargs.items()}
                 dsk[keys[i]] = Task(keys[i], func, parse_input(items[i]), **resolved)
             continue
-        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([items[i] for i in idx]), parse_input(kwargs),
-                              resource, group, to_host)
+        dsk[(name, b)] = Task((name, b), run_batch, func, parse_input([failed.get(i, items[i]) for i in idx]),
+                              parse_input(kwargs), resource, group, to_host)
         if per_item:
             for k, i in enumerate(idx):
                 keys[i] = (item_name, i)
