@@ -354,6 +354,28 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     return value
 
 
+def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: Any) -> tuple[bool, Any]:
+    """``(True, func(*args))``, or ``(False, the exception)`` once it raised ``retries + 1`` times (each
+    retry logged under ``name``): as a Dask worker runs a task, any exception is caught but
+    ``SystemExit`` and ``KeyboardInterrupt`` (``asyncio.CancelledError`` among those caught), and the
+    task runs again as often as its ``retries`` allow. The exception's traceback starts in ``func``'s
+    callees, the user's code, as without fragments or batches."""
+    tries = 0
+    while True:
+        try:
+            return True, func(*args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            if tries == retries:
+                tb = e.__traceback__
+                while tb is not None and tb.tb_frame.f_code in (attempt.__code__, evaluate.__code__):
+                    tb = tb.tb_next
+                return False, e.with_traceback(tb)
+            tries += 1
+            logger.info("dask_octopus: task %r raised %r; retrying it (%d of %d)", name, e, tries, retries)
+
+
 def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], retries: int = 0) -> Any:
     args = []
     for v in reads:
@@ -361,22 +383,13 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
         if type(value) is StepFailed:
             return value
         args.append(value)
-    for attempt in range(retries + 1):
-        try:
-            return evaluate(spec, args)
-        except (SystemExit, KeyboardInterrupt):  # as a Dask worker lets them through
-            raise
-        except BaseException as e:  # as a Dask worker catches a task's (asyncio.CancelledError among them)
-            key = step_key(name)
-            if attempt == retries:
-                e.add_note(f"dask_octopus: raised by task {key!r} of a fragment"
-                           + (f" (and on {retries} retries)" if retries else ""))
-                tb = e.__traceback__  # from the user's code on, as without fragments: not _step's, evaluate's
-                while tb is not None and tb.tb_frame.f_code in (_step.__code__, evaluate.__code__):
-                    tb = tb.tb_next
-                return StepFailed(e.with_traceback(tb))
-            logger.info("dask_octopus: task %r of a fragment raised %r; retrying it (%d of %d)",
-                        key, e, attempt + 1, retries)
+    key = step_key(name)
+    ok, value = attempt(evaluate, (spec, args), retries, key)
+    if ok:
+        return value
+    value.add_note(f"dask_octopus: raised by task {key!r} of a fragment"
+                   + (f" (and on {retries} retries)" if retries else ""))
+    return StepFailed(value)
 
 
 class RunningTask:

@@ -50,24 +50,15 @@ class ItemError:
         return (ItemError, (streams.sendable(self.exception),))
 
 
-def _each_on_its_own(call: Callable[[Any], Any], retries: int) -> Callable[[Any], Any]:
-    """``call``, run again up to ``retries`` times when it raises (as Dask re-runs a task), then
-    returning an :class:`ItemError` instead of raising (any exception but ``SystemExit`` and
-    ``KeyboardInterrupt``, as a Dask worker catches a task's)."""
+def _each_on_its_own(call: Callable[[Any], Any], retries: int, name: str) -> Callable[[Any], Any]:
+    """``call``, run again up to ``retries`` times when it raises, then returning an :class:`ItemError`
+    instead of raising (:func:`~dask_octopus.groups.streams.attempt`, as a Dask worker runs a task)."""
 
     def run(item: Any) -> Any:
         if isinstance(item, ItemError):  # an input that failed before the map (:func:`_failed_inputs`)
             return item
-        attempt = 0
-        while True:
-            try:
-                return call(item)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as e:
-                if attempt == retries:
-                    return ItemError(e)
-                attempt += 1
+        ok, value = streams.attempt(call, (item,), retries, name)
+        return value if ok else ItemError(value)
 
     return run
 
@@ -80,7 +71,7 @@ def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
     token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is computed
     once for the whole batch, when a group first asks for it. ``to_host``: CuPy results are copied to
     host memory at the end, all at once (:func:`~dask_octopus.placement.tohost.to_host`)."""
-    call = _each_on_its_own(partial(func, **kwargs), streams.RunningTask().retries)
+    call = _each_on_its_own(partial(func, **kwargs), streams.RunningTask().retries, funcname(func))
     if group is None:
         out = [call(item) for item in items]
     else:
