@@ -232,7 +232,11 @@ def test_fused_members_are_flattened_once_and_keep_their_keys():
     fused = {k: v for k, v in graph.items() if isinstance(v, Task) and v.func is execute_subgraph}
     assert fused  # Dask fused each block's chain
     frag = Fragment(fused, list(fused), dict.fromkeys(fused, "memory"))
-    assert not any(execute_subgraph in spec for spec in frag.specs())
+    specs = frag.specs()
+    assert not any(execute_subgraph in spec for spec in specs)
+    # the blocks' fused graphs are one object: their steps share its specs (made and pickled once)
+    incs = [s for s in specs if type(s) is tuple and s[:2] == (Call, inc)]
+    assert len(incs) == 2 * len(fused) and len({id(s) for s in incs}) == 2
     assert set(frag.covers) > set(fused)  # the members and the keys fused into them
     got = streams.run_fragment(frag, *[graph[k]({}) for k in frag.inputs])
     expected = (np.arange(32.0).reshape(8, 4) + 2).sum(axis=1)

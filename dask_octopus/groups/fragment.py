@@ -125,10 +125,13 @@ def _unwrap(arg: Any) -> Any:
 
 
 def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key, tuple[Any, tuple, Key]],
-             covers: list[Key], member: Key) -> None:
+             covers: list[Key], member: Key, memo: dict[int, tuple[GraphNode, Any, tuple]]) -> None:
     """Add the spec of ``node`` under ``key`` to ``out`` with the names of the values it reads, looking
     into fused tasks (whose inner keys, as the graph named them, go to ``covers``). ``names`` renames the
-    keys of the enclosing scope (the inputs of a fused task); ``member`` is the member task it belongs to."""
+    keys of the enclosing scope (the inputs of a fused task); ``member`` is the member task it belongs to.
+    ``memo`` keeps each node's spec and the keys it reads by the node's identity: Dask's blockwise fusion
+    gives every block of a layer the same inner graph, so their steps share one spec (made, and pickled,
+    once)."""
     if isinstance(node, Task) and node.func is execute_subgraph:
         inner, outkey, inkeys = _unwrap(node.args[0]), _unwrap(node.args[1]), _unwrap(node.args[2])
         scope = {}
@@ -137,15 +140,17 @@ def _flatten(key: Key, node: GraphNode, names: Mapping[Key, Key], out: dict[Key,
                 scope[ik] = names.get(arg.key, arg.key)
             else:  # a constant or an inline task given to the fused graph: a step of its own
                 scope[ik] = (INNER, key, ik)
-                _flatten(scope[ik], arg, names, out, covers, member)
+                _flatten(scope[ik], arg, names, out, covers, member, memo)
         scope.update((k, key if k == outkey else (INNER, key, k)) for k in inner)
         covers.extend(inner)
         for k, child in inner.items():
-            _flatten(scope[k], child, scope, out, covers, member)
+            _flatten(scope[k], child, scope, out, covers, member, memo)
         return
-    index: dict[Key, int] = {}
-    spec = spec_of(node, index)
-    out[key] = (spec, tuple(names.get(d, d) for d in index), member)
+    known = memo.get(id(node))
+    if known is None or known[0] is not node:  # (the node is kept with its spec: its id is not reused meanwhile)
+        index: dict[Key, int] = {}
+        known = memo[id(node)] = (node, spec_of(node, index), tuple(index))
+    out[key] = (known[1], tuple([names.get(d, d) for d in known[2]]), member)
 
 
 def _pack(specs: tuple) -> bytes | tuple:
@@ -184,9 +189,10 @@ class Fragment:
                  retries: Mapping[Key, int] | None = None):
         flat: dict[Key, tuple[Any, tuple, Key]] = {}
         covers: list[Key] = []
+        memo: dict[int, tuple[GraphNode, Any, tuple]] = {}
         for key, node in members.items():
             covers.append(key)
-            _flatten(key, node, {}, flat, covers, key)
+            _flatten(key, node, {}, flat, covers, key, memo)
         reads = {name: [d for d in names if d in flat] for name, (_, names, _) in flat.items()}
         read = {d for deps in reads.values() for d in deps}
         # depth first from the results (each one's inputs just before it): a chain or a branch of a
