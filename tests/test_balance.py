@@ -545,3 +545,20 @@ async def test_blocks_pinned_by_an_unregistered_plugin_run_again_elsewhere(c, s,
     await a.close()
     assert await asyncio.wait_for(c.compute(y.sum()), 30) == 780
     assert not s.unrunnable
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_array_balanced_along_each_axis_keeps_both_plans(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = c.persist(da.arange(64.0, chunks=16).reshape(8, 8).rechunk(4))  # 2 x 2 blocks, as planned
+    rows = await run_balance(c, x, axis=0, per_worker=1)
+    cols = await run_balance(c, x, axis=1, per_worker=1)
+    assert rows.chunks == cols.chunks == x.chunks and rows.name != cols.name
+    plans = s.plugins["octopus"].placement.plans
+    assert (plans[rows.name].index, plans[cols.name].index) == (1, 2)
+    for y, axis in ((rows, 0), (cols, 1)):
+        rec.worker.clear()
+        np.testing.assert_array_equal(await c.compute(y + 1), np.arange(64.0).reshape(8, 8) + 1)
+        blocks = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and key_split(k) == "add"}
+        assert len(blocks) == 4
+        assert all(w == plans[y.name].workers[k[1 + axis]] for k, w in blocks.items()), blocks

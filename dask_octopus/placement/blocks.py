@@ -246,7 +246,7 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
     chunks[axis] = tuple(sizes)
     pieces = None
     if tuple(sizes) == x.chunks[axis]:
-        y = _named_blocks(x)
+        y = _named_blocks(x, axis, workers)
     else:
         y, pieces = _pieces_cut_where_held(x.rechunk(tuple(chunks), method="tasks"), axis, held, workers,
                                            numpy=isinstance(x._meta, np.ndarray))
@@ -310,14 +310,16 @@ def _holders(client: Client, slabs: list[list[Any]]) -> tuple[list[str | None], 
     return out, {k: tuple(ws) for k, ws in who.items() if ws}
 
 
-def _named_blocks(x: da.Array) -> da.Array:
+def _named_blocks(x: da.Array, axis: int, workers: list[str]) -> da.Array:
     """``x`` under a new name, one alias task per block: a layer that blockwise fusion cannot
-    swallow, so the plan can find its blocks (inside low-level fused tasks too)."""
+    swallow, so the plan can find its blocks (inside low-level fused tasks too). The name is that of
+    the plan (the blocks along ``axis`` on ``workers``): ``x`` balanced along another axis, or on other
+    workers, is another collection with its own plan."""
     from dask.highlevelgraph import HighLevelGraph
 
     from dask_octopus._compat import Alias
 
-    name = "octopus-blocks-" + tokenize(x)
+    name = "octopus-blocks-" + tokenize(x, axis, workers)
     layer = {(name, *k[1:]): Alias((name, *k[1:]), k) for k in dask.core.flatten(x.__dask_keys__())}
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
     return da.Array(graph, name, x.chunks, meta=x._meta)
