@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from dask.sizeof import sizeof
 from dask.utils import key_split
-from distributed import Event, Nanny, get_worker, wait
+from distributed import Event, Nanny, Worker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 
@@ -562,3 +562,42 @@ async def test_an_array_balanced_along_each_axis_keeps_both_plans(c, s, a, b):
         blocks = {k: w for k, w in rec.worker.items() if isinstance(k, tuple) and key_split(k) == "add"}
         assert len(blocks) == 4
         assert all(w == plans[y.name].workers[k[1 + axis]] for k, w in blocks.items()), blocks
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_after_a_restart_the_workers_that_came_back_share_a_plan(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.random.default_rng(1).random((800, 30), chunks=(100, 30))
+    y = await run_balance(c, x, per_worker=2)
+    reference = await c.compute((x * 2 + 1).sum(axis=1))
+    await c.restart()  # every worker leaves, new ones join one after the other
+    await c.wait_for_workers(2)
+    rec.worker.clear()
+    np.testing.assert_array_equal(await c.compute((y * 2 + 1).sum(axis=1)), reference)
+    plan = s.plugins["octopus"].placement.plans[y.name].workers
+    assert sorted(plan) == sorted(2 * list(s.workers))  # not every block on the first to come back
+    blocks = per_block_tasks(rec)
+    assert len(blocks) >= 4 and all(w == plan[k[1]] for k, w in blocks.items()), blocks
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_blocks_a_survivor_holds_stay_with_it_when_a_worker_joins(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    y = c.persist(await run_balance(c, da.ones((400, 8), chunks=(50, 8)), per_worker=1))
+    await wait(y)
+    plans = s.plugins["octopus"].placement.plans
+    await b.close()  # its block is computed again on a
+    assert await c.compute(y.sum()) == 400 * 8
+    assert plans[y.name].workers == [a.address, a.address]
+    async with Worker(s.address, nthreads=1) as newcomer:
+        await c.wait_for_workers(2)
+        assert plans[y.name].workers == [a.address, a.address]  # y is held on a: its consumers go there
+        rec.worker.clear()
+        assert await c.compute((y + 1).sum()) == 400 * 8 * 2
+        assert {w for k, w in per_block_tasks(rec).items()} == {a.address}
+        name = y.name
+        del y
+        await async_poll_for(lambda: not s.tasks, timeout=10)
+        async with Worker(s.address, nthreads=1):  # y released: the plan's moved blocks are shared again
+            await c.wait_for_workers(3)
+        assert sorted(plans[name].workers) == sorted([a.address, newcomer.address])

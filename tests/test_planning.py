@@ -125,14 +125,21 @@ def test_row_segments_rejects_other_totals():
 
 @given(owners=st.lists(st.sampled_from("abcd"), min_size=1, max_size=30),
        alive=st.sets(st.sampled_from("abcd"), min_size=1))
-def test_reassign_moves_only_orphans_proportionally(owners, alive):
+def test_reassign_moves_only_orphans_to_workers_below_their_share(owners, alive):
     weights = {w: 1.0 for w in alive}
     new = reassign(owners, weights)
     assert all(w in alive for w in new)
     assert all(a == b for a, b in zip(owners, new) if a in alive)
-    moved = [b for a, b in zip(owners, new) if a not in alive]
-    counts = [moved.count(w) for w in sorted(alive)]
-    assert max(counts) - min(counts) <= 1
+    share = -(-len(owners) // len(alive))  # equal weights: no survivor takes orphans beyond its share
+    assert all(new.count(w) <= max(owners.count(w), share) for w in alive)
+    if all(owners.count(w) <= len(owners) // len(alive) for w in alive):  # none holds more than its share
+        assert max(map(new.count, alive)) - min(map(new.count, alive)) <= 1
+
+
+def test_reassign_fills_the_worker_that_joined_before_the_others():
+    # a worker replaced: its blocks, moved to the survivor, go to the newcomer, not half of them
+    assert reassign([None, None, "b", "b"], {"b": 1.0, "c": 1.0}) == ["c", "c", "b", "b"]
+    assert reassign(["a", "a", "a", "b"], {"b": 3.0, "c": 1.0}) == ["b", "b", "c", "b"]
 
 
 def test_reassign_without_survivors():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
@@ -49,6 +49,7 @@ class Plan:
     source: str | None = None  # a balance plan: the key prefix of the collection it re-blocked
     nbytes: list[float] | None = None  # ... and the bytes of each block
     pieces: str | None = None  # ... and the key name of its re-chunk's slices of input blocks
+    moved: set[int] = field(default_factory=set)  # blocks moved off workers that left (Placement.rehome)
 
 
 def _key_name(key: Any) -> Any:
@@ -261,20 +262,27 @@ class Placement:
             stealing.move_task_request(ts, ts.processing_on, ws)
 
     def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
-        """Move blocks planned on workers that left to the live ones in proportion to ``weights``.
+        """Move blocks planned on workers that left to the live ones, ``weights`` (:func:`reassign`).
 
-        Updates the restrictions of their pinned tasks (unpins those of plans dropped since, pinned to
-        no live worker) and reschedules those stuck in ``no-worker``. Returns the number of tasks
-        re-pinned or unpinned.
+        Blocks moved so before whose plan has no task in the scheduler now (computed and released, or
+        forgotten by ``client.restart``) are shared again among the live workers: after every worker
+        left, the first to join took all blocks, and those that joined later take their share back.
+        Updates the restrictions of the pinned tasks of moved blocks (unpins those of plans dropped
+        since, pinned to no live worker) and reschedules those stuck in ``no-worker``. Returns the
+        number of tasks re-pinned or unpinned.
         """
         if not weights:
             return 0
         moved: set[Block] = set()
+        busy = {block[0] for key, block in self.pins.items() if key in scheduler.tasks}
         for name, plan in self.plans.items():
-            if all(w in weights for w in plan.workers):
+            again = plan.moved if name not in busy else ()
+            if all(w in weights for w in plan.workers) and not again:
                 continue
-            new = reassign(plan.workers, weights)
-            moved.update((name, i) for i, (a, b) in enumerate(zip(plan.workers, new)) if a != b)
+            new = reassign([None if i in again else w for i, w in enumerate(plan.workers)], weights)
+            changed = {i for i, (a, b) in enumerate(zip(plan.workers, new)) if a != b}
+            moved.update((name, i) for i in changed)
+            plan.moved |= changed
             plan.workers = new
         recs = {}
         count = 0

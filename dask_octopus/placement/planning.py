@@ -8,6 +8,7 @@ water-filling between the bounds and rounded with the largest-remainder method.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -154,17 +155,21 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
             counts[i] += 1
 
 
-def reassign(owners: Sequence[str], weights: dict[str, float]) -> list[str]:
-    """Move the blocks of ``owners`` whose worker is not in ``weights`` to workers that are.
+def reassign(owners: Sequence[str | None], weights: dict[str, float]) -> list[str]:
+    """Move the blocks of ``owners`` whose worker is not in ``weights`` (or is ``None``) to workers that are.
 
-    Blocks on surviving workers stay; the orphaned ones are shared among the survivors in
-    proportion to their weights (largest remainder), in block order. Returns the new owners.
+    Blocks on surviving workers stay; the orphaned ones go to the survivors holding fewer blocks than
+    their share of all of them (in proportion to their weights), as far as that share, in proportion
+    to their weights (largest remainder), in block order. Returns the new owners.
     """
     alive = sorted(weights)
     if not alive:
         raise PlanningError("no surviving worker to take the blocks")
     orphans = [i for i, w in enumerate(owners) if w not in weights]
-    counts = proportional_split(len(orphans), [weights[w] for w in alive])
+    shares = proportional_split(len(owners), [weights[w] for w in alive])
+    kept = Counter(w for w in owners if w in weights)
+    counts = proportional_split(len(orphans), [weights[w] for w in alive],
+                                caps=[max(0, s - kept[w]) for w, s in zip(alive, shares)])
     targets = [w for w, c in zip(alive, counts) for _ in range(c)]
     new = list(owners)
     for i, w in zip(orphans, targets, strict=True):
