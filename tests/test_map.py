@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import CancelledError
 
 import dask
 import numpy as np
@@ -131,6 +132,50 @@ async def test_a_lost_worker_items_are_rerun_elsewhere(c, s, a, b):
     await a.kill()
     assert await c.gather(futs) == list(range(16))
     assert not s.unrunnable
+
+
+def slow_total(x, delay):
+    return float(slow_identity(float(x.sum()), delay))
+
+
+@pytest.mark.parametrize("how", ["map", "imap", "map, no rounds left"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b, how, monkeypatch):
+    await setup(c, s, [1.0, 1.0])
+    if how == "map, no rounds left":
+        monkeypatch.setattr("dask_octopus.placement.items.LOST_ROUNDS", 0)
+    items = [np.full(2**14, float(i)) for i in range(16)]  # 2 MiB in all: scattered to their planned workers
+    expected = [float(x.sum()) for x in items]
+    if how != "imap":
+        run = call(c, slow_total, items, cost=[1] * 16, group=2, delay=0.2, gather=True)
+    else:
+        run = asyncio.get_running_loop().run_in_executor(None, lambda: sorted(dask_octopus.imap(
+            slow_total, items, client=c, cost=[1] * 16, group=2, delay=0.2)))
+
+    def started_on_a():
+        return [m for _, m in s.get_events("slow-identity") if m["worker"] == a.worker_address]
+
+    await async_poll_for(lambda: len(started_on_a()) >= 2, timeout=30)  # a is into its batch of 8 items of 0.2 s
+    assert not run.done()
+    await a.kill()
+    if how == "map, no rounds left":
+        with pytest.raises(CancelledError, match="already forgotten"):
+            await run
+        return
+    got = await run
+    assert (got if how == "map" else [r for _, r in got]) == expected
+    assert how == "map" or [i for i, _ in got] == list(range(16))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_a_restart_mid_map_cancels_it_rather_than_sending_the_items_again(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(2**14, float(i)) for i in range(16)]
+    run = call(c, slow_total, items, cost=[1] * 16, group=2, delay=0.2, gather=True)
+    await async_poll_for(lambda: len(s.get_events("slow-identity")) >= 2, timeout=30)
+    await c.restart()
+    with pytest.raises(CancelledError, match="scheduler-restart"):
+        await run
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

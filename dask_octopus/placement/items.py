@@ -17,6 +17,7 @@ from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split, parse_timedelta
 from distributed import Client, Future, as_completed, default_client, wait
+from distributed.client import FutureCancelledError
 
 from dask_octopus import config
 from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input
@@ -34,6 +35,7 @@ ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item'
 SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
 ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
+LOST_ROUNDS = 3  # map(gather=True) and imap submit again the batches of items lost with a worker this often
 
 
 class ItemError:
@@ -381,11 +383,10 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     items = list(items)
     if not items:
         return []
-    futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=not gather)
     if not gather:
-        return futures
-    pairs = sorted((i, r) for idx, batch in zip(batches, client.gather(futures)) for i, r in zip(idx, batch))
-    return [result for _, result in _checked(pairs, errors)]
+        return _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=True)[0]
+    run = _Batches(client, func, items, cost, group, resource, to_host, kwargs)
+    return [result for _, result in _checked(sorted(_as_finished(run)), errors)]
 
 
 def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
@@ -419,29 +420,79 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     items = list(items)
     if client.asynchronous:
         return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)
-    futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=False) \
-        if items else ([], [])
-    return _as_finished(futures, batches, errors)
+    if not items:
+        return iter(())
+    return _checked(_as_finished(_Batches(client, func, items, cost, group, resource, to_host, kwargs)), errors)
 
 
-def _as_finished(futures: list[Future], batches: list[list[int]], errors: str) -> Iterator[tuple[int, Any]]:
-    where = _items_of(futures, batches)
-    for future, batch in as_completed(futures, with_results=True):
-        yield from _checked(zip(where[future.key], batch), errors)
+class _Batches:
+    """The batch tasks of one :func:`map` with ``gather=True`` or :func:`imap`: the items of each, by its
+    key, and their second submission where a worker left with local items scattered to it.
+
+    Local items of :data:`SCATTER_BYTES` or more in all live on the worker planned for them only (as
+    ``client.scatter``'s data); when that worker leaves, Dask forgets them and cancels the tasks that
+    read them. The results of this run are only gathered, so its batches can be submitted again:
+    :meth:`lost` plans and submits the items of such a batch anew (up to :data:`LOST_ROUNDS` times),
+    from the local items kept here. Submits ``items`` (a list it keeps) at once.
+    """
+
+    def __init__(self, client: Client, func: Callable, items: list[Any], cost: Any, group: int | None,
+                 resource: str, to_host: bool, kwargs: dict[str, Any]):
+        self._submit_args = (client, func, group, resource, to_host, kwargs)
+        self._items = items
+        self._cost = cost
+        self.where: dict[Any, list[int]] = {}
+        self._scattered: set[int] = set()
+        self._rounds = 0
+        self.futures = self._submit(list(range(len(items))))
+
+    def _submit(self, indices: list[int]) -> list[Future]:
+        client, func, group, resource, to_host, kwargs = self._submit_args
+        items = [self._items[i] for i in indices]
+        cost = self._cost if self._cost is None or callable(self._cost) else [self._cost[i] for i in indices]
+        futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=False)
+        self._scattered.update(i for i, sent in zip(indices, items) if isinstance(sent, Future)
+                               and not isinstance(self._items[i], Future) and not is_dask_collection(self._items[i]))
+        self.where.update((f.key, [indices[i] for i in idx]) for f, idx in zip(futures, batches))
+        return futures
+
+    def lost(self, future: Future, result: Any) -> list[Future] | None:
+        """The batch tasks that now run the items of the batch task ``future`` (with ``result``, its
+        result or exception), where the scheduler cancelled it because a worker left with items scattered
+        to it; ``None`` for any other outcome."""
+        if not (isinstance(result, FutureCancelledError) and result.reason == "already forgotten"
+                and self._scattered & set(self.where[future.key]) and self._rounds < LOST_ROUNDS):
+            return None
+        self._rounds += 1
+        return self._submit(self.where.pop(future.key))
+
+
+def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
+    """``(index, result or ItemError)`` of ``run``'s items as its batch tasks finish, those lost with a
+    worker submitted again (:meth:`_Batches.lost`); a batch task that failed raises its error."""
+    done = as_completed(run.futures, with_results=True, raise_errors=False)
+    for future, result in done:
+        again = run.lost(future, result)
+        if again is not None:
+            done.update(again)
+            continue
+        if future.status != "finished":
+            future.result()  # its exception, with its traceback, as Client.gather raises it
+        yield from zip(run.where[future.key], result)
 
 
 async def _imap_async(client: Client, func: Callable, items: list[Any], cost: Any, group: int | None, resource: str,
                       to_host: bool, kwargs: dict[str, Any], errors: str) -> AsyncIterator[tuple[int, Any]]:
     if not items:
         return
-    futures, batches = await asyncio.to_thread(_submit, client, func, items, cost, group, resource, to_host, kwargs,
-                                               per_item=False)
-    where = _items_of(futures, batches)
-    async for future, batch in as_completed(futures, with_results=True):
-        for pair in _checked(zip(where[future.key], batch), errors):
+    run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs)
+    done = as_completed(run.futures, with_results=True, raise_errors=False)
+    async for future, result in done:
+        again = await asyncio.to_thread(run.lost, future, result)
+        if again is not None:
+            done.update(again)
+            continue
+        if future.status != "finished":
+            await future
+        for pair in _checked(zip(run.where[future.key], result), errors):
             yield pair
-
-
-def _items_of(futures: list[Future], batches: list[list[int]]) -> dict[Any, list[int]]:
-    """The indices of the items of each batch task, by its key."""
-    return {f.key: idx for f, idx in zip(futures, batches)}
