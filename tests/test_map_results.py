@@ -10,7 +10,7 @@ import traceback
 import dask
 import numpy as np
 import pytest
-from distributed import Client, Nanny, get_worker, wait
+from distributed import Client, Event, Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import setup
@@ -282,3 +282,27 @@ async def test_an_input_that_failed_before_the_map_fails_only_its_item(c, s, a, 
     assert results == [1, 2, 3, 5, 6]  # plain client.map: only the item that reads input 3 fails
     with pytest.raises(ZeroDivisionError, match="input 3 failed"):
         await out[3]
+
+
+def fail_on_3_after(i, event):
+    from distributed import Event
+
+    Event(event).wait(30)
+    return fail_on_3(i)
+
+
+@pytest.mark.parametrize("how", ["map", "imap"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_input_that_fails_while_the_map_runs_fails_only_its_item(c, s, a, b, how):
+    await setup(c, s, [1.0, 1.0])
+    go = Event()
+    inputs = c.map(fail_on_3_after, range(6), event=go.name)  # still running when the map is submitted
+    if how == "map":
+        run = in_thread(dask_octopus.map, lambda v: v + 1, inputs, client=c, group=3, gather=True, errors="skip")
+    else:
+        run = in_thread(lambda: sorted(dask_octopus.imap(lambda v: v + 1, inputs, client=c, group=3, errors="skip")))
+    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
+    await go.set()
+    got = await run
+    assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
+    assert how == "map" or [i for i, _ in got] == [0, 1, 2, 4, 5]

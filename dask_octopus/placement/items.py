@@ -427,13 +427,15 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
 
 class _Batches:
     """The batch tasks of one :func:`map` with ``gather=True`` or :func:`imap`: the items of each, by its
-    key, and their second submission where a worker left with local items scattered to it.
+    key, and their second submission where a batch ended for want of one of its items.
 
     Local items of :data:`SCATTER_BYTES` or more in all live on the worker planned for them only (as
     ``client.scatter``'s data); when that worker leaves, Dask forgets them and cancels the tasks that
-    read them. The results of this run are only gathered, so its batches can be submitted again:
-    :meth:`lost` plans and submits the items of such a batch anew (up to :data:`LOST_ROUNDS` times),
-    from the local items kept here. Submits ``items`` (a list it keeps) at once.
+    read them. An item given as a future (or a delayed object) that fails while the map runs fails
+    the batch task that reads it. The results of this run are only gathered, so such batches can be
+    submitted again: :meth:`again` plans and submits their items anew, from the items kept here (up
+    to :data:`LOST_ROUNDS` times for workers lost; a failed item then fails alone, as one that failed
+    before the map, :func:`_failed_inputs`). Submits ``items`` (a list it keeps) at once.
     """
 
     def __init__(self, client: Client, func: Callable, items: list[Any], cost: Any, group: int | None,
@@ -442,6 +444,7 @@ class _Batches:
         self._items = items
         self._cost = cost
         self.where: dict[Any, list[int]] = {}
+        self._sent: dict[int, Any] = {}  # what the batches read for each item: a future for all but small local items
         self._scattered: set[int] = set()
         self._rounds = 0
         self.futures = self._submit(list(range(len(items))))
@@ -451,28 +454,33 @@ class _Batches:
         items = [self._items[i] for i in indices]
         cost = self._cost if self._cost is None or callable(self._cost) else [self._cost[i] for i in indices]
         futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=False)
+        self._sent.update(zip(indices, items))
         self._scattered.update(i for i, sent in zip(indices, items) if isinstance(sent, Future)
                                and not isinstance(self._items[i], Future) and not is_dask_collection(self._items[i]))
         self.where.update((f.key, [indices[i] for i in idx]) for f, idx in zip(futures, batches))
         return futures
 
-    def lost(self, future: Future, result: Any) -> list[Future] | None:
+    def again(self, future: Future, result: Any) -> list[Future] | None:
         """The batch tasks that now run the items of the batch task ``future`` (with ``result``, its
         result or exception), where the scheduler cancelled it because a worker left with items scattered
-        to it; ``None`` for any other outcome."""
-        if not (isinstance(result, FutureCancelledError) and result.reason == "already forgotten"
-                and self._scattered & set(self.where[future.key]) and self._rounds < LOST_ROUNDS):
-            return None
-        self._rounds += 1
+        to it, or where it failed because an item given as a future failed; ``None`` for any other outcome."""
+        idx = self.where[future.key]
+        failed = future.status == "error" and any(isinstance(sent := self._sent[i], Future) and sent.status == "error"
+                                                  for i in idx)
+        if not failed:
+            if not (isinstance(result, FutureCancelledError) and result.reason == "already forgotten"
+                    and self._scattered & set(idx) and self._rounds < LOST_ROUNDS):
+                return None
+            self._rounds += 1
         return self._submit(self.where.pop(future.key))
 
 
 def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
-    """``(index, result or ItemError)`` of ``run``'s items as its batch tasks finish, those lost with a
-    worker submitted again (:meth:`_Batches.lost`); a batch task that failed raises its error."""
+    """``(index, result or ItemError)`` of ``run``'s items as its batch tasks finish, those that ended for
+    want of an item submitted again (:meth:`_Batches.again`); a batch task that failed raises its error."""
     done = as_completed(run.futures, with_results=True, raise_errors=False)
     for future, result in done:
-        again = run.lost(future, result)
+        again = run.again(future, result)
         if again is not None:
             done.update(again)
             continue
@@ -488,7 +496,7 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
     run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs)
     done = as_completed(run.futures, with_results=True, raise_errors=False)
     async for future, result in done:
-        again = await asyncio.to_thread(run.lost, future, result)
+        again = await asyncio.to_thread(run.again, future, result)
         if again is not None:
             done.update(again)
             continue
