@@ -12,6 +12,7 @@ import pytest
 from dask.sizeof import sizeof
 from dask.utils import key_split
 from distributed import Event, Nanny, Worker, get_worker, wait
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 
@@ -601,3 +602,52 @@ async def test_blocks_a_survivor_holds_stay_with_it_when_a_worker_joins(c, s, a,
         async with Worker(s.address, nthreads=1):  # y released: the plan's moved blocks are shared again
             await c.wait_for_workers(3)
         assert sorted(plans[name].workers) == sorted([a.address, newcomer.address])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
+             config={"distributed.worker.memory.pause": False})  # the worker's memory monitor would unpause it
+async def test_blocks_of_a_paused_worker_run_elsewhere_until_it_runs_again(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.random.default_rng(1).random((800, 30), chunks=(100, 30))
+    y = await run_balance(c, x, per_worker=2)
+    plan = s.plugins["octopus"].placement.plans[y.name].workers
+    reference = await c.compute((x * 2 + 1).sum(axis=1))
+    a.status = Status.paused  # its memory is full: Dask sends it no task
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=5)
+    rec.worker.clear()
+    result = await asyncio.wait_for(c.compute((y * 2 + 1).sum(axis=1)), 30)  # without: waits for a forever
+    np.testing.assert_array_equal(result, reference)
+    assert set(per_block_tasks(rec).values()) == {b.address}
+    a.status = Status.running
+    await async_poll_for(lambda: s.workers[a.address].status == Status.running, timeout=5)
+    reference = await c.compute((x * 3).sum(axis=1))
+    rec.worker.clear()
+    np.testing.assert_array_equal(await c.compute((y * 3).sum(axis=1)), reference)
+    blocks = per_block_tasks(rec)
+    assert len(blocks) >= 8 and all(w == plan[k[1]] for k, w in blocks.items()), blocks
+
+
+def wait_for_event(name):
+    Event(name).wait(30)
+    return 1.0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"distributed.worker.memory.pause": False})
+async def test_tasks_pinned_to_a_worker_that_pauses_mid_compute_run_elsewhere(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.random.default_rng(1).random((800, 30), chunks=(100, 30))
+    y = c.persist(await run_balance(c, x, per_worker=2))
+    await wait(y)  # held where planned: a's consumers are pinned to a, and only they
+    gate = Event()
+    with dask.annotate(workers=[b.address]):  # the user's restriction: never touched by the plugin
+        g = da.from_delayed(dask.delayed(wait_for_event)(gate.name), shape=(), dtype=float)
+    rec.worker.clear()
+    fut = c.compute((y + g).sum(axis=1))  # y's blocks planned on a wait for g, pinned to a
+    await async_poll_for(lambda: any(ts.state == "processing" and "wait_for_event" in str(k)
+                                     for k, ts in s.tasks.items()), timeout=10)
+    a.status = Status.paused
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=5)
+    await gate.set()
+    result = await asyncio.wait_for(fut, 30)  # without: a's share waits for a forever
+    np.testing.assert_allclose(result, (await c.compute(x.sum(axis=1))) + 30.0, rtol=1e-12)
+    assert set(per_block_tasks(rec).values()) == {b.address}, rec.worker

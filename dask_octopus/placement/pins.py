@@ -88,6 +88,7 @@ class Placement:
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         self.pins: dict[Key, Block] = {}
         self.stealable_keys: set[Key] = set()
+        self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
@@ -215,7 +216,7 @@ class Placement:
                 and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]])):
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
-        ts.loose_restrictions = self.stealable(block)
+        ts.loose_restrictions = self.stealable(block) or worker in self.held
         if ts.loose_restrictions:
             self.stealable_keys.add(ts.key)
         return True
@@ -273,6 +274,7 @@ class Placement:
         """
         if not weights:
             return 0
+        self.held &= weights.keys()
         moved: set[Block] = set()
         busy = {block[0] for key, block in self.pins.items() if key in scheduler.tasks}
         for name, plan in self.plans.items():
@@ -300,6 +302,31 @@ class Placement:
                 ts.worker_restrictions = {self.worker_of(block)}
             else:
                 continue
+            count += 1
+            if ts in scheduler.unrunnable:
+                recs[key] = "processing"
+        if recs:
+            scheduler.transitions(recs, stimulus_id)
+        return count
+
+    def hold(self, scheduler: Scheduler, worker: str, running: bool, stimulus_id: str) -> int:
+        """Follow the status of ``worker``: while it is not running (paused by its memory, retiring),
+        the tasks pinned to it that have not run yet may run elsewhere too (loose restrictions; those
+        waiting for it in ``no-worker`` are scheduled now), as Dask places unpinned tasks; once it runs
+        again, they are pinned to it again (stealable blocks stay loose). Tasks pinned to it meanwhile
+        are pinned loosely too. Returns the number of tasks changed."""
+        if running:
+            self.held.discard(worker)
+        else:
+            self.held.add(worker)
+        recs = {}
+        count = 0
+        for key, block in self.pins.items():
+            ts = scheduler.tasks.get(key)
+            if (ts is None or ts.state in ("memory", "erred", "forgotten") or ts.worker_restrictions != {worker}
+                    or self.stealable(block) or ts.loose_restrictions == (not running)):
+                continue
+            ts.loose_restrictions = not running
             count += 1
             if ts in scheduler.unrunnable:
                 recs[key] = "processing"

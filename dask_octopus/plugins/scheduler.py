@@ -373,6 +373,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             for key, prefix, units, seconds in msg["timings"]:
                 key = tuple(key) if isinstance(key, list) else key  # msgpack turned tuple keys into lists
                 self._observe(msg["worker"], key, prefix, units, seconds)
+        elif isinstance(msg, dict) and msg.get("action") == "worker-status-change" and topic in self.scheduler.workers:
+            running = msg.get("status") == "running"
+            n = self.placement.hold(self.scheduler, topic, running, msg.get("stimulus_id", "octopus-worker-status"))
+            if n and running:
+                logger.info("dask_octopus: worker %s runs again: %d tasks pinned to it again", topic, n)
+            elif n:
+                logger.info("dask_octopus: worker %s is %s: %d tasks pinned to it may run elsewhere meanwhile",
+                            topic, msg.get("status"), n)
         elif topic == WORKING_SETS:
             for key, peak in msg["samples"]:
                 key = tuple(key) if isinstance(key, list) else key
