@@ -306,3 +306,43 @@ async def test_an_input_that_fails_while_the_map_runs_fails_only_its_item(c, s, 
     got = await run
     assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
     assert how == "map" or [i for i, _ in got] == [0, 1, 2, 4, 5]
+
+
+def fail_after(event):
+    from distributed import Event
+
+    Event(event).wait(30)
+    raise ZeroDivisionError("input failed")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_an_input_failing_in_the_only_batch_fails_once_and_alone(c, s, a):
+    await setup(c, s, [1.0])
+    go = Event()
+    failing = c.submit(fail_after, go.name)
+    run = in_thread(dask_octopus.map, lambda v: v + 1, [failing, 1], client=c, gather=True, errors="skip")
+    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
+    await go.set()
+    assert await asyncio.wait_for(run, 20) == [2]  # submitted again as other keys: not the erred batch forever
+
+
+def total(x):
+    time.sleep(0.05)
+    return float(x.sum())
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60, config={"octopus.map.steal-fraction": 0})
+async def test_imap_holds_no_scattered_input_of_a_batch_that_finished(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(2**17, float(i)) for i in range(40)]  # 40 MiB: scattered to their planned workers
+
+    def first_then_held():
+        it = dask_octopus.imap(total, items, client=c, cost=list(range(1, 41)))
+        first = next(it)
+        time.sleep(1.0)  # every batch is done by now; the stream has read one
+        held = sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and "octopus-map" not in str(ts.key))
+        return held, sorted([first, *it])
+
+    held, got = await in_thread(first_then_held)
+    assert held < 2**20  # the inputs of the batches not read yet are released too
+    assert got == [(i, float(x.sum())) for i, x in enumerate(items)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -35,7 +36,7 @@ ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item'
 SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
 ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
-LOST_ROUNDS = 3  # map(gather=True) and imap submit again the batches of items lost with a worker this often
+LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
 
 
 class ItemError:
@@ -239,9 +240,10 @@ def _check_call(func: Callable, group: int | None, resource: str, errors: str) -
 
 def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool) -> tuple[list[Future], list[list[int]]]:
+            per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
-    (and no batches); else one future per batch task, with the indices of its items."""
+    (and no batches); else one future per batch task, with the indices of its items. Also returns the
+    indices of the items that were futures failed already (:func:`_failed_inputs`)."""
     delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
@@ -254,7 +256,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
     workers, threads, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
     batched = group is not None or not per_item
     batches = _batches(costs, packing, threads, batched, unfitted, config.get("map.steal-fraction"), scale)
-    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item)
+    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, sorted(failed))
     _scatter_to_plan(client, items, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
@@ -289,7 +291,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
     # One graph: one update_graph on the scheduler. Its keys already carry the map's token, so the
     # expression takes it too instead of tokenizing every task again (as Client.submit does).
     graph = AnnotatedLLGExpr(dsk, {"priority": priority}, _determ_token=token)
-    return client.get(graph, keys, sync=False), [idx for _, idx, _ in batches] if not per_item else []
+    return client.get(graph, keys, sync=False), [idx for _, idx, _ in batches] if not per_item else [], set(failed)
 
 
 def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[int, Any]]:
@@ -427,15 +429,16 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
 
 class _Batches:
     """The batch tasks of one :func:`map` with ``gather=True`` or :func:`imap`: the items of each, by its
-    key, and their second submission where a batch ended for want of one of its items.
+    key, and their submission again where a batch ended for want of one of its items.
 
     Local items of :data:`SCATTER_BYTES` or more in all live on the worker planned for them only (as
     ``client.scatter``'s data); when that worker leaves, Dask forgets them and cancels the tasks that
     read them. An item given as a future (or a delayed object) that fails while the map runs fails
     the batch task that reads it. The results of this run are only gathered, so such batches can be
-    submitted again: :meth:`again` plans and submits their items anew, from the items kept here (up
-    to :data:`LOST_ROUNDS` times for workers lost; a failed item then fails alone, as one that failed
-    before the map, :func:`_failed_inputs`). Submits ``items`` (a list it keeps) at once.
+    submitted again: :meth:`again` plans and submits their items anew, from the items kept here (an
+    item lost with workers at most :data:`LOST_ROUNDS` times; a failed item then fails alone, as one
+    that failed before the map, :func:`_failed_inputs`). Submits ``items`` (a list it keeps) at once;
+    call :meth:`finish` with each batch task that finished.
     """
 
     def __init__(self, client: Client, func: Callable, items: list[Any], cost: Any, group: int | None,
@@ -444,19 +447,24 @@ class _Batches:
         self._items = items
         self._cost = cost
         self.where: dict[Any, list[int]] = {}
-        self._sent: dict[int, Any] = {}  # what the batches read for each item: a future for all but small local items
+        self._sent: dict[int, Future] = {}  # items given as futures or computed, of batches not finished
         self._scattered: set[int] = set()
-        self._rounds = 0
+        self._failed: set[int] = set()  # futures failed when submitted: ItemErrors in their batches
+        self._resent: Counter[int] = Counter()  # times each item was sent again after workers left with it
         self.futures = self._submit(list(range(len(items))))
 
     def _submit(self, indices: list[int]) -> list[Future]:
         client, func, group, resource, to_host, kwargs = self._submit_args
         items = [self._items[i] for i in indices]
         cost = self._cost if self._cost is None or callable(self._cost) else [self._cost[i] for i in indices]
-        futures, batches = _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=False)
-        self._sent.update(zip(indices, items))
-        self._scattered.update(i for i, sent in zip(indices, items) if isinstance(sent, Future)
-                               and not isinstance(self._items[i], Future) and not is_dask_collection(self._items[i]))
+        futures, batches, failed = _submit(client, func, items, cost, group, resource, to_host, kwargs,
+                                           per_item=False)
+        for i, sent in zip(indices, items):
+            if isinstance(sent, Future) and (isinstance(self._items[i], Future) or is_dask_collection(self._items[i])):
+                self._sent[i] = sent  # (given or computed: it may fail)
+            elif isinstance(sent, Future):
+                self._scattered.add(i)  # not held here: released as its batch finishes, kept here as it was given
+        self._failed.update(indices[j] for j in failed)
         self.where.update((f.key, [indices[i] for i in idx]) for f, idx in zip(futures, batches))
         return futures
 
@@ -465,14 +473,22 @@ class _Batches:
         result or exception), where the scheduler cancelled it because a worker left with items scattered
         to it, or where it failed because an item given as a future failed; ``None`` for any other outcome."""
         idx = self.where[future.key]
-        failed = future.status == "error" and any(isinstance(sent := self._sent[i], Future) and sent.status == "error"
-                                                  for i in idx)
-        if not failed:
-            if not (isinstance(result, FutureCancelledError) and result.reason == "already forgotten"
-                    and self._scattered & set(idx) and self._rounds < LOST_ROUNDS):
+        if future.status == "error":  # again where an item failed since it was submitted (then it fails alone)
+            if not any(i not in self._failed and i in self._sent and self._sent[i].status == "error" for i in idx):
                 return None
-            self._rounds += 1
-        return self._submit(self.where.pop(future.key))
+        elif (isinstance(result, FutureCancelledError) and result.reason == "already forgotten"
+              and self._scattered & set(idx) and all(self._resent[i] < LOST_ROUNDS for i in idx)):
+            self._resent.update(idx)
+        else:
+            return None
+        return self._submit(self.finish(future))
+
+    def finish(self, future: Future) -> list[int]:
+        """The indices of the items of the batch task ``future``, which ended (and is read or sent again)."""
+        idx = self.where.pop(future.key)
+        for i in idx:
+            self._sent.pop(i, None)
+        return idx
 
 
 def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
@@ -486,7 +502,7 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             continue
         if future.status != "finished":
             future.result()  # its exception, with its traceback, as Client.gather raises it
-        yield from zip(run.where[future.key], result)
+        yield from zip(run.finish(future), result)
 
 
 async def _imap_async(client: Client, func: Callable, items: list[Any], cost: Any, group: int | None, resource: str,
@@ -502,5 +518,5 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
             continue
         if future.status != "finished":
             await future
-        for pair in _checked(zip(run.where[future.key], result), errors):
+        for pair in _checked(zip(run.finish(future), result), errors):
             yield pair

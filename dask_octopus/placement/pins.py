@@ -217,7 +217,7 @@ class Placement:
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
         ts.loose_restrictions = self.stealable(block) or worker in self.held
-        if ts.loose_restrictions:
+        if self.stealable(block):
             self.stealable_keys.add(ts.key)
         return True
 
@@ -299,7 +299,9 @@ class Placement:
                 else:
                     continue
             elif block in moved:
-                ts.worker_restrictions = {self.worker_of(block)}
+                worker = self.worker_of(block)
+                ts.worker_restrictions = {worker}
+                ts.loose_restrictions = self.stealable(block) or worker in self.held
             else:
                 continue
             count += 1

@@ -17,6 +17,7 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dask.utils import key_split, parse_timedelta
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
@@ -150,6 +151,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
         scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
         self._sampler.start()
+        for address, ws in scheduler.workers.items():  # (later changes come as worker-status-change events)
+            if ws.status != Status.running:
+                self.placement.hold(scheduler, address, False, "octopus-start")
         self._serve()
         await scheduler.register_worker_plugin(
             None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
@@ -405,6 +409,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        if scheduler.workers[worker].status != Status.running:  # joined paused
+            self.placement.hold(scheduler, worker, False, "add-worker")
         self._rehome("add-worker")
 
     @_guarded
