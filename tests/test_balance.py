@@ -657,3 +657,22 @@ async def test_tasks_pinned_to_a_worker_that_pauses_mid_compute_run_elsewhere(c,
     result = await asyncio.wait_for(fut, 30)  # without: a's share waits for a forever
     np.testing.assert_allclose(result, (await c.compute(x.sum(axis=1))) + 30.0, rtol=1e-12)
     assert set(per_block_tasks(rec).values()) == {b.address}, rec.worker
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90,
+             config={"distributed.worker.memory.pause": False})
+async def test_blocks_moved_onto_a_paused_worker_may_run_elsewhere(c, s, a, b, w3):
+    await setup(c, s, [1.0, 1.0, 1.0])
+    x = da.random.default_rng(1).random((600, 30), chunks=(100, 30))
+    y = c.persist(await run_balance(c, x, per_worker=2))
+    await wait(y)
+    gate = Event()
+    g = c.submit(wait_for_event, gate.name, workers=[b.address], pure=False)
+    fut = c.compute(y.map_blocks(add_gate, g, dtype=y.dtype).sum(axis=1))
+    await async_poll_for(lambda: g.key in s.tasks and s.tasks[g.key].state == "processing", timeout=10)
+    a.status = Status.paused
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, timeout=5)
+    await w3.close()  # its blocks move to a and b: those on a are pinned loosely while a is paused
+    await gate.set()
+    result = await asyncio.wait_for(fut, 30)
+    np.testing.assert_allclose(result, (await c.compute(x.sum(axis=1))) + 30.0, rtol=1e-12)
