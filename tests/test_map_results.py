@@ -10,7 +10,7 @@ import traceback
 import dask
 import numpy as np
 import pytest
-from distributed import Client, Event, Nanny, get_worker, wait
+from distributed import Client, Event, LocalCluster, Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import setup
@@ -72,19 +72,23 @@ async def test_imap_yields_every_item_once_as_its_task_finishes(c, s, a, b):
     assert await in_thread(lambda: list(dask_octopus.imap(abs, [], client=c))) == []
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+def quick_first(x):
+    time.sleep(0.1 if x == 0 else 6.0)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config={"octopus.map.steal-fraction": 0})
 async def test_imap_stopped_early_releases_the_tasks_not_finished(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
 
     def first():
-        it = dask_octopus.imap(slow_identity, range(8), client=c, cost=[1] * 8, delay=0.3)
+        it = dask_octopus.imap(quick_first, range(8), client=c, cost=[1] * 8)  # one item a task: 0.1 s, then 6 s
         out = next(it)
         it.close()
         return out
 
-    i, x = await in_thread(first)
-    assert i == x
-    await async_poll_for(lambda: not [k for k in s.tasks if "slow_identity" in str(k)], timeout=10)
+    assert await in_thread(first) == (0, 0)
+    await async_poll_for(lambda: not [k for k in s.tasks if "quick_first" in str(k)], timeout=3)
 
 
 @gen_cluster(client=False, nthreads=[("127.0.0.1", 1)] * 2)
@@ -346,3 +350,48 @@ async def test_imap_holds_no_scattered_input_of_a_batch_that_finished(c, s, a, b
     held, got = await in_thread(first_then_held)
     assert held < 2**20  # the inputs of the batches not read yet are released too
     assert got == [(i, float(x.sum())) for i, x in enumerate(items)]
+
+
+def make_mib(i):
+    time.sleep(2.0 if i == 0 else 0.02)  # item 0, alone in the last task to finish, keeps the stream open
+    return np.full(2**17, float(i))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config={"octopus.map.steal-fraction": 0})
+async def test_imap_holds_no_result_it_has_read(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+
+    def read_39():
+        it = dask_octopus.imap(make_mib, range(40), client=c, cost=[40] + [1] * 39)  # item 0 alone in a task
+        read = [next(it)[0] for _ in range(39)]
+        time.sleep(0.2)
+        held = sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and "octopus-map" in str(ts.key))
+        return read, held, list(it)
+
+    read, held, rest = await in_thread(read_39)
+    assert sorted(read + [i for i, _ in rest]) == list(range(40)) and 0 not in read
+    assert held < 2**20  # of 40 MiB of results, only item 0's, not read yet, is in the cluster
+
+
+def test_map_and_imap_use_the_client_they_are_given_not_the_default():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        dask_octopus.register(c, calibrate=False)
+        assert dask_octopus.map(abs, [-1, -2, 3], client=c, gather=True) == [1, 2, 3]
+        assert sorted(dask_octopus.imap(abs, [-1, -2, 3], client=c)) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("how", ["map", "imap"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_delayed_input_that_fails_while_the_map_runs_fails_only_its_item(c, s, a, b, how):
+    await setup(c, s, [1.0, 1.0])
+    go = Event()
+    items = [dask.delayed(fail_on_3_after)(i, go.name) for i in range(6)]
+    if how == "map":
+        run = in_thread(dask_octopus.map, lambda v: v + 1, items, client=c, group=3, gather=True, errors="skip")
+    else:
+        run = in_thread(lambda: sorted(dask_octopus.imap(lambda v: v + 1, items, client=c, group=3, errors="skip")))
+    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
+    await go.set()
+    got = await asyncio.wait_for(run, 20)
+    assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]

@@ -437,21 +437,32 @@ class _Batches:
     the batch task that reads it. The results of this run are only gathered, so such batches can be
     submitted again: :meth:`again` plans and submits their items anew, from the items kept here (an
     item lost with workers at most :data:`LOST_ROUNDS` times; a failed item then fails alone, as one
-    that failed before the map, :func:`_failed_inputs`). Submits ``items`` (a list it keeps) at once;
-    call :meth:`finish` with each batch task that finished.
+    that failed before the map, :func:`_failed_inputs`). Computes the delayed items and submits ``items``
+    (a list it keeps) at once: :meth:`take` hands over the batch tasks' futures; call :meth:`finish` with
+    each that finished.
     """
 
     def __init__(self, client: Client, func: Callable, items: list[Any], cost: Any, group: int | None,
                  resource: str, to_host: bool, kwargs: dict[str, Any]):
+        self.client = client
         self._submit_args = (client, func, group, resource, to_host, kwargs)
+        delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
+        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
+            items[i] = fut  # once: a future kept here keeps its error (computed again, it might not yet have one)
         self._items = items
         self._cost = cost
         self.where: dict[Any, list[int]] = {}
-        self._sent: dict[int, Future] = {}  # items given as futures or computed, of batches not finished
+        self._sent: dict[int, Future] = {}  # items given as futures (or computed), of batches not finished
         self._scattered: set[int] = set()
         self._failed: set[int] = set()  # futures failed when submitted: ItemErrors in their batches
         self._resent: Counter[int] = Counter()  # times each item was sent again after workers left with it
-        self.futures = self._submit(list(range(len(items))))
+        self._futures = self._submit(list(range(len(items))))
+
+    def take(self) -> list[Future]:
+        """The futures of the batch tasks first submitted, held here no more (a stream holds no result
+        it has read)."""
+        futures, self._futures = self._futures, []
+        return futures
 
     def _submit(self, indices: list[int]) -> list[Future]:
         client, func, group, resource, to_host, kwargs = self._submit_args
@@ -460,7 +471,7 @@ class _Batches:
         futures, batches, failed = _submit(client, func, items, cost, group, resource, to_host, kwargs,
                                            per_item=False)
         for i, sent in zip(indices, items):
-            if isinstance(sent, Future) and (isinstance(self._items[i], Future) or is_dask_collection(self._items[i])):
+            if isinstance(sent, Future) and isinstance(self._items[i], Future):
                 self._sent[i] = sent  # (given or computed: it may fail)
             elif isinstance(sent, Future):
                 self._scattered.add(i)  # not held here: released as its batch finishes, kept here as it was given
@@ -494,15 +505,27 @@ class _Batches:
 def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     """``(index, result or ItemError)`` of ``run``'s items as its batch tasks finish, those that ended for
     want of an item submitted again (:meth:`_Batches.again`); a batch task that failed raises its error."""
-    done = as_completed(run.futures, with_results=True, raise_errors=False)
-    for future, result in done:
-        again = run.again(future, result)
-        if again is not None:
-            done.update(again)
-            continue
-        if future.status != "finished":
-            future.result()  # its exception, with its traceback, as Client.gather raises it
-        yield from zip(run.finish(future), result)
+    done = as_completed(run.take(), with_results=True, raise_errors=False, loop=run.client.loop)
+    try:
+        for future, result in done:
+            again = run.again(future, result)
+            if again is not None:
+                done.update(again)
+                continue
+            if future.status != "finished":
+                future.result()  # its exception, with its traceback, as Client.gather raises it
+            pairs = zip(run.finish(future), result)
+            del future, result  # the batch's result is here now: the cluster need not hold it while it is read
+            yield from pairs
+    finally:  # stopped early, or by an error: the tasks not finished are not wanted any more
+        pending = _pending(done)
+        if pending:
+            run.client.cancel(pending)
+
+
+def _pending(done: as_completed) -> list[Future]:
+    with done.lock:
+        return list(done.futures)
 
 
 async def _imap_async(client: Client, func: Callable, items: list[Any], cost: Any, group: int | None, resource: str,
@@ -510,13 +533,20 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
     if not items:
         return
     run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs)
-    done = as_completed(run.futures, with_results=True, raise_errors=False)
-    async for future, result in done:
-        again = await asyncio.to_thread(run.again, future, result)
-        if again is not None:
-            done.update(again)
-            continue
-        if future.status != "finished":
-            await future
-        for pair in _checked(zip(run.finish(future), result), errors):
-            yield pair
+    done = as_completed(run.take(), with_results=True, raise_errors=False, loop=client.loop)
+    try:
+        async for future, result in done:
+            again = await asyncio.to_thread(run.again, future, result)
+            if again is not None:
+                done.update(again)
+                continue
+            if future.status != "finished":
+                await future
+            pairs = _checked(zip(run.finish(future), result), errors)
+            del future, result  # as in _as_finished
+            for pair in pairs:
+                yield pair
+    finally:
+        pending = _pending(done)
+        if pending:
+            await client.cancel(pending)

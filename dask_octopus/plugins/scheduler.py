@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+HELD = (Status.paused, Status.closing_gracefully)  # worker states in which Dask sends a worker no task
 
 
 def _guarded(func: F) -> F:
@@ -152,7 +153,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
         self._sampler.start()
         for address, ws in scheduler.workers.items():  # (later changes come as worker-status-change events)
-            if ws.status != Status.running:
+            if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
         self._serve()
         await scheduler.register_worker_plugin(
@@ -409,7 +410,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        if scheduler.workers[worker].status != Status.running:  # joined paused
+        if scheduler.workers[worker].status in HELD:  # joined paused (a new worker is "init" until it runs)
             self.placement.hold(scheduler, worker, False, "add-worker")
         self._rehome("add-worker")
 
