@@ -395,3 +395,22 @@ async def test_a_delayed_input_that_fails_while_the_map_runs_fails_only_its_item
     await go.set()
     got = await asyncio.wait_for(run, 20)
     assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
+
+
+def quick_or_slow(x):
+    time.sleep(0.1 if x == 0 else 1.0)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config={"octopus.map.steal-fraction": 0})
+async def test_an_imap_stopped_early_cancels_nothing_of_the_same_map_running_beside_it(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+
+    def both():
+        other = dask_octopus.imap(quick_or_slow, range(8), client=c, cost=[1] * 8)
+        stopped = dask_octopus.imap(quick_or_slow, range(8), client=c, cost=[1] * 8)  # the same work
+        next(stopped)
+        stopped.close()  # cancels its own tasks only
+        return sorted(other)
+
+    assert await in_thread(both) == [(i, i) for i in range(8)]

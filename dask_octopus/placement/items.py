@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from functools import partial
@@ -256,7 +257,10 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
     workers, threads, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
     batched = group is not None or not per_item
     batches = _batches(costs, packing, threads, batched, unfitted, config.get("map.steal-fraction"), scale)
-    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, sorted(failed))
+    # the futures per item are the user's, named by their work as Dask names them; the batch tasks of a run
+    # that gathers its results are its own (it cancels those it does not read): no other run shares their keys
+    run = None if per_item else uuid.uuid4().hex
+    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, sorted(failed), run)
     _scatter_to_plan(client, items, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
