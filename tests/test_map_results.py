@@ -357,20 +357,30 @@ def make_mib(i):
     return np.full(2**17, float(i))
 
 
+def first_of(x):
+    time.sleep(2.0 if x[0] == 0 else 0.02)
+    return float(x[0])
+
+
+@pytest.mark.parametrize("what", ["results", "delayed inputs"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config={"octopus.map.steal-fraction": 0})
-async def test_imap_holds_no_result_it_has_read(c, s, a, b):
+async def test_imap_holds_nothing_of_what_it_has_read(c, s, a, b, what):
     await setup(c, s, [1.0, 1.0])
+    if what == "results":  # 1 MiB results
+        func, items, name = make_mib, list(range(40)), "octopus-map"
+    else:  # 1 MiB inputs, computed by the map
+        func, items, name = first_of, [dask.delayed(make_mib)(-i) for i in range(40)], "make_mib"
 
     def read_39():
-        it = dask_octopus.imap(make_mib, range(40), client=c, cost=[40] + [1] * 39)  # item 0 alone in a task
+        it = dask_octopus.imap(func, items, client=c, cost=[40] + [1] * 39)  # item 0 alone in a task
         read = [next(it)[0] for _ in range(39)]
         time.sleep(0.2)
-        held = sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and "octopus-map" in str(ts.key))
+        held = sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and name in str(ts.key))
         return read, held, list(it)
 
     read, held, rest = await in_thread(read_39)
     assert sorted(read + [i for i, _ in rest]) == list(range(40)) and 0 not in read
-    assert held < 2**20  # of 40 MiB of results, only item 0's, not read yet, is in the cluster
+    assert held < 2**20 + 2**10  # of 40 MiB, only item 0's, not read yet, is in the cluster
 
 
 def test_map_and_imap_use_the_client_they_are_given_not_the_default():

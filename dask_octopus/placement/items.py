@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -496,13 +497,20 @@ class _Batches:
             self._resent.update(idx)
         else:
             return None
-        return self._submit(self.finish(future))
+        return self._submit(self._forget(future))
 
-    def finish(self, future: Future) -> list[int]:
-        """The indices of the items of the batch task ``future``, which ended (and is read or sent again)."""
+    def _forget(self, future: Future) -> list[int]:
         idx = self.where.pop(future.key)
         for i in idx:
             self._sent.pop(i, None)
+        return idx
+
+    def finish(self, future: Future) -> list[int]:
+        """The indices of the items of the batch task ``future``, which finished and is read now: its items
+        (and the futures of those computed or given) are held here no more."""
+        idx = self._forget(future)
+        for i in idx:
+            self._items[i] = None
         return idx
 
 
@@ -524,7 +532,9 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     finally:  # stopped early, or by an error: the tasks not finished are not wanted any more
         pending = _pending(done)
         if pending:
-            run.client.cancel(pending)
+            cancelled = run.client.cancel(pending)
+            if inspect.isawaitable(cancelled):  # closed on the client's event loop (collected there)
+                run.client.loop.add_callback(lambda: cancelled)
 
 
 def _pending(done: as_completed) -> list[Future]:
