@@ -304,6 +304,8 @@ async def test_killed_worker_mid_compute_with_balanced_dataframe_groups(c, s, a,
     assert not fut.done()  # its second group waits for RESUME
     groups = [ts for k, ts in s.tasks.items() if key_split(k) == FRAGMENT_PREFIX]
     assert groups and all(ts.worker_restrictions for ts in groups)  # pinned where their partitions are
+    pinned_on = s.plugins["octopus"].placement._pinned_on  # what a pause of their worker loosens
+    assert all({pinned_on[ts.key]} == ts.worker_restrictions for ts in groups)
     victim = min(s.workers)
     await (a if a.worker_address == victim else b).kill()
     await Event(RESUME).set()

@@ -89,6 +89,8 @@ class Placement:
         self.pins: dict[Key, Block] = {}
         self.stealable_keys: set[Key] = set()
         self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
+        self._pinned: dict[str, set[Key]] = {}  # the pinned keys by the worker they are pinned to (for hold)
+        self._pinned_on: dict[Key, str] = {}
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
@@ -210,6 +212,7 @@ class Placement:
             return False
         self.pins[ts.key] = block
         ts.worker_restrictions = {worker}
+        self._index(ts.key, worker)
         plan = self.plans[block[0]]
         if (self.measure is not None and plan.source is not None and plan.nbytes is not None  # balance plans only
                 and block[1] < len(plan.nbytes) and self._blocks_read(ts, origin, owned) == 1
@@ -231,11 +234,25 @@ class Placement:
         """Pin the new task ``key``, which does the work of ``member``, with ``member``'s block."""
         if member in self.pins:
             self.pins[key] = self.pins[member]
+            self._index(key, self._pinned_on.get(member))
 
     def forget(self, key: Key) -> None:
         """Drop the pin of a task that the scheduler forgot."""
         self.pins.pop(key, None)
+        self._index(key, None)
         self.stealable_keys.discard(key)
+
+    def _index(self, key: Key, worker: str | None) -> None:
+        """Note that ``key`` is pinned to ``worker`` (``None``: to none any more)."""
+        old = self._pinned_on.pop(key, None)
+        if old is not None:
+            keys = self._pinned[old]
+            keys.discard(key)
+            if not keys:
+                del self._pinned[old]
+        if worker is not None:
+            self._pinned_on[key] = worker
+            self._pinned.setdefault(worker, set()).add(key)
 
     def done(self, key: Key) -> None:
         """A task finished: it can no longer be stolen."""
@@ -296,12 +313,14 @@ class Placement:
                 if ts.worker_restrictions and not ts.worker_restrictions & weights.keys():
                     ts.worker_restrictions = None  # pinned to workers that left: Dask places it, as unplanned
                     del self.pins[key]
+                    self._index(key, None)
                 else:
                     continue
             elif block in moved:
                 worker = self.worker_of(block)
                 ts.worker_restrictions = {worker}
                 ts.loose_restrictions = self.stealable(block) or worker in self.held
+                self._index(key, worker)
             else:
                 continue
             count += 1
@@ -323,10 +342,10 @@ class Placement:
             self.held.add(worker)
         recs = {}
         count = 0
-        for key, block in self.pins.items():
+        for key in self._pinned.get(worker, ()):
             ts = scheduler.tasks.get(key)
             if (ts is None or ts.state in ("memory", "erred", "forgotten") or ts.worker_restrictions != {worker}
-                    or self.stealable(block) or ts.loose_restrictions == (not running)):
+                    or self.stealable(self.pins[key]) or ts.loose_restrictions == (not running)):
                 continue
             ts.loose_restrictions = not running
             count += 1
@@ -345,4 +364,6 @@ class Placement:
             if ts is not None:
                 ts.loose_restrictions = True
         self.pins.clear()
+        self._pinned.clear()
+        self._pinned_on.clear()
         self.stealable_keys.clear()
