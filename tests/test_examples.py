@@ -31,8 +31,8 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
-    # the last pipeline ends before the results are on the client; the task stream's times are the
-    # workers' clocks corrected by Dask's estimate of their offset, taken from heartbeats: good to a few
-    # ms on a quiet machine, tens of ms on 2 cores busy with a test suite (100 ms allowed)
-    ends = {v: (video["work_end_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
-    assert all(0 < end < total + 0.1 for end, total in ends.values()), ends
+    # each worker's pipelines run within the measured time: the task stream's times are each worker's own
+    # clock (exact between its own tasks), shifted by its estimate of the scheduler's, taken from heartbeats
+    # (off by up to hundreds of ms on 2 cores busy with a test suite: work_end_seconds is as good as that)
+    spans = {v: (video["work_span_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
+    assert all(0 < span < total for span, total in spans.values()), spans

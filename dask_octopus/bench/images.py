@@ -75,6 +75,7 @@ class VariantTimes:
 
     seconds: list[float] = field(default_factory=list)
     work_end: list[float] = field(default_factory=list)
+    work_span: list[float] = field(default_factory=list)  # the longest first-start-to-last-end of one worker
     last: PassRecord | None = None
 
 
@@ -96,6 +97,7 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
             work = intervals([r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX], t0)
             times[v].seconds.append(seconds)
             times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
+            times[v].work_span.append(max(max(b for _, b in iv) - min(a for a, _ in iv) for iv in work.values()))
             times[v].last = PassRecord(seconds, busy, work)
         flat = [to_host(r) for r in in_input_order(results, v, len(items), len(workers))]
         if not reference:
@@ -165,6 +167,7 @@ def measure_scenario(client: Client, items: list, variants: list[str], runs: int
         "images": len(items), "seconds": {v: t.seconds for v, t in times.items()},
         "median_seconds": {v: float(np.median(t.seconds)) for v, t in times.items()},
         "work_end_seconds": {v: float(np.median(t.work_end)) for v, t in times.items()},
+        "work_span_seconds": {v: float(np.median(t.work_span)) for v, t in times.items()},
         "loop_worker": workers[-1], "round_trip_seconds": round_trip(client, workers), **ideal(alone)}
     record["ratio_to_ideal"] = {v: m / record["ideal_seconds"] for v, m in record["median_seconds"].items()}
     return record, {v: t.last for v, t in times.items() if t.last is not None}
