@@ -72,8 +72,8 @@ async def test_imap_yields_every_item_once_as_its_task_finishes(c, s, a, b):
     assert await in_thread(lambda: list(dask_octopus.imap(abs, [], client=c))) == []
 
 
-def quick_first(x):
-    time.sleep(0.1 if x == 0 else 6.0)
+def quick_first(x, slow=6.0):
+    time.sleep(0.1 if x == 0 else slow)
     return x
 
 
@@ -407,18 +407,13 @@ async def test_a_delayed_input_that_fails_while_the_map_runs_fails_only_its_item
     assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
 
 
-def quick_or_slow(x):
-    time.sleep(0.1 if x == 0 else 1.0)
-    return x
-
-
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config={"octopus.map.steal-fraction": 0})
 async def test_an_imap_stopped_early_cancels_nothing_of_the_same_map_running_beside_it(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
 
     def both():
-        other = dask_octopus.imap(quick_or_slow, range(8), client=c, cost=[1] * 8)
-        stopped = dask_octopus.imap(quick_or_slow, range(8), client=c, cost=[1] * 8)  # the same work
+        other = dask_octopus.imap(quick_first, range(8), client=c, cost=[1] * 8, slow=1.0)
+        stopped = dask_octopus.imap(quick_first, range(8), client=c, cost=[1] * 8, slow=1.0)  # the same work
         next(stopped)
         stopped.close()  # cancels its own tasks only
         return sorted(other)

@@ -79,6 +79,15 @@ def _pin_where_held(ts: TaskState) -> bool:
     return True
 
 
+def _reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str) -> int:
+    """Schedule the tasks among ``changed`` (whose restrictions changed) that wait in ``no-worker``;
+    returns how many changed."""
+    recs = {ts.key: "processing" for ts in changed if ts in scheduler.unrunnable}
+    if recs:
+        scheduler.transitions(recs, stimulus_id)
+    return len(changed)
+
+
 class Placement:
     """Plans, pins and their upkeep; owned by :class:`~dask_octopus.plugins.scheduler.OctopusSchedulerPlugin`."""
 
@@ -303,8 +312,7 @@ class Placement:
             moved.update((name, i) for i in changed)
             plan.moved |= changed
             plan.workers = new
-        recs = {}
-        count = 0
+        repinned: list[TaskState] = []
         for key, block in list(self.pins.items()):
             ts = scheduler.tasks.get(key)
             if ts is None:
@@ -323,12 +331,8 @@ class Placement:
                 self._index(key, worker)
             else:
                 continue
-            count += 1
-            if ts in scheduler.unrunnable:
-                recs[key] = "processing"
-        if recs:
-            scheduler.transitions(recs, stimulus_id)
-        return count
+            repinned.append(ts)
+        return _reschedule(scheduler, repinned, stimulus_id)
 
     def hold(self, scheduler: Scheduler, worker: str, running: bool, stimulus_id: str) -> int:
         """Follow the status of ``worker``: while it is not running (paused by its memory, retiring),
@@ -340,20 +344,15 @@ class Placement:
             self.held.discard(worker)
         else:
             self.held.add(worker)
-        recs = {}
-        count = 0
+        changed: list[TaskState] = []
         for key in self._pinned.get(worker, ()):
             ts = scheduler.tasks.get(key)
             if (ts is None or ts.state in ("memory", "erred", "forgotten") or ts.worker_restrictions != {worker}
                     or self.stealable(self.pins[key]) or ts.loose_restrictions == (not running)):
                 continue
             ts.loose_restrictions = not running
-            count += 1
-            if ts in scheduler.unrunnable:
-                recs[key] = "processing"
-        if recs:
-            scheduler.transitions(recs, stimulus_id)
-        return count
+            changed.append(ts)
+        return _reschedule(scheduler, changed, stimulus_id)
 
     def loosen(self, scheduler: Scheduler) -> None:
         """Let every pinned task run elsewhere too (loose restrictions) and forget the pins: the plugin
