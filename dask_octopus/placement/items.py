@@ -240,16 +240,21 @@ def _check_call(func: Callable, group: int | None, resource: str, errors: str) -
         raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
 
 
+def _compute_delayed(client: Client, items: list[Any]) -> None:
+    """Replace the delayed objects (and other collections) among ``items`` by futures of their values."""
+    delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
+    if delayed_at:
+        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
+            items[i] = fut
+
+
 def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
             per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
     (and no batches); else one future per batch task, with the indices of its items. Also returns the
     indices of the items that were futures failed already (:func:`_failed_inputs`)."""
-    delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
-    if delayed_at:
-        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
-            items[i] = fut
+    _compute_delayed(client, items)
     costs = _costs(client, items, cost)
     failed = _failed_inputs(items)
     # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
@@ -261,7 +266,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[An
     # the futures per item are the user's, named by their work as Dask names them; the batch tasks of a run
     # that gathers its results are its own (it cancels those it does not read): no other run shares their keys
     run = None if per_item else uuid.uuid4().hex
-    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, sorted(failed), run)
+    token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
     _scatter_to_plan(client, items, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
@@ -451,9 +456,7 @@ class _Batches:
                  resource: str, to_host: bool, kwargs: dict[str, Any]):
         self.client = client
         self._submit_args = (client, func, group, resource, to_host, kwargs)
-        delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
-        for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
-            items[i] = fut  # once: a future kept here keeps its error (computed again, it might not yet have one)
+        _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
         self._items = items
         self._cost = cost
         self.where: dict[Any, list[int]] = {}
