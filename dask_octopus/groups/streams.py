@@ -320,10 +320,11 @@ class StepFailed:
     depend on it still run, and a task that reads it from the fragment raises ``error``
     (:func:`pick`), as it would have raised reading the failed task's result without fragments."""
 
-    __slots__ = ("_sent", "error")
+    __slots__ = ("_sent", "error", "traceback")
 
     def __init__(self, error: BaseException):
         self.error = error
+        self.traceback = error.__traceback__  # each reader raises it from this one (a raise adds frames)
         self._sent: BaseException | None = None  # the error as it travels (found at the first send)
 
     def __reduce__(self) -> tuple:
@@ -350,7 +351,7 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     """Output ``i`` of a fragment task, raising the error of a step that failed."""
     value = outputs[i]
     if type(value) is StepFailed:
-        raise value.error
+        raise value.error.with_traceback(value.traceback)
     return value
 
 
