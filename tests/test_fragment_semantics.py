@@ -17,7 +17,7 @@ import pytest
 from dask.utils import key_split
 from distributed import get_worker, wait
 from distributed.utils_test import async_poll_for, gen_cluster
-from test_balance import run_balance, setup
+from test_balance import WhereRan, run_balance, setup
 
 import dask_octopus
 from dask_octopus.groups import marks
@@ -174,6 +174,36 @@ async def test_the_same_keys_cut_otherwise_while_in_flight_leave_no_task_behind(
     first = c.compute(pure_chains(4))
     second = c.compute(pure_chains(2))  # its total is the first's: its own fragments are read by nothing
     assert await first == await second == sum(i + 2 for i in range(16))
+    del first, second
+    await async_poll_for(lambda: not s.tasks, timeout=10)
+
+
+def slow_plus_one(b):
+    time.sleep(0.02)
+    return b + 1
+
+
+@pytest.mark.parametrize("first_done", [False, True])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_the_same_dataframe_computed_without_annotate_while_held_leaves_no_task_behind(c, s, a, first_done):
+    """The first compute's consumers read fragments; the second, unannotated, brings the same keys
+    with Dask's run specs: Dask keeps the first's (and logs that they differ), and the tasks of the
+    second that only those consumers would read are read by nothing. They are forgotten (64 of them
+    stayed released for good), in flight or once the first has finished."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    rec = WhereRan()
+    s.add_plugin(rec)
+    await dask_octopus.register(c, calibrate=False)
+    df = dd.from_pandas(pd.DataFrame({"v": np.arange(64.0)}), npartitions=16)
+    with dask_octopus.annotate():
+        first = c.compute(df.v.map_partitions(slow_plus_one).sum())
+    if first_done:
+        await wait(first)
+    second = c.compute(df.v.map_partitions(slow_plus_one).sum())
+    assert await first == await second == 64 * 63 / 2 + 64
+    assert any(str(k[0]).startswith(FRAGMENT_PREFIX) for k in rec.worker if isinstance(k, tuple))
     del first, second
     await async_poll_for(lambda: not s.tasks, timeout=10)
 
@@ -363,6 +393,30 @@ def test_a_failed_step_s_traceback_starts_in_the_user_s_code():
     assert frames[-1] == "boom_on_block_3" and "_step" not in frames and "evaluate" not in frames, frames
 
 
+def raise_at(x):
+    raise ValueError(f"boom at {x}")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_each_reader_of_a_failed_step_raises_its_traceback_once(c, s, a):
+    """Four tasks read a failed member, each tried three times (retries=2): each raises the member's
+    error with the member's own frames after its one ``pick`` (raising the one error object again
+    used to stack every reader's frames onto it: 22 to 57 frames)."""
+    import traceback
+
+    await dask_octopus.register(c, calibrate=False)
+    with dask_octopus.annotate():
+        failed = dask.delayed(raise_at)(dask.delayed(inc)(1))
+        readers = [dask.delayed(inc)(failed, dask_key_name=f"reader-{i}") for i in range(4)]
+    futures = c.compute([*readers, dask.delayed(inc)(dask.delayed(inc)(2))], retries=2)
+    await wait(futures)
+    assert await futures[-1] == 4
+    for f in futures[:4]:
+        frames = [fr.name for fr in traceback.extract_tb(await f.traceback())]
+        assert frames == ["pick", "raise_at"], (f.key, frames)
+        assert repr(await f.exception()) == "ValueError('boom at 2')"
+
+
 @pytest.mark.parametrize("priority", [None, 1])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_partial_sums_of_pinned_blocks_join_their_fragments(c, s, a, b, grouped_by, priority):
@@ -411,3 +465,52 @@ def test_a_captured_launch_never_runs_a_step_again_a_running_task_does():
     values = {}
     streams.launch(frag, frag.specs(), layout, values, [OneStream()], task)
     assert values[1] == len("captured") and FLAKY == {"captured": 2}
+
+
+def double(b):
+    return b * 2.0
+
+
+def received(worker):
+    """The keys ``worker`` fetched from other workers, and their bytes."""
+    log = list(worker.transfer_incoming_log)
+    return [k for e in log for k in e["keys"]], sum(e["total"] for e in log)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_task_elsewhere_reading_one_result_of_a_fragment_fetches_that_one(c, s, a, b):
+    """Eight 80 kB blocks live on ``a``; doubled inside ``annotate`` they run as two fragments there. A
+    task restricted to ``b`` reads one doubled block: ``b`` fetches that block alone, as without
+    fragments (it fetched the fragment's tuple of every result, 8 times the bytes, when the readers
+    read the results from the fragment task inline); the tasks on ``a`` read theirs inline."""
+    rec = WhereRan()
+    s.add_plugin(rec)
+    await dask_octopus.register(c, calibrate=False)
+    blocks = await c.scatter([np.full(10_000, float(i)) for i in range(8)], workers=[a.address])
+    with dask_octopus.annotate(group=4):
+        parts = [dask.delayed(double)(x) for x in blocks]
+    with dask.annotate(workers=[b.address]):
+        on_b = dask.delayed(np.sum)(parts[0])
+    sums = await c.gather(c.compute([on_b] + [dask.delayed(np.sum)(p) for p in parts[1:]]))
+    assert sums == [20_000.0 * i for i in range(8)]
+    assert any(str(k[0]).startswith(FRAGMENT_PREFIX) for k in rec.worker if isinstance(k, tuple))
+    keys, nbytes = received(b)
+    assert len(keys) == 1 and not str(keys[0]).startswith(f"('{FRAGMENT_PREFIX}") and nbytes < 100_000, (keys, nbytes)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_the_readers_of_a_fragment_s_results_run_where_it_ran(c, s, a, b):
+    """Sixteen blocks live on ``a``; doubled inside ``annotate`` they run as one or two fragments
+    there, and sixteen tasks each read one result of one fragment, inline: a group of many tasks
+    reading few, which Dask takes for root tasks and spreads over both workers (``b`` then fetched
+    whole fragments to read one result each). They run on ``a``, and ``b`` fetches nothing."""
+    rec = WhereRan()
+    s.add_plugin(rec)
+    await dask_octopus.register(c, calibrate=False)
+    blocks = await c.scatter([np.full(10_000, float(i)) for i in range(16)], workers=[a.address])
+    with dask_octopus.annotate():
+        parts = [dask.delayed(double)(x) for x in blocks]
+    sums = c.compute([dask.delayed(np.sum)(p) for p in parts])
+    assert await c.gather(sums) == [20_000.0 * i for i in range(16)]
+    assert {rec.worker[f.key] for f in sums} == {a.address}
+    assert received(b) == ([], 0)

@@ -40,7 +40,7 @@ from dask.utils import ensure_dict
 from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, resolve_aliases
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
-from dask_octopus.groups.rewrite import fragment_graph, fragment_members, inner_keys
+from dask_octopus.groups.rewrite import fragment_graph, fragment_members, inner_keys, picks_a_result
 from dask_octopus.groups.scheduler import annotated_retries, annotation_labels, fragment_here, grouping_here
 
 
@@ -74,7 +74,7 @@ class GroupingOptimizer:
         here = fragment_here(graph, marks, keep, dependents, annotations) if grouping_here() else None
         if here is not None:  # on the scheduler, knowing where the tasks run
             graph = here
-            marks = {k: v for k, v in marks.items() if k in graph}
+            marks = _unmade(marks, graph)
         elif grouping_here():  # on one of several schedulers with the plugin: the plugin groups them
             # the graph's order (the order the user built it) travels with the marks: fragments then
             # form the same way each time the same work comes again, so they can be replayed
@@ -85,7 +85,7 @@ class GroupingOptimizer:
                                    retries=annotated_retries(annotations), labels=annotation_labels(annotations))
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection
             # again when it becomes an input of another one (delayed arguments), and they may group then.
-            marks = {k: v for k, v in marks.items() if k in graph}
+            marks = _unmade(marks, graph)
         by_name: dict[str, dict[Key, Any]] = {ANNOTATION: marks} if marks else {}
         for k, node in graph.items() if annotations else ():  # Dask's, by task; a fragment has its first member's
             members = fragment_members(node)
@@ -101,6 +101,11 @@ class GroupingOptimizer:
 
     def __hash__(self) -> int:
         return hash(self.base)
+
+
+def _unmade(marks: Mapping[Key, Any], graph: Mapping[Key, Any]) -> dict[Key, Any]:
+    """The marks of the tasks of ``graph`` that no fragment runs (nor picks a result of one)."""
+    return {k: v for k, v in marks.items() if k in graph and not picks_a_result(graph[k])}
 
 
 def _dependents(graph: Mapping[Key, Any]) -> dict[Key, set[Key]]:
@@ -224,7 +229,7 @@ def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]
     ...     z = x.map_blocks(normalise)
     >>> total = z.sum().compute()  # doctest: +SKIP
     """
-    check_group_spec(resource, group)
+    group = check_group_spec(resource, group)
     install()
     with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}), warnings.catch_warnings():
         # dask-expr warns that it ignores annotations; the scheduler plugin applies this one

@@ -2,11 +2,14 @@
 
 Each fragment of annotated tasks (chosen by :func:`~dask_octopus.groups.planning.plan_fragments`)
 becomes one task that runs its members through :func:`~dask_octopus.groups.streams.run_fragment` and
-returns, as a tuple, the results that tasks outside it read; those consumers read them from the
+returns, as a tuple, the results that tasks outside it read. Where each of those consumers reads all of
+them (the top of a reduction reading each fragment's partial sums), the consumers read them from the
 fragment task inline (:func:`~dask_octopus.groups.streams.pick`, which raises the error of a member
-that failed). Only tasks whose results are consumed inside the graph join a fragment: an
-output of the computation keeps its own task (so ``client.gather`` and persisted collections see
-the same keys), and the graph has fewer tasks.
+that failed); otherwise each result is a task of its own, under its member's key, that picks it from
+the fragment task, so a consumer on another worker fetches the one result it reads and each result is
+freed as its own consumers are done, as without fragments. Only tasks whose results are consumed
+inside the graph join a fragment: an output of the computation keeps its own task (so
+``client.gather`` and persisted collections see the same keys), and the graph has fewer tasks.
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ def inner_keys(key: Key, node: Any) -> list[Key]:
     if node.func is run_fragment:
         return list(node.args[0].value.covers)
     return [key]
+
+
+def picks_a_result(node: Any) -> bool:
+    """Whether ``node`` (a task's run spec) is a task of :func:`fragment_graph` that picks one result
+    of a fragment task: it does none of its member's work."""
+    return isinstance(node, Task) and node.func is pick
+
+
+def _read_apart(fragment: Fragment, n: int, fragment_of: Mapping[Key, int], dependencies: Mapping[Key, Any],
+                dependents: Mapping[Key, Collection[Key]], labels: Mapping[Key, Any]) -> bool:
+    """Whether a task outside the fragment ``n`` reads some of its results but not all, and results of
+    another fragment too (``fragment_of``: each result's fragment), or has other Dask annotations
+    (``labels``: restrictions to other workers, say): such a task may run elsewhere, and would fetch all
+    of this one's results."""
+    outputs, inside = set(fragment.outputs), set(fragment.members)
+    label = labels.get(fragment.members[0])
+    for m in fragment.outputs:
+        for c in dependents.get(m, ()):
+            reads = dependencies.get(c, set())
+            if c not in inside and not outputs <= reads and (
+                    labels.get(c) != label or any(fragment_of.get(d, n) != n for d in reads)):
+                return True
+    return False
 
 
 def fragment_members(node: GraphNode) -> list[Key]:
@@ -103,14 +129,16 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
-    fragment (:func:`~dask_octopus.groups.planning.plan_fragments`).
+    fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
+    task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
+    task; the consumers of the others read them inline.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     candidates = {k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
-                  and dsk[k].func is not run_fragment and not dependencies[k] & special
+                  and dsk[k].func not in (run_fragment, pick) and not dependencies[k] & special
                   and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
@@ -135,20 +163,24 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     # the same members with other outputs (other keys asked for) are another fragment task
     # (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ; and faster than the keys as they are)
     token = tokenize(repr([(f.members, f.outputs) for f in built]))
-    picks: dict[Key, Task] = {}
+    picks: dict[Key, Task] = {}  # read inline by the consumers
+    kept: dict[Key, Task] = {}  # tasks of their own
     made: dict[Key, Fragment] = {}
+    fragment_of = {m: n for n, fragment in enumerate(built) for m in fragment.outputs}
     for n, fragment in enumerate(built):
         fkey = (f"{FRAGMENT_PREFIX}-{token}", n)
         made[fkey] = fragment
+        apart = _read_apart(fragment, n, fragment_of, dependencies, dependents, labels or {})
         for i, m in enumerate(fragment.outputs):
-            picks[m] = Task(m, pick, TaskRef(fkey), i)
+            (kept if apart else picks)[m] = Task(m, pick, TaskRef(fkey), i)
 
     def rewritten(k: Key) -> GraphNode:
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    members_of = {m for fragment in made.values() for m in fragment.members}
+    members_of = {m for fragment in made.values() for m in fragment.members} - kept.keys()
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
+    out.update(kept)
     for fkey, fragment in made.items():
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment), *(TaskRef(d) for d in fragment.inputs))
     return out

@@ -37,7 +37,7 @@ from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, fragment_members
-from dask_octopus.groups.streams import run_fragment
+from dask_octopus.groups.streams import pick, run_fragment
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -235,8 +235,9 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
-    """A new task that only tasks of this graph read, that is not an output and not a group already."""
-    return (isinstance(ts.run_spec, Task) and ts.run_spec.func is not run_fragment and ts.key not in wanted
+    """A new task that only tasks of this graph read, that is not an output and not a group (or the
+    pick of a group's result) already."""
+    return (isinstance(ts.run_spec, Task) and ts.run_spec.func not in (run_fragment, pick) and ts.key not in wanted
             and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
             and not any(d.exception_blame for d in ts.dependencies))
 
@@ -251,27 +252,24 @@ def _relink(ts: TaskState, dependencies: set[Key], tasks: Mapping[Key, TaskState
 
 def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Key, Mapping[str, Any]],
                     wanted: Collection[Key], profiles: Mapping[str, Mapping[str, Any]] | None = None,
-                    ) -> tuple[dict[Key, list[Key]], list[Key]]:
-    """Group the marked tasks among the new, released tasks ``keys`` of one ``update_graph``.
+                    unread: Collection[Key] = ()) -> tuple[dict[Key, list[Key]], list[Key]]:
+    """Group the marked tasks among the new, released tasks ``keys`` of one ``update_graph``, but
+    those ``unread`` (:func:`unread_tasks`).
 
     ``marks`` are the ``octopus`` annotations of the tasks (``resource``, ``group``); ``wanted`` are
     the keys the client asked for, which keep their own tasks; ``profiles`` (the workers' calibrations)
     size the memory budget of ``octopus.fragments.max-bytes: auto``. Returns each new group task's key
-    with its members' keys, and the keys that nothing reads any more: the members, and the copies
-    a key collision left (the same graph computed twice at once). Forget those with
+    with its members' keys, and the members' keys, which nothing reads any more. Forget those with
     :func:`forget_unread` after ``update_graph``, so that plugins called after this one still find
     every key they are given.
     """
     tasks = scheduler.tasks
-    new = {k: tasks[k] for k in keys
-           if k in tasks and tasks[k].state == "released" and isinstance(tasks[k].run_spec, GraphNode)}
-    orphans = [k for k, ts in new.items() if k in marks and k not in wanted and not ts.dependents
-               and not ts.who_wants]
-    new = {k: ts for k, ts in new.items() if k not in orphans}
+    new = {k: tasks[k] for k in keys if k in tasks and k not in unread and tasks[k].state == "released"
+           and isinstance(tasks[k].run_spec, GraphNode)}
     groupable = {k for k, ts in new.items() if _groupable(ts, new, wanted)}
     specs = {k: m for k, m in marks.items() if k in groupable}
     if len(specs) < 2:
-        return {}, orphans
+        return {}, []
     # in the order the marks carry (the graph's build order), else Dask's: the same work groups alike
     ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
     dsk = {k: new[k].run_spec for k in ranked}
@@ -282,10 +280,10 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          groupable, sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
-                         labels={k: shared_annotations(new[k].annotations) for k in groupable})
+                         labels={k: shared_annotations(ts.annotations) for k, ts in new.items()})
     made = {k: fragment_members(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already
-        return {}, orphans
+        return {}, []
     computation = scheduler.computations[-1] if scheduler.computations else None
     for gkey, members in made.items():
         first = tasks[members[0]]
@@ -305,25 +303,44 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         if k in new and node is not dsk[k]:  # reads a member: now from its group task
             new[k].run_spec = node
             _relink(new[k], node.dependencies, tasks)
-    members = [m for ms in made.values() for m in ms]
+    members = [m for ms in made.values() for m in ms if m not in out]  # not the results picked as tasks
     for m in members:
         _relink(tasks[m], set(), tasks)
     spans = scheduler.extensions.get("spans")
     if spans is not None:
         spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
-    return made, orphans + members
+    return made, members
+
+
+def place_readers(scheduler: Scheduler, key: Key, worker: str) -> None:
+    """Where the fragment task ``key`` finished on ``worker``, run the tasks that read nothing else
+    there too (those that pick one of its results, :func:`~dask_octopus.groups.rewrite.picks_a_result`,
+    and those that read them inline), loosely restricted (elsewhere if it leaves), but those restricted
+    already (a plan's pins, the user's): many of one key prefix reading a few tasks, Dask would take
+    them for root tasks and place them anywhere, each fetching all of the fragment's results."""
+    if not (type(key) is tuple and key and type(key[0]) is str and key[0].startswith(FRAGMENT_PREFIX)):
+        return
+    ts = scheduler.tasks.get(key)
+    for dts in ts.dependents if ts is not None else ():
+        if (len(dts.dependencies) == 1 and not dts.worker_restrictions and not dts.host_restrictions
+                and not dts.resource_restrictions):
+            dts.worker_restrictions = {worker}
+            dts.loose_restrictions = True
 
 
 def _unread(ts: TaskState) -> bool:
     return ts.state == "released" and not ts.dependents and not ts.who_wants
 
 
-def stale_fragments(scheduler: Scheduler, keys: Iterable[Key]) -> list[Key]:
-    """The fragment tasks among ``keys`` that nothing reads: :func:`fragment_here` makes such when the
-    same work is in flight already, cut otherwise (its consumers keep their first run spec)."""
+def unread_tasks(scheduler: Scheduler, keys: Iterable[Key], wanted: Collection[Key]) -> list[Key]:
+    """The tasks among ``keys`` (those of one ``update_graph``) that are released, that no task reads
+    and no client wants (not among ``wanted``): Dask would keep them so for good. A graph leaves such
+    where the scheduler holds some of its keys with other run specs (Dask keeps those, and the new
+    tasks they read in this graph are read by none): a graph computed again while its first run, whose
+    consumers read fragments, is still held, annotated or not; and fragment tasks that
+    :func:`fragment_here` makes when the same work is in flight already, cut otherwise."""
     tasks = scheduler.tasks
-    return [k for k in keys if type(k) is tuple and type(k[0]) is str and k[0].startswith(FRAGMENT_PREFIX)
-            and (ts := tasks.get(k)) is not None and _unread(ts)]
+    return [k for k in keys if (ts := tasks.get(k)) is not None and _unread(ts) and k not in wanted]
 
 
 def forget_unread(scheduler: Scheduler, keys: Iterable[Key], stimulus_id: str) -> None:

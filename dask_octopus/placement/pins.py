@@ -23,7 +23,7 @@ from dask.utils import key_split
 from distributed.core import Status
 
 from dask_octopus._compat import expected_duration
-from dask_octopus.groups.rewrite import inner_keys
+from dask_octopus.groups.rewrite import inner_keys, picks_a_result
 from dask_octopus.placement.planning import reassign
 from dask_octopus.profiling.working_set import MEASURE
 
@@ -224,7 +224,8 @@ class Placement:
         self._index(ts.key, worker)
         plan = self.plans[block[0]]
         if (self.measure is not None and plan.source is not None and plan.nbytes is not None  # balance plans only
-                and block[1] < len(plan.nbytes) and self._blocks_read(ts, origin, owned) == 1
+                and block[1] < len(plan.nbytes) and not picks_a_result(ts.run_spec)
+                and self._blocks_read(ts, origin, owned) == 1
                 and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]])):
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}

@@ -311,11 +311,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                      **kwargs: Any) -> None:
         pinned = self.placement.update_graph(scheduler, tasks)
         made: dict = {}
-        unread = scheduler_groups.stale_fragments(scheduler, tasks)
+        unread = scheduler_groups.unread_tasks(scheduler, tasks, keys or ())
         marks = (annotations or {}).get(ANNOTATION)
         if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
             with collector_paused():
-                made, grouped = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles)
+                made, grouped = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles,
+                                                                 set(unread))
             unread += grouped
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
@@ -334,6 +335,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
             worker = kwargs["worker"]
             self.placement.done(key)
+            scheduler_groups.place_readers(self.scheduler, key, worker)
             # each guarded on its own: a failure in one (logged once) leaves the others working
             self._refine(key, worker, kwargs)
             self._record_finish(key, worker, kwargs["startstops"])
