@@ -14,6 +14,11 @@ def is_finite(value: Any, *, positive: bool = False) -> bool:
     return value > 0 if positive else value >= 0
 
 
+def is_count(value: Any, minimum: int = 1) -> bool:
+    """Whether ``value`` is an integer (Python's or NumPy's, not a bool) ``>= minimum``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
 def check_finite(value: Any, what: str, *, positive: bool = True,
                  error: type[Exception] = ValueError) -> float:
     """Return ``value`` as a float, or raise ``error`` saying that ``what`` must be finite and

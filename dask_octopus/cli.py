@@ -135,6 +135,8 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
         client = Client(scheduler_address, timeout=timeout)
     except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
         raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None
+    except ValueError as e:  # not an address (no port, say): say so, exit 1
+        raise click.ClickException(f"cannot connect to {scheduler_address!r}: {e}") from None
     with client:
         if watching:
             watch(make, interval, console())

@@ -198,13 +198,16 @@ async def test_bad_input(c, s, a, b):
         (x[x[:, 0] > 0], {}, ValueError, "compute_chunk_sizes"),
         (da.ones(3, chunks=1), {"per_worker": 2}, PlanningError, "fewer than the 2 workers"),
         (x, {"per_worker": 0}, ValueError, "per_worker must be an integer >= 1"),
+        (x, {"per_worker": 2.0}, ValueError, "per_worker must be an integer >= 1"),
         (x, {"align": 60}, PlanningError, "align=60 is larger"),
+        (x, {"align": 0}, PlanningError, "align must be an integer >= 1, got 0"),  # per_worker=None too
         (x, {"resource": "disk"}, ValueError, "unknown resource 'disk'"),
         (dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2), {"axis": 1}, ValueError, "axis must be 0"),
     ]
     for coll, kwargs, exc, match in cases:
         with pytest.raises(exc, match=match):
             await call(c, coll, **kwargs)
+    assert (await call(c, x, per_worker=np.int64(2))).numblocks == (4, 1)  # NumPy's integers are integers
     with dask.config.set({"octopus.balance.memory-fraction": 1e-12}), \
             pytest.raises(PlanningError, match="does not fit in the workers' memory"):
         await call(c, x)

@@ -125,6 +125,9 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.startswith("Error: no scheduler reachable at tcp://127.0.0.1:1: ")
     assert len(result.output.splitlines()) <= 2
+    result = CliRunner().invoke(main, ["profile", "--scheduler-address", "localhost", "--timeout", "1s"])
+    assert result.exit_code == 1 and "Traceback" not in result.output and len(result.output.splitlines()) <= 2
+    assert result.output.startswith("Error: cannot connect to 'localhost': missing port number")
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
     assert result.exit_code == 2 and "a duration such as 10s or 500ms, got 'soon'" in result.output
 

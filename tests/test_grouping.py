@@ -1,5 +1,6 @@
 """Pure planning of fragments: which tasks run together, their order, their streams, bad input."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -191,6 +192,11 @@ def test_launch_order_is_a_permutation_that_never_runs_two_of_a_class_while_the_
 def test_bad_group_specs(resource, group, message):
     with pytest.raises(ValueError, match=message):
         check_group_spec(resource, group)
+
+
+def test_numpy_integers_are_groups_too():
+    assert check_group_spec("auto", np.int64(2)) == 2 and type(check_group_spec("auto", np.int32(3))) is int
+    assert check_group_spec("memory", None) is None
 
 
 def test_bad_launch_classes():

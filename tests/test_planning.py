@@ -314,6 +314,14 @@ def test_a_split_with_both_a_minimum_and_a_cap_in_play():
     assert block_sizes(45, [2, 7], align=10, caps=[None, 27]) == [[20], [25]]  # raises PlanningError
 
 
+@pytest.mark.parametrize("align", [0, -3, 2.5, True, "2"])
+def test_bad_aligns_name_the_problem_with_or_without_a_bound(align):
+    with pytest.raises(PlanningError, match=r"^align must be an integer >= 1, got "):
+        block_sizes(100, [1, 1], align=align)
+    with pytest.raises(PlanningError, match=r"^align must be an integer >= 1, got "):
+        block_sizes_within(100, [1, 1], 30, align=align)
+
+
 def test_block_counts_per_worker():
     assert block_sizes(100, [1, 3], per_worker=[1, 3]) == [[25], [25, 25, 25]]
     for bad in ([1, 2.5], [True, 1], [1], [0, 1]):

@@ -13,18 +13,20 @@ import heapq
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from itertools import zip_longest
 
+from dask_octopus._checks import is_count
 from dask_octopus.profiling.speedmodel import RESOURCES
 
 ANNOTATION = "octopus"  # the Dask annotation that carries a task's group spec
 
 
-def check_group_spec(resource: str, group: int | None) -> None:
-    """Raise ``ValueError`` naming the problem for an unknown resource class or a group that is
-    neither ``None`` nor an integer >= 1."""
+def check_group_spec(resource: str, group: int | None) -> int | None:
+    """``group`` as a Python integer (or ``None``); raise ``ValueError`` naming the problem for an
+    unknown resource class or a group that is neither ``None`` nor an integer >= 1."""
     if resource != "auto" and resource not in RESOURCES:
         raise ValueError(f"unknown resource {resource!r}: expected one of auto, {', '.join(RESOURCES)}")
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+    if group is not None and not is_count(group):
         raise ValueError(f"group must be None or an integer >= 1, got {group!r}")
+    return None if group is None else int(group)
 
 
 def topological(order: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]]) -> list[Hashable]:

@@ -24,6 +24,7 @@ from dask.utils import format_bytes, key_split
 from distributed import Client, Future
 
 from dask_octopus import config
+from dask_octopus._checks import is_count
 from dask_octopus.placement.planning import (
     PlanningError,
     axis_order,
@@ -210,9 +211,9 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     check_resource(resource)
     if not is_dask_collection(collection):
         raise TypeError(f"balance expects a dask array or dataframe, got {type(collection).__name__}")
-    if per_worker is not None and (isinstance(per_worker, bool) or not isinstance(per_worker, int)
-                                   or per_worker < 1):
+    if per_worker is not None and not is_count(per_worker):
         raise ValueError(f"per_worker must be an integer >= 1 or None, got {per_worker!r}")
+    per_worker = None if per_worker is None else int(per_worker)
     if isinstance(collection, da.Array):
         return _balance_array(collection, client, axis, per_worker, resource, align)
     import dask.dataframe as dd

@@ -228,16 +228,17 @@ def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
 
-def _check_call(func: Callable, group: int | None, resource: str, errors: str) -> None:
+def _check_call(func: Callable, group: int | None, resource: str, errors: str) -> int | None:
+    """``group`` as a Python integer, once the arguments of :func:`map` or :func:`imap` are checked."""
     check_resource(resource)
-    if group is not None:
-        check_group_spec(resource, group)
+    group = check_group_spec(resource, group)
     if errors not in ERRORS:
         raise ValueError(f"errors must be one of {', '.join(ERRORS)}, got {errors!r}")
     try:
         cloudpickle.dumps(func)  # distributed's dumps would log its own tracebacks first
     except Exception as e:
         raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
+    return group
 
 
 def _compute_delayed(client: Client, items: list[Any]) -> None:
@@ -389,7 +390,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     >>> results = client.gather(futures)  # doctest: +SKIP
     >>> results = dask_octopus.map(pipeline, images, group=8, gather=True, to_host=True)  # doctest: +SKIP
     """
-    _check_call(func, group, resource, errors)
+    group = _check_call(func, group, resource, errors)
     if errors != "raise" and not gather:
         raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
     items = list(items)
@@ -428,7 +429,7 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     ...     writer.write(i, frame)
     """
     client = client or default_client()
-    _check_call(func, group, resource, errors)
+    group = _check_call(func, group, resource, errors)
     items = list(items)
     if client.asynchronous:
         return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)
