@@ -69,6 +69,43 @@ def grouped_by(request, monkeypatch):
     return request.param
 
 
+def load_part(i):
+    LOADED.append(i)
+    if i == 3:
+        raise OSError(f"cannot read part {i}")
+    return i
+
+
+LOADED = []  # the parts load_part was called for (the workers run in this process)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a, grouped_by):
+    """Eight loads built outside ``annotate``, each read by one task built inside it: the loads join
+    the fragments that alone read them, so the failing load fails only its reader (it failed the
+    whole fragment, four results, when the loads were the fragment task's inputs). Loads the
+    scheduler holds already are reused, not run again in a fragment."""
+    rec = await setup(c, s, [1.0])
+    loaded = [dask.delayed(load_part)(i) for i in range(8)]
+    with dask_octopus.annotate():
+        parts = [dask.delayed(inc)(b) for b in loaded]
+    futures = c.compute([dask.delayed(inc)(p) for p in parts])
+    await wait(futures)
+    assert [f.status for f in futures] == ["finished"] * 3 + ["error"] + ["finished"] * 4
+    assert await c.gather(futures[:3] + futures[4:]) == [i + 2 for i in (0, 1, 2, 4, 5, 6, 7)]
+    assert repr(await futures[3].exception()) == "OSError('cannot read part 3')"
+    assert any(str(k[0]).startswith(FRAGMENT_PREFIX) for k in rec.worker if isinstance(k, tuple))
+    assert not any(key_split(k) == "load_part" for k in rec.worker)  # they ran as steps
+    del futures
+    held = c.compute(loaded[4:])
+    await wait(held)
+    LOADED.clear()
+    with dask_octopus.annotate():
+        parts = [dask.delayed(inc)(b) for b in loaded[4:]]
+    assert await c.gather(c.compute([dask.delayed(inc)(p) for p in parts])) == [6, 7, 8, 9]
+    assert LOADED == []
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])
 async def test_tasks_annotated_with_resources_run_where_they_are(c, s, a, b, grouped_by):
     rec = await setup(c, s, [1.0, 1.0])

@@ -13,6 +13,7 @@ from dask_octopus.groups.planning import (
     launch_order,
     live_peak,
     plan_fragments,
+    pull_upstream,
     topological,
 )
 
@@ -192,6 +193,20 @@ def test_launch_order_is_a_permutation_that_never_runs_two_of_a_class_while_the_
 def test_bad_group_specs(resource, group, message):
     with pytest.raises(ValueError, match=message):
         check_group_spec(resource, group)
+
+
+def test_tasks_that_only_one_fragment_reads_join_it_upstream():
+    # load -> prep -> a (fragment 0); shared -> a and b (two fragments); tagged -> b, with another label;
+    # pinned -> b, placed elsewhere; held -> b, not pullable (the scheduler has it)
+    steps = ["load", "prep", "shared", "tagged", "pinned", "held", "a", "b"]
+    dependents = {"load": ["prep"], "prep": ["a"], "shared": ["a", "b"], "tagged": ["b"], "pinned": ["b"],
+                  "held": ["b"]}
+    pullable = {"load", "prep", "shared", "tagged", "pinned"}
+    places = {"a": None, "b": "w1", "pinned": "w2"}
+    out = pull_upstream([["a"], ["b"]], steps, dependents, pullable, places, {"tagged": "gpu"})
+    assert out == [["load", "prep", "a"], ["b"]]
+    assert pull_upstream([["a"], ["b"]], steps, dependents, pullable, {**places, "pinned": "w1"}) == [
+        ["load", "prep", "a"], ["tagged", "pinned", "b"]]
 
 
 def test_numpy_integers_are_groups_too():

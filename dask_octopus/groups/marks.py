@@ -208,8 +208,8 @@ def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]
     task (:mod:`dask_octopus.groups.planning`), in an order that interleaves compute- and
     memory-bound steps, over CUDA streams on GPU workers; a fragment seen again is replayed as one
     CUDA graph. Results keep their keys: ``client.gather`` and persisted collections see nothing
-    different, and a failing task fails only what reads it (but a fragment fails whole where a task it
-    reads from outside fails: ``docs/fragments.md``, Failures).
+    different, and a failing task fails only what reads it (but a task that several fragments read
+    fails them whole: ``docs/fragments.md``, Failures).
 
     Parameters
     ----------

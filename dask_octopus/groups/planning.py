@@ -124,6 +124,37 @@ def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Co
     return [m for m in members.values() if len(m) > 1]
 
 
+def pull_upstream(fragments: Sequence[Sequence[Hashable]], steps: Sequence[Hashable],
+                  dependents: Mapping[Hashable, Collection[Hashable]], pullable: Collection[Hashable],
+                  places: Mapping[Hashable, Hashable], labels: Mapping[Hashable, Hashable] | None = None,
+                  ) -> list[list[Hashable]]:
+    """``fragments`` (of :func:`plan_fragments`) with the tasks upstream of them that only they read.
+
+    A key of ``pullable`` outside the fragments whose readers (``dependents``) are all members of one
+    fragment joins it where its place (``places``, missing: ``None``) is ``None`` or the fragment's
+    (its first member's), and its label (``labels``, missing: ``None``) the fragment's; its own inputs
+    may then join too. A fragment task runs once all its inputs are in memory, so a task outside it
+    that fails fails all of it; inside, a step that fails fails only the steps that read it. Members
+    stay in the order of ``steps`` (each key after its dependencies)."""
+    labels = labels or {}
+    owner = {m: i for i, members in enumerate(fragments) for m in members}
+    for k in reversed(steps):  # readers first: a chain upstream joins in one pass
+        if k in owner or k not in pullable:
+            continue
+        found = {owner.get(r) for r in dependents.get(k, ())}
+        if len(found) != 1 or None in found:
+            continue
+        (i,) = found
+        first = fragments[i][0]
+        if labels.get(k) == labels.get(first) and places.get(k) in (None, places.get(first)):
+            owner[k] = i
+    out: list[list[Hashable]] = [[] for _ in fragments]
+    for k in steps:
+        if k in owner:
+            out[owner[k]].append(k)
+    return out
+
+
 def live_peak(sizes: Sequence[float], frees: Sequence[Collection[int]]) -> float:
     """The peak of the summed sizes of the results alive while steps ``0..n-1`` run in order: step ``i``'s
     result (``sizes[i]`` bytes) is alive from step ``i`` until it is freed after step ``j`` (``i`` in

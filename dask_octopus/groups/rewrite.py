@@ -22,7 +22,7 @@ from dask.typing import Key
 
 from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
-from dask_octopus.groups.planning import plan_fragments, topological
+from dask_octopus.groups.planning import plan_fragments, pull_upstream, topological
 from dask_octopus.groups.streams import pick, run_fragment
 from dask_octopus.placement.unfused import UnfusedTask
 
@@ -124,7 +124,9 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     ``places[key]`` says where each annotated task may run (``None``: anywhere) and ``parts[place]``
     how many fragments to cut the sources of a place into (its worker threads). The smallest
     ``group`` of the annotations caps the sources per fragment. Unannotated tasks that read only
-    annotated ones join them (those among ``pullable``, ``None``: any). ``budgets[place]`` caps the
+    annotated ones join them, and so do those upstream that one fragment alone reads
+    (:func:`~dask_octopus.groups.planning.pull_upstream`: their failures then fail only what reads
+    them), all among ``pullable`` (``None``: any). ``budgets[place]`` caps the
     estimated peak bytes of a fragment's intermediates (:meth:`Fragment.peak_bytes`, from ``sizes``, the
     bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
@@ -137,22 +139,27 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
-    candidates = {k for k in dsk if k in specs and type(dsk[k]) is Task and k not in keep
-                  and dsk[k].func not in (run_fragment, pick) and not dependencies[k] & special
-                  and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
+    eligible = {k for k in dsk if type(dsk[k]) is Task and k not in keep and (pullable is None or k in pullable)
+                and dsk[k].func not in (run_fragment, pick) and not dependencies[k] & special
+                and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
+    candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
     while True:
-        fragments = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
-                                   parts, min(caps) if caps else None, labels)
+        planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
+                                 parts, min(caps) if caps else None, labels)
+        fragments = pull_upstream(planned, steps, dependents, eligible - candidates, places, labels)
+        for members, marked in zip(fragments, planned):  # pulled upstream: the class of the first source
+            for k in members:
+                specs.setdefault(k, specs[marked[0]])
         built = [_build(dsk, specs, dependents, members, retries) for members in fragments]
         made: dict[Any, int] = {}
         over = set()  # places with a fragment over its budget that can still be cut (two sources or more)
-        for members, fragment in zip(fragments, built):
-            place = places.get(members[0])  # a fragment's first member is one of its sources
+        for marked, fragment in zip(planned, built):
+            place = places.get(marked[0])  # a fragment's first marked member is one of its sources
             made[place] = made.get(place, 0) + 1
-            inside = set(members)
-            sources = sum(not dependencies[m] & inside for m in members)
+            inside = set(marked)
+            sources = sum(not dependencies[m] & inside for m in marked)
             if sources > 1 and _over_budget(fragment, place, sizes, budgets):
                 over.add(place)
         if not over:

@@ -225,12 +225,13 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             sizes.update(_sizes(held))
             places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
+        new = {k for k in graph if _new(scheduler.tasks.get(k))}  # Dask reuses the others
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None
-    return fragment_graph(graph, marks, keep, dependents, places, threads, sizes=sizes, budgets=budgets,
+    return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations))
 
 
