@@ -204,9 +204,9 @@ def test_tasks_that_only_one_fragment_reads_join_it_upstream():
     pullable = {"load", "prep", "shared", "tagged", "pinned"}
     places = {"a": None, "b": "w1", "pinned": "w2"}
     out = pull_upstream([["a"], ["b"]], steps, dependents, pullable, places, {"tagged": "gpu"})
-    assert out == [["load", "prep", "a"], ["b"]]
+    assert out == [["a", "load", "prep"], ["b"]]  # a fragment's own members first
     assert pull_upstream([["a"], ["b"]], steps, dependents, pullable, {**places, "pinned": "w1"}) == [
-        ["load", "prep", "a"], ["tagged", "pinned", "b"]]
+        ["a", "load", "prep"], ["b", "tagged", "pinned"]]
 
 
 def test_numpy_integers_are_groups_too():

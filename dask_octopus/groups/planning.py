@@ -134,10 +134,12 @@ def pull_upstream(fragments: Sequence[Sequence[Hashable]], steps: Sequence[Hasha
     fragment joins it where its place (``places``, missing: ``None``) is ``None`` or the fragment's
     (its first member's), and its label (``labels``, missing: ``None``) the fragment's; its own inputs
     may then join too. A fragment task runs once all its inputs are in memory, so a task outside it
-    that fails fails all of it; inside, a step that fails fails only the steps that read it. Members
-    stay in the order of ``steps`` (each key after its dependencies)."""
+    that fails fails all of it; inside, a step that fails fails only the steps that read it. Each
+    fragment keeps its members first (its first member stays one of its sources, whose place and
+    annotations the fragment task takes), then those that joined, in the order of ``steps``."""
     labels = labels or {}
     owner = {m: i for i, members in enumerate(fragments) for m in members}
+    pulled = []
     for k in reversed(steps):  # readers first: a chain upstream joins in one pass
         if k in owner or k not in pullable:
             continue
@@ -148,10 +150,10 @@ def pull_upstream(fragments: Sequence[Sequence[Hashable]], steps: Sequence[Hasha
         first = fragments[i][0]
         if labels.get(k) == labels.get(first) and places.get(k) in (None, places.get(first)):
             owner[k] = i
-    out: list[list[Hashable]] = [[] for _ in fragments]
-    for k in steps:
-        if k in owner:
-            out[owner[k]].append(k)
+            pulled.append(k)
+    out = [list(members) for members in fragments]
+    for k in reversed(pulled):
+        out[owner[k]].append(k)
     return out
 
 
