@@ -295,19 +295,25 @@ def fail_on_3_after(i, event):
     return fail_on_3(i)
 
 
+async def map_while_inputs_run(c, s, how, items, go):
+    """Run ``map(gather=True)`` or ``imap`` of ``v + 1`` over ``items`` (errors skipped), in groups of 3,
+    letting the inputs finish (``go``) once the batch tasks are in the scheduler; their results."""
+    if how == "map":
+        run = in_thread(dask_octopus.map, lambda v: v + 1, items, client=c, group=3, gather=True, errors="skip")
+    else:
+        run = in_thread(lambda: sorted(dask_octopus.imap(lambda v: v + 1, items, client=c, group=3, errors="skip")))
+    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
+    await go.set()
+    return await asyncio.wait_for(run, 20)
+
+
 @pytest.mark.parametrize("how", ["map", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_an_input_that_fails_while_the_map_runs_fails_only_its_item(c, s, a, b, how):
     await setup(c, s, [1.0, 1.0])
     go = Event()
     inputs = c.map(fail_on_3_after, range(6), event=go.name)  # still running when the map is submitted
-    if how == "map":
-        run = in_thread(dask_octopus.map, lambda v: v + 1, inputs, client=c, group=3, gather=True, errors="skip")
-    else:
-        run = in_thread(lambda: sorted(dask_octopus.imap(lambda v: v + 1, inputs, client=c, group=3, errors="skip")))
-    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
-    await go.set()
-    got = await run
+    got = await map_while_inputs_run(c, s, how, inputs, go)
     assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
     assert how == "map" or [i for i, _ in got] == [0, 1, 2, 4, 5]
 
@@ -397,13 +403,7 @@ async def test_a_delayed_input_that_fails_while_the_map_runs_fails_only_its_item
     await setup(c, s, [1.0, 1.0])
     go = Event()
     items = [dask.delayed(fail_on_3_after)(i, go.name) for i in range(6)]
-    if how == "map":
-        run = in_thread(dask_octopus.map, lambda v: v + 1, items, client=c, group=3, gather=True, errors="skip")
-    else:
-        run = in_thread(lambda: sorted(dask_octopus.imap(lambda v: v + 1, items, client=c, group=3, errors="skip")))
-    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
-    await go.set()
-    got = await asyncio.wait_for(run, 20)
+    got = await map_while_inputs_run(c, s, how, items, go)
     assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
 
 

@@ -48,6 +48,11 @@ def picks_a_result(node: Any) -> bool:
     return isinstance(node, Task) and node.func is pick
 
 
+def of_fragments(node: Any) -> bool:
+    """Whether ``node`` is a fragment task or picks a result of one: it never joins a fragment."""
+    return isinstance(node, Task) and node.func in (run_fragment, pick)
+
+
 def _read_apart(fragment: Fragment, n: int, fragment_of: Mapping[Key, int], dependencies: Mapping[Key, Any],
                 dependents: Mapping[Key, Collection[Key]], labels: Mapping[Key, Any]) -> bool:
     """Whether a task outside the fragment ``n`` reads some of its results but not all, and results of
@@ -140,7 +145,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     eligible = {k for k in dsk if type(dsk[k]) is Task and k not in keep and (pullable is None or k in pullable)
-                and dsk[k].func not in (run_fragment, pick) and not dependencies[k] & special
+                and not of_fragments(dsk[k]) and not dependencies[k] & special
                 and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]

@@ -36,8 +36,7 @@ from dask.utils import parse_bytes
 from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
 from dask_octopus.groups.planning import ANNOTATION
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, fragment_members
-from dask_octopus.groups.streams import pick, run_fragment
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, fragment_members, of_fragments
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -215,7 +214,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     scheduler, placement = plugin.scheduler, plugin.placement
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
         annotations = annotations or {}
-        marks = {k: m for k, m in marks.items() if k in graph and _new(scheduler.tasks.get(k))}
+        new = {k for k in graph if _new(scheduler.tasks.get(k))}  # Dask reuses the others
+        marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
         sizes: dict[Key, float] = {}
         for k in marks:
@@ -225,7 +225,6 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             sizes.update(_sizes(held))
             places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
-        new = {k for k in graph if _new(scheduler.tasks.get(k))}  # Dask reuses the others
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
@@ -238,7 +237,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
     """A new task that only tasks of this graph read, that is not an output and not a group (or the
     pick of a group's result) already."""
-    return (isinstance(ts.run_spec, Task) and ts.run_spec.func not in (run_fragment, pick) and ts.key not in wanted
+    return (isinstance(ts.run_spec, Task) and not of_fragments(ts.run_spec) and ts.key not in wanted
             and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
             and not any(d.exception_blame for d in ts.dependencies))
 

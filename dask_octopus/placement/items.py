@@ -231,14 +231,14 @@ def _mean(costs: list[float], idx: list[int]) -> float:
 def _check_call(func: Callable, group: int | None, resource: str, errors: str) -> int | None:
     """``group`` as a Python integer, once the arguments of :func:`map` or :func:`imap` are checked."""
     check_resource(resource)
-    group = check_group_spec(resource, group)
+    checked = check_group_spec(resource, group)
     if errors not in ERRORS:
         raise ValueError(f"errors must be one of {', '.join(ERRORS)}, got {errors!r}")
     try:
         cloudpickle.dumps(func)  # distributed's dumps would log its own tracebacks first
     except Exception as e:
         raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
-    return group
+    return checked
 
 
 def _compute_delayed(client: Client, items: list[Any]) -> None:

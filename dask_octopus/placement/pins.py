@@ -134,6 +134,11 @@ class Placement:
         plan = self.plans.get(block[0])
         return plan.workers[block[1]] if plan and block[1] < len(plan.workers) else None
 
+    def _loose(self, block: Block, worker: str) -> bool:
+        """Whether a task pinned to ``block`` on ``worker`` may run elsewhere too: its block is
+        stealable, or the worker is held (:meth:`hold`)."""
+        return self.stealable(block) or worker in self.held
+
     def stealable(self, block: Block) -> bool:
         """Whether ``block``'s plan lets another worker steal it."""
         plan = self.plans.get(block[0])
@@ -229,7 +234,7 @@ class Placement:
                 and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]])):
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
-        ts.loose_restrictions = self.stealable(block) or worker in self.held
+        ts.loose_restrictions = self._loose(block, worker)
         if self.stealable(block):
             self.stealable_keys.add(ts.key)
         return True
@@ -328,7 +333,7 @@ class Placement:
             elif block in moved:
                 worker = self.worker_of(block)
                 ts.worker_restrictions = {worker}
-                ts.loose_restrictions = self.stealable(block) or worker in self.held
+                ts.loose_restrictions = self._loose(block, worker)
                 self._index(key, worker)
             else:
                 continue
