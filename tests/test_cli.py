@@ -163,8 +163,8 @@ def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tm
     assert "interrupted: the local cluster and the co-tenant load are stopped" in out
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [p.cmdline() for p in alive]
-    again = subprocess.run([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--rows", "20000",
-                            "--passes", "1", "--blocks", "64", "--runs", "1", "--out", str(tmp_path)],
+    again = subprocess.run([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--part", "balance",
+                            "--rows", "20000", "--passes", "1", "--runs", "1", "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "timeline written" in again.stdout, again.stdout + again.stderr
 
