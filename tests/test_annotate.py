@@ -13,12 +13,13 @@ from dask.core import flatten
 from dask.utils import key_split
 from distributed import Event, Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import RESUME, WhereRan, mid_compute, run_balance, setup, slow_copy
 
 import dask_octopus
 from dask_octopus.groups import streams
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_members, inner_keys
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
 def f(b):
@@ -384,6 +385,35 @@ async def test_the_optimizer_groups_when_a_scheduler_of_the_process_has_no_plugi
     async with Scheduler(dashboard_address=":0", validate=True):
         assert not grouping_here()  # a second one, without the plugin
     assert grouping_here()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_registration_longer_than_a_weight_sample_leaves_the_grouping_to_the_plugin(c, s, a, monkeypatch):
+    from dask_octopus.groups.scheduler import grouping_here
+    from dask_octopus.plugins import scheduler as plugin_module
+
+    monkeypatch.setattr(plugin_module, "HISTORY_INTERVAL", 0.005)  # a sample due while the workers calibrate
+    await c.register_plugin(OctopusSchedulerPlugin(calibration_seconds=0.2))
+    plugin = s.plugins["octopus"]
+    await async_poll_for(lambda: len(plugin.history.points) > 0, timeout=5)  # sampling, not stopped
+    assert grouping_here() and plugin._sampler is not None
+    rec = WhereRan()
+    s.add_plugin(rec)
+    with dask.config.set(num_workers=4), dask_octopus.annotate():  # the optimizer would cut 4 fragments
+        got = await c.compute(da.ones((64, 6), chunks=(4, 6)).map_blocks(f).sum())
+    assert got == pytest.approx(64 * 6 * np.sqrt(2.0))
+    assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 1  # the plugin: one per thread
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_an_unregistered_plugin_leaves_the_grouping_at_once(c, s, a):
+    from dask_octopus.groups.scheduler import _hosts, grouping_here
+
+    await setup(c, s, [1.0])
+    await c.unregister_scheduler_plugin("octopus")
+    assert not grouping_here() and _hosts() == []  # before its sampler notices
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    assert grouping_here() and _hosts() == [s.plugins["octopus"]]  # the new one alone plans fragments
 
 
 def test_a_mark_on_map_blocks_alone_does_not_stop_dask_fusing_it_with_the_sum():

@@ -47,11 +47,12 @@ hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process 
 
 
 def _hosts() -> list[Any]:
-    """The plugins of :data:`hosts` with a scheduler (read from Dask's offload thread, while a plugin
-    may start or close on the event loop: copied again if the set changed while being copied)."""
+    """The plugins of :data:`hosts` registered on their scheduler (one unregistered leaves the set at
+    its next weight sample; read from Dask's offload thread, while a plugin may start or close on the
+    event loop: copied again if the set changed while being copied)."""
     while True:
         try:
-            return [p for p in hosts if p.scheduler is not None]
+            return [p for p in hosts if p.scheduler is not None and p.scheduler.plugins.get(p.name) is p]
         except RuntimeError as e:
             if "changed size during iteration" not in str(e):
                 raise

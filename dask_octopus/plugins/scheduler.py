@@ -139,7 +139,6 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        scheduler_groups.hosts.add(self)
         scheduler.handlers.update({
             "octopus_report": self.report,
             "octopus_speeds": _replying(self.speeds),
@@ -149,9 +148,6 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_bandwidth": self.bandwidth,
             "octopus_options": self.options,
         })
-        self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
-        scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
-        self._sampler.start()
         for address, ws in scheduler.workers.items():  # (later changes come as worker-status-change events)
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
@@ -159,6 +155,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         await scheduler.register_worker_plugin(
             None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
         )
+        # Dask adds this plugin to scheduler.plugins once start() returns, with no await in between: from
+        # here on the sampler finds it there (before, it would take it for unregistered: a worker plugin's
+        # setup, as a calibration, takes longer than a sample's interval) and the optimizer may leave it the
+        # grouping
+        scheduler_groups.hosts.add(self)
+        self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
+        scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
+        self._sampler.start()
 
     async def close(self) -> None:
         scheduler_groups.hosts.discard(self)
