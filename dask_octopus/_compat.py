@@ -13,6 +13,8 @@ When a new release moves one of these, this is the only module to change.
   which ``map``'s stealing weighs against the time to fetch a task's inputs.
 - ``distributed.dashboard.scheduler.template_variables``: the variables of the dashboard's page
   template, whose ``plots`` list is its "More..." menu (the ``/octopus`` page adds itself there).
+- The scheduler's ``plugin-add`` message to its workers and ``Scheduler.worker_plugins``: what
+  ``register_worker_plugin`` does, with a worker that leaves meanwhile skipped (``add_worker_plugin``).
 """
 
 from __future__ import annotations
@@ -97,3 +99,12 @@ def expected_duration(scheduler: Any, ts: Any) -> float:
     """Seconds Dask expects the task ``ts`` to run (its prefix's average, or the default for unknown
     prefixes)."""
     return scheduler._get_prefix_duration(ts.prefix)
+
+
+async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> None:
+    """Set the pickled worker ``plugin`` up on every worker, replacing one of the same ``name``, and on
+    those that join later, as ``Scheduler.register_worker_plugin(idempotent=False)`` does, but a worker
+    that fails or leaves meanwhile is skipped (Dask logs it) rather than failing the call while the
+    others still set it up."""
+    scheduler.worker_plugins[name] = plugin
+    await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="ignore")

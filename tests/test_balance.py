@@ -181,6 +181,21 @@ async def test_killed_worker_blocks_move_to_survivors(c, s, a, b):
     assert victim not in plan
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_blocks_pinned_to_a_worker_that_leaves_after_unregistering_run_elsewhere(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.arange(4000, chunks=250).reshape(400, 10).rechunk((50, 10))
+    y = await run_balance(c, x, per_worker=4)
+    fut = c.compute(y.map_blocks(slow_copy, 0.05, 1, dtype=y.dtype).sum(axis=1))
+    await mid_compute(rec, a.address, "octopus-blocks")
+    await c.unregister_scheduler_plugin("octopus")  # its remove_worker hook no longer runs
+    await a.close(executor_wait=False)  # (its thread waits for RESUME)
+    await Event(RESUME).set()
+    result = await asyncio.wait_for(fut, 20)  # not waiting in no-worker for the worker that left
+    np.testing.assert_array_equal(result, np.arange(4000).reshape(400, 10).sum(axis=1))
+    assert not s.unrunnable
+
+
 def call(c, x, **kwargs):
     return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.balance(x, client=c, **kwargs))
 

@@ -379,3 +379,20 @@ async def test_the_worker_plugin_never_changes_the_metrics_a_heartbeat_is_iterat
     plugin.teardown(a)
     list(during)
     assert HEARTBEAT_KEY not in a.metrics
+
+
+@gen_cluster(client=True, config={"octopus.calibration.seconds": 0.5})
+async def test_a_scrape_while_the_workers_calibrate_leaves_the_series_to_come(c, s, a, b):
+    import asyncio
+
+    from distributed.utils_test import async_poll_for
+
+    from dask_octopus.dashboard import metrics as exporter
+
+    registering = asyncio.ensure_future(dask_octopus.register(c))
+    await async_poll_for(lambda: "octopus-worker" in a.plugins, 5)  # its probes run for 0.5 s
+    assert "octopus" not in s.plugins  # Dask adds it once the workers calibrated
+    assert not [f for f in exporter.register(serve._exported).collect()]  # a scrape: nothing yet
+    await registering
+    families = {f.name: f for f in exporter.register(serve._exported).collect()}
+    assert {sample.labels["worker"] for sample in families["dask_octopus_weight"].samples} == {a.address, b.address}

@@ -320,6 +320,72 @@ async def test_registering_again_with_other_options_says_it_changes_nothing(c, s
         await dask_octopus.register(c, calibrate=False)  # the same options: silent
 
 
+@gen_cluster(client=True, config=FAST)
+async def test_registering_again_after_unregistering_calibrates_the_workers_anew(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    first = plugin(s)
+    assert [p["calibrated"] for p in first.profiles.values()] == [False, False]
+    await c.unregister_scheduler_plugin("octopus")
+    await dask_octopus.register(c, calibration_seconds=0.1)  # other options: taken, no warning
+    assert plugin(s) is not first and a.plugins["octopus-worker"].seconds == 0.1
+    profiles = plugin(s).profiles
+    assert set(profiles) == {a.address, b.address}
+    assert all(p.get("calibrated") is not False and p["compute"] > 0 for p in profiles.values()), profiles
+    await async_poll_for(lambda: first._sampler is None, 5)  # the first noticed, at its next weight sample
+    assert all(s.handlers[name] is handler for name, handler in plugin(s)._handlers.items())  # the new one's kept
+
+
+@gen_cluster(client=True, config={"octopus.calibration.seconds": 0.5})
+async def test_a_worker_leaving_while_the_workers_calibrate_does_not_fail_register(c, s, a, b):
+    registering = asyncio.ensure_future(dask_octopus.register(c))
+    await async_poll_for(lambda: "octopus-worker" in b.plugins, 5)  # its probes run for 0.5 s
+    await b.close()
+    await registering
+    assert list(plugin(s).profiles) == [a.address] and plugin(s).profiles[a.address]["compute"] > 0
+
+
+@gen_cluster(client=True, config={"octopus.calibration.seconds": 0.5,
+                                  "distributed.worker.memory.pause": False})  # (its monitor would unpause it)
+async def test_a_worker_paused_while_the_workers_calibrate_is_held(c, s, a, b):
+    from distributed.core import Status
+
+    registering = asyncio.ensure_future(dask_octopus.register(c))
+    await async_poll_for(lambda: "octopus-worker" in a.plugins, 5)  # its probes run for 0.5 s
+    a.status = Status.paused
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, 5)
+    await registering
+    assert plugin(s).placement.held == {a.address}  # its pins loose, as for a worker paused later
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_register_sets_the_worker_plugin_up_again_where_it_alone_was_unregistered(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    await c.unregister_worker_plugin("octopus-worker")
+    assert "octopus-worker" not in a.plugins
+    await dask_octopus.register(c, calibrate=False)
+    assert "octopus-worker" in s.worker_plugins and "octopus-worker" in a.plugins and "octopus-worker" in b.plugins
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_an_unregistered_plugin_drops_its_handlers_and_metrics(c, s, a, b):
+    from dask_octopus.dashboard import serve
+
+    await dask_octopus.register(c, calibrate=False)
+    first = plugin(s)
+    await c.unregister_scheduler_plugin("octopus")
+    await async_poll_for(lambda: "octopus_speeds" not in s.handlers, 5)  # at its next weight sample
+    assert first not in serve._exported and first._sampler is None
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    with captured_logger("dask_octopus.plugins.scheduler") as log:
+        await c.scheduler.octopus_report(worker=a.address, profile=None)
+    assert "not a mapping" in log.getvalue()
+    assert set(await dask_octopus.profiles(c)) == {a.address, b.address}  # still answers
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("balance.memory-fraction", "half", r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 'half'"),
     ("balance.memory-fraction", 2, r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 2"),

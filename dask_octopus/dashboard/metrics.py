@@ -78,11 +78,10 @@ class OctopusCollector:
         without samples (no running plugin, or no worker knows its value) is left out."""
         families = self._families()
         for plugin in list(self.plugins):
-            scheduler = plugin.scheduler
-            if scheduler is None or scheduler.status != Status.running:
-                continue
-            if scheduler.plugins.get(plugin.name) is not plugin:  # unregistered (which does not close a plugin)
+            if not plugin.registered():  # unregistered (which does not close a plugin), or never started
                 self.plugins.remove(plugin)  # for good: its scheduler is not kept alive by this list
+                continue
+            if plugin.scheduler.status != Status.running:
                 continue
             for row in snapshot.take(plugin, plans=0).workers:
                 for series, (_, _, values) in SERIES.items():

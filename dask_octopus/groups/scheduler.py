@@ -52,7 +52,7 @@ def _hosts() -> list[Any]:
     event loop: copied again if the set changed while being copied)."""
     while True:
         try:
-            return [p for p in hosts if p.scheduler is not None and p.scheduler.plugins.get(p.name) is p]
+            return [p for p in hosts if p.registered()]
         except RuntimeError as e:
             if "changed size during iteration" not in str(e):
                 raise

@@ -360,15 +360,19 @@ class Placement:
             changed.append(ts)
         return _reschedule(scheduler, changed, stimulus_id)
 
-    def loosen(self, scheduler: Scheduler) -> None:
+    def loosen(self, scheduler: Scheduler, stimulus_id: str) -> int:
         """Let every pinned task run elsewhere too (loose restrictions) and forget the pins: the plugin
         that kept them up to date is gone (unregistered), so a pin to a worker that leaves would hold
-        its task forever."""
+        its task forever. Those waiting in ``no-worker`` (their worker left) are scheduled; returns
+        the number of tasks loosened."""
+        changed = []
         for key in self.pins:
             ts = scheduler.tasks.get(key)
             if ts is not None:
                 ts.loose_restrictions = True
+                changed.append(ts)
         self.pins.clear()
         self._pinned.clear()
         self._pinned_on.clear()
         self.stealable_keys.clear()
+        return _reschedule(scheduler, changed, stimulus_id)

@@ -44,9 +44,15 @@ def awaitable_on_async_clients(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _registered_options(dask_scheduler: Any) -> dict[str, Any] | None:
+async def _registered_options(dask_scheduler: Any) -> dict[str, Any] | None:
+    """The options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker plugin
+    set up again where that was unregistered alone."""
     plugin = dask_scheduler.plugins.get(OctopusSchedulerPlugin.name)
-    return plugin.options() if plugin is not None else None
+    if plugin is None:
+        return None
+    if plugin.worker_plugin.name not in dask_scheduler.worker_plugins:
+        await plugin.set_up_workers()
+    return plugin.options()
 
 
 @awaitable_on_async_clients
@@ -54,7 +60,9 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     """Install the octopus scheduler plugin (and through it the worker plugin) in one call.
 
     Idempotent: a second call, or a call on a scheduler started with ``--preload dask_octopus``,
-    changes nothing. Workers that join later are calibrated when they arrive.
+    changes nothing (but where only the worker plugin was unregistered, it is set up again). Workers
+    that join later are calibrated when they arrive. To register with other options, first
+    ``client.unregister_scheduler_plugin("octopus")``: the workers then calibrate anew.
 
     Parameters
     ----------
@@ -87,7 +95,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         warnings.warn(
             f"dask_octopus is already registered on this scheduler with {current}; register() with "
             f"{plugin.options()} changes nothing. To change them, first call "
-            "client.unregister_scheduler_plugin('octopus') and client.unregister_worker_plugin('octopus-worker')",
+            "client.unregister_scheduler_plugin('octopus')",
             UserWarning, stacklevel=3)
     client.register_plugin(plugin)
 

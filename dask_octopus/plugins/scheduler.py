@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,6 +24,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_octopus import config
 from dask_octopus._checks import is_finite
+from dask_octopus._compat import add_worker_plugin
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
@@ -135,11 +136,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: PeriodicCallback | None = None
+        self._handlers: dict[str, Callable[..., Any]] = {}
+        self.history_failed = False
         self.scheduler = None
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({
+        self._handlers = {
             "octopus_report": self.report,
             "octopus_speeds": _replying(self.speeds),
             "octopus_workers": _replying(self.workers),
@@ -147,29 +150,48 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_add_plan": _replying(self.add_plan),
             "octopus_bandwidth": self.bandwidth,
             "octopus_options": self.options,
-        })
+        }
+        scheduler.handlers.update(self._handlers)
+        await self.set_up_workers()
+        # Dask adds this plugin to scheduler.plugins once start() returns, with no await in between: from
+        # here on it is found there (a sample or a scrape would take it for unregistered during the
+        # calibration above), the optimizer may leave it the grouping, and its hooks see what changes
         for address, ws in scheduler.workers.items():  # (later changes come as worker-status-change events)
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
-        self._serve()
-        await scheduler.register_worker_plugin(
-            None, dumps(self.worker_plugin), name=self.worker_plugin.name, idempotent=True
-        )
-        # Dask adds this plugin to scheduler.plugins once start() returns, with no await in between: from
-        # here on the sampler finds it there (before, it would take it for unregistered: a worker plugin's
-        # setup, as a calibration, takes longer than a sample's interval) and the optimizer may leave it the
-        # grouping
         scheduler_groups.hosts.add(self)
+        self._serve()
         self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
         scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
         self._sampler.start()
 
     async def close(self) -> None:
+        self._retire()
+
+    async def set_up_workers(self) -> None:
+        """Set this plugin's worker plugin up on every worker (they calibrate, with this plugin's
+        options) and on those that join later, replacing the one they have (Dask keeps a worker plugin
+        when the scheduler plugin is unregistered: a plugin registered again calibrates them anew). A
+        worker that leaves meanwhile is skipped: the others calibrate, and this returns once they did."""
+        await add_worker_plugin(self.scheduler, dumps(self.worker_plugin), self.worker_plugin.name)
+
+    def registered(self) -> bool:
+        """Whether this plugin is the one registered on its scheduler (Dask closes a plugin when its
+        scheduler closes, not when it is unregistered or replaced)."""
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
+
+    def _retire(self) -> None:
+        """Stop everything this plugin runs beside Dask's hooks: grouping, sampling, its metrics and the
+        RPC handlers that are still its own (a plugin registered since has its own)."""
         scheduler_groups.hosts.discard(self)
         self._stop_sampling()
         from dask_octopus.dashboard import serve
 
         serve.withdraw(self)
+        if self.scheduler is not None:
+            for name, handler in self._handlers.items():
+                if self.scheduler.handlers.get(name) is handler:
+                    del self.scheduler.handlers[name]
 
     def _serve(self) -> None:
         """Add the ``/octopus`` page and the ``dask_octopus_*`` metrics (optional dependencies: each
@@ -192,18 +214,20 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._sampler = None
 
     def _sample_weights(self) -> None:
-        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds)."""
-        if self.scheduler.plugins.get(self.name) is not self:  # unregistered (which does not close a plugin)
-            self._stop_sampling()
-            scheduler_groups.hosts.discard(self)  # the optimizer no longer leaves grouping to this plugin
-            self.placement.loosen(self.scheduler)
+        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds), and once
+        the plugin is no longer registered, retire it and let its pinned tasks run anywhere."""
+        if not self.registered():
+            self._retire()
+            self.placement.loosen(self.scheduler, "octopus-unregistered")
+            return
+        if self.history_failed:
             return
         try:
             if self.scheduler.workers:
                 compute, memory = self.speeds("compute"), self.speeds("memory")
                 self.history.add(time.time(), {w: (compute[w], memory[w]) for w in compute})
         except Exception:
-            self._stop_sampling()
+            self.history_failed = True
             logger.exception("dask_octopus: sampling the weights failed; the dashboard's weight history stops")
 
     # -- RPC handlers -------------------------------------------------------------------------
@@ -217,6 +241,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Store a worker's calibration; called by :class:`OctopusWorkerPlugin`."""
         if worker not in self.scheduler.workers:
             return  # it left while calibrating
+        if not isinstance(profile, Mapping):
+            logger.warning("dask_octopus: ignoring calibration report of %s: not a mapping: %r", worker, profile)
+            return
         self.profiles[worker] = profile
         if profile.get("calibrated") is False:
             return  # registered with calibrate=False: task timings alone set the weights
