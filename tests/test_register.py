@@ -378,6 +378,22 @@ async def test_an_unregistered_plugin_drops_its_handlers_and_metrics(c, s, a, b)
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_a_failing_weight_sample_stops_the_history_not_the_watch_for_unregistering(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    first = plugin(s)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken speeds")
+
+    first.speeds = broken
+    with captured_logger("dask_octopus.plugins.scheduler") as log:
+        await async_poll_for(lambda: first.history_failed, 5)
+        await c.unregister_scheduler_plugin("octopus")
+        await async_poll_for(lambda: "octopus_speeds" not in s.handlers, 5)  # still noticed
+    assert log.getvalue().count("weight history stops") == 1
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)
     with captured_logger("dask_octopus.plugins.scheduler") as log:
