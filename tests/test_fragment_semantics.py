@@ -120,6 +120,34 @@ async def test_tasks_annotated_with_resources_run_where_they_are(c, s, a, b, gro
     assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_work_restricted_to_one_worker_is_cut_for_its_threads(c, s, a, b, grouped_by):
+    rec = await setup(c, s, [1.0, 1.0])
+    expected = float((da.random.default_rng(0).random((256, 6), chunks=(4, 6)) * 2).sum().compute(scheduler="sync"))
+    with dask.annotate(workers=[a.address]), dask_octopus.annotate():
+        y = (da.random.default_rng(0).random((256, 6), chunks=(4, 6)) * 2).sum()
+    with dask.config.set({"optimization.fuse.active": False}):  # Dask's fusion drops annotations, with or without us
+        assert await c.compute(y) == pytest.approx(expected, rel=1e-12)
+    fragments = [w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX]
+    assert fragments == [a.address]  # its one thread's (not one per thread of the cluster, all run on a)
+
+
+def test_annotated_places_read_the_restrictions_as_dask_sets_them():
+    from dask_octopus.groups.scheduler import _annotated_place, _place_of
+
+    class Scheduler:
+        def coerce_address(self, w):  # as Dask's: an address (or a worker's name) is a worker, else a host
+            if "://" not in w:
+                raise ValueError(w)
+            return w
+
+    annotation = {"workers": ["tcp://a:1", "hostb"], "allow_other_workers": True, "resources": {"GPU": 1}}
+    assert _annotated_place(Scheduler(), annotation, None) == _place_of(["tcp://a:1"], ["hostb"], {"GPU": 1}, True)
+    assert _annotated_place(Scheduler(), {"workers": "tcp://a:1"}, None) == _place_of(["tcp://a:1"])
+    assert _annotated_place(Scheduler(), {"priority": 3}, "tcp://a:1") == _place_of(home="tcp://a:1")
+    assert _annotated_place(Scheduler(), {}, None) is None
+
+
 def where(value):
     """``value`` and the worker that read it."""
     return value, get_worker().address

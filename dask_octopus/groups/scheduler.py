@@ -139,6 +139,29 @@ def _place(ts: TaskState) -> Hashable:
                      ts.loose_restrictions, _home(_inputs(ts)))
 
 
+def _annotated_place(scheduler: Scheduler, annotation: Mapping[str, Any], home: str | None) -> Hashable:
+    """:func:`_place` of a task before Dask makes its task state: the restrictions ``update_graph``
+    will set from its Dask ``annotation`` (``workers``: addresses or names, else host names;
+    ``allow_other_workers``; ``resources``), and ``home``."""
+    workers: set[str] = set()
+    hosts: set[str] = set()
+    resources, loose = None, False
+    for name, value in annotation.items():  # as Scheduler._apply_annotations reads them
+        if name in ("restrictions", "workers"):
+            named, other = set(), set()
+            for w in value if isinstance(value, (list, tuple, set)) else [value]:
+                try:
+                    named.add(scheduler.coerce_address(w))
+                except ValueError:  # not an address: a host name
+                    other.add(w)
+            workers, hosts = named or workers, other or hosts
+        elif name in ("loose_restrictions", "allow_other_workers"):
+            loose = value
+        elif name == "resources":
+            resources = value
+    return _place_of(workers, hosts, resources, loose, home)
+
+
 def _new(ts: TaskState | None) -> bool:
     """Whether the scheduler has no use of a key: no task, or a released one that nothing reads or wants
     (about to be forgotten). Dask reuses the others (results held, tasks in flight), so do fragments."""
@@ -201,7 +224,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
                   ) -> dict[Key, GraphNode] | None:
     """Fragments of an optimized graph made where the optimizer runs, on the one scheduler of this
     process (which has the plugin): the places of its marked tasks are their plans' workers or the
-    worker holding their inputs, as :func:`group_new_tasks` finds them later, but before Dask makes
+    restrictions of their Dask annotations (``workers``, ``resources``) and the worker holding their
+    inputs, as :func:`group_new_tasks` finds them later, but before Dask makes
     a task state for each of the graph's tasks (most of the cost of a graph of small tasks), and
     their other Dask annotations (``annotations``, by key: tasks group only with tasks of equal such
     annotations, :func:`shared_annotations`; each step keeps its ``retries``). Tasks the scheduler has
@@ -224,7 +248,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
             sizes.update(_sizes(held))
-            places[k] = _place_of([worker]) if worker is not None else _place_of(home=_home(held))
+            places[k] = (_place_of([worker]) if worker is not None
+                         else _annotated_place(scheduler, annotations.get(k, {}), _home(held)))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
