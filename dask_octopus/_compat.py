@@ -15,10 +15,13 @@ When a new release moves one of these, this is the only module to change.
   template, whose ``plots`` list is its "More..." menu (the ``/octopus`` page adds itself there).
 - The scheduler's ``plugin-add`` message to its workers and ``Scheduler.worker_plugins``: what
   ``register_worker_plugin`` does, with a worker that leaves meanwhile skipped (``add_worker_plugin``).
+- How ``Scheduler._apply_annotations`` turns a task's annotations into restrictions
+  (``annotated_restrictions``: the optimizer places tasks before their task states exist).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dask._expr import LLGExpr, _AnnotationsTombstone
@@ -108,3 +111,28 @@ async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> None:
     others still set it up."""
     scheduler.worker_plugins[name] = plugin
     await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="ignore")
+
+
+def annotated_restrictions(annotation: Mapping[str, Any], coerce: Callable[[Any], str]
+                           ) -> tuple[set[str], set[str], Mapping[str, float] | None, bool]:
+    """The worker, host and resource restrictions and the ``loose_restrictions`` that ``update_graph``
+    sets on a task from its Dask ``annotation``, as ``Scheduler._apply_annotations`` reads them
+    (``workers``: addresses or worker names, which ``coerce``, the scheduler's ``coerce_address``,
+    resolves, else host names; ``allow_other_workers``; ``resources``)."""
+    workers: set[str] = set()
+    hosts: set[str] = set()
+    resources, loose = None, False
+    for name, value in annotation.items():
+        if name in ("restrictions", "workers"):
+            named, other = set(), set()
+            for w in value if isinstance(value, (list, tuple, set)) else [value]:
+                try:
+                    named.add(coerce(w))
+                except ValueError:  # not an address: a host name
+                    other.add(w)
+            workers, hosts = named or workers, other or hosts
+        elif name in ("loose_restrictions", "allow_other_workers"):
+            loose = value
+        elif name == "resources":
+            resources = value
+    return workers, hosts, resources, loose

@@ -49,7 +49,8 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
     second = json.loads((tmp_path / "second-cpu-even.json").read_text())
     variants = second["operations"]["dot"]["variants"]
     assert list(variants) == ["defaults", "over-4", "over-16"]
-    assert variants["defaults"]["blocks"] == 4 and variants["over-16"]["blocks"] == 32  # the user's chunking
+    assert variants["defaults"]["blocks"] == 4  # the user's chunking
+    assert variants["over-16"]["blocks"] == 32
     assert "change against" in again.output and "over-16" in again.output
 
 

@@ -132,20 +132,19 @@ async def test_work_restricted_to_one_worker_is_cut_for_its_threads(c, s, a, b, 
     assert fragments == [a.address]  # its one thread's (not one per thread of the cluster, all run on a)
 
 
-def test_annotated_places_read_the_restrictions_as_dask_sets_them():
-    from dask_octopus.groups.scheduler import _annotated_place, _place_of
+def test_annotated_restrictions_are_read_as_dask_sets_them():
+    from dask_octopus._compat import annotated_restrictions
 
-    class Scheduler:
-        def coerce_address(self, w):  # as Dask's: an address (or a worker's name) is a worker, else a host
-            if "://" not in w:
-                raise ValueError(w)
-            return w
+    def coerce(w):  # as Scheduler.coerce_address: an address (or a worker's name) is a worker, else a host
+        if "://" not in w:
+            raise ValueError(w)
+        return w
 
     annotation = {"workers": ["tcp://a:1", "hostb"], "allow_other_workers": True, "resources": {"GPU": 1}}
-    assert _annotated_place(Scheduler(), annotation, None) == _place_of(["tcp://a:1"], ["hostb"], {"GPU": 1}, True)
-    assert _annotated_place(Scheduler(), {"workers": "tcp://a:1"}, None) == _place_of(["tcp://a:1"])
-    assert _annotated_place(Scheduler(), {"priority": 3}, "tcp://a:1") == _place_of(home="tcp://a:1")
-    assert _annotated_place(Scheduler(), {}, None) is None
+    assert annotated_restrictions(annotation, coerce) == ({"tcp://a:1"}, {"hostb"}, {"GPU": 1}, True)
+    one = {"workers": "tcp://a:1", "priority": 3}
+    assert annotated_restrictions(one, coerce) == ({"tcp://a:1"}, set(), None, False)
+    assert annotated_restrictions({}, coerce) == (set(), set(), None, False)
 
 
 def where(value):

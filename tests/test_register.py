@@ -11,7 +11,7 @@ from distributed.utils_test import async_poll_for, captured_logger, cluster, gen
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
-from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin
+from dask_octopus.plugins.scheduler import ERROR, HISTORY_INTERVAL, OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
 
@@ -326,8 +326,10 @@ async def test_registering_again_after_unregistering_calibrates_the_workers_anew
     first = plugin(s)
     assert [p["calibrated"] for p in first.profiles.values()] == [False, False]
     await c.unregister_scheduler_plugin("octopus")
-    await dask_octopus.register(c, calibration_seconds=0.1)  # other options: taken, no warning
-    assert plugin(s) is not first and a.plugins["octopus-worker"].seconds == 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await dask_octopus.register(c, calibration_seconds=0.05)  # other options: taken, no warning
+    assert plugin(s) is not first and a.plugins["octopus-worker"].seconds == 0.05
     profiles = plugin(s).profiles
     assert set(profiles) == {a.address, b.address}
     assert all(p.get("calibrated") is not False and p["compute"] > 0 for p in profiles.values()), profiles
@@ -355,6 +357,40 @@ async def test_a_worker_paused_while_the_workers_calibrate_is_held(c, s, a, b):
     await async_poll_for(lambda: s.workers[a.address].status == Status.paused, 5)
     await registering
     assert plugin(s).placement.held == {a.address}  # its pins loose, as for a worker paused later
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_two_registrations_at_once_leave_one_working_plugin(c, s, a, b):
+    await asyncio.gather(dask_octopus.register(c), dask_octopus.register(c))
+    registered = plugin(s)
+    await asyncio.sleep(1.2 * HISTORY_INTERVAL)  # a dropped duplicate's weight sample would run meanwhile
+    assert set(registered.profiles) == {a.address, b.address}
+    assert all(s.handlers[name] is handler for name, handler in registered._handlers.items())
+    assert set(await dask_octopus.speeds(c)) == {a.address, b.address}
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_a_worker_joining_after_unregistering_reports_to_no_one_quietly(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    first = plugin(s)
+    await c.unregister_scheduler_plugin("octopus")
+    await async_poll_for(lambda: first._sampler is None, 5)  # retired
+    with captured_logger("distributed.core") as log:
+        async with Worker(s.address, nthreads=1) as w:
+            await async_poll_for(lambda: "octopus-worker" in w.plugins, 5)  # Dask keeps the worker plugin
+            await asyncio.sleep(0.2)
+    assert "No handler" not in log.getvalue()
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_a_failed_start_leaves_no_handler(c, s, a, b, monkeypatch):
+    async def fails(*args):
+        raise RuntimeError("the workers could not be reached")
+
+    monkeypatch.setattr("dask_octopus.plugins.scheduler.add_worker_plugin", fails)
+    with pytest.raises(RuntimeError, match="could not be reached"):
+        await dask_octopus.register(c)
+    assert "octopus" not in s.plugins and "octopus_speeds" not in s.handlers
 
 
 @gen_cluster(client=True, config=FAST)

@@ -146,9 +146,8 @@ def install(plugin: OctopusSchedulerPlugin) -> None:
                             f"series: {INSTALL}")
         return
     metrics.register(_exported)
-    # (``plugin`` is about to be registered: Dask adds it once started) plugins unregistered since, whose
-    # scheduler closed before they noticed, go now: the list keeps no closed scheduler alive
-    _exported[:] = [p for p in _exported if p.registered() and p is not plugin] + [plugin]
+    if plugin not in _exported:
+        _exported.append(plugin)
 
 
 def withdraw(plugin: OctopusSchedulerPlugin) -> None:

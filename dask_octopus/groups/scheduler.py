@@ -25,6 +25,7 @@ of a key changed between two ``update_graph`` calls: the consumers we rewrote.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Collection, Hashable, Iterable, Mapping
@@ -34,7 +35,7 @@ from dask.typing import Key
 from dask.utils import parse_bytes
 
 from dask_octopus import config
-from dask_octopus._compat import Alias, GraphNode, Task, running_schedulers
+from dask_octopus._compat import Alias, GraphNode, Task, annotated_restrictions, running_schedulers
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, fragment_members, of_fragments
 from dask_octopus.profiling.working_set import MEASURE
@@ -139,29 +140,6 @@ def _place(ts: TaskState) -> Hashable:
                      ts.loose_restrictions, _home(_inputs(ts)))
 
 
-def _annotated_place(scheduler: Scheduler, annotation: Mapping[str, Any], home: str | None) -> Hashable:
-    """:func:`_place` of a task before Dask makes its task state: the restrictions ``update_graph``
-    will set from its Dask ``annotation`` (``workers``: addresses or names, else host names;
-    ``allow_other_workers``; ``resources``), and ``home``."""
-    workers: set[str] = set()
-    hosts: set[str] = set()
-    resources, loose = None, False
-    for name, value in annotation.items():  # as Scheduler._apply_annotations reads them
-        if name in ("restrictions", "workers"):
-            named, other = set(), set()
-            for w in value if isinstance(value, (list, tuple, set)) else [value]:
-                try:
-                    named.add(scheduler.coerce_address(w))
-                except ValueError:  # not an address: a host name
-                    other.add(w)
-            workers, hosts = named or workers, other or hosts
-        elif name in ("loose_restrictions", "allow_other_workers"):
-            loose = value
-        elif name == "resources":
-            resources = value
-    return _place_of(workers, hosts, resources, loose, home)
-
-
 def _new(ts: TaskState | None) -> bool:
     """Whether the scheduler has no use of a key: no task, or a released one that nothing reads or wants
     (about to be forgotten). Dask reuses the others (results held, tasks in flight), so do fragments."""
@@ -243,13 +221,14 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
         sizes: dict[Key, float] = {}
+        coerce = functools.lru_cache(maxsize=None)(scheduler.coerce_address)  # (it may look a host name up)
         for k in marks:
             node = graph[k]
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
             sizes.update(_sizes(held))
             places[k] = (_place_of([worker]) if worker is not None
-                         else _annotated_place(scheduler, annotations.get(k, {}), _home(held)))
+                         else _place_of(*annotated_restrictions(annotations.get(k, {}), coerce), _home(held)))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}

@@ -8,9 +8,11 @@ and never reach Dask: the computation then runs with Dask's own placement.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from itertools import chain
@@ -66,6 +68,12 @@ def _guarded(func: F) -> F:
 HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the dashboard's history
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
+_starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
+
+
+def _unheard(worker: str, profile: Any) -> None:
+    """``octopus_report`` once no plugin is registered: the worker plugin stays on the workers (Dask keeps
+    it), and a worker that joins then calibrates and reports to no one."""
 
 
 def _replying(handler: F) -> F:
@@ -116,6 +124,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     history: WeightHistory
     #: the recent plans as made and the observed finish of their latest run, for the dashboard
     plan_records: PlanRecords
+    #: sampling the weights raised once (the history stops; the watch for unregistering goes on)
+    history_failed: bool
     scheduler: Scheduler | None
 
     def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
@@ -141,6 +151,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.scheduler = None
 
     async def start(self, scheduler: Scheduler) -> None:
+        # Dask looks for a plugin of this name before awaiting start() and adds this one after it: two
+        # registrations at once (two clients) both start. One start at a time; a later one that finds
+        # the first registered installs nothing, and Dask drops it (the plugin is idempotent)
+        async with _starts.setdefault(scheduler, asyncio.Lock()):
+            current = scheduler.plugins.get(self.name)
+            if isinstance(current, OctopusSchedulerPlugin) and current is not self:
+                return
+            await self._start(scheduler)
+
+    async def _start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._handlers = {
             "octopus_report": self.report,
@@ -152,10 +172,15 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_options": self.options,
         }
         scheduler.handlers.update(self._handlers)
-        await self.set_up_workers()
-        # Dask adds this plugin to scheduler.plugins once start() returns, with no await in between: from
-        # here on it is found there (a sample or a scrape would take it for unregistered during the
-        # calibration above), the optimizer may leave it the grouping, and its hooks see what changes
+        try:
+            await self.set_up_workers()
+        except BaseException:  # (cancelled: the scheduler closes) no handler of a plugin never registered
+            self._retire()
+            raise
+        # Dask adds this plugin to scheduler.plugins once start() returns, with no await in between (or
+        # had, with --preload): from here on it is found there (a sample or a scrape would take it for
+        # unregistered during the calibration above), the optimizer may leave it the grouping, and its
+        # hooks see what changes
         for address, ws in scheduler.workers.items():  # (later changes come as worker-status-change events)
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
@@ -192,6 +217,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             for name, handler in self._handlers.items():
                 if self.scheduler.handlers.get(name) is handler:
                     del self.scheduler.handlers[name]
+            self.scheduler.handlers.setdefault("octopus_report", _unheard)
 
     def _serve(self) -> None:
         """Add the ``/octopus`` page and the ``dask_octopus_*`` metrics (optional dependencies: each
