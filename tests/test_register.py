@@ -394,6 +394,20 @@ async def test_a_failed_start_leaves_no_handler(c, s, a, b, monkeypatch):
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_a_worker_that_calibrated_and_left_before_register_returned_is_forgotten(c, s, a, b, monkeypatch):
+    from dask_octopus.plugins import scheduler as plugin_module
+
+    async def then_b_leaves(*args):
+        await add_worker_plugin(*args)  # both calibrated and reported
+        await b.close()
+
+    add_worker_plugin = plugin_module.add_worker_plugin
+    monkeypatch.setattr(plugin_module, "add_worker_plugin", then_b_leaves)
+    await dask_octopus.register(c)
+    assert list(plugin(s).profiles) == [a.address] and b.address not in plugin(s).model.priors
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_register_sets_the_worker_plugin_up_again_where_it_alone_was_unregistered(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)
     await c.unregister_worker_plugin("octopus-worker")

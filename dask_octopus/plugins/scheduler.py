@@ -181,6 +181,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         # had, with --preload): from here on it is found there (a sample or a scrape would take it for
         # unregistered during the calibration above), the optimizer may leave it the grouping, and its
         # hooks see what changes
+        for address in self.profiles.keys() - scheduler.workers.keys():  # reported, then left meanwhile
+            self.remove_worker(scheduler, address, stimulus_id="octopus-start")
         for address, ws in scheduler.workers.items():  # (later changes come as worker-status-change events)
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
