@@ -71,11 +71,12 @@ class GroupingOptimizer:
             dependents = _dependents(resolved)
         graph = resolved
         marks = inner_marks(graph, specs)
-        here = fragment_here(graph, marks, keep, dependents, annotations) if grouping_here() else None
+        grouping = grouping_here()
+        here = fragment_here(graph, marks, keep, dependents, annotations) if grouping else None
         if here is not None:  # on the scheduler, knowing where the tasks run
             graph = here
             marks = _unmade(marks, graph)
-        elif grouping_here():  # on one of several schedulers with the plugin: the plugin groups them
+        elif grouping:  # on one of several schedulers with the plugin: the plugin groups them
             # the graph's order (the order the user built it) travels with the marks: fragments then
             # form the same way each time the same work comes again, so they can be replayed
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
