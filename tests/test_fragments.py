@@ -206,7 +206,7 @@ def test_fragment_walks_its_steps_and_frees_intermediates():
     assert frag.inputs == ("x", "y") and frag.outputs == ("j", "c")
     assert streams.run_fragment(frag, 1, 100) == (1 + 3 + 100 + 2, 1 + 3 + 10)
     values = {0: 1, 1: 100}  # by slot: the inputs first
-    streams.walk(frag, values)
+    streams.walk(frag, frag.specs(), values)
     assert values == dict(zip(frag.results, (106, 14)))  # every input and intermediate is dropped after its last reader
 
 
@@ -304,6 +304,27 @@ def test_an_eager_run_keeps_to_one_stream_where_more_would_hold_more_than_one_bl
     ran_on.clear()
     assert streams.run_fragment(frag, 1, 100) == (106, 14)  # sizes unknown (not device arrays)
     assert len(ran_on) > 1
+
+
+def test_an_eager_run_estimates_the_memory_of_its_streams_once_per_shape_and_input_sizes(fake_gpu, monkeypatch):  # noqa: F811
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+    estimates = []
+    extra_bytes = streams._extra_bytes
+    monkeypatch.setattr(streams, "_extra_bytes", lambda *args: estimates.append(args[-1]) or extra_bytes(*args))
+
+    def block(nbytes):
+        b = cp.ndarray()
+        b.nbytes = nbytes
+        return b
+
+    rt = streams.runtime()
+    frag = two_chains()
+    for n in (100, 100, 200, 100):
+        layout = rt.eager_layout(cp, two_chains(), [block(n), block(n)])  # another fragment of the same shape
+        assert layout.used == 1
+    assert [[x.nbytes for x in inputs] for inputs in estimates] == [[100, 100], [200, 200]]
+    assert rt.eager_layout(cp, frag, [1, 2]).used > 1  # sizes unknown: over the pool
 
 
 class HeldGraph:

@@ -93,6 +93,7 @@ class StreamRuntime:
         self.bandwidth = bandwidth
         self.classes = OrderedDict()
         self.layouts: OrderedDict[tuple, FragmentLayout] = OrderedDict()
+        self.spreads: OrderedDict[tuple, bool] = OrderedDict()  # see eager_layout
         self.last_refusal = None
         self.groups = self.members = 0
         self._local = threading.local()
@@ -130,6 +131,29 @@ class StreamRuntime:
             while len(self.layouts) > 2 * self.max_graphs:  # a fragment's layouts on one stream and on the pool
                 self.layouts.popitem(last=False)
         return layout
+
+    def eager_layout(self, cp: Any, fragment: Fragment, inputs: Sequence[Any]) -> FragmentLayout:
+        """The layout of an eager run of ``fragment`` on ``inputs``: over the pool's streams
+        (:meth:`layout`), or on one stream where those would hold more than one stream does plus the
+        largest input (:func:`_extra_bytes`: more streams buy no speed in an eager run, whose launches
+        are bound by Python). Estimated once per fragment shape and input sizes (a few milliseconds
+        for a few thousand steps), and remembered with the layouts."""
+        full = self.layout(fragment)
+        if full.used == 1:
+            return full
+        key = (fragment.reads, fragment.results, full.used,
+               tuple(x.nbytes if isinstance(x, cp.ndarray) else None for x in inputs))
+        with self._lock:
+            spread = self.spreads.get(key)
+            if spread is not None:
+                self.spreads.move_to_end(key)
+        if spread is None:
+            spread = _extra_bytes(self, cp, fragment, full, inputs) <= 0
+            with self._lock:
+                self.spreads[key] = spread
+                while len(self.spreads) > 2 * self.max_graphs:
+                    self.spreads.popitem(last=False)
+        return full if spread else self.layout(fragment, 1)
 
     def graph_cache(self) -> GraphCache:
         """This thread's captured groups."""
@@ -432,13 +456,14 @@ def _retries(fragment: Fragment, task: RunningTask | None) -> list[int]:
     return fragment.step_retries(task.retries) if task is not None else [0] * len(fragment.names)
 
 
-def walk(fragment: Fragment, values: dict[int, Any], task: RunningTask | None = None) -> None:
-    """Run the steps one after the other into ``values`` (slots to values, the inputs' first), dropping
-    each value after its last reader. With ``task`` (the :class:`RunningTask`), a step that raises runs
-    again as often as its member's retries allow (:meth:`Fragment.step_retries`, the task's where the
-    member has none), and the run stops once Dask released the task (:meth:`RunningTask.check`)."""
+def walk(fragment: Fragment, specs: Sequence[Any], values: dict[int, Any], task: RunningTask | None = None) -> None:
+    """Run the steps (``specs``: :meth:`Fragment.specs`) one after the other into ``values`` (slots to
+    values, the inputs' first), dropping each value after its last reader. With ``task`` (the
+    :class:`RunningTask`), a step that raises runs again as often as its member's retries allow
+    (:meth:`Fragment.step_retries`, the task's where the member has none), and the run stops once Dask
+    released the task (:meth:`RunningTask.check`)."""
     slot = len(fragment.inputs)
-    for name, spec, reads, drop, again in zip(fragment.names, fragment.specs(), fragment.reads, fragment.drop,
+    for name, spec, reads, drop, again in zip(fragment.names, specs, fragment.reads, fragment.drop,
                                               _retries(fragment, task)):
         values[slot] = _step(name, spec, reads, values, again)
         slot += 1
@@ -505,7 +530,7 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
             config.get("streams.large-bytes"))):
         return _run_on_gpu(cp, rt, fragment, values, inputs, task)
-    walk(fragment, values, task)
+    walk(fragment, fragment.specs(), values, task)
     return tuple(values[s] for s in fragment.results)
 
 
@@ -579,12 +604,16 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
             out = graph.replay(cp, inputs, stream)
             stream.synchronize()
             return tuple(out)
-    if layout.used > 1 and _extra_bytes(rt, cp, fragment, layout, inputs) > 0:
-        layout = rt.layout(fragment, 1)
+    layout = rt.eager_layout(cp, fragment, inputs)
     streams = _ready_streams(rt, cp, layout.used, ready)
     specs = fragment.specs()  # their constants (device arrays among them) live until the streams are done
+    held: list[Any] = []  # and so do the values other streams read
     try:
-        held = launch(fragment, specs, layout, values, streams, task)
+        if layout.used == 1:  # the steps in order on one stream, entered once
+            with streams[0]:
+                walk(fragment, specs, values, task)
+        else:
+            held = launch(fragment, specs, layout, values, streams, task)
     finally:  # also when a step raises: the steps launched before it must end before their inputs go
         for s in streams:
             s.synchronize()
