@@ -234,3 +234,18 @@ def test_overhead_benchmark_starts_fresh_clusters_warms_them_and_alternates(tmp_
     assert record["config"]["rounds_per_cluster"] == 2
     assert record["operations"]["dot"]["seconds"] == {"off": [1.0] * 6, "on": [1.1] * 6}
     assert record["operations"]["dot"]["on_over_off"] == pytest.approx(1.1)
+
+
+def test_the_small_tasks_first_run_is_timed_once_per_run_each_on_a_runtime_that_forgot_its_fragments(monkeypatch):
+    from distributed import Client, LocalCluster
+
+    from dask_octopus.bench.small_tasks import run_small_tasks
+    from dask_octopus.groups import streams
+
+    forgotten = []
+    monkeypatch.setattr(streams.StreamRuntime, "close", lambda self: forgotten.append(self))
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        timings = {t.label: t for t in run_small_tasks(client, gpu=False, blocks=4, shape=(4, 4), runs=2, group=None)}
+    assert len(timings["annotated, first run"].seconds) == 2 and len(timings["annotated, repeated"].seconds) == 2
+    assert len(forgotten) == 2 and all(rt is forgotten[0] for rt in forgotten)  # the worker's, before each

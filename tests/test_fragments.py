@@ -597,3 +597,16 @@ def test_a_fragment_of_functions_defined_in_a_script_runs_in_another_process(tmp
            "print(streams.run_fragment(loads(sys.stdin.buffer.read()), 21))")
     got = subprocess.run([sys.executable, "-c", run], input=sent, capture_output=True, check=True)
     assert got.stdout.decode().strip() == "(84,)"
+
+
+def test_a_closed_runtime_forgets_what_it_learned_and_runs_again(fake_gpu):  # noqa: F811
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+    rt = streams.runtime()
+    frag = two_chains()
+    rt.eager_layout(cp, frag, [1, 2])
+    rt.classify("member", [np.ones(4)], np.ones(4), 1.0)
+    assert rt.layouts and rt.spreads and rt.classes
+    rt.close()
+    assert not (rt.layouts or rt.spreads or rt.classes)
+    assert streams.run_fragment(frag, 1, 100) == (106, 14) and rt.layouts

@@ -209,11 +209,15 @@ class StreamRuntime:
         return cls
 
     def close(self) -> None:
-        """Drop the captured graphs and stream pools (the worker plugin's teardown)."""
+        """Drop the captured graphs and stream pools, and forget the layouts and member classes
+        learned (the worker plugin's teardown; the runtime then starts afresh if used again)."""
         with self._lock:
             for cache in self._caches:
                 cache.graphs.clear()
             self._caches.clear()
+            self.layouts.clear()
+            self.spreads.clear()
+            self.classes.clear()
         self._local = threading.local()
 
 
