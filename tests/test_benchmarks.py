@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 from scripts import load_script
 
+import dask_octopus
 from dask_octopus.bench import protocol
 
 local_octopus = load_script("benchmarks/local_octopus.py")
@@ -242,10 +243,19 @@ def test_the_small_tasks_first_run_is_timed_once_per_run_each_on_a_runtime_that_
     from dask_octopus.bench.small_tasks import run_small_tasks
     from dask_octopus.groups import streams
 
-    forgotten = []
-    monkeypatch.setattr(streams.StreamRuntime, "close", lambda self: forgotten.append(self))
+    events = []  # the worker's runtime: forgetting, and running a fragment
+    monkeypatch.setattr(streams.StreamRuntime, "close", lambda self: events.append(("forget", self)))
+    count = streams.StreamRuntime.count
+    monkeypatch.setattr(streams.StreamRuntime, "count",
+                        lambda self, n: events.append(("fragment", self)) or count(self, n))
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
+        dask_octopus.register(client, calibrate=False)
+        (worker,) = cluster.workers.values()
+        runtime = worker.extensions[streams.EXTENSION]
         timings = {t.label: t for t in run_small_tasks(client, gpu=False, blocks=4, shape=(4, 4), runs=2, group=None)}
+        ran = list(events)
     assert len(timings["annotated, first run"].seconds) == 2 and len(timings["annotated, repeated"].seconds) == 2
-    assert len(forgotten) == 2 and all(rt is forgotten[0] for rt in forgotten)  # the worker's, before each
+    assert all(rt is runtime for _, rt in ran)
+    kinds = [e for e, _ in ran]
+    assert kinds[:5] == ["forget", "fragment", "forget", "fragment", "fragment"] and kinds.count("forget") == 2

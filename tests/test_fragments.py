@@ -21,7 +21,7 @@ from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
 from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import setup
-from test_documented import fake_gpu  # noqa: F401 (a fixture)
+from test_documented import FakeStream, fake_gpu  # noqa: F401 (a fixture)
 
 import dask_octopus
 from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, parse_input
@@ -244,8 +244,6 @@ def test_fused_members_are_flattened_once_and_keep_their_keys():
 
 
 def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, monkeypatch):  # noqa: F811
-    from test_documented import FakeStream
-
     cp, fresh_runtime = fake_gpu
     fresh_runtime()
     ran_on, waits = {}, []
@@ -300,7 +298,7 @@ def test_an_eager_run_keeps_to_one_stream_where_more_would_hold_more_than_one_bl
     frag.specs = lambda: specs
     with dask.config.set({"octopus.streams.capture": False}):  # eager runs (the stand-in cannot capture)
         j, c = streams.run_fragment(frag, Block(1), Block(100))
-    assert (j.n, c.n) == (106, 14) and len(ran_on) == 1
+    assert (j.n, c.n) == (106, 14) and len(ran_on) == 1 and "task's own" not in ran_on  # a pool stream
     ran_on.clear()
     assert streams.run_fragment(frag, 1, 100) == (106, 14)  # sizes unknown (not device arrays)
     assert len(ran_on) > 1
@@ -610,3 +608,24 @@ def test_a_closed_runtime_forgets_what_it_learned_and_runs_again(fake_gpu):  # n
     rt.close()
     assert not (rt.layouts or rt.spreads or rt.classes)
     assert streams.run_fragment(frag, 1, 100) == (106, 14) and rt.layouts
+
+
+def test_the_pool_streams_wait_for_the_steps_constants_unpickled_on_the_task_s_stream(fake_gpu, monkeypatch):  # noqa: F811
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+    log = []  # what happened, in order: specs unpickled (device constants uploaded on the current stream), events
+
+    def record(stream):
+        log.append(("record", stream.name, len(log)))
+        return log[-1]
+
+    monkeypatch.setattr(FakeStream, "record", record)
+    monkeypatch.setattr(FakeStream, "wait_event", lambda stream, event: log.append(("wait", stream.name, event)))
+    frag = two_chains()
+    specs = frag.specs()
+    frag.specs = lambda: log.append(("specs",)) or specs
+    with dask.config.set({"octopus.streams.capture": False}):
+        assert streams.run_fragment(frag, 1, 100) == (106, 14)
+    unpickled = max(i for i, entry in enumerate(log) if entry[0] == "specs")
+    waited = [entry[2] for entry in log if entry[0] == "wait" and entry[2][1] == "task's own"]
+    assert waited and all(event[2] > unpickled for event in waited)  # each pool stream's wait for the inputs

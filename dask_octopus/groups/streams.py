@@ -210,7 +210,8 @@ class StreamRuntime:
 
     def close(self) -> None:
         """Drop the captured graphs and stream pools, and forget the layouts and member classes
-        learned (the worker plugin's teardown; the runtime then starts afresh if used again)."""
+        learned (the worker plugin's teardown; used again, the runtime learns them afresh, and keeps
+        counting groups and refusals)."""
         with self._lock:
             for cache in self._caches:
                 cache.graphs.clear()
@@ -588,8 +589,11 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
     # buy no speed there (launches are bound by Python). A graph captured over several streams (Opara's
     # speed) may hold octopus.streams.capture-spare-bytes more than the same graph captured on one stream
     # plus a block: both are captured, measured and the other is dropped. A replay needs no layout.
+    # The pool's streams wait for `ready`, recorded on the task's stream once the inputs are there and,
+    # where the steps' specs are unpickled, once the device arrays among their constants are uploaded.
     layout = rt.layout(fragment)
-    ready = cp.cuda.get_current_stream().record()
+    current = cp.cuda.get_current_stream()
+    ready = current.record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
         shapes = _signature(fragment.structure(), inputs)
         pointers = tuple((x.data.ptr, x.strides) for x in inputs)
@@ -598,8 +602,9 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
         if graph is None:
             for signature, in_place in (((shapes, pointers), True), (shapes, False)):
                 if cache.should_capture(signature):
-                    graph = _capture_within(rt, cp, fragment, fragment.specs(), layout, values, inputs, in_place,
-                                            ready)
+                    specs = fragment.specs()
+                    ready = current.record()
+                    graph = _capture_within(rt, cp, fragment, specs, layout, values, inputs, in_place, ready)
                     cache.add(signature, graph)
                     break
         if graph is not None:
@@ -608,10 +613,10 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
             out = graph.replay(cp, inputs, stream)
             stream.synchronize()
             return tuple(out)
-    layout = rt.eager_layout(cp, fragment, inputs)
-    streams = _ready_streams(rt, cp, layout.used, ready)
     specs = fragment.specs()  # their constants (device arrays among them) live until the streams are done
     held: list[Any] = []  # and so do the values other streams read
+    layout = rt.eager_layout(cp, fragment, inputs)
+    streams = _ready_streams(rt, cp, layout.used, current.record())
     try:
         if layout.used == 1:  # the steps in order on one stream, entered once
             with streams[0]:
