@@ -611,7 +611,7 @@ def test_a_closed_runtime_forgets_what_it_learned_and_runs_again(fake_gpu):  # n
 
 
 def test_the_pool_streams_wait_for_the_steps_constants_unpickled_on_the_task_s_stream(fake_gpu, monkeypatch):  # noqa: F811
-    cp, fresh_runtime = fake_gpu
+    _, fresh_runtime = fake_gpu
     fresh_runtime()
     log = []  # what happened, in order: specs unpickled (device constants uploaded on the current stream), events
 
