@@ -18,7 +18,7 @@ from test_balance import RESUME, WhereRan, mid_compute, run_balance, setup, slow
 
 import dask_octopus
 from dask_octopus.groups import streams
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_members, inner_keys
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, inner_keys, replaced_keys
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
@@ -69,7 +69,7 @@ class GroupLog(SchedulerPlugin):
         if start == "processing" and finish == "memory" and key_split(key) == FRAGMENT_PREFIX:
             ts = self.scheduler.tasks[key]
             holders = {ws.address for d in ts.dependencies for ws in d.who_has or ()}
-            self.groups[key] = (fragment_members(ts.run_spec), kwargs["worker"], holders)
+            self.groups[key] = (replaced_keys(ts.run_spec), kwargs["worker"], holders)
             self.covers[key] = inner_keys(key, ts.run_spec)
             self.reads[key] = len(ts.run_spec.args[0].value.inputs)  # the values it received
 

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from dask.utils import key_split
 from distributed import get_worker, wait
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import WhereRan, run_balance, setup
 
 import dask_octopus
 from dask_octopus.groups import marks
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, GUARD_PREFIX, replaced_keys
 from dask_octopus.groups.streams import StepFailed, pick
 
 
@@ -104,6 +105,92 @@ async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a,
         parts = [dask.delayed(inc)(b) for b in loaded[4:]]
     assert await c.gather(c.compute([dask.delayed(inc)(p) for p in parts])) == [6, 7, 8, 9]
     assert LOADED == []
+
+
+def add(x, y):
+    return x + y
+
+
+FAILED_ONCE = set()  # the parts that load_unless failed for once
+
+
+def load_unless(i, bad, once=False):
+    """Part ``i``, but an error for part ``bad`` (``once``: the first time only)."""
+    if i == bad and not (once and i in FAILED_ONCE):
+        FAILED_ONCE.add(i)
+        raise OSError(f"cannot read part {i}")
+    return i
+
+
+class Guarded(SchedulerPlugin):
+    """Records the keys whose tasks ran as guards (tasks that only fragments read)."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.keys = scheduler, set()
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "memory" and key_split(key) == GUARD_PREFIX:
+            self.keys.update(replaced_keys(self.scheduler.tasks[key].run_spec))
+
+
+@pytest.mark.parametrize("through", [0, 1])  # the readers read the loads, or the loads doubled (not fused)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_a_failing_task_that_two_fragments_read_fails_only_what_reads_it(c, s, a, grouped_by, through):
+    """Eight loads built outside ``annotate`` (and, with ``through``, a task doubling each), each read by
+    two neighbouring tasks built inside it, cut into two fragments of four: load 3 is read by both
+    fragments. Its failure fails the two results that read it, as without fragments, not the eight (a
+    fragment task runs once all its inputs are in memory: such tasks run as guards, whose value holds
+    the error for the fragment's steps to fail with)."""
+    await setup(c, s, [1.0])
+    guarded = Guarded(s)
+    s.add_plugin(guarded, name="guarded")
+
+    def outputs(name, bad, once=False):
+        loaded = [dask.delayed(load_unless)(i, bad, once, dask_key_name=f"{name}-{i}") for i in range(8)]
+        read = [dask.delayed(add)(x, x, dask_key_name=f"{name}-twice-{i}") for i, x in enumerate(loaded)]
+        read = read if through else loaded
+        with dask_octopus.annotate():
+            parts = [dask.delayed(add)(read[i], read[i - 1], dask_key_name=f"part-{name}-{i}") for i in range(8)]
+        return c.compute([dask.delayed(inc)(p) for p in parts], retries=1 if once else 0)
+
+    expected = [(1 + through) * (i + (i - 1) % 8) + 1 for i in range(8)]
+    assert await c.gather(outputs("probe", None)) == expected
+    shared = sorted(int(m[1]) for k in guarded.keys if (m := re.fullmatch(r"probe-(\d)", k)))
+    assert len(shared) == 2  # the loads read by both fragments (each at one end of a fragment's run)
+    assert guarded.keys == {f"probe-{i}" for i in shared} | {f"probe-twice-{i}" for i in shared if through}
+    bad = shared[0]
+    futures = outputs("load", bad)
+    await wait(futures)
+    failed = {bad, (bad + 1) % 8}  # its two readers
+    assert [f.status for f in futures] == ["error" if i in failed else "finished" for i in range(8)]
+    assert await c.gather([f for i, f in enumerate(futures) if i not in failed]) == [
+        e for i, e in enumerate(expected) if i not in failed]
+    for i in failed:
+        assert repr(await futures[i].exception()) == f"OSError('cannot read part {bad}')"
+    FAILED_ONCE.clear()  # a guard runs its task again as often as its retries allow
+    assert await c.gather(outputs("flaky", bad, once=True)) == expected and {bad} == FAILED_ONCE
+    assert f"flaky-{bad}" in guarded.keys
+
+
+def load_on_the_fpga(i):
+    if "FPGA" not in get_worker().state.total_resources:
+        raise RuntimeError(f"loaded part {i} without the FPGA, on {get_worker().address}")
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})],
+             config={"optimization.fuse.active": False})
+async def test_a_task_that_fragments_read_runs_as_a_guard_with_its_own_annotations(c, s, a, b, grouped_by):
+    await setup(c, s, [1.0, 1.0])
+    guarded = Guarded(s)
+    s.add_plugin(guarded, name="guarded")
+    with dask.annotate(resources={"FPGA": 1}):
+        loaded = [dask.delayed(load_on_the_fpga)(i, dask_key_name=f"fpga-{i}") for i in range(12)]
+    with dask_octopus.annotate():
+        parts = [dask.delayed(add)(loaded[i], loaded[i - 1]) for i in range(12)]
+    assert await c.gather(c.compute([dask.delayed(inc)(p) for p in parts])) == [i + (i - 1) % 12 + 1 for i in range(12)]
+    # the loads, of other annotations than the fragments', are read by them only: each a guard, on the FPGA
+    assert guarded.keys == {f"fpga-{i}" for i in range(12)}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])

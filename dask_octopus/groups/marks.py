@@ -40,7 +40,7 @@ from dask.utils import ensure_dict
 from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, resolve_aliases
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
-from dask_octopus.groups.rewrite import fragment_graph, fragment_members, inner_keys, picks_a_result
+from dask_octopus.groups.rewrite import fragment_graph, inner_keys, picks_a_result, replaced_keys
 from dask_octopus.groups.scheduler import annotated_retries, annotation_labels, fragment_here, grouping_here
 
 
@@ -89,7 +89,7 @@ class GroupingOptimizer:
             marks = _unmade(marks, graph)
         by_name: dict[str, dict[Key, Any]] = {ANNOTATION: marks} if marks else {}
         for k, node in graph.items() if annotations else ():  # Dask's, by task; a fragment has its first member's
-            members = fragment_members(node)
+            members = replaced_keys(node)
             for name, value in annotations.get(members[0] if members else k, {}).items():
                 if not (members and name == "retries"):  # each step keeps its own
                     by_name.setdefault(name, {})[k] = value
@@ -209,8 +209,7 @@ def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]
     task (:mod:`dask_octopus.groups.planning`), in an order that interleaves compute- and
     memory-bound steps, over CUDA streams on GPU workers; a fragment seen again is replayed as one
     CUDA graph. Results keep their keys: ``client.gather`` and persisted collections see nothing
-    different, and a failing task fails only what reads it (but a task that several fragments read
-    fails them whole: ``docs/fragments.md``, Failures).
+    different, and a failing task fails only what reads it (``docs/fragments.md``, Failures).
 
     Parameters
     ----------

@@ -23,10 +23,11 @@ from dask.typing import Key
 from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import plan_fragments, pull_upstream, topological
-from dask_octopus.groups.streams import pick, run_fragment
+from dask_octopus.groups.streams import pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
 
 FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-letter words (hex-like names)
+GUARD_PREFIX = "octopus-guarded"  # tasks that only fragments read, run so that their failure fails only what reads them
 
 
 def inner_keys(key: Key, node: Any) -> list[Key]:
@@ -39,6 +40,8 @@ def inner_keys(key: Key, node: Any) -> list[Key]:
         return [key, *(k for i, child in inner.items() for k in inner_keys(i, child))]
     if node.func is run_fragment:
         return list(node.args[0].value.covers)
+    if node.func is run_guarded:
+        return [key, *inner_keys(node.args[0].value, node.args[1].value)]
     return [key]
 
 
@@ -49,8 +52,9 @@ def picks_a_result(node: Any) -> bool:
 
 
 def of_fragments(node: Any) -> bool:
-    """Whether ``node`` is a fragment task or picks a result of one: it never joins a fragment."""
-    return isinstance(node, Task) and node.func in (run_fragment, pick)
+    """Whether ``node`` is a fragment task, picks a result of one or guards a task that only fragments
+    read: it never joins a fragment."""
+    return isinstance(node, Task) and node.func in (run_fragment, pick, run_guarded)
 
 
 def _read_apart(fragment: Fragment, n: int, fragment_of: Mapping[Key, int], dependencies: Mapping[Key, Any],
@@ -70,11 +74,26 @@ def _read_apart(fragment: Fragment, n: int, fragment_of: Mapping[Key, int], depe
     return False
 
 
-def fragment_members(node: GraphNode) -> list[Key]:
-    """The member keys of a fragment task made by :func:`fragment_graph` (empty for any other node)."""
+def replaced_keys(node: GraphNode) -> list[Key]:
+    """The keys of the graph whose work a task made by :func:`fragment_graph` does: a fragment task's
+    members, or the one task a guard runs (empty for any other node)."""
     if isinstance(node, Task) and node.func is run_fragment:
         return list(node.args[0].value.members)
+    if isinstance(node, Task) and node.func is run_guarded:
+        return [node.args[0].value]
     return []
+
+
+def _read_by_fragments_only(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
+                            candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
+    """The keys of ``candidates`` that only ``members`` (of fragments) read, directly or through other such
+    keys, in the order of ``steps`` (each key after its dependencies)."""
+    found: set[Key] = set()
+    for k in reversed(steps):
+        readers = dependents.get(k, ())
+        if k in candidates and readers and all(r in members or r in found for r in readers):
+            found.add(k)
+    return [k for k in steps if k in found]
 
 
 def _pull_downstream(steps: Sequence[Key], specs: Mapping[Key, Mapping[str, Any]],
@@ -172,9 +191,12 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         parts.update((p, 2 * max(1, parts[p], made[p])) for p in over)
     if not fragments:
         return dict(dsk)
+    inside = {m for fragment in built for m in fragment.members}
+    guarded = _read_by_fragments_only(steps, dependents, eligible - inside, inside)
     # the same members with other outputs (other keys asked for) are another fragment task
     # (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ; and faster than the keys as they are)
-    token = tokenize(repr([(f.members, f.outputs) for f in built]))
+    token = tokenize(repr([(f.members, f.outputs) for f in built] + guarded))
+    guards = {d: (f"{GUARD_PREFIX}-{token}", i) for i, d in enumerate(guarded)}
     picks: dict[Key, Task] = {}  # read inline by the consumers
     kept: dict[Key, Task] = {}  # tasks of their own
     made: dict[Key, Fragment] = {}
@@ -190,9 +212,15 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    members_of = {m for fragment in made.values() for m in fragment.members} - kept.keys()
+    members_of = (inside - kept.keys()) | guards.keys()
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
+    for d, gkey in guards.items():
+        node = rewritten(d)
+        reads = tuple(sorted(node.dependencies, key=str))
+        out[gkey] = Task(gkey, run_guarded, DataNode(None, d), DataNode(None, node), DataNode(None, reads),
+                         (retries or {}).get(d), *(TaskRef(guards.get(r, r)) for r in reads))
     for fkey, fragment in made.items():
-        out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment), *(TaskRef(d) for d in fragment.inputs))
+        out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment),
+                         *(TaskRef(guards.get(d, d)) for d in fragment.inputs))
     return out

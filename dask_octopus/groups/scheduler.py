@@ -37,7 +37,7 @@ from dask.utils import parse_bytes
 from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, annotated_restrictions, running_schedulers
 from dask_octopus.groups.planning import ANNOTATION
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, fragment_members, of_fragments
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, of_fragments, replaced_keys
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -286,7 +286,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()})
-    made = {k: fragment_members(node) for k, node in out.items() if k not in new}
+    made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     if not made or any(k in tasks for k in made):  # the same groups are in flight already
         return {}, []
     computation = scheduler.computations[-1] if scheduler.computations else None

@@ -507,6 +507,28 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
     return held
 
 
+def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], reads: Sequence[Hashable],
+                retries: int | None, *values: Any) -> Any:
+    """Body of a task that only fragments read (a guard, made by
+    :func:`~dask_octopus.groups.rewrite.fragment_graph`): the value of ``node``, the task ``key`` of
+    Dask's graph, on ``values`` (those of the keys ``reads``, which ``node`` reads). Where it raises
+    (after running again, in place, ``retries`` times, ``None``: as often as this task's ``retries``
+    allow, :class:`RunningTask`), or reads a :class:`StepFailed`, its value is a :class:`StepFailed`
+    holding the exception instead: a fragment task runs only once all its inputs are in memory, so a
+    failed input would fail all of it, where the fragment fails only the steps that read the value,
+    as Dask fails only the tasks that read a failed task."""
+    for value in values:
+        if type(value) is StepFailed:
+            return value
+    again = RunningTask().retries if retries is None else retries
+    ok, value = attempt(node, (dict(zip(reads, values, strict=True)),), again, key)
+    if ok:
+        return value
+    value.add_note(f"dask_octopus: raised by task {key!r}, read by fragments"
+                   + (f" (and on {again} retries)" if again else ""))
+    return StepFailed(value)
+
+
 def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     """Body of a fragment task: run its steps on ``inputs`` (the values of ``fragment.inputs``) and
     return the values of ``fragment.outputs``.
