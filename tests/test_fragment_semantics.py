@@ -129,7 +129,7 @@ class Guarded(SchedulerPlugin):
         self.scheduler, self.keys = scheduler, set()
 
     def transition(self, key, start, finish, *args, **kwargs):
-        if finish == "memory" and key_split(key) == GUARD_PREFIX:
+        if finish == "memory" and key_split(key).endswith(f"-{GUARD_PREFIX}"):
             self.keys.update(replaced_keys(self.scheduler.tasks[key].run_spec))
 
 

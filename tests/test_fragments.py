@@ -629,3 +629,21 @@ def test_the_pool_streams_wait_for_the_steps_constants_unpickled_on_the_task_s_s
     unpickled = max(i for i, entry in enumerate(log) if entry[0] == "specs")
     waited = [entry[2] for entry in log if entry[0] == "wait" and entry[2][1] == "task's own"]
     assert waited and all(event[2] > unpickled for event in waited)  # each pool stream's wait for the inputs
+
+
+class Held:
+    """An input whose lifetime a test follows."""
+
+
+def fails_on(block):
+    raise ValueError(f"cannot use {type(block).__name__}")
+
+
+def test_a_failed_guard_holds_its_error_with_a_traceback_from_the_user_s_code():
+    import traceback
+
+    out = streams.run_guarded("d", Task("d", fails_on, TaskRef("x")), ("x",), 0, Held())
+    assert type(out) is streams.StepFailed
+    assert repr(out.error) == "ValueError('cannot use Held')"
+    assert [f.name for f in traceback.extract_tb(out.traceback)] == ["fails_on"]  # the user's code, alone
+    assert "dask_octopus: raised by task 'd', read by fragments" in out.error.__notes__

@@ -19,6 +19,7 @@ from typing import Any
 
 from dask.base import tokenize
 from dask.typing import Key
+from dask.utils import key_split
 
 from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
@@ -196,7 +197,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     # the same members with other outputs (other keys asked for) are another fragment task
     # (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ; and faster than the keys as they are)
     token = tokenize(repr([(f.members, f.outputs) for f in built] + guarded))
-    guards = {d: (f"{GUARD_PREFIX}-{token}", i) for i, d in enumerate(guarded)}
+    # named for what each runs: Dask's duration estimates and the task stream go by key prefix
+    guards = {d: (f"{key_split(d)}-{GUARD_PREFIX}-{token}", i) for i, d in enumerate(guarded)}
     picks: dict[Key, Task] = {}  # read inline by the consumers
     kept: dict[Key, Task] = {}  # tasks of their own
     made: dict[Key, Fragment] = {}

@@ -28,6 +28,7 @@ from dask.sizeof import sizeof
 from distributed.protocol.pickle import dumps, loads
 
 from dask_octopus import config
+from dask_octopus._compat import Task
 from dask_octopus.groups.fragment import Fragment, evaluate, step_key
 from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
 from dask_octopus.groups.replay import CapturedGroup, CaptureRefused, GraphCache, capture, capture_fragment
@@ -384,12 +385,16 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     return value
 
 
+_TASK_CALL = Task.__call__.__code__  # the frame in which Dask calls a task's function
+
+
 def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: Any) -> tuple[bool, Any]:
     """``(True, func(*args))``, or ``(False, the exception)`` once it raised ``retries + 1`` times (each
     retry logged under ``name``): as a Dask worker runs a task, any exception is caught but
     ``SystemExit`` and ``KeyboardInterrupt`` (``asyncio.CancelledError`` among those caught), and the
     task runs again as often as its ``retries`` allow. The exception's traceback starts in ``func``'s
-    callees, the user's code, as without fragments or batches."""
+    callees, the user's code, as without fragments or batches (past Dask's ``Task.__call__`` where
+    ``func`` is a task)."""
     tries = 0
     while True:
         try:
@@ -399,7 +404,7 @@ def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: A
         except BaseException as e:
             if tries == retries:
                 tb = e.__traceback__
-                while tb is not None and tb.tb_frame.f_code in (attempt.__code__, evaluate.__code__):
+                while tb is not None and tb.tb_frame.f_code in (attempt.__code__, evaluate.__code__, _TASK_CALL):
                     tb = tb.tb_next
                 return False, e.with_traceback(tb)
             tries += 1
