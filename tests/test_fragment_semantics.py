@@ -2,6 +2,7 @@
 per task), reuse of results the scheduler holds, collections computed together, errors that do not
 pickle, and module globals with local schedulers. Each test compares with the unannotated run."""
 
+import asyncio
 import pickle
 import re
 import subprocess
@@ -516,6 +517,33 @@ async def test_a_cancelled_compute_stops_its_running_fragment(c, s, a):
     await async_poll_for(lambda: not a.state.executing, timeout=30)
     assert len(SLOW) < 20  # of 100: as a cancelled small task would, the fragment stopped (in 5 blocks or so)
     assert await c.compute(x[:4].sum()) == 6  # and the worker takes the next compute
+
+
+TRIES = []  # the parts still_failing was called for
+
+
+def still_failing(i):
+    TRIES.append(i)
+    time.sleep(0.05)
+    raise OSError(f"cannot read part {i} yet")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_a_cancelled_compute_stops_the_retries_of_its_fragments_and_guards(c, s, a, grouped_by):
+    """Eight failing loads, each read by two neighbouring annotated tasks (in two fragments: loads run
+    as steps or as guards), retried up to 200 times each: cancelled, the retries stop."""
+    await setup(c, s, [1.0])
+    TRIES.clear()
+    loaded = [dask.delayed(still_failing)(i, dask_key_name=f"retried-{i}") for i in range(8)]
+    with dask_octopus.annotate():
+        parts = [dask.delayed(add)(loaded[i], loaded[i - 1]) for i in range(8)]
+    futures = c.compute([dask.delayed(inc)(p) for p in parts], retries=200)
+    await async_poll_for(lambda: len(TRIES) >= 10, timeout=30)
+    await c.cancel(futures)
+    await async_poll_for(lambda: not a.state.executing, timeout=30)
+    stopped = len(TRIES)
+    await asyncio.sleep(0.5)
+    assert len(TRIES) == stopped and stopped < 60  # of 8 x 201 tries: it stopped within a few of them
 
 
 def test_store_into_an_array_of_this_process_with_workers_in_it():

@@ -388,13 +388,15 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
 _TASK_CALL = Task.__call__.__code__  # the frame in which Dask calls a task's function
 
 
-def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: Any) -> tuple[bool, Any]:
+def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: Any,
+            check: Callable[[], None] | None = None) -> tuple[bool, Any]:
     """``(True, func(*args))``, or ``(False, the exception)`` once it raised ``retries + 1`` times (each
     retry logged under ``name``): as a Dask worker runs a task, any exception is caught but
     ``SystemExit`` and ``KeyboardInterrupt`` (``asyncio.CancelledError`` among those caught), and the
-    task runs again as often as its ``retries`` allow. The exception's traceback starts in ``func``'s
-    callees, the user's code, as without fragments or batches (past Dask's ``Task.__call__`` where
-    ``func`` is a task)."""
+    task runs again as often as its ``retries`` allow. ``check`` (:meth:`RunningTask.check`) is called
+    before each retry: it raises once Dask released the task, which ends the retries. The exception's
+    traceback starts in ``func``'s callees, the user's code, as without fragments or batches (past
+    Dask's ``Task.__call__`` where ``func`` is a task)."""
     tries = 0
     while True:
         try:
@@ -409,9 +411,12 @@ def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: A
                 return False, e.with_traceback(tb)
             tries += 1
             logger.info("dask_octopus: task %r raised %r; retrying it (%d of %d)", name, e, tries, retries)
+            if check is not None:
+                check()
 
 
-def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], retries: int = 0) -> Any:
+def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], retries: int = 0,
+          task: RunningTask | None = None) -> Any:
     args = []
     for v in reads:
         value = values[v]
@@ -419,7 +424,7 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
             return value
         args.append(value)
     key = step_key(name)
-    ok, value = attempt(evaluate, (spec, args), retries, key)
+    ok, value = attempt(evaluate, (spec, args), retries, key, task.check if task is not None else None)
     if ok:
         return value
     value.add_note(f"dask_octopus: raised by task {key!r} of a fragment"
@@ -475,7 +480,7 @@ def walk(fragment: Fragment, specs: Sequence[Any], values: dict[int, Any], task:
     slot = len(fragment.inputs)
     for name, spec, reads, drop, again in zip(fragment.names, specs, fragment.reads, fragment.drop,
                                               _retries(fragment, task)):
-        values[slot] = _step(name, spec, reads, values, again)
+        values[slot] = _step(name, spec, reads, values, again, task)
         slot += 1
         for d in drop:
             del values[d]
@@ -500,7 +505,7 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
             if j in layout.shared and layout.streams[j] != layout.streams[i]:
                 s.wait_event(events[j])
         with s:
-            values[first + i] = _step(name, spec, reads, values, again[i])
+            values[first + i] = _step(name, spec, reads, values, again[i], task)
             if i in layout.shared:
                 events[i] = s.record()
         for d in drop:
@@ -525,8 +530,9 @@ def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], re
     for value in values:
         if type(value) is StepFailed:
             return value
-    again = RunningTask().retries if retries is None else retries
-    ok, value = attempt(node, (dict(zip(reads, values, strict=True)),), again, key)
+    task = RunningTask()
+    again = task.retries if retries is None else retries
+    ok, value = attempt(node, (dict(zip(reads, values, strict=True)),), again, key, task.check)
     if ok:
         return value
     value.add_note(f"dask_octopus: raised by task {key!r}, read by fragments"
@@ -550,8 +556,8 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     would re-run the failed task that many times); then it does not stop the others: its value, and
     that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
     step's key in its notes), which the tasks that read it from the fragment raise. A run whose task
-    Dask releases meanwhile (a cancel, a restart) stops within a step (:class:`RunningTask`; a
-    replayed graph, one launch, runs to its end)."""
+    Dask releases meanwhile (a cancel, a restart) stops within a step or a retry of one
+    (:class:`RunningTask`; a replayed graph, one launch, runs to its end)."""
     if len(inputs) != len(fragment.inputs):
         raise ValueError(f"a fragment of {len(fragment.inputs)} inputs was given {len(inputs)}")
     values = dict(enumerate(inputs))
