@@ -639,11 +639,24 @@ def fails_on(block):
     raise ValueError(f"cannot use {type(block).__name__}")
 
 
-def test_a_failed_guard_holds_its_error_with_a_traceback_from_the_user_s_code():
+def test_a_failed_step_or_guard_holds_its_error_from_the_user_s_code_and_none_of_its_inputs():
+    import gc
     import traceback
+    import weakref
 
-    out = streams.run_guarded("d", Task("d", fails_on, TaskRef("x")), ("x",), 0, Held())
-    assert type(out) is streams.StepFailed
+    block = Held()
+    alive = weakref.ref(block)
+    frag = Fragment({"s": Task("s", fails_on, TaskRef("x")), "t": Task("t", len, TaskRef("y"))}, ["s", "t"],
+                    {"s": "memory", "t": "memory"})
+    failed, length = streams.run_fragment(frag, block, "abc")
+    out = streams.run_guarded("d", Task("d", fails_on, TaskRef("x")), ("x",), 0, block)
+    del block
+    gc.collect()
+    assert length == 3 and type(failed) is type(out) is streams.StepFailed
+    assert alive() is None  # the failed values keep none of the inputs alive (their frames' locals did)
+    with pytest.raises(ValueError, match="cannot use Held") as raised:
+        streams.pick((failed,), 0)
+    assert [f.name for f in traceback.extract_tb(raised.value.__traceback__)][1:] == ["pick", "fails_on"]
     assert repr(out.error) == "ValueError('cannot use Held')"
-    assert [f.name for f in traceback.extract_tb(out.traceback)] == ["fails_on"]  # the user's code, alone
+    assert [f.name for f in traceback.extract_tb(out.traceback.as_traceback())] == ["fails_on"]  # the user's code
     assert "dask_octopus: raised by task 'd', read by fragments" in out.error.__notes__

@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import dask.utils
+import tblib
 from dask.sizeof import sizeof
 from distributed.protocol.pickle import dumps, loads
 
@@ -353,8 +354,12 @@ class StepFailed:
     __slots__ = ("_sent", "error", "traceback")
 
     def __init__(self, error: BaseException):
-        self.error = error
-        self.traceback = error.__traceback__  # each reader raises it from this one (a raise adds frames)
+        tb = error.__traceback__
+        self.error = error.with_traceback(None)
+        # each reader raises the error from this traceback (a raise adds frames to the error's own), a copy
+        # of its frames' code and lines only: the frames would keep the locals of the failed call and of
+        # its callers up the stack (a fragment's inputs) alive as long as this value lives
+        self.traceback = tblib.Traceback(tb) if tb is not None else None
         self._sent: BaseException | None = None  # the error as it travels (found at the first send)
 
     def __reduce__(self) -> tuple:
@@ -381,7 +386,7 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     """Output ``i`` of a fragment task, raising the error of a step that failed."""
     value = outputs[i]
     if type(value) is StepFailed:
-        raise value.error.with_traceback(value.traceback)
+        raise value.error.with_traceback(value.traceback.as_traceback() if value.traceback is not None else None)
     return value
 
 
