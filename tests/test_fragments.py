@@ -639,10 +639,12 @@ def fails_on(block):
     raise ValueError(f"cannot use {type(block).__name__}")
 
 
-def test_a_failed_step_or_guard_holds_its_error_from_the_user_s_code_and_none_of_its_inputs():
+def test_a_failed_step_guard_or_map_item_holds_its_error_from_the_user_s_code_and_none_of_its_inputs():
     import gc
     import traceback
     import weakref
+
+    from dask_octopus.placement import items
 
     block = Held()
     alive = weakref.ref(block)
@@ -650,8 +652,10 @@ def test_a_failed_step_or_guard_holds_its_error_from_the_user_s_code_and_none_of
                     {"s": "memory", "t": "memory"})
     failed, length = streams.run_fragment(frag, block, "abc")
     out = streams.run_guarded("d", Task("d", fails_on, TaskRef("x")), ("x",), 0, block)
+    (item,) = items.run_batch(fails_on, [block], {}, "memory", None)
     del block
     gc.collect()
+    assert type(item) is items.ItemError and repr(item.exception()) == "ValueError('cannot use Held')"
     assert length == 3 and type(failed) is type(out) is streams.StepFailed
     assert alive() is None  # the failed values keep none of the inputs alive (their frames' locals did)
     with pytest.raises(ValueError, match="cannot use Held") as raised:

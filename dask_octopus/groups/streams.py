@@ -346,27 +346,40 @@ class FragmentLayout:
                           estimated)
 
 
-class StepFailed:
-    """The value of a fragment step that raised, or that read such a value: the steps that do not
-    depend on it still run, and a task that reads it from the fragment raises ``error``
-    (:func:`pick`), as it would have raised reading the failed task's result without fragments."""
+class HeldError:
+    """An exception held as a value in place of a result (:class:`StepFailed`, a ``map`` item's
+    :class:`~dask_octopus.placement.items.ItemError`): :meth:`reraise` raises ``error`` for each reader.
+    Its traceback is kept as a copy of its frames' code and lines (as distributed sends a task's): the
+    frames would keep the locals of the failed call and of its callers up the stack (a fragment's or a
+    batch's inputs) alive as long as this value lives, which Dask's memory accounting does not see.
+    Readers ``raise held.exception()``."""
 
     __slots__ = ("_sent", "error", "traceback")
 
     def __init__(self, error: BaseException):
         tb = error.__traceback__
         self.error = error.with_traceback(None)
-        # each reader raises the error from this traceback (a raise adds frames to the error's own), a copy
-        # of its frames' code and lines only: the frames would keep the locals of the failed call and of
-        # its callers up the stack (a fragment's inputs) alive as long as this value lives
         self.traceback = tblib.Traceback(tb) if tb is not None else None
         self._sent: BaseException | None = None  # the error as it travels (found at the first send)
 
     def __reduce__(self) -> tuple:
-        # so that the fragment's other outputs still reach other workers, and the spill
+        # so that the other results beside it still reach other workers, and the spill
         if self._sent is None:
             self._sent = sendable(self.error)
-        return (StepFailed, (self._sent,))
+        return (type(self), (self._sent,))
+
+    def exception(self) -> BaseException:
+        """``error`` with a traceback made from the copy, for a reader to raise (each its own: raising
+        the one traceback again would stack every reader's frames onto it)."""
+        return self.error.with_traceback(self.traceback.as_traceback() if self.traceback is not None else None)
+
+
+class StepFailed(HeldError):
+    """The value of a fragment step that raised, or that read such a value: the steps that do not
+    depend on it still run, and a task that reads it from the fragment raises ``error``
+    (:func:`pick`), as it would have raised reading the failed task's result without fragments."""
+
+    __slots__ = ()
 
 
 def sendable(error: BaseException) -> BaseException:
@@ -386,7 +399,7 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     """Output ``i`` of a fragment task, raising the error of a step that failed."""
     value = outputs[i]
     if type(value) is StepFailed:
-        raise value.error.with_traceback(value.traceback.as_traceback() if value.traceback is not None else None)
+        raise value.exception()
     return value
 
 

@@ -41,18 +41,11 @@ TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into t
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
 
 
-class ItemError:
+class ItemError(streams.HeldError):
     """The exception one item of a batch raised, in place of its result: the item's pick task raises it
     (with its traceback), and the other items of the batch keep their results."""
 
-    __slots__ = ("exception",)
-
-    def __init__(self, exception: BaseException):
-        self.exception = exception
-
-    def __reduce__(self) -> tuple:
-        # the batch's other results still travel where its exception does not pickle
-        return (ItemError, (streams.sendable(self.exception),))
+    __slots__ = ()
 
 
 def _each_on_its_own(call: Callable[[Any], Any], retries: int, name: str) -> Callable[[Any], Any]:
@@ -102,7 +95,7 @@ async def _pick(batch: Sequence[Any], i: int) -> Any:
     107 -> 64 ms)."""
     result = batch[i]
     if isinstance(result, ItemError):
-        raise result.exception
+        raise result.exception()
     return result
 
 
@@ -311,7 +304,7 @@ def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[
     for i, result in results:
         if isinstance(result, ItemError):
             if errors == "raise":
-                raise result.exception
+                raise result.exception()
             continue
         yield i, result
 
