@@ -158,7 +158,9 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
     task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
-    task; the consumers of the others read them inline.
+    task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
+    fragments (or such tasks) read run as guards (:func:`~dask_octopus.groups.streams.run_guarded`,
+    under a new key the fragment tasks read): where one raises, only the steps that read it fail.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
