@@ -348,10 +348,10 @@ class FragmentLayout:
 
 class HeldError:
     """An exception held as a value in place of a result (:class:`StepFailed`, a ``map`` item's
-    :class:`~dask_octopus.placement.items.ItemError`): :meth:`reraise` raises ``error`` for each reader.
-    Its traceback is kept as a copy of its frames' code and lines (as distributed sends a task's): the
-    frames would keep the locals of the failed call and of its callers up the stack (a fragment's or a
-    batch's inputs) alive as long as this value lives, which Dask's memory accounting does not see.
+    :class:`~dask_octopus.placement.items.ItemError`). Its traceback is kept as a copy of its frames'
+    code and lines (as distributed sends a task's): the frames would keep the locals of the failed call
+    and of its callers up the stack (a fragment's or a batch's inputs) alive as long as this value
+    lives, which Dask's memory accounting does not see.
     Readers ``raise held.exception()``."""
 
     __slots__ = ("_sent", "error", "traceback")
@@ -442,10 +442,18 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
             return value
         args.append(value)
     key = step_key(name)
-    ok, value = attempt(evaluate, (spec, args), retries, key, task.check if task is not None else None)
+    return _failed_as_value(evaluate, (spec, args), retries, key, " of a fragment",
+                            task.check if task is not None else None)
+
+
+def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int, key: Any, where: str,
+                     check: Callable[[], None] | None) -> Any:
+    """``func(*args)`` (:func:`attempt`), or a :class:`StepFailed` holding its exception, noted as
+    raised by task ``key`` and ``where`` (" of a fragment", ", read by fragments")."""
+    ok, value = attempt(func, args, retries, key, check)
     if ok:
         return value
-    value.add_note(f"dask_octopus: raised by task {key!r} of a fragment"
+    value.add_note(f"dask_octopus: raised by task {key!r}{where}"
                    + (f" (and on {retries} retries)" if retries else ""))
     return StepFailed(value)
 
@@ -549,13 +557,8 @@ def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], re
         if type(value) is StepFailed:
             return value
     task = RunningTask()
-    again = task.retries if retries is None else retries
-    ok, value = attempt(node, (dict(zip(reads, values, strict=True)),), again, key, task.check)
-    if ok:
-        return value
-    value.add_note(f"dask_octopus: raised by task {key!r}, read by fragments"
-                   + (f" (and on {again} retries)" if again else ""))
-    return StepFailed(value)
+    return _failed_as_value(node, (dict(zip(reads, values, strict=True)),),
+                            task.retries if retries is None else retries, key, ", read by fragments", task.check)
 
 
 def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
@@ -642,7 +645,6 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
     # plus a block: both are captured, measured and the other is dropped. A replay needs no layout.
     # The pool's streams wait for `ready`, recorded on the task's stream once the inputs are there and,
     # where the steps' specs are unpickled, once the device arrays among their constants are uploaded.
-    layout = rt.layout(fragment)
     current = cp.cuda.get_current_stream()
     ready = current.record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
@@ -655,7 +657,8 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
                 if cache.should_capture(signature):
                     specs = fragment.specs()
                     ready = current.record()
-                    graph = _capture_within(rt, cp, fragment, specs, layout, values, inputs, in_place, ready)
+                    graph = _capture_within(rt, cp, fragment, specs, rt.layout(fragment), values, inputs, in_place,
+                                            ready)
                     cache.add(signature, graph)
                     break
         if graph is not None:
