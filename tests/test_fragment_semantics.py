@@ -194,6 +194,82 @@ async def test_a_task_that_fragments_read_runs_as_a_guard_with_its_own_annotatio
     assert guarded.keys == {f"fpga-{i}" for i in range(12)}
 
 
+def load_but_2(i):
+    if i == 2:
+        raise OSError(f"cannot read part {i}")
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_failing_task_read_by_fragments_aliases_and_other_tasks_fails_only_what_reads_it(c, s, a):
+    """Each load is read by an alias (as Dask's ``map_overlap`` reads each block's centre) that a
+    fragment's task reads, by the next block's task of a fragment and by a task outside fragments (an
+    output): the loads and the aliases run as guards, the output reads its load's guard; load 2's
+    failure fails the tasks that read it, as without fragments (it failed whole fragments)."""
+    from dask_octopus._compat import Alias, Task, TaskRef
+    from dask_octopus.groups.marks import _dependents
+    from dask_octopus.groups.rewrite import fragment_graph, is_guard
+
+    def graph(run):  # the tasks of each run named apart: the runs are in flight at once
+        dsk = {}
+        for i in range(4):
+            dsk[(f"{run}load", i)] = Task((f"{run}load", i), load_but_2, i)
+            dsk[(f"{run}centre", i)] = Alias((f"{run}centre", i), (f"{run}load", i))
+            dsk[(f"{run}part", i)] = Task((f"{run}part", i), add, TaskRef((f"{run}centre", i)),
+                                          TaskRef((f"{run}load", (i - 1) % 4)))
+            dsk[(f"{run}out", i)] = Task((f"{run}out", i), inc, TaskRef((f"{run}part", i)))
+            dsk[(f"{run}twice", i)] = Task((f"{run}twice", i), add, TaskRef((f"{run}load", i)),
+                                           TaskRef((f"{run}load", i)))
+        return dsk, [(f"{run}{name}", i) for name in ("out", "twice") for i in range(4)]
+
+    dsk, keys = graph("grouped-")
+    specs = {("grouped-part", i): {"resource": "auto", "group": None} for i in range(4)}
+    out = fragment_graph(dsk, specs, set(keys), _dependents(dsk), {}, {None: 2})
+    assert {m for node in out.values() if is_guard(node) for m in replaced_keys(node)} == {
+        (f"grouped-{name}", i) for name in ("load", "centre") for i in range(4)}
+    assert sum(str(k[0]).startswith(FRAGMENT_PREFIX) for k in out) == 2
+    grouped, plain = c.get(out, keys, sync=False), c.get(*graph("plain-"), sync=False)
+    await wait(plain + grouped)
+    failed = {2, 3, 6}  # ("out", 2) and ("out", 3) read load 2 through fragments, ("twice", 2) directly
+    assert [f.status for f in grouped] == [f.status for f in plain] == [
+        "error" if i in failed else "finished" for i in range(8)]
+    assert await c.gather([f for f in grouped if f.status == "finished"]) == await c.gather(
+        [f for f in plain if f.status == "finished"]) == [4, 2, 0, 2, 6]
+    for f in grouped:
+        if f.status == "error":
+            assert repr(await f.exception()) == "OSError('cannot read part 2')"
+
+
+LOADS = []  # the parts slow_load was called for (the workers run in this process)
+
+
+def slow_load(i):
+    LOADS.append(i)
+    time.sleep(0.3)
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_computes_in_flight_at_once_share_the_guard_of_a_task_both_read(c, s, a, grouped_by):
+    """Two computes, each of two fragments that both read two loads: each load runs once, as Dask runs
+    the task that two graphs in flight share."""
+    await setup(c, s, [1.0])
+    guarded = Guarded(s)
+    s.add_plugin(guarded, name="guarded")
+    LOADS.clear()
+    loaded = [dask.delayed(slow_load)(i, dask_key_name=f"shared-{i}") for i in range(2)]
+
+    def parts(func):
+        with dask_octopus.annotate():
+            made = [dask.delayed(func)(loaded[0], loaded[1], i) for i in range(4)]
+        return [dask.delayed(inc)(p) for p in made]
+
+    first, second = c.compute(parts(lambda x, y, i: x + y + i)), c.compute(parts(lambda x, y, i: x * y * i))
+    assert await c.gather([first, second]) == [[2, 3, 4, 5], [1, 1, 1, 1]]
+    assert guarded.keys == {"shared-0", "shared-1"}
+    assert sorted(LOADS) == [0, 1]
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])
 async def test_tasks_annotated_with_resources_run_where_they_are(c, s, a, b, grouped_by):
     rec = await setup(c, s, [1.0, 1.0])

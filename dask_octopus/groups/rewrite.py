@@ -21,14 +21,14 @@ from dask.base import tokenize
 from dask.typing import Key
 from dask.utils import key_split
 
-from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, execute_subgraph
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import plan_fragments, pull_upstream, topological
-from dask_octopus.groups.streams import pick, run_fragment, run_guarded
+from dask_octopus.groups.streams import guarded_value, pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
 
 FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-letter words (hex-like names)
-GUARD_PREFIX = "octopus-guarded"  # tasks that only fragments read, run so that their failure fails only what reads them
+GUARD_PREFIX = "octopus-guarded"  # tasks that fragments read, run so that their failure fails only what reads them
 
 
 def inner_keys(key: Key, node: Any) -> list[Key]:
@@ -41,7 +41,7 @@ def inner_keys(key: Key, node: Any) -> list[Key]:
         return [key, *(k for i, child in inner.items() for k in inner_keys(i, child))]
     if node.func is run_fragment:
         return list(node.args[0].value.covers)
-    if node.func is run_guarded:
+    if is_guard(node):
         return [key, *inner_keys(node.args[0].value, node.args[1].value)]
     return [key]
 
@@ -50,6 +50,11 @@ def picks_a_result(node: Any) -> bool:
     """Whether ``node`` (a task's run spec) is a task of :func:`fragment_graph` that picks one result
     of a fragment task: it does none of its member's work."""
     return isinstance(node, Task) and node.func is pick
+
+
+def is_guard(node: Any) -> bool:
+    """Whether ``node`` (a task's run spec) is a guard of :func:`fragment_graph`."""
+    return isinstance(node, Task) and node.func is run_guarded
 
 
 def of_fragments(node: Any) -> bool:
@@ -80,19 +85,27 @@ def replaced_keys(node: GraphNode) -> list[Key]:
     members, or the one task a guard runs (empty for any other node)."""
     if isinstance(node, Task) and node.func is run_fragment:
         return list(node.args[0].value.members)
-    if isinstance(node, Task) and node.func is run_guarded:
+    if is_guard(node):
         return [node.args[0].value]
     return []
 
 
-def _read_by_fragments_only(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
-                            candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
-    """The keys of ``candidates`` that only ``members`` (of fragments) read, directly or through other such
-    keys, in the order of ``steps`` (each key after its dependencies)."""
+def _reads_guarded_values(node: Any) -> bool:
+    """Whether ``node``, a task outside fragments, can read a guard's value through
+    :func:`~dask_octopus.groups.streams.guarded_value`: a plain task or an alias."""
+    return (type(node) is Task and not of_fragments(node)) or type(node) is Alias
+
+
+def _to_guard(steps: Sequence[Key], dsk: Mapping[Key, GraphNode], dependents: Mapping[Key, Collection[Key]],
+              candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
+    """The keys of ``candidates`` that ``members`` (of fragments) read, directly or through other such
+    keys, and that nothing reads but those, plain tasks and aliases, in the order of ``steps`` (each key
+    after its dependencies)."""
     found: set[Key] = set()
     for k in reversed(steps):
-        readers = dependents.get(k, ())
-        if k in candidates and readers and all(r in members or r in found for r in readers):
+        inside = [r in members or r in found for r in dependents.get(k, ())]
+        if k in candidates and any(inside) and all(
+                i or _reads_guarded_values(dsk.get(r)) for i, r in zip(inside, dependents[k])):
             found.add(k)
     return [k for k in steps if k in found]
 
@@ -158,17 +171,20 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
     task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
-    task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
-    fragments (or such tasks) read run as guards (:func:`~dask_octopus.groups.streams.run_guarded`,
-    under a new key the fragment tasks read): where one raises, only the steps that read it fail.
+    task; the consumers of the others read them inline. The other tasks and aliases among ``pullable``
+    that fragments (or such tasks) read, and nothing else but plain tasks and aliases, run as guards
+    (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own, which the fragment
+    tasks read and the others through :func:`~dask_octopus.groups.streams.guarded_value`): where one
+    raises, only the steps and tasks that read it fail.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
-    eligible = {k for k in dsk if type(dsk[k]) is Task and k not in keep and (pullable is None or k in pullable)
-                and not of_fragments(dsk[k]) and not dependencies[k] & special
-                and all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
+    movable = {k for k in dsk if k not in keep and (pullable is None or k in pullable)
+               and not dependencies[k] & special}
+    plain = {k for k in movable if type(dsk[k]) is Task and not of_fragments(dsk[k])}
+    eligible = {k for k in plain if all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
@@ -195,12 +211,16 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     if not fragments:
         return dict(dsk)
     inside = {m for fragment in built for m in fragment.members}
-    guarded = _read_by_fragments_only(steps, dependents, eligible - inside, inside)
+    aliases = {k for k in movable if type(dsk[k]) is Alias}
+    guarded = _to_guard(steps, dsk, dependents, (plain | aliases) - inside, inside)
     # the same members with other outputs (other keys asked for) are another fragment task
     # (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ; and faster than the keys as they are)
-    token = tokenize(repr([(f.members, f.outputs) for f in built] + guarded))
-    # named for what each runs: Dask's duration estimates and the task stream go by key prefix
-    guards = {d: (f"{key_split(d)}-{GUARD_PREFIX}-{token}", i) for i, d in enumerate(guarded)}
+    token = tokenize(repr([(f.members, f.outputs) for f in built]))
+    # named for what each runs (Dask's duration estimates and the task stream go by key prefix); a guard
+    # by the key it guards alone: computes in flight at once that read one task share its guard, as Dask
+    # shares the task
+    guards = {d: (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d))) for d in guarded}
+    held = {d: Task(d, guarded_value, TaskRef(g)) for d, g in guards.items()}  # read inline by the others
     picks: dict[Key, Task] = {}  # read inline by the consumers
     kept: dict[Key, Task] = {}  # tasks of their own
     made: dict[Key, Fragment] = {}
@@ -212,15 +232,15 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         for i, m in enumerate(fragment.outputs):
             (kept if apart else picks)[m] = Task(m, pick, TaskRef(fkey), i)
 
-    def rewritten(k: Key) -> GraphNode:
+    def rewritten(k: Key, subs: Mapping[Key, GraphNode]) -> GraphNode:
         node = dsk[k]
-        return node.substitute(picks) if picks.keys() & node.dependencies else node
+        return node.substitute(subs, key=k) if subs.keys() & node.dependencies else node
 
     members_of = (inside - kept.keys()) | guards.keys()
-    out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
+    out: dict[Key, GraphNode] = {k: rewritten(k, {**picks, **held}) for k in dsk if k not in members_of}
     out.update(kept)
     for d, gkey in guards.items():
-        node = rewritten(d)
+        node = rewritten(d, picks)
         reads = tuple(sorted(node.dependencies, key=str))
         out[gkey] = Task(gkey, run_guarded, DataNode(None, d), DataNode(None, node), DataNode(None, reads),
                          (retries or {}).get(d), *(TaskRef(guards.get(r, r)) for r in reads))

@@ -37,7 +37,7 @@ from dask.utils import parse_bytes
 from dask_octopus import config
 from dask_octopus._compat import Alias, GraphNode, Task, annotated_restrictions, running_schedulers
 from dask_octopus.groups.planning import ANNOTATION
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, of_fragments, replaced_keys
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, is_guard, of_fragments, replaced_keys
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -287,10 +287,13 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()})
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
-    if not made or any(k in tasks for k in made):  # the same groups are in flight already
+    shared = {k for k in made if k in tasks and is_guard(out[k])}  # another compute's guard of the same task
+    if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
         return {}, []
     computation = scheduler.computations[-1] if scheduler.computations else None
     for gkey, members in made.items():
+        if gkey in shared:  # read as it is, as Dask reads a task of another graph
+            continue
         first = tasks[members[0]]
         gts = scheduler.new_task(gkey, out[gkey], "released", computation=computation)
         gts.priority = min(tasks[m].priority for m in members)
@@ -302,7 +305,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         gts.resource_restrictions = dict(first.resource_restrictions or {}) or None
         gts.loose_restrictions = first.loose_restrictions
         gts.retries = max(tasks[m].retries for m in members)
-    for gkey in made:  # a group may read members of another group
+    for gkey in made.keys() - shared:  # a group may read members of another group
         _relink(tasks[gkey], out[gkey].dependencies, tasks)
     for k, node in out.items():
         if k in new and node is not dsk[k]:  # reads a member: now from its group task
@@ -313,7 +316,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         _relink(tasks[m], set(), tasks)
     spans = scheduler.extensions.get("spans")
     if spans is not None:
-        spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
+        spans.observe_tasks([tasks[g] for g in made if g not in shared], code=(), span_metadata={})
     return made, members
 
 
