@@ -3,6 +3,7 @@ per task), reuse of results the scheduler holds, collections computed together, 
 pickle, and module globals with local schedulers. Each test compares with the unannotated run."""
 
 import asyncio
+import contextlib
 import pickle
 import re
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from dask.utils import key_split
 from distributed import get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
 
 import dask_octopus
@@ -240,6 +241,41 @@ async def test_a_failing_task_read_by_fragments_aliases_and_other_tasks_fails_on
             assert repr(await f.exception()) == "OSError('cannot read part 2')"
 
 
+def fail_on_2(b, block_info=None):
+    if block_info[0]["chunk-location"][0] == 2:
+        raise OSError("cannot read block 2")
+    return b
+
+
+def smooth(b):
+    return b[:-2] + b[2:]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_a_failing_block_of_an_annotated_map_overlap_fails_the_blocks_that_read_it(c, s, a, grouped_by):
+    """``map_overlap`` reads each block's centre through an alias and its neighbours' edges through
+    slices: the failing block 2 fails blocks 1 to 3 of the result, as without ``annotate`` (all of the
+    blocks of the fragments that read it, before the blocks and aliases ran as guards)."""
+    await setup(c, s, [1.0])
+    guarded = Guarded(s)
+    s.add_plugin(guarded, name="guarded")
+
+    def blocks(name, annotated):
+        x = da.arange(96.0, chunks=8).reshape(48, 2).rechunk((4, 2)).map_blocks(fail_on_2, dtype=float, name=name)
+        with dask_octopus.annotate() if annotated else contextlib.nullcontext():
+            y = x.map_overlap(smooth, depth={0: 1, 1: 0}, boundary="none", trim=False).sum(axis=1)
+        return c.compute([y.blocks[i].sum() for i in range(12)])
+
+    plain, grouped = blocks("load-plain", False), blocks("load-grouped", True)
+    await wait(plain + grouped)
+    assert [f.status for f in grouped] == [f.status for f in plain] == [
+        "error" if i in (1, 2, 3) else "finished" for i in range(12)]
+    assert await c.gather([f for f in grouped if f.status == "finished"]) == await c.gather(
+        [f for f in plain if f.status == "finished"])
+    assert {repr(await f.exception()) for f in grouped if f.status == "error"} == {"OSError('cannot read block 2')"}
+    assert {key_split(k) for k in guarded.keys} >= {"load-grouped", "getitem"}  # blocks and aliases
+
+
 LOADS = []  # the parts slow_load was called for (the workers run in this process)
 
 
@@ -268,6 +304,71 @@ async def test_computes_in_flight_at_once_share_the_guard_of_a_task_both_read(c,
     assert await c.gather([first, second]) == [[2, 3, 4, 5], [1, 1, 1, 1]]
     assert guarded.keys == {"shared-0", "shared-1"}
     assert sorted(LOADS) == [0, 1]
+
+
+def slow_sum(x, y, i):
+    time.sleep(0.3)
+    return x + y + i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_computes_that_guard_a_task_differently_do_not_share_its_guard(c, s, a, grouped_by):
+    """The first compute guards the loads ``t`` and the tasks ``d`` that read them; the second, in
+    flight meanwhile, asks for ``t`` too (which then stays a task), so its guard of ``d`` reads ``t``,
+    not ``t``'s guard: another task, under another key (one key with two run specs, Dask warns, may
+    fail or deadlock)."""
+    await setup(c, s, [1.0])
+    t = [dask.delayed(inc)(i, dask_key_name=f"t-{i}") for i in range(2)]
+    d = [dask.delayed(inc)(x, dask_key_name=f"d-{i}") for i, x in enumerate(t)]
+
+    def parts(extra):
+        with dask_octopus.annotate():
+            made = [dask.delayed(slow_sum)(d[0], d[1], i) for i in range(4)]
+        return [dask.delayed(inc)(p) for p in made] + extra
+
+    with captured_logger("distributed.scheduler") as log:
+        first = c.compute(parts([]))
+        await async_poll_for(lambda: any(k[0] == f"d-{GUARD_PREFIX}" for k in s.tasks if type(k) is tuple), 5)
+        second = c.compute(parts(t))
+        assert await c.gather([first, second]) == [[6, 7, 8, 9], [6, 7, 8, 9, 1, 2]]
+    assert "Detected different `run_spec`" not in log.getvalue()
+
+
+def slow_first(i):
+    time.sleep(2 if i == 0 else 0)
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)],
+             config={"optimization.fuse.active": False, "distributed.scheduler.allowed-failures": 0})
+async def test_a_guard_that_failed_whole_is_not_shared_with_a_later_compute(c, s, a, b, grouped_by):
+    """A guard whose worker is lost (``allowed-failures: 0``: ``KilledWorker``) fails its readers; a
+    later compute of the same work, while those failures are held, ends, exact where it does not
+    fail: where the plugin groups the tasks it runs them again (its fragments waited forever on the
+    failed guard), where the optimizer does, Dask decides what a reused failed task means."""
+    await setup(c, s, [1.0, 1.0])
+    loaded = [dask.delayed(slow_first)(i, dask_key_name=f"once-{i}") for i in range(2)]
+
+    def parts(func):
+        with dask_octopus.annotate():
+            made = [dask.delayed(func)(loaded[0], loaded[1], i) for i in range(4)]
+        return [dask.delayed(inc)(p) for p in made] + [dask.delayed(inc)(loaded[0])]  # and a plain reader
+
+    first = c.compute(parts(lambda x, y, i: x + y + i))
+
+    def guard_running():
+        return [ts for k, ts in s.tasks.items() if type(k) is tuple and k[0] == f"once-{GUARD_PREFIX}"
+                and ts.state == "processing" and replaced_keys(ts.run_spec) == ["once-0"]]
+
+    await async_poll_for(guard_running, 5)
+    guard = guard_running()[0]
+    await s.remove_worker(address=guard.processing_on.address, stimulus_id="test", close=False)
+    await wait(first)
+    assert [f.status for f in first] == ["error"] * 5 and guard.state == "erred"
+    second = c.compute(parts(lambda x, y, i: x * y * i))
+    await asyncio.wait_for(wait(second), 10)
+    done = [f for f in second if f.status == "finished"]
+    assert await c.gather(done) == [1, 1, 1, 1, 1][:len(done)] and (grouped_by == "optimizer" or len(done) == 5)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])

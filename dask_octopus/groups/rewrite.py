@@ -212,15 +212,16 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         return dict(dsk)
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
-    guarded = _to_guard(steps, dsk, dependents, (plain | aliases) - inside, inside)
-    # the same members with other outputs (other keys asked for) are another fragment task
-    # (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ; and faster than the keys as they are)
-    token = tokenize(repr([(f.members, f.outputs) for f in built]))
-    # named for what each runs (Dask's duration estimates and the task stream go by key prefix); a guard
-    # by the key it guards alone: computes in flight at once that read one task share its guard, as Dask
-    # shares the task
-    guards = {d: (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d))) for d in guarded}
+    guards: dict[Key, Key] = {}
+    for d in _to_guard(steps, dsk, dependents, (plain | aliases) - inside, inside):  # each after what it reads
+        # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
+        # what it reads (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ): computes in
+        # flight at once that guard one task alike share its guard, as Dask shares the task
+        reads = sorted(repr(guards.get(r, r)) for r in dependencies[d])
+        guards[d] = (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d), reads, (retries or {}).get(d)))
     held = {d: Task(d, guarded_value, TaskRef(g)) for d, g in guards.items()}  # read inline by the others
+    # the same members with other outputs (other keys asked for), or other inputs, are another fragment task
+    token = tokenize(repr([(f.members, f.outputs) for f in built]), sorted(map(repr, guards.values())))
     picks: dict[Key, Task] = {}  # read inline by the consumers
     kept: dict[Key, Task] = {}  # tasks of their own
     made: dict[Key, Fragment] = {}

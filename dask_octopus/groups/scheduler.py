@@ -242,7 +242,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
     """A new task that only tasks of this graph read, that is not an output and not a group (or the
     pick of a group's result) already."""
-    return (isinstance(ts.run_spec, Task) and not of_fragments(ts.run_spec) and ts.key not in wanted
+    return (isinstance(ts.run_spec, (Task, Alias)) and not of_fragments(ts.run_spec) and ts.key not in wanted
             and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
             and not any(d.exception_blame for d in ts.dependencies))
 
@@ -287,12 +287,14 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()})
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
-    shared = {k for k in made if k in tasks and is_guard(out[k])}  # another compute's guard of the same task
+    # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
+    # one that failed as a whole (its worker lost, say): Dask failed the readers of failed tasks already
+    shared = {k for k in made if k in tasks and is_guard(out[k]) and tasks[k].state != "erred"}
     if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
         return {}, []
     computation = scheduler.computations[-1] if scheduler.computations else None
     for gkey, members in made.items():
-        if gkey in shared:  # read as it is, as Dask reads a task of another graph
+        if gkey in shared:
             continue
         first = tasks[members[0]]
         gts = scheduler.new_task(gkey, out[gkey], "released", computation=computation)
@@ -314,9 +316,10 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     members = [m for ms in made.values() for m in ms if m not in out]  # not the results picked as tasks
     for m in members:
         _relink(tasks[m], set(), tasks)
+    made = {k: v for k, v in made.items() if k not in shared}
     spans = scheduler.extensions.get("spans")
     if spans is not None:
-        spans.observe_tasks([tasks[g] for g in made if g not in shared], code=(), span_metadata={})
+        spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
     return made, members
 
 
