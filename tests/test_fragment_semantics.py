@@ -17,7 +17,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
-from distributed import get_worker, wait
+from distributed import KilledWorker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
@@ -205,8 +205,9 @@ def load_but_2(i):
 async def test_a_failing_task_read_by_fragments_aliases_and_other_tasks_fails_only_what_reads_it(c, s, a):
     """Each load is read by an alias (as Dask's ``map_overlap`` reads each block's centre) that a
     fragment's task reads, by the next block's task of a fragment and by a task outside fragments (an
-    output): the loads and the aliases run as guards, the output reads its load's guard; load 2's
-    failure fails the tasks that read it, as without fragments (it failed whole fragments)."""
+    output): the loads and the aliases run as guards, and each load's key takes its guard's value for
+    the output; load 2's failure fails the tasks that read it, as without fragments (it failed whole
+    fragments)."""
     from dask_octopus._compat import Alias, Task, TaskRef
     from dask_octopus.groups.marks import _dependents
     from dask_octopus.groups.rewrite import fragment_graph, is_guard
@@ -229,6 +230,7 @@ async def test_a_failing_task_read_by_fragments_aliases_and_other_tasks_fails_on
     assert {m for node in out.values() if is_guard(node) for m in replaced_keys(node)} == {
         (f"grouped-{name}", i) for name in ("load", "centre") for i in range(4)}
     assert sum(str(k[0]).startswith(FRAGMENT_PREFIX) for k in out) == 2
+    assert all(out[k] is dsk[k] for k in keys if k[0] == "grouped-twice")  # read as they were
     grouped, plain = c.get(out, keys, sync=False), c.get(*graph("plain-"), sync=False)
     await wait(plain + grouped)
     failed = {2, 3, 6}  # ("out", 2) and ("out", 3) read load 2 through fragments, ("twice", 2) directly
@@ -341,11 +343,11 @@ def slow_first(i):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)],
              config={"optimization.fuse.active": False, "distributed.scheduler.allowed-failures": 0})
-async def test_a_guard_that_failed_whole_is_not_shared_with_a_later_compute(c, s, a, b, grouped_by):
-    """A guard whose worker is lost (``allowed-failures: 0``: ``KilledWorker``) fails its readers; a
-    later compute of the same work, while those failures are held, ends, exact where it does not
-    fail: where the plugin groups the tasks it runs them again (its fragments waited forever on the
-    failed guard), where the optimizer does, Dask decides what a reused failed task means."""
+async def test_a_later_compute_reuses_a_guarded_task_that_failed_whole_as_dask_does(c, s, a, b, grouped_by):
+    """A guard whose worker is lost (``allowed-failures: 0``: ``KilledWorker``) fails its readers. A
+    later compute of the same work, while those failures are held, reuses the failed task as Dask
+    reuses any failed task: what reads it fails with ``KilledWorker``, at once (it waited forever for
+    the failed guard on the plugin's ``update_graph`` path when the task was read through its guard)."""
     await setup(c, s, [1.0, 1.0])
     loaded = [dask.delayed(slow_first)(i, dask_key_name=f"once-{i}") for i in range(2)]
 
@@ -367,8 +369,30 @@ async def test_a_guard_that_failed_whole_is_not_shared_with_a_later_compute(c, s
     assert [f.status for f in first] == ["error"] * 5 and guard.state == "erred"
     second = c.compute(parts(lambda x, y, i: x * y * i))
     await asyncio.wait_for(wait(second), 10)
-    done = [f for f in second if f.status == "finished"]
-    assert await c.gather(done) == [1, 1, 1, 1, 1][:len(done)] and (grouped_by == "optimizer" or len(done) == 5)
+    assert [f.status for f in second] == ["error"] * 5
+    assert all([isinstance(await f.exception(), KilledWorker) for f in second])
+
+
+def load_not_0(i):
+    if i == 0:
+        raise OSError("cannot read part 0")
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_a_task_that_reads_a_failed_guarded_task_fails_without_running(c, s, a, grouped_by):
+    """A load that fragments read, and a task outside them that asks for a resource no worker has: the
+    load fails, and its reader fails at once, as without fragments (had it read the guard's value
+    itself, it would have waited for a worker to run it, forever)."""
+    await setup(c, s, [1.0])
+    loaded = [dask.delayed(load_not_0)(i, dask_key_name=f"part-{i}") for i in range(2)]
+    with dask_octopus.annotate():
+        made = [dask.delayed(slow_sum)(loaded[0], loaded[1], i) for i in range(4)]
+    with dask.annotate(resources={"GPU": 1}):
+        reader = dask.delayed(inc)(loaded[0])
+    futures = c.compute([dask.delayed(inc)(p) for p in made] + [reader])
+    await asyncio.wait_for(wait(futures), 10)
+    assert [repr(await f.exception()) for f in futures] == ["OSError('cannot read part 0')"] * 5
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1, {"resources": {"FPGA": 1}})])

@@ -58,8 +58,8 @@ def is_guard(node: Any) -> bool:
 
 
 def of_fragments(node: Any) -> bool:
-    """Whether ``node`` is a fragment task, picks a result of one or guards a task that only fragments
-    read: it never joins a fragment."""
+    """Whether ``node`` is a fragment task, picks a result of one or guards a task that fragments read:
+    it never joins a fragment."""
     return isinstance(node, Task) and node.func in (run_fragment, pick, run_guarded)
 
 
@@ -174,8 +174,9 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     task; the consumers of the others read them inline. The other tasks and aliases among ``pullable``
     that fragments (or such tasks) read, and nothing else but plain tasks and aliases, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own, which the fragment
-    tasks read and the others through :func:`~dask_octopus.groups.streams.guarded_value`): where one
-    raises, only the steps and tasks that read it fail.
+    tasks read; where others read it too, the task's own key takes the guard's value through
+    :func:`~dask_octopus.groups.streams.guarded_value`): where one raises, only the steps and tasks
+    that read it fail.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
@@ -214,12 +215,18 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
     for d in _to_guard(steps, dsk, dependents, (plain | aliases) - inside, inside):  # each after what it reads
+        if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
+            continue
         # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
         # what it reads (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ): computes in
         # flight at once that guard one task alike share its guard, as Dask shares the task
         reads = sorted(repr(guards.get(r, r)) for r in dependencies[d])
         guards[d] = (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d), reads, (retries or {}).get(d)))
-    held = {d: Task(d, guarded_value, TaskRef(g)) for d, g in guards.items()}  # read inline by the others
+    # a guarded task that other tasks read too stays, under its key, a task that takes the guard's value
+    # (raising the error it holds): their run specs and restrictions stay as they are, and where the task
+    # failed they fail without running, as Dask fails them
+    unwrapped = {d: Task(d, guarded_value, TaskRef(g)) for d, g in guards.items()
+                 if any(r not in inside and r not in guards for r in dependents.get(d, ()))}
     # the same members with other outputs (other keys asked for), or other inputs, are another fragment task
     token = tokenize(repr([(f.members, f.outputs) for f in built]), sorted(map(repr, guards.values())))
     picks: dict[Key, Task] = {}  # read inline by the consumers
@@ -233,15 +240,16 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         for i, m in enumerate(fragment.outputs):
             (kept if apart else picks)[m] = Task(m, pick, TaskRef(fkey), i)
 
-    def rewritten(k: Key, subs: Mapping[Key, GraphNode]) -> GraphNode:
+    def rewritten(k: Key) -> GraphNode:
         node = dsk[k]
-        return node.substitute(subs, key=k) if subs.keys() & node.dependencies else node
+        return node.substitute(picks) if picks.keys() & node.dependencies else node
 
     members_of = (inside - kept.keys()) | guards.keys()
-    out: dict[Key, GraphNode] = {k: rewritten(k, {**picks, **held}) for k in dsk if k not in members_of}
+    out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
+    out.update(unwrapped)
     for d, gkey in guards.items():
-        node = rewritten(d, picks)
+        node = rewritten(d)
         reads = tuple(sorted(node.dependencies, key=str))
         out[gkey] = Task(gkey, run_guarded, DataNode(None, d), DataNode(None, node), DataNode(None, reads),
                          (retries or {}).get(d), *(TaskRef(guards.get(r, r)) for r in reads))

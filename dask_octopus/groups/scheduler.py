@@ -240,8 +240,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
-    """A new task that only tasks of this graph read, that is not an output and not a group (or the
-    pick of a group's result) already."""
+    """A new task (or alias: it may run as a guard) that only tasks of this graph read, that is not an
+    output and not a group (or the pick of a group's result) already."""
     return (isinstance(ts.run_spec, (Task, Alias)) and not of_fragments(ts.run_spec) and ts.key not in wanted
             and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
             and not any(d.exception_blame for d in ts.dependencies))
@@ -288,7 +288,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()})
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
-    # one that failed as a whole (its worker lost, say): Dask failed the readers of failed tasks already
+    # not one that failed as a whole (its worker lost, say): Dask fails the readers of failed tasks before
+    # plugins run, and new readers linked to it would wait for it forever
     shared = {k for k in made if k in tasks and is_guard(out[k]) and tasks[k].state != "erred"}
     if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
         return {}, []

@@ -404,8 +404,9 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
 
 
 def guarded_value(value: Any) -> Any:
-    """The value of a guard (:func:`run_guarded`) as a task outside fragments reads it: raises the
-    error of the task it guards, where that failed, as Dask fails the tasks that read a failed one."""
+    """The value of a guard (:func:`run_guarded`), as the task it guards gives it to tasks outside
+    fragments: raises the error of the task, where that failed (its readers then fail as Dask fails
+    the readers of a failed task)."""
     if type(value) is StepFailed:
         raise value.exception()
     return value
@@ -554,8 +555,8 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
 def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], reads: Sequence[Hashable],
                 retries: int | None, *values: Any) -> Any:
     """Body of a task that fragments read (a guard, made by
-    :func:`~dask_octopus.groups.rewrite.fragment_graph`; the other tasks that read it do through
-    :func:`guarded_value`): the value of ``node``, the task ``key`` of Dask's graph, on ``values``
+    :func:`~dask_octopus.groups.rewrite.fragment_graph`; other tasks that read the task read it
+    through :func:`guarded_value`): the value of ``node``, the task ``key`` of Dask's graph, on ``values``
     (those of the keys ``reads``, which ``node`` reads). Where it raises (after running again, in
     place, ``retries`` times, ``None``: as often as this task's ``retries`` allow,
     :class:`RunningTask`), or reads a :class:`StepFailed`, its value is a :class:`StepFailed`
