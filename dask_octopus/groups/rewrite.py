@@ -24,11 +24,11 @@ from dask.utils import key_split
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import plan_fragments, pull_upstream, topological
-from dask_octopus.groups.streams import guarded_value, pick, run_fragment, run_guarded
+from dask_octopus.groups.streams import pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
 
 FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-letter words (hex-like names)
-GUARD_PREFIX = "octopus-guarded"  # tasks that fragments read, run so that their failure fails only what reads them
+GUARD_PREFIX = "octopus-guarded"  # tasks that only fragments read, run so that their failure fails only what reads them
 
 
 def inner_keys(key: Key, node: Any) -> list[Key]:
@@ -58,8 +58,8 @@ def is_guard(node: Any) -> bool:
 
 
 def of_fragments(node: Any) -> bool:
-    """Whether ``node`` is a fragment task, picks a result of one or guards a task that fragments read:
-    it never joins a fragment."""
+    """Whether ``node`` is a fragment task, picks a result of one or guards a task that only fragments
+    read: it never joins a fragment."""
     return isinstance(node, Task) and node.func in (run_fragment, pick, run_guarded)
 
 
@@ -90,22 +90,14 @@ def replaced_keys(node: GraphNode) -> list[Key]:
     return []
 
 
-def _reads_guarded_values(node: Any) -> bool:
-    """Whether ``node``, a task outside fragments, can read a guard's value through
-    :func:`~dask_octopus.groups.streams.guarded_value`: a plain task or an alias."""
-    return (type(node) is Task and not of_fragments(node)) or type(node) is Alias
-
-
-def _to_guard(steps: Sequence[Key], dsk: Mapping[Key, GraphNode], dependents: Mapping[Key, Collection[Key]],
-              candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
-    """The keys of ``candidates`` that ``members`` (of fragments) read, directly or through other such
-    keys, and that nothing reads but those, plain tasks and aliases, in the order of ``steps`` (each key
-    after its dependencies)."""
+def _read_by_fragments_only(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
+                            candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
+    """The keys of ``candidates`` that only ``members`` (of fragments) read, directly or through other such
+    keys, in the order of ``steps`` (each key after its dependencies)."""
     found: set[Key] = set()
     for k in reversed(steps):
-        inside = [r in members or r in found for r in dependents.get(k, ())]
-        if k in candidates and any(inside) and all(
-                i or _reads_guarded_values(dsk.get(r)) for i, r in zip(inside, dependents[k])):
+        readers = dependents.get(k, ())
+        if k in candidates and readers and all(r in members or r in found for r in readers):
             found.add(k)
     return [k for k in steps if k in found]
 
@@ -171,12 +163,10 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
     task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
-    task; the consumers of the others read them inline. The other tasks and aliases among ``pullable``
-    that fragments (or such tasks) read, and nothing else but plain tasks and aliases, run as guards
-    (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own, which the fragment
-    tasks read; where others read it too, the task's own key takes the guard's value through
-    :func:`~dask_octopus.groups.streams.guarded_value`): where one raises, only the steps and tasks
-    that read it fail.
+    task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
+    fragments (or such tasks) read, and the aliases of those, run as guards
+    (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
+    read): where one raises, only the steps that read it fail.
     """
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
@@ -214,7 +204,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
-    for d in _to_guard(steps, dsk, dependents, (plain | aliases) - inside, inside):  # each after what it reads
+    for d in _read_by_fragments_only(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
         if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
             continue
         # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
@@ -222,11 +212,6 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         # flight at once that guard one task alike share its guard, as Dask shares the task
         reads = sorted(repr(guards.get(r, r)) for r in dependencies[d])
         guards[d] = (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d), reads, (retries or {}).get(d)))
-    # a guarded task that other tasks read too stays, under its key, a task that takes the guard's value
-    # (raising the error it holds): their run specs and restrictions stay as they are, and where the task
-    # failed they fail without running, as Dask fails them
-    unwrapped = {d: Task(d, guarded_value, TaskRef(g)) for d, g in guards.items()
-                 if any(r not in inside and r not in guards for r in dependents.get(d, ()))}
     # the same members with other outputs (other keys asked for), or other inputs, are another fragment task
     token = tokenize(repr([(f.members, f.outputs) for f in built]), sorted(map(repr, guards.values())))
     picks: dict[Key, Task] = {}  # read inline by the consumers
@@ -247,7 +232,6 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     members_of = (inside - kept.keys()) | guards.keys()
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
-    out.update(unwrapped)
     for d, gkey in guards.items():
         node = rewritten(d)
         reads = tuple(sorted(node.dependencies, key=str))

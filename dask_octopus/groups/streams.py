@@ -403,15 +403,6 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     return value
 
 
-def guarded_value(value: Any) -> Any:
-    """The value of a guard (:func:`run_guarded`), as the task it guards gives it to tasks outside
-    fragments: raises the error of the task, where that failed (its readers then fail as Dask fails
-    the readers of a failed task)."""
-    if type(value) is StepFailed:
-        raise value.exception()
-    return value
-
-
 _TASK_CALL = Task.__call__.__code__  # the frame in which Dask calls a task's function
 
 
@@ -554,12 +545,11 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
 
 def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], reads: Sequence[Hashable],
                 retries: int | None, *values: Any) -> Any:
-    """Body of a task that fragments read (a guard, made by
-    :func:`~dask_octopus.groups.rewrite.fragment_graph`; other tasks that read the task read it
-    through :func:`guarded_value`): the value of ``node``, the task ``key`` of Dask's graph, on ``values``
-    (those of the keys ``reads``, which ``node`` reads). Where it raises (after running again, in
-    place, ``retries`` times, ``None``: as often as this task's ``retries`` allow,
-    :class:`RunningTask`), or reads a :class:`StepFailed`, its value is a :class:`StepFailed`
+    """Body of a task that only fragments read (a guard, made by
+    :func:`~dask_octopus.groups.rewrite.fragment_graph`): the value of ``node``, the task ``key`` of
+    Dask's graph, on ``values`` (those of the keys ``reads``, which ``node`` reads). Where it raises
+    (after running again, in place, ``retries`` times, ``None``: as often as this task's ``retries``
+    allow, :class:`RunningTask`), or reads a :class:`StepFailed`, its value is a :class:`StepFailed`
     holding the exception instead: a fragment task runs only once all its inputs are in memory, so a
     failed input would fail all of it, where the fragment fails only the steps that read the value,
     as Dask fails only the tasks that read a failed task."""
