@@ -195,12 +195,6 @@ async def test_a_task_that_fragments_read_runs_as_a_guard_with_its_own_annotatio
     assert guarded.keys == {f"fpga-{i}" for i in range(12)}
 
 
-def load_but_2(i):
-    if i == 2:
-        raise OSError(f"cannot read part {i}")
-    return i
-
-
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
 async def test_a_failing_task_read_by_fragments_and_their_aliases_fails_only_what_reads_it(c, s, a):
     """Each load is read by an alias (as Dask's ``map_overlap`` reads each block's centre) that a
@@ -215,7 +209,7 @@ async def test_a_failing_task_read_by_fragments_and_their_aliases_fails_only_wha
     def graph(run, also=()):  # the tasks of each run named apart: the runs are in flight at once
         dsk = {}
         for i in range(4):
-            dsk[(f"{run}load", i)] = Task((f"{run}load", i), load_but_2, i)
+            dsk[(f"{run}load", i)] = Task((f"{run}load", i), load_unless, i, 2)
             dsk[(f"{run}centre", i)] = Alias((f"{run}centre", i), (f"{run}load", i))
             dsk[(f"{run}part", i)] = Task((f"{run}part", i), add, TaskRef((f"{run}centre", i)),
                                           TaskRef((f"{run}load", (i - 1) % 4)))
@@ -379,19 +373,13 @@ async def test_a_later_compute_of_a_guarded_task_that_failed_whole_ends(c, s, a,
         assert await c.gather(second) == [1] * 6
 
 
-def load_not_0(i):
-    if i == 0:
-        raise OSError("cannot read part 0")
-    return i
-
-
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
 async def test_a_task_outside_fragments_that_reads_a_failed_task_fails_without_running(c, s, a, grouped_by):
     """A load that fragments read, and a task outside them that asks for a resource no worker has: the
     load fails, and its reader fails at once, as without fragments (had it read a guard's value, it
     would have waited for a worker to run it, forever; such a load stays a task)."""
     await setup(c, s, [1.0])
-    loaded = [dask.delayed(load_not_0)(i, dask_key_name=f"part-{i}") for i in range(2)]
+    loaded = [dask.delayed(load_unless)(i, 0, dask_key_name=f"part-{i}") for i in range(2)]
     with dask_octopus.annotate():
         made = [dask.delayed(slow_sum)(loaded[0], loaded[1], i) for i in range(4)]
     with dask.annotate(resources={"GPU": 1}):

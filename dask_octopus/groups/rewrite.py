@@ -168,6 +168,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
     read): where one raises, only the steps that read it fail.
     """
+    retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
@@ -211,7 +212,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         # what it reads (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ): computes in
         # flight at once that guard one task alike share its guard, as Dask shares the task
         reads = sorted(repr(guards.get(r, r)) for r in dependencies[d])
-        guards[d] = (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d), reads, (retries or {}).get(d)))
+        guards[d] = (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d), reads, retries.get(d)))
     # the same members with other outputs (other keys asked for), or other inputs, are another fragment task
     token = tokenize(repr([(f.members, f.outputs) for f in built]), sorted(map(repr, guards.values())))
     picks: dict[Key, Task] = {}  # read inline by the consumers
@@ -236,7 +237,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         node = rewritten(d)
         reads = tuple(sorted(node.dependencies, key=str))
         out[gkey] = Task(gkey, run_guarded, DataNode(None, d), DataNode(None, node), DataNode(None, reads),
-                         (retries or {}).get(d), *(TaskRef(guards.get(r, r)) for r in reads))
+                         retries.get(d), *(TaskRef(guards.get(r, r)) for r in reads))
     for fkey, fragment in made.items():
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment),
                          *(TaskRef(guards.get(d, d)) for d in fragment.inputs))

@@ -293,13 +293,13 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     shared = {k for k in made if k in tasks and is_guard(out[k]) and tasks[k].state != "erred"}
     if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
         return {}, []
+    members = [m for ms in made.values() for m in ms if m not in out]  # not the results picked as tasks
+    made = {k: ms for k, ms in made.items() if k not in shared}
     computation = scheduler.computations[-1] if scheduler.computations else None
-    for gkey, members in made.items():
-        if gkey in shared:
-            continue
-        first = tasks[members[0]]
+    for gkey, members_of in made.items():
+        first = tasks[members_of[0]]
         gts = scheduler.new_task(gkey, out[gkey], "released", computation=computation)
-        gts.priority = min(tasks[m].priority for m in members)
+        gts.priority = min(tasks[m].priority for m in members_of)
         # a group task does the work of several blocks: not measured as one; each step retries as its own
         # member would (the fragment keeps them), the task as its most retried member
         gts.annotations = {k: v for k, v in (first.annotations or {}).items() if k not in (MEASURE, "retries")}
@@ -307,17 +307,15 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         gts.host_restrictions = set(first.host_restrictions) if first.host_restrictions else None
         gts.resource_restrictions = dict(first.resource_restrictions or {}) or None
         gts.loose_restrictions = first.loose_restrictions
-        gts.retries = max(tasks[m].retries for m in members)
-    for gkey in made.keys() - shared:  # a group may read members of another group
+        gts.retries = max(tasks[m].retries for m in members_of)
+    for gkey in made:  # a group may read members of another group
         _relink(tasks[gkey], out[gkey].dependencies, tasks)
     for k, node in out.items():
         if k in new and node is not dsk[k]:  # reads a member: now from its group task
             new[k].run_spec = node
             _relink(new[k], node.dependencies, tasks)
-    members = [m for ms in made.values() for m in ms if m not in out]  # not the results picked as tasks
     for m in members:
         _relink(tasks[m], set(), tasks)
-    made = {k: v for k, v in made.items() if k not in shared}
     spans = scheduler.extensions.get("spans")
     if spans is not None:
         spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
