@@ -33,6 +33,7 @@ from dask._task_spec import (
     TaskRef,
     _execute_subgraph,
     convert_legacy_graph,
+    cull,
     parse_input,
     resolve_aliases,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "Task",
     "TaskRef",
     "convert_legacy_graph",
+    "cull",
     "dashboard_menu",
     "execute_subgraph",
     "expected_duration",

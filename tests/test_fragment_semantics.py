@@ -203,8 +203,7 @@ async def test_a_failing_task_read_by_fragments_and_their_aliases_fails_only_wha
     whole fragments). A load that a task outside fragments reads too stays a task, and so does its alias
     (a guard's value would reach that task)."""
     from dask_octopus._compat import Alias, Task, TaskRef
-    from dask_octopus.groups.marks import _dependents
-    from dask_octopus.groups.rewrite import fragment_graph, is_guard
+    from dask_octopus.groups.rewrite import dependents_of, fragment_graph, is_guard
 
     def graph(run, also=()):  # the tasks of each run named apart: the runs are in flight at once
         dsk = {}
@@ -221,7 +220,7 @@ async def test_a_failing_task_read_by_fragments_and_their_aliases_fails_only_wha
 
     def guarded(dsk, keys):
         specs = {k: {"resource": "auto", "group": None} for k in dsk if k[0].endswith("part")}
-        out = fragment_graph(dsk, specs, set(keys), _dependents(dsk), {}, {None: 2})
+        out = fragment_graph(dsk, specs, set(keys), dependents_of(dsk), {}, {None: 2})
         assert sum(str(k[0]).startswith(FRAGMENT_PREFIX) for k in out) == 2
         return out, {m for node in out.values() if is_guard(node) for m in replaced_keys(node)}
 
@@ -330,6 +329,37 @@ async def test_computes_that_guard_a_task_differently_do_not_share_its_guard(c, 
         second = c.compute(parts(t))
         assert await c.gather([first, second]) == [[6, 7, 8, 9], [6, 7, 8, 9, 1, 2]]
     assert "Detected different `run_spec`" not in log.getvalue()
+
+
+DOUBLED = []
+
+
+def counted_double(b):
+    """``b`` doubled, noting which block (of eight elements of ``arange``) it was."""
+    DOUBLED.append(int(b[0]) // 8)
+    time.sleep(0.01)
+    return 2 * b
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a, b, grouped_by):
+    """One annotated array computed twice, the second compute sent while the first is in flight: both
+    get the result and each block runs once, as Dask shares the tasks of graphs in flight; made by the
+    optimizer, the second graph takes the scheduler's tasks as they are (reading them as the first
+    compute made them: no key gets a second run spec, which Dask warns may fail or deadlock). Made by
+    the plugin's ``update_graph``, Dask has compared the graphs before the plugin runs."""
+    await setup(c, s, [1.0, 1.0])
+    x = await c.persist(da.arange(64 * 8, chunks=8))
+    expected = int((2 * np.arange(64 * 8) + 1).sum())
+    DOUBLED.clear()
+    with dask_octopus.annotate():
+        y = (x.map_blocks(counted_double, dtype=x.dtype) + 1).sum()
+    with captured_logger("distributed.scheduler") as log:
+        first, second = c.compute(y), c.compute(y)
+        assert await c.gather([first, second]) == [expected, expected]
+    assert sorted(DOUBLED) == list(range(64))
+    if grouped_by == "optimizer":
+        assert "Detected different `run_spec`" not in log.getvalue()
 
 
 def slow_first(i):

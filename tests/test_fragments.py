@@ -439,9 +439,8 @@ def total(*parts):
 
 
 def test_every_fragment_cut_by_the_budget_fits_it_or_holds_one_source():
-    from dask_octopus.groups.marks import _dependents
     from dask_octopus.groups.planning import topological
-    from dask_octopus.groups.rewrite import fragment_graph
+    from dask_octopus.groups.rewrite import dependents_of, fragment_graph
 
     data = {("x", i): np.arange(24.0).reshape(4, 6) + i for i in range(16)}  # blocks that exist already
     graph = {}
@@ -456,7 +455,7 @@ def test_every_fragment_cut_by_the_budget_fits_it_or_holds_one_source():
     expected = sum(chain(v).sum() for v in data.values())
     counts = []
     for budget in (None, 8 * 192, 3 * 192, 1):
-        out = fragment_graph(graph, specs, {"top"}, _dependents(graph), {}, {None: 1}, sizes=sizes,
+        out = fragment_graph(graph, specs, {"top"}, dependents_of(graph), {}, {None: 1}, sizes=sizes,
                              budgets={None: budget})
         made = [node.args[0].value for k, node in out.items() if k not in graph]
         for fragment in made:
@@ -480,15 +479,14 @@ class Barrier(Task):
 def test_a_task_reading_an_unfused_slice_joins_a_fragment_and_one_next_to_a_special_task_does_not(kind, joins):
     """A plain slice that only the fragment reads runs inside it too (pulled upstream); balance's
     unfused slice runs where its input is, and a special task keeps its readers out."""
-    from dask_octopus.groups.marks import _dependents
-    from dask_octopus.groups.rewrite import fragment_graph
+    from dask_octopus.groups.rewrite import dependents_of, fragment_graph
 
     graph = {"slice": kind("slice", operator.getitem, TaskRef("x"), slice(0, 2))}  # "x" exists already
     for i in range(4):
         graph[("c", i)] = Task(("c", i), chain, TaskRef("slice"))
     graph["top"] = Task("top", total, *(TaskRef(("c", i)) for i in range(4)))
     specs = {("c", i): {"resource": "memory"} for i in range(4)}
-    out = fragment_graph(graph, specs, {"top"}, _dependents(graph), {}, {None: 1})
+    out = fragment_graph(graph, specs, {"top"}, dependents_of(graph), {}, {None: 1})
     grouped = {m for k, node in out.items() if k not in graph for m in node.args[0].value.members}
     pulled = {"slice"} if kind is Task else set()
     assert grouped == ({("c", i) for i in range(4)} | pulled if joins else set())

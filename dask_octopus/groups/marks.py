@@ -31,7 +31,7 @@ from typing import Any
 import dask
 import dask.config
 from dask.blockwise import Blockwise
-from dask.core import flatten, reverse_dict
+from dask.core import flatten
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.system import CPU_COUNT
 from dask.typing import Key
@@ -40,7 +40,7 @@ from dask.utils import ensure_dict
 from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, resolve_aliases
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
-from dask_octopus.groups.rewrite import fragment_graph, inner_keys, picks_a_result, replaced_keys
+from dask_octopus.groups.rewrite import dependents_of, fragment_graph, inner_keys, picks_a_result, replaced_keys
 from dask_octopus.groups.scheduler import annotated_retries, annotation_labels, fragment_here, grouping_here
 
 
@@ -65,10 +65,10 @@ class GroupingOptimizer:
             return optimized  # nothing to group (yet): the marks stay on the layers
         annotations = key_annotations(optimized)
         graph = convert_legacy_graph(ensure_dict(optimized))
-        dependents = _dependents(graph)
+        dependents = dependents_of(graph)
         resolved = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
         if resolved.keys() != graph.keys():  # each alias it collapses takes a key out
-            dependents = _dependents(resolved)
+            dependents = dependents_of(resolved)
         graph = resolved
         marks = inner_marks(graph, specs)
         grouping = grouping_here()
@@ -107,10 +107,6 @@ class GroupingOptimizer:
 def _unmade(marks: Mapping[Key, Any], graph: Mapping[Key, Any]) -> dict[Key, Any]:
     """The marks of the tasks of ``graph`` that no fragment runs (nor picks a result of one)."""
     return {k: v for k, v in marks.items() if k in graph and not picks_a_result(graph[k])}
-
-
-def _dependents(graph: Mapping[Key, Any]) -> dict[Key, set[Key]]:
-    return reverse_dict({k: node.dependencies for k, node in graph.items()})
 
 
 class Marks(dict):

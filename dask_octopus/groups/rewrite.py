@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from dask.base import tokenize
+from dask.core import reverse_dict
 from dask.typing import Key
 from dask.utils import key_split
 
@@ -78,6 +79,11 @@ def _read_apart(fragment: Fragment, n: int, fragment_of: Mapping[Key, int], depe
                     labels.get(c) != label or any(fragment_of.get(d, n) != n for d in reads)):
                 return True
     return False
+
+
+def dependents_of(graph: Mapping[Key, GraphNode]) -> dict[Key, set[Key]]:
+    """The graph's reverse dependency map: the keys of the tasks that read each key."""
+    return reverse_dict({k: node.dependencies for k, node in graph.items()})
 
 
 def replaced_keys(node: GraphNode) -> list[Key]:

@@ -35,9 +35,16 @@ from dask.typing import Key
 from dask.utils import parse_bytes
 
 from dask_octopus import config
-from dask_octopus._compat import Alias, GraphNode, Task, annotated_restrictions, running_schedulers
+from dask_octopus._compat import Alias, GraphNode, Task, annotated_restrictions, cull, running_schedulers
 from dask_octopus.groups.planning import ANNOTATION
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph, is_guard, of_fragments, replaced_keys
+from dask_octopus.groups.rewrite import (
+    FRAGMENT_PREFIX,
+    dependents_of,
+    fragment_graph,
+    is_guard,
+    of_fragments,
+    replaced_keys,
+)
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -197,6 +204,25 @@ def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
     return out
 
 
+def _as_reused(scheduler: Scheduler, graph: Mapping[Key, GraphNode], keep: set[Key]) -> dict[Key, GraphNode] | None:
+    """``graph`` as Dask will run it beside the tasks ``scheduler`` has, or ``None`` where it is that
+    already: a task Dask reuses (:func:`_new`) that reads other keys there than in ``graph`` keeps its run
+    spec there (the same collection computed twice at once: the first compute's fragments run the
+    tasks the graph's spec reads, and picks the task's value from one), and the tasks that only such
+    specs read, which Dask would make and never run, go."""
+    reused = {}
+    for k, node in graph.items():
+        ts = scheduler.tasks.get(k)
+        if (not _new(ts) and isinstance(ts.run_spec, GraphNode)
+                and {d.key for d in ts.dependencies} != node.dependencies):  # as Dask compares them
+            reused[k] = ts.run_spec
+    if not reused:
+        return None
+    merged = {**graph, **reused}
+    needed = cull(merged, list(keep))
+    return {k: node for k, node in merged.items() if k in needed}  # in the graph's order, which fragments follow
+
+
 def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: set[Key],
                   dependents: Mapping[Key, set[Key]], annotations: Mapping[Key, Mapping[str, Any]] | None = None,
                   ) -> dict[Key, GraphNode] | None:
@@ -207,7 +233,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     a task state for each of the graph's tasks (most of the cost of a graph of small tasks), and
     their other Dask annotations (``annotations``, by key: tasks group only with tasks of equal such
     annotations, :func:`shared_annotations`; each step keeps its ``retries``). Tasks the scheduler has
-    already (held, running, or wanted by a client: Dask reuses them) are not grouped. ``None`` when
+    already (held, running, or wanted by a client: Dask reuses them) are not grouped, and read what they
+    read there (:func:`_as_reused`). ``None`` when
     not exactly one such scheduler runs here, or when the scheduler's state changed while being read
     (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
     plugins = _hosts()
@@ -217,6 +244,9 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     scheduler, placement = plugin.scheduler, plugin.placement
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
         annotations = annotations or {}
+        reused = _as_reused(scheduler, graph, keep)
+        if reused is not None:
+            graph, dependents = reused, dependents_of(reused)
         new = {k for k in graph if _new(scheduler.tasks.get(k))}  # Dask reuses the others
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
