@@ -4,6 +4,7 @@ pickle, and module globals with local schedulers. Each test compares with the un
 
 import asyncio
 import contextlib
+import os
 import pickle
 import re
 import subprocess
@@ -17,7 +18,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
-from distributed import get_worker, wait
+from distributed import Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
@@ -360,6 +361,33 @@ async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a,
     assert sorted(DOUBLED) == list(range(64))
     if grouped_by == "optimizer":
         assert "Detected different `run_spec`" not in log.getvalue()
+
+
+def exit_on_block_5(b, block_info=None):
+    """The block, but block 5 of its row of blocks takes its worker process down (after a while: the
+    other thread of the worker meanwhile runs what waits there)."""
+    if block_info[0]["chunk-location"][1] == 5:
+        time.sleep(0.2)
+        os._exit(1)
+    return b
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)] * 2, Worker=Nanny, timeout=120)
+async def test_a_block_that_takes_its_worker_down_fails_only_what_reads_it(c, s, a, b, grouped_by):
+    """The fragment whose member kills its worker is lost with it; it runs again as one task per member
+    (named for the member), so, as without fragments, the member that kills its worker again fails with
+    ``KilledWorker`` and only the output that reads it fails; the others are exact. (Dask's default
+    ``allowed-failures``, 3, and two threads per worker: a task waiting on a worker when it goes down
+    counts too, as without fragments, and with 1 and one thread another part sometimes failed so.)"""
+    await setup(c, s, [1.0, 1.0])
+    x = da.ones((40, 80), chunks=10)
+    with dask_octopus.annotate():
+        y = x.map_blocks(exit_on_block_5, dtype=float)
+        outs = [y[:, i * 10:(i + 1) * 10].sum() for i in range(8)]
+    futures = c.compute(outs)
+    error = await futures[5].exception()  # (the others' results may be lost with a worker, then made again)
+    assert await c.gather([f for i, f in enumerate(futures) if i != 5]) == [400.0] * 7
+    assert type(error).__name__ == "KilledWorker" and f"-{FRAGMENT_PREFIX}-" in str(error)
 
 
 def slow_first(i):

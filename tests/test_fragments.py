@@ -168,7 +168,9 @@ async def test_a_worker_killed_mid_fragment_loses_nothing(c, s, a, b):
     assert not fut.done()
     await (a if a.worker_address == victim else b).kill()
     assert await fut == pytest.approx(expected, rel=1e-12)
-    assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) >= 2  # the survivor's and the re-run
+    ran = [key_split(k) for k in rec.worker]
+    assert ran.count(FRAGMENT_PREFIX) == 1  # the survivor's; the lost one ran again as one task per member:
+    assert ran.count(f"sum-{FRAGMENT_PREFIX}") >= 2  # (each a block's chain and partial sum, fused)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
@@ -241,6 +243,36 @@ def test_fused_members_are_flattened_once_and_keep_their_keys():
     got = streams.run_fragment(frag, *[graph[k]({}) for k in frag.inputs])
     expected = (np.arange(32.0).reshape(8, 4) + 2).sum(axis=1)
     assert sorted(np.concatenate(got).tolist()) == sorted(expected.tolist())
+
+
+def test_a_fragment_split_into_its_members_computes_what_it_computes():
+    """One part per member (fused ones keep their inner steps), each returning the values that other
+    members or the fragment's readers read: run in order, the parts give the fragment's results."""
+    import dask
+
+    from dask_octopus._compat import convert_legacy_graph, execute_subgraph
+
+    x = da.from_array(np.arange(64.0).reshape(16, 4), chunks=(2, 4))
+    (y,) = dask.optimize(x.map_blocks(inc).map_blocks(inc).sum(split_every=2))
+    graph = convert_legacy_graph(dict(y.__dask_graph__()))
+    (top,) = y.__dask_keys__()  # a 0-d array: one key
+    members = {k: v for k, v in graph.items() if not (isinstance(v, Task) and v.func is operator.getitem)
+               and k not in x.__dask_keys__() and not isinstance(v, DataNode)}
+    frag = Fragment(members, [top], dict.fromkeys(members, "memory"))
+    inputs = {k: graph[k]({}) for k in frag.inputs}
+    parts = frag.split()
+    assert sorted(map(str, (p.members[0] for p in parts))) == sorted(map(str, members))
+    assert any(len(p.names) > 1 for p in parts)  # fused members keep their inner steps
+    assert any(isinstance(members[p.members[0]], Task) and members[p.members[0]].func is execute_subgraph
+               for p in parts)
+    values = dict(inputs)
+    for part in sorted(parts, key=lambda p: frag.names.index(p.members[0])):  # each after what it reads
+        assert set(part.outputs) <= {top} | {d for q in parts if q is not part for d in q.inputs}
+        values.update(zip(part.outputs, streams.run_fragment(part, *(values[k] for k in part.inputs))))
+    assert values[top] == streams.run_fragment(frag, *(inputs[k] for k in frag.inputs))[0] == 64 * 63 / 2 + 128
+    retried = next(iter(members))  # each step keeps its member's retries
+    kept = Fragment(members, [top], dict.fromkeys(members, "memory"), {retried: 2}).split()
+    assert {p.members[0]: set(p.step_retries(0)) for p in kept} == {m: {2 if m == retried else 0} for m in members}
 
 
 def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, monkeypatch):  # noqa: F811

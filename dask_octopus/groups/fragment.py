@@ -203,14 +203,23 @@ class Fragment:
         if len(set(classes)) > 1:  # (with one class, interleave keeps the order)
             position = {name: i for i, name in enumerate(names)}
             names = [names[i] for i in interleave([[position[d] for d in reads[n]] for n in names], classes)]
-        self.inputs: tuple[Key, ...] = tuple(sorted({d for _, names_, _ in flat.values() for d in names_}
-                                                    - flat.keys(), key=str))
+        known = retries or {}
+        self._lay_out(names, {name: flat[name][1] for name in names}, outputs, tuple(flat[name][0] for name in names),
+                      tuple(members), tuple(dict.fromkeys(covers)),
+                      tuple(known.get(flat[name][2]) for name in names) if known.keys() & members.keys() else None)
+
+    def _lay_out(self, names: Sequence[Key], reads: Mapping[Key, Sequence[Key]], outputs: Iterable[Key],
+                 specs: tuple, members: tuple[Key, ...], covers: tuple[Key, ...],
+                 retries: tuple[int | None, ...] | None) -> None:
+        """Set the slots of steps ``names`` (in run order), each reading the values ``reads[name]`` (by
+        name, in the order of its ``(Ref, j)``), with ``specs`` (in the same order)."""
+        self.inputs: tuple[Key, ...] = tuple(sorted({d for name in names for d in reads[name]} - set(names), key=str))
         self.outputs: tuple[Key, ...] = tuple(outputs)
         first = len(self.inputs)
         slot = {name: j for j, name in enumerate(self.inputs)}
         slot.update((name, first + i) for i, name in enumerate(names))
         self.names: tuple[Key, ...] = tuple(names)
-        self.reads: tuple[tuple[int, ...], ...] = tuple(tuple(slot[v] for v in flat[name][1]) for name in names)
+        self.reads: tuple[tuple[int, ...], ...] = tuple(tuple(slot[v] for v in reads[name]) for name in names)
         self.deps: tuple[tuple[int, ...], ...] = tuple(tuple(sorted({s - first for s in r if s >= first}))
                                                        for r in self.reads)
         self.results: tuple[int, ...] = tuple(slot[o] for o in self.outputs)
@@ -224,13 +233,34 @@ class Fragment:
             if s not in keep:
                 drop[i].append(s)
         self.drop: tuple[tuple[int, ...], ...] = tuple(map(tuple, drop))
-        self.covers = tuple(dict.fromkeys(covers))
-        self.members: tuple[Key, ...] = tuple(members)
-        known = retries or {}
-        self.retries: tuple[int | None, ...] | None = (tuple(known.get(flat[name][2]) for name in names)
-                                                       if known.keys() & members.keys() else None)
-        self._specs: bytes | tuple = tuple(flat[name][0] for name in names)
+        self.covers = covers
+        self.members = members
+        self.retries = retries
+        self._specs: bytes | tuple = specs
         self._structure: str | None = None
+
+    def split(self) -> list[Fragment]:
+        """The fragment as one fragment per member, in the order of the members' first steps: each holds
+        its member's steps (those fused into it too) and returns the values that the fragment returns
+        or that another member's steps read; it receives the fragment's inputs it reads and the other
+        members' values it reads, under their names."""
+        specs = self.specs()
+        first = len(self.inputs)
+        named = self.inputs + self.names  # the name of each slot
+        steps_of: dict[Key, list[int]] = {}
+        for i, name in enumerate(self.names):
+            steps_of.setdefault(step_key(name), []).append(i)
+        apart = set(self.outputs) | {named[s] for i, r in enumerate(self.reads) for s in r
+                                     if s >= first and step_key(named[s]) != step_key(self.names[i])}
+        parts = []
+        for member, steps in steps_of.items():
+            part = object.__new__(Fragment)
+            names = [self.names[i] for i in steps]
+            part._lay_out(names, {self.names[i]: [named[s] for s in self.reads[i]] for i in steps},
+                          [name for name in names if name in apart], tuple(specs[i] for i in steps), (member,),
+                          (member,), None if self.retries is None else tuple(self.retries[i] for i in steps))
+            parts.append(part)
+        return parts
 
     def step_retries(self, default: int) -> list[int]:
         """How many times each step may run again after raising: its member's own ``retries``, else

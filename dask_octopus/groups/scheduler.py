@@ -16,7 +16,9 @@ materialization, and when every running scheduler of its process has the plugin 
 the marks (with the graph's build order, so that the same work groups alike each time and a captured
 group can be replayed) through Dask's fusion and leaves the grouping to this module, which knows
 where tasks will run. (Otherwise, and with local schedulers, the optimizer groups them itself.)
-Group tasks are never regrouped.
+Group tasks are never regrouped, but a fragment task whose worker left while running it is split
+(:func:`hold_if_lost`, :func:`split_fragment`): it runs again as one task per member, so that a
+member that takes its worker down fails only what reads it, as Dask fails such a task.
 
 Computing the same annotated dataframe twice at once works (the second graph's copies of the
 members, which nothing reads any more, are forgotten), but Dask logs a warning that the run spec
@@ -27,15 +29,26 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import weakref
-from collections.abc import Collection, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dask.typing import Key
-from dask.utils import parse_bytes
+from dask.utils import key_split, parse_bytes
 
 from dask_octopus import config
-from dask_octopus._compat import Alias, GraphNode, Task, annotated_restrictions, cull, running_schedulers
+from dask_octopus._compat import (
+    Alias,
+    DataNode,
+    GraphNode,
+    Task,
+    TaskRef,
+    annotated_restrictions,
+    cull,
+    running_schedulers,
+)
+from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
@@ -45,6 +58,7 @@ from dask_octopus.groups.rewrite import (
     of_fragments,
     replaced_keys,
 )
+from dask_octopus.groups.streams import collected, pick, run_fragment
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -392,3 +406,104 @@ def forget_unread(scheduler: Scheduler, keys: Iterable[Key], stimulus_id: str) -
             recs[k] = "forgotten"
     if recs:
         scheduler.transitions(recs, stimulus_id)
+
+
+HELD = "octopus-held"  # a worker restriction no worker has: a fragment task kept from running until split
+GATHER_PREFIX = "octopus-gathered"  # a split fragment's results that one of its readers picks
+Restrictions = tuple[Any, Any, Any, bool]
+
+
+def hold_if_lost(ts: TaskState) -> Restrictions | None:
+    """Keep the task ``ts`` from running (Dask finds it no worker) until :func:`split_fragment`, if it is
+    a fragment task of two members or more that a worker left while running it (Dask counts it
+    *suspicious*); returns its restrictions, which that puts back (``None``: not held)."""
+    node = ts.run_spec
+    if not (ts.suspicious and isinstance(node, Task) and node.func is run_fragment
+            and len(node.args[0].value.members) > 1):
+        return None
+    held = (ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions)
+    ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = (
+        {HELD}, None, None, False)
+    return held
+
+
+def _picked(node: GraphNode, key: Key) -> set[int]:
+    """The results of fragment task ``key`` that ``node`` picks (as a task, or inline)."""
+    out, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Task):
+            if n.func is pick and isinstance(n.args[0], TaskRef) and n.args[0].key == key:
+                out.add(n.args[1])
+            stack.extend(a for a in (*n.args, *n.kwargs.values()) if isinstance(a, GraphNode))
+    return out
+
+
+def split_fragment(scheduler: Scheduler, key: Key, held: Restrictions, stimulus_id: str,
+                   made: Callable[[Key], None] | None = None) -> list[Key]:
+    """Run the fragment task ``key``, held by :func:`hold_if_lost` after its worker left while running it, as
+    one fragment task per member (:meth:`~dask_octopus.groups.fragment.Fragment.split`), so that a
+    member that takes its worker down fails (``KilledWorker``) only what reads it, as without
+    fragments. Each task that read the fragment reads, instead, a task that gathers the results it
+    picks from the parts that make them. ``made`` is called with each new task's key before any runs
+    (the plugin pins the parts as the fragment was). Returns the parts' keys (``[]``: the task is left
+    as it was, no longer held, where it is not waiting to run or has one member).
+    """
+    ts = scheduler.tasks.get(key)
+    if ts is None:
+        return []
+    ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = held
+    fragment: Fragment = ts.run_spec.args[0].value
+    if ts.state not in ("released", "waiting", "no-worker") or not ts.dependents or len(fragment.members) < 2:
+        if ts.state == "no-worker":
+            scheduler.transitions({key: "released"}, stimulus_id)  # and on as Dask would (waiting, or forgotten)
+        return []
+    given = dict(zip(fragment.inputs, ts.run_spec.args[1:], strict=True))  # plain keys, or guards'
+    # each part named for its member (in a task group per prefix, as Dask groups the members: root
+    # tasks are queued, so a worker that goes down takes few of them with it)
+    parts = {(f"{key_split(part.members[0])}-{key[0]}", key[1], j): part for j, part in enumerate(fragment.split())}
+    where = {name: (pkey, i) for pkey, part in parts.items() for i, name in enumerate(part.outputs)}
+
+    def read(name: Key) -> GraphNode:
+        return given[name] if name in given else Task(name, operator.getitem, TaskRef(where[name][0]), where[name][1])
+
+    specs = {pkey: Task(pkey, run_fragment, DataNode(None, part), *map(read, part.inputs))
+             for pkey, part in parts.items()}
+    readers = {}
+    for j, rts in enumerate(sorted(ts.dependents, key=lambda d: str(d.key))):
+        positions = sorted(_picked(rts.run_spec, key))
+        if not positions:  # (before any change: the fragment then runs again whole)
+            raise ValueError(f"task {rts.key!r} reads fragment task {key!r} other than by picking its results")
+        ckey = (key[0].replace(FRAGMENT_PREFIX, GATHER_PREFIX, 1), key[1], j)
+        specs[ckey] = Task(ckey, collected, len(fragment.outputs), DataNode(None, tuple(positions)),
+                           *(read(fragment.outputs[i]) for i in positions))
+        readers[rts] = ckey
+    tasks = scheduler.tasks
+    if tasks.keys() & specs.keys():  # (the same fragment split before, its parts held: runs again whole)
+        raise ValueError(f"the parts of fragment task {key!r} exist already")
+    for k in specs if made is not None else ():
+        made(k)
+    for k, spec in specs.items():
+        nts = scheduler.new_task(k, spec, "released")
+        nts.priority, nts.retries = ts.priority, ts.retries
+        nts.annotations = dict(ts.annotations or {})
+        nts.worker_restrictions = set(held[0]) if held[0] else None
+        nts.host_restrictions = set(held[1]) if held[1] else None
+        nts.resource_restrictions = dict(held[2]) if held[2] else None
+        nts.loose_restrictions = held[3]
+        _relink(nts, spec.dependencies, tasks)
+    for rts, ckey in readers.items():
+        rts.run_spec = rts.run_spec.substitute({key: ckey})
+        _relink(rts, rts.run_spec.dependencies, tasks)
+        if rts.waiting_on and ts in rts.waiting_on:  # (the gatherer's waiters are set as it starts waiting)
+            rts.waiting_on.discard(ts)
+            rts.waiting_on.add(tasks[ckey])
+            if ts.waiters:
+                ts.waiters.discard(rts)
+    spans = scheduler.extensions.get("spans")
+    if spans is not None:
+        spans.observe_tasks([tasks[k] for k in specs], code=(), span_metadata={})
+    # one stimulus: the readers wait on the gatherers from now on; the fragment task, read by none, goes
+    # (recommendations run last first: the new tasks start waiting before it is released)
+    scheduler.transitions({key: "released", **dict.fromkeys(specs, "waiting")}, stimulus_id)
+    return list(parts)

@@ -403,6 +403,15 @@ def pick(outputs: Sequence[Any], i: int) -> Any:
     return value
 
 
+def collected(n: int, positions: Sequence[int], *values: Any) -> tuple[Any, ...]:
+    """The outputs of a fragment task split into its parts, as the fragment would return them: ``values``
+    at ``positions`` of ``n`` (``None`` at the others, which the reader does not pick)."""
+    out: list[Any] = [None] * n
+    for i, value in zip(positions, values, strict=True):
+        out[i] = value
+    return tuple(out)
+
+
 _TASK_CALL = Task.__call__.__code__  # the frame in which Dask calls a task's function
 
 

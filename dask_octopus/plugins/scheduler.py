@@ -143,6 +143,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.profiles = {}
         self.failed_hooks = set()
         self.bad_timings = set()
+        self.held: dict[Any, scheduler_groups.Restrictions] = {}  # fragment tasks to split
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: PeriodicCallback | None = None
@@ -399,6 +400,35 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self._refine(key, worker, kwargs)
             self._record_finish(key, worker, kwargs["startstops"])
             self._steal_for(worker)
+        elif start == "processing" and finish == "released":
+            self._hold_if_lost(key)
+
+    @_guarded
+    def _hold_if_lost(self, key: Any) -> None:
+        """Hold a fragment task whose worker left while running it, to split it once Dask's transitions of
+        this stimulus end (in :meth:`remove_worker`, or soon after where no worker left)."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None and key not in self.held and (held := scheduler_groups.hold_if_lost(ts)) is not None:
+            self.held[key] = held
+            self.scheduler.loop.add_callback(self._split_held, "octopus-split-fragment")
+
+    def _split_held(self, stimulus_id: str) -> None:
+        """Split the held fragment tasks (:func:`~dask_octopus.groups.scheduler.split_fragment`); one that
+        cannot be split runs again whole, as Dask would run it."""
+        while self.held:
+            key, held = self.held.popitem()
+            try:
+                parts = scheduler_groups.split_fragment(self.scheduler, key, held, stimulus_id,
+                                                        lambda k, f=key: self.placement.inherit(k, f))
+            except Exception:
+                logger.exception("dask_octopus: could not split fragment task %s; it runs again whole", key)
+                ts = self.scheduler.tasks.get(key)
+                if ts is not None and ts.state == "no-worker":
+                    self.scheduler.transitions({key: "released"}, stimulus_id)
+                continue
+            if parts:
+                logger.info("dask_octopus: fragment task %s, whose worker left while running it, runs again as %d "
+                            "tasks, one per member", key, len(parts))
 
     @_guarded
     def _refine(self, key: Any, worker: str, kwargs: dict[str, Any]) -> None:
@@ -477,6 +507,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        self._split_held(stimulus_id)  # before the pins of the worker's blocks move
         self.profiles.pop(worker, None)
         self.model.remove(worker)
         for fits in self.item_costs.values():
