@@ -275,6 +275,44 @@ def test_a_fragment_split_into_its_members_computes_what_it_computes():
     assert {p.members[0]: set(p.step_retries(0)) for p in kept} == {m: {2 if m == retried else 0} for m in members}
 
 
+def gated(x, name):
+    """``x``, once the test sets the event ``name``."""
+    from distributed import Event
+
+    Event(name).wait()
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_split_fragment_whose_first_part_reads_a_later_one_runs_exact(c, s, a):
+    """Member ``b`` (fused: ``neg(y) + a``) starts before member ``a`` (``neg(x)``) ends, so its part
+    comes first and reads the next one: every part's task exists before any is linked. The split
+    fragment task is forgotten; its reader reads the gatherer, and gets the fragment's result."""
+    from distributed import Event
+
+    from dask_octopus._compat import execute_subgraph
+    from dask_octopus.groups import scheduler as scheduler_groups
+
+    inner = {"b0": Task("b0", operator.neg, TaskRef("y")), "b": Task("b", operator.add, TaskRef("b0"), TaskRef("a"))}
+    members = {"b": Task("b", execute_subgraph, DataNode(None, inner), "b", ("y", "a"), TaskRef("y"), TaskRef("a")),
+               "a": Task("a", operator.neg, TaskRef("x"))}
+    frag = Fragment(members, ["b"], dict.fromkeys(members, "memory"))
+    assert [p.members for p in frag.split()] == [("b",), ("a",)]
+    fkey = (f"{FRAGMENT_PREFIX}-{tokenize('test')}", 0)
+    graph = {"x": Task("x", gated, 2, "gate"), "y": Task("y", gated, 5, "gate"),
+             fkey: Task(fkey, streams.run_fragment, DataNode(None, frag), TaskRef("x"), TaskRef("y")),
+             "out": Task("out", streams.pick, TaskRef(fkey), 0)}
+    out = c.get(graph, "out", sync=False)
+    await async_poll_for(lambda: fkey in s.tasks and s.tasks[fkey].state == "waiting", 10)
+    ts = s.tasks[fkey]
+    ts.suspicious = 1  # as if its worker had left while running it
+    parts = scheduler_groups.split_fragment(s, ts, scheduler_groups.hold_if_lost(ts), "test")
+    assert [key_split(k) for k in parts] == ["b-" + FRAGMENT_PREFIX, "a-" + FRAGMENT_PREFIX]
+    assert fkey not in s.tasks and s.tasks["out"].state == "waiting"
+    await Event("gate").set()
+    assert await out == -5 + -2
+
+
 def test_gpu_chains_stay_on_their_streams_with_events_where_they_meet(fake_gpu, monkeypatch):  # noqa: F811
     cp, fresh_runtime = fake_gpu
     fresh_runtime()

@@ -439,26 +439,30 @@ def _picked(node: GraphNode, key: Key) -> set[int]:
     return out
 
 
-def split_fragment(scheduler: Scheduler, key: Key, held: Restrictions, stimulus_id: str,
+def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str,
                    made: Callable[[Key], None] | None = None) -> list[Key]:
-    """Run the fragment task ``key``, held by :func:`hold_if_lost` after its worker left while running it, as
-    one fragment task per member (:meth:`~dask_octopus.groups.fragment.Fragment.split`), so that a
+    """Run the fragment task ``ts``, held by :func:`hold_if_lost` after its worker left while running it,
+    as one fragment task per member (:meth:`~dask_octopus.groups.fragment.Fragment.split`), so that a
     member that takes its worker down fails (``KilledWorker``) only what reads it, as without
     fragments. Each task that read the fragment reads, instead, a task that gathers the results it
-    picks from the parts that make them. ``made`` is called with each new task's key before any runs
-    (the plugin pins the parts as the fragment was). Returns the parts' keys (``[]``: the task is left
-    as it was, no longer held, where it is not waiting to run or has one member).
+    picks from the parts that make them; the parts run in the fragment's order (their priorities), the
+    fragment task is forgotten. ``made`` is called with each new task's key before any runs (the plugin
+    pins them as the fragment was). Returns the parts' keys; ``[]`` where the task is left as it was,
+    no longer held: it is not waiting to run (forgotten, cancelled), has one member, or a
+    :class:`ValueError` said why it cannot be split, before anything changed.
     """
-    ts = scheduler.tasks.get(key)
-    if ts is None:
+    key = ts.key
+    if scheduler.tasks.get(key) is not ts:  # forgotten meanwhile (and perhaps made again)
         return []
-    ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = held
+    if ts.worker_restrictions == {HELD}:
+        ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = held
     fragment: Fragment = ts.run_spec.args[0].value
-    if ts.state not in ("released", "waiting", "no-worker") or not ts.dependents or len(fragment.members) < 2:
+    if ts.state not in ("waiting", "no-worker") or not ts.dependents or len(fragment.members) < 2:
         if ts.state == "no-worker":
             scheduler.transitions({key: "released"}, stimulus_id)  # and on as Dask would (waiting, or forgotten)
         return []
     given = dict(zip(fragment.inputs, ts.run_spec.args[1:], strict=True))  # plain keys, or guards'
+    order = {name: i for i, name in enumerate(fragment.names)}
     # each part named for its member (in a task group per prefix, as Dask groups the members: root
     # tasks are queued, so a worker that goes down takes few of them with it)
     parts = {(f"{key_split(part.members[0])}-{key[0]}", key[1], j): part for j, part in enumerate(fragment.split())}
@@ -469,29 +473,36 @@ def split_fragment(scheduler: Scheduler, key: Key, held: Restrictions, stimulus_
 
     specs = {pkey: Task(pkey, run_fragment, DataNode(None, part), *map(read, part.inputs))
              for pkey, part in parts.items()}
+    after = {pkey: order[part.members[0]] for pkey, part in parts.items()}  # where its member ends in the run
     readers = {}
     for j, rts in enumerate(sorted(ts.dependents, key=lambda d: str(d.key))):
         positions = sorted(_picked(rts.run_spec, key))
-        if not positions:  # (before any change: the fragment then runs again whole)
+        if not positions:
             raise ValueError(f"task {rts.key!r} reads fragment task {key!r} other than by picking its results")
         ckey = (key[0].replace(FRAGMENT_PREFIX, GATHER_PREFIX, 1), key[1], j)
         specs[ckey] = Task(ckey, collected, len(fragment.outputs), DataNode(None, tuple(positions)),
                            *(read(fragment.outputs[i]) for i in positions))
+        after[ckey] = max(order[fragment.outputs[i]] for i in positions)
         readers[rts] = ckey
     tasks = scheduler.tasks
-    if tasks.keys() & specs.keys():  # (the same fragment split before, its parts held: runs again whole)
-        raise ValueError(f"the parts of fragment task {key!r} exist already")
+    if tasks.keys() & specs.keys():
+        raise ValueError(f"the parts of fragment task {key!r} exist already (split before, still held)")
+    # nothing changed so far; from here on nothing raises
+    computation = next((c for c in reversed(scheduler.computations) if ts.group in c.groups), None)
+    for k, spec in specs.items():
+        nts = scheduler.new_task(k, spec, "released", computation=computation)
+        nts.priority, nts.retries = (*ts.priority, after[k]), ts.retries
+        nts.annotations = dict(ts.annotations or {})
+        nts.worker_restrictions = set(ts.worker_restrictions) if ts.worker_restrictions else None
+        nts.host_restrictions = set(ts.host_restrictions) if ts.host_restrictions else None
+        nts.resource_restrictions = dict(ts.resource_restrictions) if ts.resource_restrictions else None
+        nts.loose_restrictions = ts.loose_restrictions
+        if nts.group.span_id is None:
+            nts.group.span_id = ts.group.span_id
+    for k, spec in specs.items():  # (a part may read a part made after it)
+        _relink(tasks[k], spec.dependencies, tasks)
     for k in specs if made is not None else ():
         made(k)
-    for k, spec in specs.items():
-        nts = scheduler.new_task(k, spec, "released")
-        nts.priority, nts.retries = ts.priority, ts.retries
-        nts.annotations = dict(ts.annotations or {})
-        nts.worker_restrictions = set(held[0]) if held[0] else None
-        nts.host_restrictions = set(held[1]) if held[1] else None
-        nts.resource_restrictions = dict(held[2]) if held[2] else None
-        nts.loose_restrictions = held[3]
-        _relink(nts, spec.dependencies, tasks)
     for rts, ckey in readers.items():
         rts.run_spec = rts.run_spec.substitute({key: ckey})
         _relink(rts, rts.run_spec.dependencies, tasks)
@@ -503,7 +514,8 @@ def split_fragment(scheduler: Scheduler, key: Key, held: Restrictions, stimulus_
     spans = scheduler.extensions.get("spans")
     if spans is not None:
         spans.observe_tasks([tasks[k] for k in specs], code=(), span_metadata={})
-    # one stimulus: the readers wait on the gatherers from now on; the fragment task, read by none, goes
-    # (recommendations run last first: the new tasks start waiting before it is released)
-    scheduler.transitions({key: "released", **dict.fromkeys(specs, "waiting")}, stimulus_id)
+    # one stimulus: the gatherers that a waiting reader waits on start waiting (and with them the parts
+    # they read); the fragment task, read by none, is forgotten (recommendations run last first)
+    needed = {ckey: "waiting" for rts, ckey in readers.items() if rts.state == "waiting" or rts.who_wants}
+    scheduler.transitions({key: "forgotten", **needed}, stimulus_id)
     return list(parts)

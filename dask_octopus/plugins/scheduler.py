@@ -143,7 +143,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.profiles = {}
         self.failed_hooks = set()
         self.bad_timings = set()
-        self.held: dict[Any, scheduler_groups.Restrictions] = {}  # fragment tasks to split
+        self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions]] = {}  # fragment tasks to split
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: PeriodicCallback | None = None
@@ -409,21 +409,21 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         this stimulus end (in :meth:`remove_worker`, or soon after where no worker left)."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and key not in self.held and (held := scheduler_groups.hold_if_lost(ts)) is not None:
-            self.held[key] = held
-            self.scheduler.loop.add_callback(self._split_held, "octopus-split-fragment")
+            self.held[key] = (ts, held)
+            self.scheduler.loop.add_callback(self._split_held, f"octopus-split-fragment-{time.time()}")
 
     def _split_held(self, stimulus_id: str) -> None:
         """Split the held fragment tasks (:func:`~dask_octopus.groups.scheduler.split_fragment`); one that
         cannot be split runs again whole, as Dask would run it."""
         while self.held:
-            key, held = self.held.popitem()
+            key, (ts, held) = self.held.popitem()
             try:
-                parts = scheduler_groups.split_fragment(self.scheduler, key, held, stimulus_id,
+                parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
                                                         lambda k, f=key: self.placement.inherit(k, f))
-            except Exception:
-                logger.exception("dask_octopus: could not split fragment task %s; it runs again whole", key)
-                ts = self.scheduler.tasks.get(key)
-                if ts is not None and ts.state == "no-worker":
+            except Exception as e:  # raised before anything changed
+                (logger.info if isinstance(e, ValueError) else logger.exception)(
+                    "dask_octopus: fragment task %s runs again whole: %s", key, e)
+                if self.scheduler.tasks.get(key) is ts and ts.state == "no-worker":
                     self.scheduler.transitions({key: "released"}, stimulus_id)
                 continue
             if parts:
