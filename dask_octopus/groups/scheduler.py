@@ -218,18 +218,17 @@ def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
     return out
 
 
-def _as_reused(scheduler: Scheduler, graph: Mapping[Key, GraphNode], keep: set[Key]) -> dict[Key, GraphNode] | None:
-    """``graph`` as Dask will run it beside the tasks ``scheduler`` has, or ``None`` where it is that
-    already: a task Dask reuses (:func:`_new`) that reads other keys there than in ``graph`` keeps its run
-    spec there (the same collection computed twice at once: the first compute's fragments run the
-    tasks the graph's spec reads, and picks the task's value from one), and the tasks that only such
-    specs read, which Dask would make and never run, go."""
+def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState], keep: set[Key],
+               ) -> dict[Key, GraphNode] | None:
+    """``graph`` as Dask will run it beside the tasks ``reusable`` of the scheduler that it reuses
+    (:func:`_new`), or ``None`` where it is that already: such a task that reads other keys there than
+    in ``graph`` keeps its run spec there (the same collection computed twice at once: the first
+    compute's fragments run the tasks the graph's spec reads, and picks the task's value from one), and
+    the tasks that only such specs read, which Dask would make and never run, go."""
     reused = {}
-    for k, node in graph.items():
-        ts = scheduler.tasks.get(k)
-        if (not _new(ts) and isinstance(ts.run_spec, GraphNode)
-                and {d.key for d in ts.dependencies} != node.dependencies):  # as Dask compares them
-            reused[k] = ts.run_spec
+    for k, ts in reusable.items():
+        if isinstance(ts.run_spec, GraphNode) and {d.key for d in ts.dependencies} != graph[k].dependencies:
+            reused[k] = ts.run_spec  # (as Dask compares them)
     if not reused:
         return None
     merged = {**graph, **reused}
@@ -258,10 +257,11 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     scheduler, placement = plugin.scheduler, plugin.placement
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
         annotations = annotations or {}
-        reused = _as_reused(scheduler, graph, keep)
+        reusable = {k: ts for k in graph if not _new(ts := scheduler.tasks.get(k))}  # Dask reuses these
+        reused = _as_reused(graph, reusable, keep)
         if reused is not None:
             graph, dependents = reused, dependents_of(reused)
-        new = {k for k in graph if _new(scheduler.tasks.get(k))}  # Dask reuses the others
+        new = {k for k in graph if k not in reusable}
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
         sizes: dict[Key, float] = {}
@@ -289,6 +289,20 @@ def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[K
     return (isinstance(ts.run_spec, (Task, Alias)) and not of_fragments(ts.run_spec) and ts.key not in wanted
             and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
             and not any(d.exception_blame for d in ts.dependencies))
+
+
+Restrictions = tuple[Any, Any, Any, bool]  # a task's worker, host and resource restrictions, and whether loose
+
+
+def _restrictions(ts: TaskState) -> Restrictions:
+    """A copy of the restrictions of ``ts``."""
+    return (set(ts.worker_restrictions) if ts.worker_restrictions else None,
+            set(ts.host_restrictions) if ts.host_restrictions else None,
+            dict(ts.resource_restrictions) if ts.resource_restrictions else None, ts.loose_restrictions)
+
+
+def _restrict(ts: TaskState, restrictions: Restrictions) -> None:
+    ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = restrictions
 
 
 def _relink(ts: TaskState, dependencies: set[Key], tasks: Mapping[Key, TaskState]) -> None:
@@ -347,10 +361,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         # a group task does the work of several blocks: not measured as one; each step retries as its own
         # member would (the fragment keeps them), the task as its most retried member
         gts.annotations = {k: v for k, v in (first.annotations or {}).items() if k not in (MEASURE, "retries")}
-        gts.worker_restrictions = set(first.worker_restrictions) if first.worker_restrictions else None
-        gts.host_restrictions = set(first.host_restrictions) if first.host_restrictions else None
-        gts.resource_restrictions = dict(first.resource_restrictions or {}) or None
-        gts.loose_restrictions = first.loose_restrictions
+        _restrict(gts, _restrictions(first))
         gts.retries = max(tasks[m].retries for m in members_of)
     for gkey in made:  # a group may read members of another group
         _relink(tasks[gkey], out[gkey].dependencies, tasks)
@@ -410,7 +421,6 @@ def forget_unread(scheduler: Scheduler, keys: Iterable[Key], stimulus_id: str) -
 
 HELD = "octopus-held"  # a worker restriction no worker has: a fragment task kept from running until split
 GATHER_PREFIX = "octopus-gathered"  # a split fragment's results that one of its readers picks
-Restrictions = tuple[Any, Any, Any, bool]
 
 
 def hold_if_lost(ts: TaskState) -> Restrictions | None:
@@ -421,10 +431,18 @@ def hold_if_lost(ts: TaskState) -> Restrictions | None:
     if not (ts.suspicious and isinstance(node, Task) and node.func is run_fragment
             and len(node.args[0].value.members) > 1):
         return None
-    held = (ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions)
-    ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = (
-        {HELD}, None, None, False)
+    held = _restrictions(ts)
+    _restrict(ts, ({HELD}, None, None, False))
     return held
+
+
+def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:
+    """Undo :func:`hold_if_lost` (where the task is still held): ``ts`` runs again whole, as Dask would
+    run it."""
+    if ts.worker_restrictions == {HELD}:
+        _restrict(ts, held)
+    if scheduler.tasks.get(ts.key) is ts and ts.state == "no-worker":
+        scheduler.transitions({ts.key: "released"}, stimulus_id)  # and on: waiting, or forgotten
 
 
 def _picked(node: GraphNode, key: Key) -> set[int]:
@@ -455,11 +473,10 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
     if scheduler.tasks.get(key) is not ts:  # forgotten meanwhile (and perhaps made again)
         return []
     if ts.worker_restrictions == {HELD}:
-        ts.worker_restrictions, ts.host_restrictions, ts.resource_restrictions, ts.loose_restrictions = held
+        _restrict(ts, held)  # (what the parts take)
     fragment: Fragment = ts.run_spec.args[0].value
     if ts.state not in ("waiting", "no-worker") or not ts.dependents or len(fragment.members) < 2:
-        if ts.state == "no-worker":
-            scheduler.transitions({key: "released"}, stimulus_id)  # and on as Dask would (waiting, or forgotten)
+        run_whole(scheduler, ts, held, stimulus_id)
         return []
     given = dict(zip(fragment.inputs, ts.run_spec.args[1:], strict=True))  # plain keys, or guards'
     order = {name: i for i, name in enumerate(fragment.names)}
@@ -493,10 +510,7 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
         nts = scheduler.new_task(k, spec, "released", computation=computation)
         nts.priority, nts.retries = (*ts.priority, after[k]), ts.retries
         nts.annotations = dict(ts.annotations or {})
-        nts.worker_restrictions = set(ts.worker_restrictions) if ts.worker_restrictions else None
-        nts.host_restrictions = set(ts.host_restrictions) if ts.host_restrictions else None
-        nts.resource_restrictions = dict(ts.resource_restrictions) if ts.resource_restrictions else None
-        nts.loose_restrictions = ts.loose_restrictions
+        _restrict(nts, _restrictions(ts))
         if nts.group.span_id is None:
             nts.group.span_id = ts.group.span_id
     for k, spec in specs.items():  # (a part may read a part made after it)

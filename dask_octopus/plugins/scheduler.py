@@ -423,8 +423,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             except Exception as e:  # raised before anything changed
                 (logger.info if isinstance(e, ValueError) else logger.exception)(
                     "dask_octopus: fragment task %s runs again whole: %s", key, e)
-                if self.scheduler.tasks.get(key) is ts and ts.state == "no-worker":
-                    self.scheduler.transitions({key: "released"}, stimulus_id)
+                scheduler_groups.run_whole(self.scheduler, ts, held, stimulus_id)
                 continue
             if parts:
                 logger.info("dask_octopus: fragment task %s, whose worker left while running it, runs again as %d "
