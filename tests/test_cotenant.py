@@ -14,11 +14,9 @@ pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 
 
 
 @pytest.fixture
-def pinned_client(loop):
-    # on distributed's test loop, which waits for its thread as long as it takes (LocalCluster's own gives
-    # up after 10 s: it did three times, at this file's first cluster, in full runs on the 2-core machine)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", loop=loop) as cl, \
-            Client(cl, loop=loop) as c:
+def pinned_client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cl, \
+            Client(cl) as c:
         yield c, pin_workers(c)
 
 
