@@ -539,6 +539,41 @@ def test_every_fragment_cut_by_the_budget_fits_it_or_holds_one_source():
     assert counts[0] == 1 and counts[-1] > counts[2] > counts[1] >= 1, counts
 
 
+@pytest.mark.parametrize("keep", ["total", "outputs"])
+def test_a_graph_is_cut_alike_however_it_lists_its_tasks(keep):
+    """Twelve loads, each read with its neighbour by an annotated task, cut for three threads: the same
+    fragments whatever the order of the graph's dict (a layer's blocks may come from a set, whose order
+    changes from process to process), planned from the outputs in the order asked for (several: one
+    string key each, as Dask names the output of each collection computed at once)."""
+    import random
+
+    from dask_octopus.groups.rewrite import dependents_of, fragment_graph, replaced_keys
+
+    graph = {}
+    for i in range(12):
+        graph[("load", i)] = Task(("load", i), inc, i)
+        graph[("part", i)] = Task(("part", i), operator.add, TaskRef(("load", i)), TaskRef(("load", (i + 1) % 12)))
+    outs = [("out", i) for i in range(12)] if keep == "total" else [f"out-{i}" for i in range(12)]
+    for i, out in enumerate(outs):
+        graph[out] = Task(out, inc, TaskRef(("part", i)))
+    if keep == "total":
+        graph["total"] = Task("total", total, *map(TaskRef, outs))
+    asked = ["total"] if keep == "total" else outs
+    specs = {("part", i): {"resource": "memory"} for i in range(12)}
+    cuts = set()
+    for seed in range(8):
+        keys = list(graph)
+        random.Random(seed).shuffle(keys)
+        listed = {k: graph[k] for k in keys}
+        out = fragment_graph(listed, specs, asked, dependents_of(listed), {}, {None: 3})
+        cuts.add(tuple(sorted(tuple(sorted(replaced_keys(node), key=repr)) for node in out.values()
+                              if len(replaced_keys(node)) > 1)))
+    assert len(cuts) == 1
+    (cut,) = cuts
+    assert [sorted(k[1] for k in members if k[0] == "part") for members in cut] == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
 class Barrier(Task):
     """A special task, as Dask's P2P barrier is: a subclass of Task whose neighbours Dask tracks by key."""
 

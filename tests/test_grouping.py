@@ -11,6 +11,7 @@ from dask_octopus.groups.planning import (
     check_group_spec,
     interleave,
     launch_order,
+    layer_order,
     live_peak,
     plan_fragments,
     pull_upstream,
@@ -117,6 +118,26 @@ def test_topological_order_puts_dependencies_first_and_reports_cycles(order):
     assert topological(order, deps) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="cycle through"):
         topological(["a", "b", "c"], {"a": ["b"], "b": ["c"], "c": ["b"]})
+
+
+@given(st.permutations([("a", i, j) for i in range(4) for j in range(2)] + [("b", i) for i in range(5)] + ["t", "u"]))
+def test_layer_order_lists_each_layers_blocks_in_index_order_where_its_first_block_was(keys):
+    got = layer_order(keys)
+    assert sorted(got, key=repr) == sorted(keys, key=repr)
+    for name, n in (("a", 8), ("b", 5)):
+        blocks = [k for k in got if type(k) is tuple and k[0] == name]
+        assert blocks == sorted(blocks) and len(blocks) == n
+    first = {}  # each layer, and each other key, where it came first
+    for i, k in enumerate(keys):
+        first.setdefault(k[0] if type(k) is tuple else k, i)
+    runs = [k[0] if type(k) is tuple else k for k in got]
+    assert list(dict.fromkeys(runs)) == sorted(first, key=first.get)  # layers, other keys: as they came
+    assert len(list(dict.fromkeys(runs))) == sum(a != b for a, b in zip([None, *runs], runs))  # each together
+
+
+def test_layer_order_keeps_the_order_of_a_layer_whose_indices_do_not_compare():
+    keys = [("a", "x"), ("a", 1), ("b", 1), ("b", 0)]
+    assert layer_order(keys) == keys
 
 
 @given(st.lists(st.sets(st.integers(0, 40), max_size=3), max_size=40), st.integers(1, 8))

@@ -60,8 +60,8 @@ class GroupingOptimizer:
 
     def _group(self, dsk: Any, keys: Any, specs: Mapping[Key, Mapping[str, Any]], **kwargs: Any) -> Any:
         optimized = self.base(dsk, keys, **kwargs)
-        keep = set(flatten(keys))
-        if specs.keys() <= keep and isinstance(optimized, HighLevelGraph):
+        keep = list(dict.fromkeys(flatten(keys)))  # in the order asked for: fragments are planned from them
+        if specs.keys() <= set(keep) and isinstance(optimized, HighLevelGraph):
             return optimized  # nothing to group (yet): the marks stay on the layers
         annotations = key_annotations(optimized)
         graph = convert_legacy_graph(ensure_dict(optimized))

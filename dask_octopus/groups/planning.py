@@ -10,7 +10,7 @@ reduction tree). Tasks that combine several fragments stay tasks of their own.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from itertools import zip_longest
 
 from dask_octopus._checks import is_count
@@ -65,6 +65,23 @@ def topological(order: Sequence[Hashable], dependencies: Mapping[Hashable, Colle
     return out
 
 
+def layer_order(keys: Iterable[Hashable]) -> list[Hashable]:
+    """``keys`` with the blocks of each layer (tuple keys ``(name, *index)`` of one ``name``) in index
+    order, from the place of the layer's first key; layers and other keys keep their order. A
+    collection's blocks then come in the same order however its graph listed them (some layers list
+    them from a set, whose order changes from process to process), so fragments are cut alike each
+    time. ``keys`` as they come where the indices of a layer do not compare."""
+    keys = list(keys)
+    rank: dict[Hashable, int] = {}
+    places = [(rank.setdefault(("layer", k[0]), len(rank)), k[1:]) if type(k) is tuple and k
+              else (rank.setdefault(("key", k), len(rank)), ()) for k in keys]
+    try:
+        ranked = sorted(range(len(keys)), key=places.__getitem__)
+    except TypeError:
+        return keys
+    return [keys[i] for i in ranked]
+
+
 def _chunks(n: int, parts: int) -> list[int]:
     """Part of each of ``n`` consecutive items cut into ``parts`` runs of sizes differing by one at most."""
     return [i * parts // n for i in range(n)] if n else []
@@ -76,8 +93,8 @@ def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Co
                    labels: Mapping[Hashable, Hashable] | None = None) -> list[list[Hashable]]:
     """Fragments of a graph: sets of ``candidates`` that each run as one task, members in dependency order.
 
-    ``steps`` is every key of the graph, each after its dependencies: the order it was built, as
-    :func:`topological` keeps it; ``dependencies`` maps each to its dependencies (keys outside ``steps``
+    ``steps`` is every key of the graph, each after its dependencies (:func:`topological`, neighbouring
+    blocks together: :func:`layer_order`); ``dependencies`` maps each to its dependencies (keys outside ``steps``
     are inputs that exist already). A *source* is a candidate with
     no candidate upstream of it; the sources of each place (``places[k]``, ``None``: anywhere) are cut
     into ``parts[place]`` runs of consecutive sources (more where ``cap`` sources per part would be

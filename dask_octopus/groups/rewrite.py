@@ -22,9 +22,9 @@ from dask.core import reverse_dict
 from dask.typing import Key
 from dask.utils import key_split
 
-from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph, parse_input
 from dask_octopus.groups.fragment import Fragment
-from dask_octopus.groups.planning import plan_fragments, pull_upstream, topological
+from dask_octopus.groups.planning import layer_order, plan_fragments, pull_upstream, topological
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
 
@@ -96,14 +96,13 @@ def replaced_keys(node: GraphNode) -> list[Key]:
     return []
 
 
-def _read_by_fragments_only(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
-                            candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
-    """The keys of ``candidates`` that only ``members`` (of fragments) read, directly or through other such
+def _read_by_fragments(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
+                       candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
+    """The keys of ``candidates`` that ``members`` (of fragments) read, directly or through other such
     keys, in the order of ``steps`` (each key after its dependencies)."""
     found: set[Key] = set()
     for k in reversed(steps):
-        readers = dependents.get(k, ())
-        if k in candidates and readers and all(r in members or r in found for r in readers):
+        if k in candidates and any(r in members or r in found for r in dependents.get(k, ())):
             found.add(k)
     return [k for k in steps if k in found]
 
@@ -143,7 +142,7 @@ def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | No
     return fragment.peak_bytes(sizes) > budget
 
 
-def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: set[Key],
+def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
                    dependents: Mapping[Key, set[Key]], places: Mapping[Key, Any],
                    parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
                    sizes: Mapping[Key, float] | None = None,
@@ -155,7 +154,10 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     ``keep`` are the keys the caller asks for. Those, tasks read by something other than a plain
     task, and tasks next to a special one (a subclass of ``Task``, such as the barrier of a P2P
     shuffle, whose transfer and output tasks Dask's shuffle extension tracks by key; not
-    :class:`~dask_octopus.placement.unfused.UnfusedTask`) stay tasks.
+    :class:`~dask_octopus.placement.unfused.UnfusedTask`) stay tasks. The graph is planned from the
+    keys of ``keep`` in their order (a list: the order they were asked for), then from its other keys
+    with each layer's blocks in order (:func:`~dask_octopus.groups.planning.layer_order`), so the same
+    computation is cut alike however its graph lists its tasks.
     ``dependents`` is the graph's reverse dependency map (:func:`dask.core.reverse_dict`);
     ``places[key]`` says where each annotated task may run (``None``: anywhere) and ``parts[place]``
     how many fragments to cut the sources of a place into (its worker threads). The smallest
@@ -169,17 +171,20 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
     task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
-    task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
+    task; the consumers of the others read them inline. The other tasks among ``pullable`` that
     fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
-    read): where one raises, only the steps that read it fail.
+    read): where one raises, only the steps that read it fail. A guarded task that other tasks read too
+    keeps its key, as a task that picks the guard's value (raising its error, so that Dask fails
+    those readers without running them).
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
-    steps = topological(list(dsk), dependencies)  # in the order the graph was built, dependencies first
+    wanted = set(keep)
+    steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
-    movable = {k for k in dsk if k not in keep and (pullable is None or k in pullable)
+    movable = {k for k in dsk if k not in wanted and (pullable is None or k in pullable)
                and not dependencies[k] & special}
     plain = {k for k in movable if type(dsk[k]) is Task and not of_fragments(dsk[k])}
     eligible = {k for k in plain if all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
@@ -211,7 +216,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
-    for d in _read_by_fragments_only(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
+    for d in _read_by_fragments(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
         if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
             continue
         # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
@@ -236,7 +241,10 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    members_of = (inside - kept.keys()) | guards.keys()
+    for d, gkey in guards.items():
+        if not dependents.get(d, set()) <= inside | guards.keys():  # read by other tasks too
+            kept[d] = Task(d, pick, parse_input((TaskRef(gkey),)), 0)
+    members_of = (inside | guards.keys()) - kept.keys()
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
     for d, gkey in guards.items():

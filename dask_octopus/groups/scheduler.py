@@ -218,7 +218,7 @@ def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
     return out
 
 
-def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState], keep: set[Key],
+def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState], keep: Collection[Key],
                ) -> dict[Key, GraphNode] | None:
     """``graph`` as Dask will run it beside the tasks ``reusable`` of the scheduler that it reuses
     (:func:`_new`), or ``None`` where it is that already: such a task that reads other keys there than
@@ -236,7 +236,7 @@ def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState]
     return {k: node for k, node in merged.items() if k in needed}  # in the graph's order, which fragments follow
 
 
-def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: set[Key],
+def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
                   dependents: Mapping[Key, set[Key]], annotations: Mapping[Key, Mapping[str, Any]] | None = None,
                   ) -> dict[Key, GraphNode] | None:
     """Fragments of an optimized graph made where the optimizer runs, on the one scheduler of this
