@@ -120,6 +120,7 @@ def _duration(value: str) -> float:
 def profile(scheduler_address: str, watching: bool, interval: float, timeout: float) -> None:
     """Print each worker's device, calibration figures, current weights and refining samples."""
     from distributed import Client
+    from distributed.comm import resolve_address
 
     import dask_octopus
 
@@ -132,6 +133,7 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
             raise click.ClickException(str(e)) from None
 
     try:
+        resolve_address(scheduler_address)  # before a Client: one given a bad address stays half made
         client = Client(scheduler_address, timeout=timeout)
     except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
         raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None

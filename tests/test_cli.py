@@ -1,5 +1,6 @@
 """The command line: demo (small), profile, and the module entry point."""
 
+import gc
 import os
 import re
 import subprocess
@@ -130,6 +131,10 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     assert result.output.startswith("Error: cannot connect to 'localhost': missing port number")
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
     assert result.exit_code == 2 and "a duration such as 10s or 500ms, got 'soon'" in result.output
+    # no half-made Client left: one given a bad address stays "connecting"; collected later, its __del__
+    # takes distributed's LoopRunner lock, which a sync cluster holds while its loop thread starts, and
+    # where the collection runs in that thread the cluster gives up after 10 s ("assert loop is not None")
+    assert not [c for c in gc.get_objects() if isinstance(c, Client) and c.status == "connecting"]
 
 
 def test_module_entry_point():
