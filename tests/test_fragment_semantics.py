@@ -201,11 +201,10 @@ async def test_a_failing_task_read_by_fragments_and_their_aliases_fails_only_wha
     """Each load is read by an alias (as Dask's ``map_overlap`` reads each block's centre) that a
     fragment's task reads and by the next block's task of a fragment: the loads and the aliases run as
     guards, and load 2's failure fails the two outputs that read it, as without fragments (it failed
-    whole fragments). Where a task outside fragments reads load 2 too, the load keeps its key, as a task
-    that picks its guard's value: that task fails too, without running (it stayed a task, and its failure
-    failed the fragments reading it whole)."""
+    whole fragments). A load that a task outside fragments reads too stays a task, and so does its alias
+    (a guard's value would reach that task)."""
     from dask_octopus._compat import Alias, Task, TaskRef
-    from dask_octopus.groups.rewrite import dependents_of, fragment_graph, is_guard, picks_a_result
+    from dask_octopus.groups.rewrite import dependents_of, fragment_graph, is_guard
 
     def graph(run, also=()):  # the tasks of each run named apart: the runs are in flight at once
         dsk = {}
@@ -226,19 +225,18 @@ async def test_a_failing_task_read_by_fragments_and_their_aliases_fails_only_wha
         assert sum(str(k[0]).startswith(FRAGMENT_PREFIX) for k in out) == 2
         return out, {m for node in out.values() if is_guard(node) for m in replaced_keys(node)}
 
-    for also in ((), (2,)):
-        dsk, keys = graph(f"grouped{len(also)}-", also)
-        out, made = guarded(dsk, keys)
-        assert made == {(f"grouped{len(also)}-{name}", i) for name in ("load", "centre") for i in range(4)}
-        assert [k for k, node in out.items() if picks_a_result(node)] == [(f"grouped{len(also)}-load", i) for i in also]
-        grouped, plain = c.get(out, keys, sync=False), c.get(*graph(f"plain{len(also)}-", also), sync=False)
-        await wait(plain + grouped)
-        assert [f.status for f in grouped] == [f.status for f in plain] == [
-            "error" if i in (2, 3) else "finished" for i in range(4)] + ["error"] * len(also)
-        assert await c.gather([f for f in grouped if f.status == "finished"]) == await c.gather(
-            [f for f in plain if f.status == "finished"]) == [4, 2]
-        assert {repr(await f.exception()) for f in grouped if f.status == "error"} == {
-            "OSError('cannot read part 2')"}
+    out, made = guarded(*graph("grouped-", also=[1]))
+    assert made == {(f"grouped-{name}", i) for name in ("load", "centre") for i in (0, 2, 3)}
+    dsk, keys = graph("grouped-")
+    out, made = guarded(dsk, keys)
+    assert made == {(f"grouped-{name}", i) for name in ("load", "centre") for i in range(4)}
+    grouped, plain = c.get(out, keys, sync=False), c.get(*graph("plain-"), sync=False)
+    await wait(plain + grouped)
+    assert [f.status for f in grouped] == [f.status for f in plain] == [
+        "error" if i in (2, 3) else "finished" for i in range(4)]
+    assert await c.gather([f for f in grouped if f.status == "finished"]) == await c.gather(
+        [f for f in plain if f.status == "finished"]) == [4, 2]
+    assert {repr(await f.exception()) for f in grouped if f.status == "error"} == {"OSError('cannot read part 2')"}
 
 
 def fail_on_2(b, block_info=None):
@@ -251,14 +249,11 @@ def smooth(b):
     return b[:-2] + b[2:]
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
-async def test_a_failing_block_of_an_annotated_map_overlap_fails_the_blocks_that_read_it(c, s, a, grouped_by, fuse):
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], config={"optimization.fuse.active": False})
+async def test_a_failing_block_of_an_annotated_map_overlap_fails_the_blocks_that_read_it(c, s, a, grouped_by):
     """``map_overlap`` reads each block's centre through an alias and its neighbours' edges through
     slices: the failing block 2 fails blocks 1 to 3 of the result, as without ``annotate`` (all of the
-    blocks of the fragments that read it, before the blocks and aliases ran as guards). With Dask's
-    low-level fusion, which makes tasks outside fragments read the blocks too, as well (it failed the
-    fragments whole, before such blocks ran as guards too)."""
+    blocks of the fragments that read it, before the blocks and aliases ran as guards)."""
     await setup(c, s, [1.0])
     guarded = Guarded(s)
     s.add_plugin(guarded, name="guarded")
@@ -269,15 +264,14 @@ async def test_a_failing_block_of_an_annotated_map_overlap_fails_the_blocks_that
             y = x.map_overlap(smooth, depth={0: 1, 1: 0}, boundary="none", trim=False).sum(axis=1)
         return c.compute([y.blocks[i].sum() for i in range(12)])
 
-    with dask.config.set({"optimization.fuse.active": fuse}):  # (the scheduler materializes the graphs meanwhile)
-        plain, grouped = blocks("load-plain", False), blocks("load-grouped", True)
-        await wait(plain + grouped)
+    plain, grouped = blocks("load-plain", False), blocks("load-grouped", True)
+    await wait(plain + grouped)
     assert [f.status for f in grouped] == [f.status for f in plain] == [
         "error" if i in (1, 2, 3) else "finished" for i in range(12)]
     assert await c.gather([f for f in grouped if f.status == "finished"]) == await c.gather(
         [f for f in plain if f.status == "finished"])
     assert {repr(await f.exception()) for f in grouped if f.status == "error"} == {"OSError('cannot read block 2')"}
-    assert {key_split(k) for k in guarded.keys} >= {"load-grouped"} | ({"getitem"} if not fuse else set())
+    assert {key_split(k) for k in guarded.keys} >= {"load-grouped", "getitem"}  # blocks and aliases
 
 
 LOADS = []  # the parts slow_load was called for (the workers run in this process)

@@ -22,7 +22,7 @@ from dask.core import reverse_dict
 from dask.typing import Key
 from dask.utils import key_split
 
-from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph, parse_input
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import layer_order, plan_fragments, pull_upstream, topological
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
@@ -96,13 +96,14 @@ def replaced_keys(node: GraphNode) -> list[Key]:
     return []
 
 
-def _read_by_fragments(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
-                       candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
-    """The keys of ``candidates`` that ``members`` (of fragments) read, directly or through other such
+def _read_by_fragments_only(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
+                            candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
+    """The keys of ``candidates`` that only ``members`` (of fragments) read, directly or through other such
     keys, in the order of ``steps`` (each key after its dependencies)."""
     found: set[Key] = set()
     for k in reversed(steps):
-        if k in candidates and any(r in members or r in found for r in dependents.get(k, ())):
+        readers = dependents.get(k, ())
+        if k in candidates and readers and all(r in members or r in found for r in readers):
             found.add(k)
     return [k for k in steps if k in found]
 
@@ -171,12 +172,10 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
     task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
-    task; the consumers of the others read them inline. The other tasks among ``pullable`` that
+    task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
     fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
-    read): where one raises, only the steps that read it fail. A guarded task that other tasks read too
-    keeps its key, as a task that picks the guard's value (raising its error, so that Dask fails
-    those readers without running them).
+    read): where one raises, only the steps that read it fail.
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
@@ -216,7 +215,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
-    for d in _read_by_fragments(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
+    for d in _read_by_fragments_only(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
         if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
             continue
         # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
@@ -241,10 +240,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    for d, gkey in guards.items():
-        if not dependents.get(d, set()) <= inside | guards.keys():  # read by other tasks too
-            kept[d] = Task(d, pick, parse_input((TaskRef(gkey),)), 0)
-    members_of = (inside | guards.keys()) - kept.keys()
+    members_of = (inside - kept.keys()) | guards.keys()
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
     for d, gkey in guards.items():
