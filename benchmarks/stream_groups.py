@@ -12,7 +12,9 @@ Operations (each variant interleaved with the others, run after run; medians rep
   ``annotate``: grouped by the scheduler plugin, since dataframes ignore layer annotations.
 - ``frames``: 216 frames (256x256 to 4K) through blur, Sobel, normalise and histogram, the whole set
   ``sets`` times per run (the same shapes arriving again, like video): one Dask task per frame,
-  annotated groups with CUDA graph replay off (``grouped-eager``) and on (``grouped``), the plain loop
+  annotated groups with CUDA graph replay off (``grouped-eager``) and on (``grouped``), the frames
+  through ``dask_octopus.map(..., group=G or all of them, gather=True, to_host=True)`` (``map``: one
+  batch per worker thread over CUDA streams, replayed; no task graph to build), the plain loop
   a user would write in one process, and the floor: the whole set captured as one CUDA graph in
   one process and replayed (kernel time alone, GPU only); on GPU also the peak device memory of one
   task per frame and of the fragments (CuPy's pool after one eager run, capture off).
@@ -208,8 +210,16 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
         finally:
             _set_capture(client, True)
 
+    def mapped(run_no: int) -> Any:
+        out = None
+        for _ in range(sets):
+            out = stack_to_host(dask_octopus.map(frame_pipeline, frames, client=client, group=group or len(frames),
+                                                 resource="memory", gather=True, to_host=True))
+        return out
+
     variants["grouped-eager"] = eager
     variants["grouped"] = through_dask(True)
+    variants["map"] = mapped
     variants["loop"] = loop
     res = measure(variants, runs, warmup)
     for r in res.values():  # per set

@@ -73,7 +73,7 @@ def test_stream_groups_benchmark_cpu_smoke(tmp_path):
     assert record["protocol"] == "tcp"
     assert all(v["same_values_as_reference"] for v in ops["tiny"]["variants"].values())
     assert all(v["same_values_as_reference"] for v in ops["dataframe"]["variants"].values())
-    assert set(ops["frames"]["variants"]) == {"one-task-each", "grouped-eager", "grouped", "loop"}
+    assert set(ops["frames"]["variants"]) == {"one-task-each", "grouped-eager", "grouped", "map", "loop"}
     assert all(v["same_values_as_reference"] for v in ops["frames"]["variants"].values())
     assert all(v["same_values_as_reference"] for t in ops["large"]["variants"].values() for v in t.values())
     bad = CliRunner().invoke(stream_groups.main, ["--type", "cpu", "--operations", "mixed", "--out", str(tmp_path)])
