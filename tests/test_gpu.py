@@ -466,6 +466,34 @@ def test_map_to_host_returns_numpy_copies_of_cupy_results(cuda_one, group):
     assert sorted(pairs) == list(range(10)) and all(isinstance(r["scaled"], np.ndarray) for r in pairs.values())
 
 
+def doubled_sum(block):
+    return (block * 2 + 1).sum()
+
+
+def test_map_batches_replay_reading_persisted_items_in_place(cuda_one):
+    """The same persisted CuPy items mapped again and again: the worker's batch is captured reading
+    the items where they are (no copies of them in the graph) and replayed, exact; other items of the
+    same shapes are never read from the first ones' buffers."""
+    import cupy
+
+    import dask_octopus
+
+    def items(offset):
+        return [cuda_one.submit(cupy.full, (256, 256), float(i + offset), dtype=cupy.float32, pure=False)
+                for i in range(8)]
+
+    sets = {"first": items(0), "second": items(100)}
+    for name in ("first", "first", "first", "second", "second", "second", "first"):
+        got = dask_octopus.map(doubled_sum, sets[name], group=8, resource="memory", gather=True, to_host=True)
+        offset = 0 if name == "first" else 100
+        assert [float(r) for r in got] == [(2.0 * (i + offset) + 1) * 256 * 256 for i in range(8)], name
+    (s,) = cuda_one.run(capture_stats).values()
+    print("capture stats", s)
+    # first: eager, captured in place, replayed; second: captured with copies of its inputs (the shapes
+    # were seen before, not these buffers), replayed twice; first again: its in-place graph
+    assert (s["graphs"], s["graphs_in_place"], s["replays"], s["refused"]) == (2, 1, 6, 0)
+
+
 def grouped_exact(client):
     """A balanced CuPy array's blocks in stream groups of 4 (each group on its block's GPU): the same
     values as without groups."""

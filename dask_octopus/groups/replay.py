@@ -2,8 +2,9 @@
 
 When a group with the same member functions, input shapes and dtypes runs again, its launches are
 captured once into a CUDA graph (forked over the group's streams and joined back, as Opara does, or
-on one stream where a fragment's streams would hold too much memory) and replayed: new inputs are
-copied into the graph's own input buffers, the graph is launched and its outputs are copied out.
+on one stream where a fragment's streams would hold too much memory) and replayed: a graph captured
+on the very input buffers it is given again (persisted blocks or items) reads them in place, others
+copy new inputs into the graph's own input buffers; the graph is launched and its outputs are copied out.
 Allocations made while capturing come from a memory pool private to the graph, so the addresses
 baked into it are never handed to anything else. Capture refused (cuBLAS, cuRAND, a host
 synchronisation, outputs that are not CuPy arrays) is remembered per group signature, and that
@@ -86,14 +87,15 @@ def _check_outputs(cp: Any, outputs: Sequence[Any]) -> None:
 
 
 def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[Any]], order: Sequence[int],
-            streams: Sequence[Any]) -> CapturedGroup:
-    """Capture the group's launches (not run), members round-robin over ``streams`` in ``order``;
+            streams: Sequence[Any], in_place: bool = False) -> CapturedGroup:
+    """Capture the group's launches (not run), members round-robin over ``streams`` in ``order``,
+    reading the inputs in place (the very buffers of each replay: persisted items) or from copies;
     raises :class:`CaptureRefused` when CUDA or CuPy refuses. The streams must already wait for the
     inputs."""
     if not all(_is_device_array(cp, x) for xs in inputs for x in xs):
         raise CaptureRefused("an input is not a CuPy array")
     with streams[0]:
-        static = [[x.copy() for x in xs] for xs in inputs]
+        static = [list(xs) if in_place else [x.copy() for x in xs] for xs in inputs]
     outputs: list[Any] = [None] * len(members)
 
     def launch() -> None:
@@ -103,7 +105,8 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
 
     graph, pool, _ = _capture(cp, streams, launch)
     _check_outputs(cp, outputs)
-    return CapturedGroup(graph, [x for xs in static for x in xs], outputs, pool, len(streams), members)
+    return CapturedGroup(graph, None if in_place else [x for xs in static for x in xs], outputs, pool, len(streams),
+                         members)
 
 
 def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], values: dict, inputs: Sequence[Hashable],

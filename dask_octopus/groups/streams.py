@@ -268,26 +268,56 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
     ready = cp.cuda.get_current_stream().record()
     for s in streams:
         s.wait_event(ready)
+    flat = [x for xs in inputs for x in xs]
     if None not in known and config.get("streams.capture"):
         signature = (tuple(_signature(t, x) for t, x in zip(member_tokens, inputs)), tuple(known))
-        cache = rt.graph_cache()
-        graph = cache.get(signature)
-        if graph is None and cache.should_capture(signature):
+
+        def make(in_place: bool) -> CapturedGroup | None:
+            nonlocal streams
             try:
-                graph = capture(cp, members, inputs, order, streams)
+                return capture(cp, members, inputs, order, streams, in_place)
             except CaptureRefused as e:
                 rt.last_refusal = str(e)
                 logger.debug("dask_octopus: group not captured, it runs eagerly: %s", e)
                 streams = rt.streams(cp, len(streams), fresh=True)
                 for s in streams:
                     s.wait_event(ready)
-            cache.add(signature, graph)
+                return None
+
+        cache = rt.graph_cache()
+        graph = _cached_graph(cache, signature, _pointers(cp, flat), make)
         if graph is not None:
             cache.replays += 1
-            results = graph.replay(cp, [x for xs in inputs for x in xs], streams[0])
+            results = graph.replay(cp, flat, streams[0])
             streams[0].synchronize()
             return results
     return run_on_streams(cp, rt, members, member_tokens, inputs, known, order, streams, sizes)
+
+
+def _pointers(cp: Any, inputs: Sequence[Any]) -> tuple | None:
+    """Where ``inputs`` lie on the device (``None`` unless all are CuPy arrays)."""
+    if not all(isinstance(x, cp.ndarray) for x in inputs):
+        return None
+    return tuple((x.data.ptr, x.strides) for x in inputs)
+
+
+def _cached_graph(cache: GraphCache, shapes: Hashable, pointers: tuple | None,
+                  make: Callable[[bool], CapturedGroup | None]) -> CapturedGroup | None:
+    """The graph of ``cache`` for a group or fragment of signature ``shapes`` whose inputs lie at
+    ``pointers`` (:func:`_pointers`): one captured on these very buffers, which it reads in place, else
+    one that copies its inputs in; where there is none, ``make(in_place)`` captures one (``None``:
+    refused, remembered) when the cache says it is time, reading in place first (persisted blocks and
+    items come again at the same addresses; inputs that are not all device arrays are never read in
+    place: their capture is refused)."""
+    graph = (cache.get((shapes, pointers)) if pointers is not None else None) or cache.get(shapes)
+    if graph is None:
+        tries = [((shapes, pointers), True)] if pointers is not None else []
+        for signature, in_place in [*tries, (shapes, False)]:
+            if cache.should_capture(signature):
+                graph = make(in_place)
+                cache.add(signature, graph)
+                break
+    return graph
 
 
 def run_on_streams(cp: Any, rt: StreamRuntime, members: Sequence[Callable[..., Any]], tokens: Sequence[Hashable],
@@ -657,19 +687,14 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
     current = cp.cuda.get_current_stream()
     ready = current.record()
     if config.get("streams.capture") and all(isinstance(x, cp.ndarray) for x in inputs):
-        shapes = _signature(fragment.structure(), inputs)
-        pointers = tuple((x.data.ptr, x.strides) for x in inputs)
+        def make(in_place: bool) -> CapturedGroup | None:
+            nonlocal ready
+            specs = fragment.specs()
+            ready = current.record()  # after the specs' device constants are uploaded
+            return _capture_within(rt, cp, fragment, specs, rt.layout(fragment), values, inputs, in_place, ready)
+
         cache = rt.graph_cache()
-        graph = cache.get((shapes, pointers)) or cache.get(shapes)
-        if graph is None:
-            for signature, in_place in (((shapes, pointers), True), (shapes, False)):
-                if cache.should_capture(signature):
-                    specs = fragment.specs()
-                    ready = current.record()
-                    graph = _capture_within(rt, cp, fragment, specs, rt.layout(fragment), values, inputs, in_place,
-                                            ready)
-                    cache.add(signature, graph)
-                    break
+        graph = _cached_graph(cache, _signature(fragment.structure(), inputs), _pointers(cp, inputs), make)
         if graph is not None:
             cache.replays += 1
             stream = _ready_streams(rt, cp, 1, ready)[0]
