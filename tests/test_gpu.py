@@ -486,6 +486,7 @@ def test_map_batches_replay_reading_persisted_items_in_place(cuda_one):
     for name in ("first", "first", "first", "second", "second", "second", "first"):
         got = dask_octopus.map(doubled_sum, sets[name], group=8, resource="memory", gather=True, to_host=True)
         offset = 0 if name == "first" else 100
+        assert all(isinstance(r, np.ndarray) and r.shape == () for r in got)  # 0-d, as the function returns
         assert [float(r) for r in got] == [(2.0 * (i + offset) + 1) * 256 * 256 for i in range(8)], name
     (s,) = cuda_one.run(capture_stats).values()
     print("capture stats", s)

@@ -22,7 +22,7 @@ def to_host(results: list[Any]) -> list[Any]:
 
     def copy(value: Any) -> Any:
         if isinstance(value, cp.ndarray):
-            src = cp.ascontiguousarray(value)
+            src = value if value.flags.c_contiguous else cp.ascontiguousarray(value)  # (that makes 0-d 1-d)
             out = cupyx.empty_pinned(src.shape, src.dtype)
             src.get(out=out, blocking=False)  # on the current stream, after the kernels that made value
             return out
