@@ -475,6 +475,7 @@ def test_map_batches_replay_reading_persisted_items_in_place(cuda_one):
     the items where they are (no copies of them in the graph) and replayed, exact; other items of the
     same shapes are never read from the first ones' buffers."""
     import cupy
+    import dask
 
     import dask_octopus
 
@@ -484,7 +485,8 @@ def test_map_batches_replay_reading_persisted_items_in_place(cuda_one):
 
     sets = {"first": items(0), "second": items(100)}
     for name in ("first", "first", "first", "second", "second", "second", "first"):
-        got = dask_octopus.map(doubled_sum, sets[name], group=8, resource="memory", gather=True, to_host=True)
+        with dask.config.set({"octopus.map.steal-fraction": 0}):  # one batch of the 8 (no stealable tail)
+            got = dask_octopus.map(doubled_sum, sets[name], group=8, resource="memory", gather=True, to_host=True)
         offset = 0 if name == "first" else 100
         assert all(isinstance(r, np.ndarray) and r.shape == () for r in got)  # 0-d, as the function returns
         assert [float(r) for r in got] == [(2.0 * (i + offset) + 1) * 256 * 256 for i in range(8)], name
