@@ -366,6 +366,29 @@ def test_graph_cache_captures_after_the_configured_sightings():
     assert GraphCache(after=0).should_capture("g")  # captured the first time it runs
 
 
+@pytest.mark.parametrize("after, buffers, refuse, made, got", [
+    # the same buffers again: captured reading them in place; other buffers of the same shapes: a
+    # graph that copies its inputs in, replayed for any buffers; the first buffers: their own graph
+    (1, "aaabba", False, [True, False], [None, "in place", "in place", "copies", "copies", "in place"]),
+    # captured the first time: buffers not seen before get the copying graph, which every run replays
+    (0, "abcd", False, [False], ["copies"] * 4),
+    (0, "aaaa", False, [False], ["copies"] * 4),
+    # a refusal holds for the shapes, whatever the buffers: never tried again
+    (1, "aaabb", True, [True], [None] * 5),
+    (0, "abc", True, [False], [None] * 3),
+])
+def test_a_group_is_captured_in_place_only_on_buffers_that_came_before(after, buffers, refuse, made, got):
+    cache = GraphCache(after=after)
+    calls = []
+
+    def make(in_place):
+        calls.append(in_place)
+        return None if refuse else ("in place" if in_place else "copies")
+
+    assert [streams._cached_graph(cache, "shapes", (b,), make) for b in buffers] == got
+    assert calls == made
+
+
 def test_graph_cache_drops_the_least_recently_used_graph_beyond_its_size():
     cache = GraphCache(size=2, after=0)
     cache.add("a", "graph a")

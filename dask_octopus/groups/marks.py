@@ -66,7 +66,7 @@ class GroupingOptimizer:
         annotations = key_annotations(optimized)
         graph = convert_legacy_graph(ensure_dict(optimized))
         dependents = dependents_of(graph)
-        resolved = resolve_aliases(graph, keep, dependents)  # fusion leaves aliases of the fused names
+        resolved = resolve_aliases(graph, set(keep), dependents)  # fusion leaves aliases of the fused names
         if resolved.keys() != graph.keys():  # each alias it collapses takes a key out
             dependents = dependents_of(resolved)
         graph = resolved

@@ -158,7 +158,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     :class:`~dask_octopus.placement.unfused.UnfusedTask`) stay tasks. The graph is planned from the
     keys of ``keep`` in their order (a list: the order they were asked for), then from its other keys
     with each layer's blocks in order (:func:`~dask_octopus.groups.planning.layer_order`), so the same
-    computation is cut alike however its graph lists its tasks.
+    computation is cut alike in whatever order its graph lists each layer's blocks.
     ``dependents`` is the graph's reverse dependency map (:func:`dask.core.reverse_dict`);
     ``places[key]`` says where each annotated task may run (``None``: anywhere) and ``parts[place]``
     how many fragments to cut the sources of a place into (its worker threads). The smallest

@@ -304,19 +304,22 @@ def _pointers(cp: Any, inputs: Sequence[Any]) -> tuple | None:
 def _cached_graph(cache: GraphCache, shapes: Hashable, pointers: tuple | None,
                   make: Callable[[bool], CapturedGroup | None]) -> CapturedGroup | None:
     """The graph of ``cache`` for a group or fragment of signature ``shapes`` whose inputs lie at
-    ``pointers`` (:func:`_pointers`): one captured on these very buffers, which it reads in place, else
-    one that copies its inputs in; where there is none, ``make(in_place)`` captures one (``None``:
-    refused, remembered) when the cache says it is time, reading in place first (persisted blocks and
-    items come again at the same addresses; inputs that are not all device arrays are never read in
-    place: their capture is refused)."""
-    graph = (cache.get((shapes, pointers)) if pointers is not None else None) or cache.get(shapes)
-    if graph is None:
-        tries = [((shapes, pointers), True)] if pointers is not None else []
-        for signature, in_place in [*tries, (shapes, False)]:
-            if cache.should_capture(signature):
-                graph = make(in_place)
-                cache.add(signature, graph)
-                break
+    ``pointers`` (:func:`_pointers`; ``None``: not all device arrays, whose capture is refused): one
+    captured on these very buffers, which it reads in place, else one that copies its inputs in. Where
+    there is none and the cache says it is time, ``make(in_place)`` captures one: in place where these
+    buffers came before (persisted blocks, items the workers hold), else copying (inputs that change
+    from run to run then share one graph). A refusal (``None``) does not depend on the buffers: it is
+    remembered for the shapes, whatever the buffers."""
+    placed = (shapes, pointers) if pointers is not None else None
+    graph = (cache.get(placed) if placed is not None else None) or cache.get(shapes)
+    if graph is not None or shapes in cache.refused:
+        return graph
+    again = placed is not None and placed in cache.seen  # these very buffers came before
+    in_place = placed is not None and cache.should_capture(placed) and again  # (counts this sighting)
+    if not in_place and not cache.should_capture(shapes):
+        return None
+    graph = make(in_place)
+    cache.add(placed if in_place and graph is not None else shapes, graph)
     return graph
 
 
