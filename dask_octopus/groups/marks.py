@@ -61,12 +61,13 @@ class GroupingOptimizer:
     def _group(self, dsk: Any, keys: Any, specs: Mapping[Key, Mapping[str, Any]], **kwargs: Any) -> Any:
         optimized = self.base(dsk, keys, **kwargs)
         keep = list(dict.fromkeys(flatten(keys)))  # in the order asked for: fragments are planned from them
-        if specs.keys() <= set(keep) and isinstance(optimized, HighLevelGraph):
+        wanted = set(keep)
+        if specs.keys() <= wanted and isinstance(optimized, HighLevelGraph):
             return optimized  # nothing to group (yet): the marks stay on the layers
         annotations = key_annotations(optimized)
         graph = convert_legacy_graph(ensure_dict(optimized))
         dependents = dependents_of(graph)
-        resolved = resolve_aliases(graph, set(keep), dependents)  # fusion leaves aliases of the fused names
+        resolved = resolve_aliases(graph, wanted, dependents)  # fusion leaves aliases of the fused names
         if resolved.keys() != graph.keys():  # each alias it collapses takes a key out
             dependents = dependents_of(resolved)
         graph = resolved
