@@ -17,10 +17,14 @@ When a new release moves one of these, this is the only module to change.
   ``register_worker_plugin`` does, with a worker that leaves meanwhile skipped (``add_worker_plugin``).
 - How ``Scheduler._apply_annotations`` turns a task's annotations into restrictions
   (``annotated_restrictions``: the optimizer places tasks before their task states exist).
+- The text of the scheduler's warning that a key came with another run spec than the one it has
+  (``run_spec_collision``: the warning is dropped where the only difference is our grouping).
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,6 +58,7 @@ __all__ = [
     "expected_duration",
     "parse_input",
     "resolve_aliases",
+    "run_spec_collision",
     "running_schedulers",
 ]
 
@@ -138,3 +143,26 @@ def annotated_restrictions(annotation: Mapping[str, Any], coerce: Callable[[Any]
         elif name == "resources":
             resources = value
     return workers, hosts, resources, loose
+
+
+_COLLISION = re.compile(r"Detected different `run_spec` for key (?P<key>.+?) between two consecutive calls to "
+                        r"`update_graph`\.", re.DOTALL)
+_NEW_DEPENDENCIES = re.compile(r"^\s*new dependencies: (?P<keys>.*?)\s*$", re.MULTILINE)
+
+
+def run_spec_collision(message: str) -> tuple[Any, set[Any]] | None:
+    """The key and the new run spec's dependencies that the scheduler's warning ``message`` names, where
+    it is the warning that ``update_graph`` logs for a key that came again with other dependencies than
+    the task it has (``Scheduler._generate_taskstates``); ``None`` for any other message, or one whose
+    key or dependencies do not read back as Python literals."""
+    found, named = _COLLISION.match(message), _NEW_DEPENDENCIES.search(message)
+    if found is None or named is None:
+        return None
+    keys = named["keys"]
+    if keys.startswith("frozenset(") and keys.endswith(")"):
+        keys = keys[len("frozenset("):-1] or "set()"
+    try:
+        key, dependencies = ast.literal_eval(found["key"]), ast.literal_eval(keys)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return (key, set(dependencies)) if isinstance(dependencies, (set, frozenset)) else None

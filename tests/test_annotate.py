@@ -13,7 +13,7 @@ from dask.core import flatten
 from dask.utils import key_split
 from distributed import Event, Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import RESUME, WhereRan, mid_compute, run_balance, setup, slow_copy
 
 import dask_octopus
@@ -272,10 +272,11 @@ async def test_same_annotated_dataframe_computed_twice_at_once(c, s, a, frame):
     y = dd.from_pandas(frame, npartitions=16).map_partitions(with_root).c.sum()
     expected = y.compute(scheduler="sync")
     log = GroupLog.on(s)
-    with dask_octopus.annotate(group=4):
+    with dask_octopus.annotate(group=4), captured_logger("distributed.scheduler") as messages:
         first, second = c.compute(y), c.compute(y)
         assert await c.gather([first, second]) == [expected, expected]
     assert log.groups  # the partitions ran in groups
+    assert "Detected different `run_spec`" not in messages.getvalue()  # only our grouping differs
     del first, second
     await forgotten(s)
 

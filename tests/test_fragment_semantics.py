@@ -348,7 +348,8 @@ async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a,
     get the result and each block runs once, as Dask shares the tasks of graphs in flight; made by the
     optimizer, the second graph takes the scheduler's tasks as they are (reading them as the first
     compute made them: no key gets a second run spec, which Dask warns may fail or deadlock). Made by
-    the plugin's ``update_graph``, Dask has compared the graphs before the plugin runs."""
+    the plugin's ``update_graph``, Dask has compared the graphs before the plugin runs: the warning for
+    the first compute's consumers, which read fragments, is dropped."""
     await setup(c, s, [1.0, 1.0])
     x = await c.persist(da.arange(64 * 8, chunks=8))
     expected = int((2 * np.arange(64 * 8) + 1).sum())
@@ -359,8 +360,7 @@ async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a,
         first, second = c.compute(y), c.compute(y)
         assert await c.gather([first, second]) == [expected, expected]
     assert sorted(DOUBLED) == list(range(64))
-    if grouped_by == "optimizer":
-        assert "Detected different `run_spec`" not in log.getvalue()
+    assert "Detected different `run_spec`" not in log.getvalue()
 
 
 def exit_on_block_5(b, block_info=None):
@@ -592,9 +592,10 @@ def slow_plus_one(b):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
 async def test_the_same_dataframe_computed_without_annotate_while_held_leaves_no_task_behind(c, s, a, first_done):
     """The first compute's consumers read fragments; the second, unannotated, brings the same keys
-    with Dask's run specs: Dask keeps the first's (and logs that they differ), and the tasks of the
-    second that only those consumers would read are read by nothing. They are forgotten (64 of them
-    stayed released for good), in flight or once the first has finished."""
+    with Dask's run specs: Dask keeps the first's (the warning that they differ, only by our grouping,
+    is dropped), and the tasks of the second that only those consumers would read are read by nothing.
+    They are forgotten (64 of them stayed released for good), in flight or once the first has
+    finished."""
     import dask.dataframe as dd
     import pandas as pd
 
@@ -606,11 +607,66 @@ async def test_the_same_dataframe_computed_without_annotate_while_held_leaves_no
         first = c.compute(df.v.map_partitions(slow_plus_one).sum())
     if first_done:
         await wait(first)
-    second = c.compute(df.v.map_partitions(slow_plus_one).sum())
-    assert await first == await second == 64 * 63 / 2 + 64
+    with captured_logger("distributed.scheduler") as log:
+        second = c.compute(df.v.map_partitions(slow_plus_one).sum())
+        assert await first == await second == 64 * 63 / 2 + 64
+    assert "Detected different `run_spec`" not in log.getvalue()
     assert any(str(k[0]).startswith(FRAGMENT_PREFIX) for k in rec.worker if isinstance(k, tuple))
     del first, second
     await async_poll_for(lambda: not s.tasks, timeout=10)
+
+
+class GraphsSeen(SchedulerPlugin):
+    """Counts the graphs the scheduler took (its plugins see each after Dask compared it with its tasks)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def update_graph(self, *args, **kwargs):
+        self.count += 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_annotated_dataframe_computed_again_while_its_result_is_held_logs_no_collision(c, s, a, b):
+    """The same annotated sum computed again before the client released the first result (as a loop
+    computing it does): the scheduler still holds the first compute's result, whose task reads the
+    fragments; the second graph's reads the partitions' partial sums. Both give the sum; Dask keeps its
+    task, and its warning that the key came with other dependencies, which says this may fail or
+    deadlock, is not logged: the two differ only by our grouping."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    await dask_octopus.register(c, calibrate=False)
+    df = await c.persist(dd.from_pandas(pd.DataFrame({"v": np.arange(256.0)}), npartitions=16))
+    seen = GraphsSeen()
+    s.add_plugin(seen)
+    with captured_logger("distributed.scheduler") as log:
+        results = []
+        for _ in range(3):
+            with dask_octopus.annotate():
+                results.append(c.compute(df.v.map_partitions(slow_plus_one).sum()))
+            await wait(results[-1])  # held, still, when the next one comes
+        assert await c.gather(results) == [256 * 255 / 2 + 256] * 3
+        await async_poll_for(lambda: seen.count == 3, timeout=5)  # (the client knew the later ones' result)
+    held = s.tasks[results[0].key].dependencies  # the held result reads fragments: the keys collide
+    assert held and all(str(d.key[0]).startswith(FRAGMENT_PREFIX) for d in held)
+    assert "Detected different `run_spec`" not in log.getvalue()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_key_brought_again_for_other_work_is_still_warned_about(c, s, a):
+    """The plugin drops Dask's warning only where the difference is our grouping: a key sent again with
+    other dependencies than the task the scheduler holds (a user's key reused for other work) still gets it."""
+    await dask_octopus.register(c, calibrate=False)
+    seen = GraphsSeen()
+    s.add_plugin(seen)
+    first = c.get({"src-a": 1, "src-b": 2, "out": (inc, "src-a")}, "out", sync=False)
+    await wait(first)
+    with captured_logger("distributed.scheduler") as log:
+        second = c.get({"src-a": 1, "src-b": 2, "out": (inc, "src-b")}, "out", sync=False)
+        assert await second == await first == 2  # Dask keeps the task it has
+        await async_poll_for(lambda: seen.count == 2, timeout=5)
+    assert "Detected different `run_spec` for key 'out'" in log.getvalue()
 
 
 class CodedError(Exception):

@@ -20,9 +20,11 @@ Group tasks are never regrouped, but a fragment task whose worker left while run
 (:func:`hold_if_lost`, :func:`split_fragment`): it runs again as one task per member, so that a
 member that takes its worker down fails only what reads it, as Dask fails such a task.
 
-Computing the same annotated dataframe twice at once works (the second graph's copies of the
-members, which nothing reads any more, are forgotten), but Dask logs a warning that the run spec
-of a key changed between two ``update_graph`` calls: the consumers we rewrote.
+Computing the same dataframe again while the scheduler holds the first compute's result (twice at
+once, or again before the client has released the first result) works: Dask keeps the task it has,
+and the second graph's copies of the members, which nothing reads any more, are forgotten. Dask's
+warning that the key came with another run spec (its dependencies differ: the first compute's reads
+fragments) is dropped where that is the only difference (:class:`RegroupedRunSpecs`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dask_octopus._compat import (
     TaskRef,
     annotated_restrictions,
     cull,
+    run_spec_collision,
     running_schedulers,
 )
 from dask_octopus.groups.fragment import Fragment
@@ -375,6 +378,40 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     if spans is not None:
         spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
     return made, members
+
+
+def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
+    """Whether the task ``ts``, which reads groups (fragment tasks or guards), does the work of a run spec
+    reading ``dependencies`` as grouped since: each of those is a task ``ts`` reads, or a member or an
+    input of a group it reads (a consumer reads a fragment in place of its members; a member's key
+    kept as a task picks the member's value from its fragment, which reads the member's inputs)."""
+    reach: set[Key] = set()
+    for dts in ts.dependencies:
+        reach.add(dts.key)
+        members = replaced_keys(dts.run_spec)
+        if members:
+            reach.update(members, dts.run_spec.dependencies)
+    return len(reach) > len(ts.dependencies) and reach.issuperset(dependencies)
+
+
+class RegroupedRunSpecs(logging.Filter):
+    """A filter of the scheduler's log that drops its warning that a key came again with another run
+    spec (other dependencies) where the scheduler's task for that key differs only by our grouping
+    (:func:`regrouped`): the same annotated collection computed again while the first result is held,
+    whose first run read fragments. Dask keeps its task, as for any such key; the warning, which says
+    this may fail or deadlock, is about keys reused for other work. Any other record passes."""
+
+    def __init__(self, scheduler: Scheduler):
+        super().__init__()
+        self._scheduler = weakref.ref(scheduler)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        scheduler = self._scheduler()
+        if scheduler is None or record.levelno < logging.WARNING or not isinstance(record.msg, str):
+            return True
+        collision = run_spec_collision(record.msg)
+        ts = scheduler.tasks.get(collision[0]) if collision is not None else None
+        return ts is None or not regrouped(ts, collision[1])
 
 
 def place_readers(scheduler: Scheduler, key: Key, worker: str) -> None:

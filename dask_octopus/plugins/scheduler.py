@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+SCHEDULER_LOG = logging.getLogger("distributed.scheduler")  # Dask's scheduler logs here
 F = TypeVar("F", bound=Callable[..., Any])
 HELD = (Status.paused, Status.closing_gracefully)  # worker states in which Dask sends a worker no task
 
@@ -150,6 +151,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._handlers: dict[str, Callable[..., Any]] = {}
         self.history_failed = False
         self.scheduler = None
+        self._log_filter: scheduler_groups.RegroupedRunSpecs | None = None
 
     async def start(self, scheduler: Scheduler) -> None:
         # Dask looks for a plugin of this name before awaiting start() and adds this one after it: two
@@ -188,6 +190,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
         scheduler_groups.hosts.add(self)
+        self._log_filter = scheduler_groups.RegroupedRunSpecs(scheduler)
+        SCHEDULER_LOG.addFilter(self._log_filter)
         self._serve()
         self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
         scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
@@ -209,9 +213,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
 
     def _retire(self) -> None:
-        """Stop everything this plugin runs beside Dask's hooks: grouping, sampling, its metrics and the
-        RPC handlers that are still its own (a plugin registered since has its own)."""
+        """Stop everything this plugin runs beside Dask's hooks: grouping, its filter of the scheduler's
+        log, sampling, its metrics and the RPC handlers that are still its own (a plugin registered since
+        has its own)."""
         scheduler_groups.hosts.discard(self)
+        if self._log_filter is not None:
+            SCHEDULER_LOG.removeFilter(self._log_filter)
         self._stop_sampling()
         from dask_octopus.dashboard import serve
 
