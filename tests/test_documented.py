@@ -343,7 +343,7 @@ def test_capture_settings_decide_when_a_group_is_captured(fake_gpu, settings, re
             with captured_logger("dask_octopus.groups.streams", level=logging.DEBUG) as log:
                 run_fake_group(cp, inputs)
             logs.append(log.getvalue())
-    refusal = "dask_octopus: group not captured, it runs eagerly: an input is not a CuPy array"
+    refusal = "dask_octopus: not captured, it runs eagerly: an input is not a CuPy array"
     assert [refusal in text for text in logs] == [i + 1 == refused_on_run for i in range(4)]
     assert streams.runtime().stats()["refused"] == (0 if refused_on_run is None else 1)
 

@@ -405,32 +405,36 @@ class HeldGraph:
         return self.n
 
 
-@pytest.mark.parametrize("one, spread, refuse, kept", [
-    (100, 100 + 32 * 2**20 + 100, False, "spread"),  # within capture-spare-bytes plus the largest input (100)
-    (100, 100 + 32 * 2**20 + 101, False, "one"),  # one byte over
-    (100, 200, True, "one"),  # the capture over the pool refused: the one-stream graph stays
+@pytest.mark.parametrize("one, spread, refused, kept", [
+    (100, 100 + 32 * 2**20 + 100, (), "spread"),  # within capture-spare-bytes plus the largest input (100)
+    (100, 100 + 32 * 2**20 + 101, (), "one"),  # one byte over
+    (100, 50, (), "spread"),
+    (100, 200, (8,), "one"),  # the capture over the pool refused: the one-stream graph stays
+    (100, 200, (1,), None),  # refused on one stream: no graph (it runs eagerly), the pool's not tried
 ])
-def test_a_fragment_keeps_the_multi_stream_graph_only_within_the_capture_allowance(
-        fake_gpu, monkeypatch, one, spread, refuse, kept):  # noqa: F811
+def test_the_multi_stream_graph_is_kept_only_within_the_capture_allowance(
+        fake_gpu, one, spread, refused, kept):  # noqa: F811
+    """Fragments and ``map`` batches alike (``_capture_within``): captured on one stream and over the
+    pool's, the latter kept where it holds at most ``capture-spare-bytes`` plus the largest input more."""
     cp, fresh_runtime = fake_gpu
     fresh_runtime()
     rt = streams.runtime()
-    frag = two_chains()
-    full = rt.layout(frag)
-    assert full.used > 1
+    tried = []
 
-    class Input(cp.ndarray):
-        nbytes = 100
-
-    def capture(cp_, launch, values, inputs, outputs, pool_streams, in_place, constants):
-        if len(pool_streams) > 1 and refuse:
+    def capture_on(n):
+        tried.append(n)
+        if n in refused:
             raise streams.CaptureRefused("a host synchronisation")
-        return HeldGraph(one if len(pool_streams) == 1 else spread, len(pool_streams))
+        return HeldGraph(one if n == 1 else spread, n)
 
-    monkeypatch.setattr(streams, "capture_fragment", capture)
-    graph = streams._capture_within(rt, cp, frag, frag.specs(), full, {}, [Input(), Input()], True, object())
-    assert graph.streams == (1 if kept == "one" else full.used)
-    assert (rt.last_refusal is not None) == refuse
+    graph = streams._capture_within(rt, cp, capture_on, 8, 100)
+    assert (graph and {1: "one", 8: "spread"}[graph.streams]) == kept
+    assert tried == ([1] if refused == (1,) else [1, 8])
+    assert rt.last_refusal == {(): None, (8,): "over 8 streams (kept on one): a host synchronisation",
+                               (1,): "a host synchronisation"}[refused]
+    tried.clear()
+    if refused != (1,):  # a pool of one stream: captured once
+        assert streams._capture_within(rt, cp, capture_on, 1, 100).streams == 1 and tried == [1]
 
 
 def test_structure_tells_constants_and_partials_apart():

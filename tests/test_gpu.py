@@ -445,6 +445,34 @@ def test_a_captured_fragment_holds_no_more_than_one_stream_would_plus_a_block(cu
     assert st["graphs_on_streams"] == 1  # the 128 kB blocks' graph forks over the streams, the other does not
 
 
+def test_a_captured_map_batch_holds_no_more_than_one_stream_would_plus_an_item(cuda_one):
+    """As fragments: a batch of ``map`` over 16 device items, captured on one stream and over 8, keeps
+    the graph forked over the streams only where it holds at most capture-spare-bytes (32 MiB) plus an
+    item more than the one-stream graph: not with 32 MB items, yes with 128 kB items."""
+    import cupy
+    import dask
+
+    import dask_octopus
+
+    held = 0
+    for side in (2048, 128):
+        items = [cuda_one.submit(cupy.full, (side, side), float(i), pure=False) for i in range(16)]
+        item_bytes = side * side * 8
+        for _ in range(3):  # eager, captured, replayed
+            with dask.config.set({"octopus.map.steal-fraction": 0}):  # one batch of the 16
+                got = dask_octopus.map(scaled_sum, items, group=16, resource="memory", gather=True)
+            assert [float(r[0]) for r in got] == [float(((2 * i + 1) * i) * side) for i in range(16)]
+        (st,) = cuda_one.run(capture_stats).values()
+        graph_bytes, held = st["graph_bytes"] - held, st["graph_bytes"]
+        print(f"items of {item_bytes} bytes: the captured batch holds {graph_bytes} bytes")
+        if side == 2048:
+            assert 0 < graph_bytes <= 4 * item_bytes
+        else:
+            assert 4 * item_bytes < graph_bytes <= 4 * item_bytes + 32 * 2**20
+    assert (st["graphs"], st["graphs_in_place"], st["refused"]) == (2, 2, 0) and st["replays"] >= 2
+    assert st["graphs_on_streams"] == 1  # the 128 kB items' batch forks over the streams, the other does not
+
+
 def scaled_pair(block, k):
     """Two CuPy results of one item, one of them not contiguous."""
     return {"scaled": block * k, "transposed": (block + k).T}

@@ -264,33 +264,26 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
     member_tokens = tokens()
     known = [rt.resolve_class(d, t, x) for d, t, x in zip(declared, member_tokens, inputs, strict=True)]
     order = launch_order([c or "memory" for c in known], sizes)
-    streams = rt.streams(cp, max(1, min(len(members), config.get("streams.max-streams"))))
+    n = max(1, min(len(members), config.get("streams.max-streams")))
     ready = cp.cuda.get_current_stream().record()
-    for s in streams:
-        s.wait_event(ready)
     flat = [x for xs in inputs for x in xs]
     if None not in known and config.get("streams.capture"):
         signature = (tuple(_signature(t, x) for t, x in zip(member_tokens, inputs)), tuple(known))
 
         def make(in_place: bool) -> CapturedGroup | None:
-            nonlocal streams
-            try:
-                return capture(cp, members, inputs, order, streams, in_place)
-            except CaptureRefused as e:
-                rt.last_refusal = str(e)
-                logger.debug("dask_octopus: group not captured, it runs eagerly: %s", e)
-                streams = rt.streams(cp, len(streams), fresh=True)
-                for s in streams:
-                    s.wait_event(ready)
-                return None
+            return _capture_within(rt, cp, lambda k: capture(cp, members, inputs, order,
+                                                             _ready_streams(rt, cp, k, ready), in_place),
+                                   n, max((x.nbytes for x in flat), default=0))
 
         cache = rt.graph_cache()
         graph = _cached_graph(cache, signature, _pointers(cp, flat), make)
         if graph is not None:
             cache.replays += 1
-            results = graph.replay(cp, flat, streams[0])
-            streams[0].synchronize()
+            stream = _ready_streams(rt, cp, 1, ready)[0]
+            results = graph.replay(cp, flat, stream)
+            stream.synchronize()
             return results
+    streams = _ready_streams(rt, cp, n, ready)  # (fresh ones where a capture was refused)
     return run_on_streams(cp, rt, members, member_tokens, inputs, known, order, streams, sizes)
 
 
@@ -652,29 +645,29 @@ def _extra_bytes(rt: StreamRuntime, cp: Any, fragment: Fragment, layout: Fragmen
     return layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
 
 
-def _capture_within(rt: StreamRuntime, cp: Any, fragment: Fragment, specs: Sequence[Any], full: FragmentLayout,
-                    values: dict[int, Any], inputs: Sequence[Any], in_place: bool, ready: Any) -> CapturedGroup | None:
-    """The fragment captured over the streams of ``full`` (its layout over the pool) if that graph holds
-    at most ``octopus.streams.capture-spare-bytes`` plus the largest input more than the graph captured
-    on one stream, else the one-stream graph (also where the pool's capture is refused); ``None`` where
-    the capture on one stream is refused (the reason kept in ``rt.last_refusal``). Each capture runs the
-    steps' Python code once, without retries: a step that raises refuses it, the eager run retries."""
-    layouts = [rt.layout(fragment, 1)] + ([full] if full.used > 1 else [])
-    graphs = []
-    for layout in layouts:
-        streams = _ready_streams(rt, cp, layout.used, ready)
+def _capture_within(rt: StreamRuntime, cp: Any, capture_on: Callable[[int], CapturedGroup], streams: int,
+                    largest: int) -> CapturedGroup | None:
+    """The graph captured over ``streams`` streams of the pool (``capture_on(n)`` captures on the first
+    ``n``, waiting for the inputs) if it holds at most ``octopus.streams.capture-spare-bytes`` plus
+    ``largest`` (the largest input's bytes) more than the graph captured on one stream, else the
+    one-stream graph (also where the capture over the streams is refused): each stream of a pool
+    reuses only its own freed memory, so a graph forked over 8 streams may hold 8 working sets.
+    ``None`` where the capture on one stream is refused (the reason kept in ``rt.last_refusal``)."""
+    graphs: list[CapturedGroup] = []
+    for n in [1] + ([streams] if streams > 1 else []):
         try:
-            graphs.append(capture_fragment(cp, lambda v, st, lay=layout: launch(fragment, specs, lay, v, st), values,
-                                           range(len(inputs)), fragment.results, streams, in_place, specs))
+            graphs.append(capture_on(n))
         except CaptureRefused as e:
-            rt.last_refusal = str(e) if not graphs else f"over {layout.used} streams (kept on one): {e}"
-            logger.debug("dask_octopus: fragment not captured over %d streams: %s", layout.used, e)
-            rt.streams(cp, layout.used, fresh=True)
+            rt.last_refusal = str(e) if not graphs else f"over {n} streams (kept on one): {e}"
+            if graphs:
+                logger.debug("dask_octopus: not captured over %d streams, the one-stream graph is kept: %s", n, e)
+            else:
+                logger.debug("dask_octopus: not captured, it runs eagerly: %s", e)
+            rt.streams(cp, n, fresh=True)
             return graphs[0] if graphs else None
     if len(graphs) == 1:
         return graphs[0]
     one, spread = graphs
-    largest = max((x.nbytes for x in inputs), default=0)
     allowance = one.held_bytes() + largest + _bytes(config.get("streams.capture-spare-bytes"))
     return spread if spread.held_bytes() <= allowance else one
 
@@ -694,7 +687,15 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
             nonlocal ready
             specs = fragment.specs()
             ready = current.record()  # after the specs' device constants are uploaded
-            return _capture_within(rt, cp, fragment, specs, rt.layout(fragment), values, inputs, in_place, ready)
+            full = rt.layout(fragment)
+
+            def capture_on(n: int) -> CapturedGroup:  # each capture runs the steps' Python code once, without
+                layout = full if n > 1 else rt.layout(fragment, 1)  # retries: a raising step refuses it
+                return capture_fragment(cp, lambda v, st: launch(fragment, specs, layout, v, st), values,
+                                        range(len(inputs)), fragment.results, _ready_streams(rt, cp, n, ready),
+                                        in_place, specs)
+
+            return _capture_within(rt, cp, capture_on, full.used, max((x.nbytes for x in inputs), default=0))
 
         cache = rt.graph_cache()
         graph = _cached_graph(cache, _signature(fragment.structure(), inputs), _pointers(cp, inputs), make)
