@@ -348,6 +348,15 @@ def test_capture_settings_decide_when_a_group_is_captured(fake_gpu, settings, re
     assert streams.runtime().stats()["refused"] == (0 if refused_on_run is None else 1)
 
 
+def test_a_group_of_items_that_are_not_arrays_runs_eagerly_when_its_capture_is_due(fake_gpu):
+    cp, fresh_runtime = fake_gpu
+    fresh_runtime()
+    for _ in range(3):  # eager, then refused (not device arrays), then eager without trying again
+        assert run_fake_group(cp, [3, "a frame's name", None]) != [None] * 3
+    assert streams.runtime().stats()["refused"] == 1
+    assert streams.runtime().last_refusal == "an input is not a CuPy array"
+
+
 def test_stream_runtime_reads_capture_after_and_max_graphs_from_dask_config():
     rt = streams.StreamRuntime()
     assert (rt.graph_cache().after, rt.graph_cache().size) == (1, 64)

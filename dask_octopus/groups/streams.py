@@ -273,7 +273,7 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
         def make(in_place: bool) -> CapturedGroup | None:
             return _capture_within(rt, cp, lambda k: capture(cp, members, inputs, order,
                                                              _ready_streams(rt, cp, k, ready), in_place),
-                                   n, max((x.nbytes for x in flat), default=0))
+                                   n, max((x.nbytes for x in flat if isinstance(x, cp.ndarray)), default=0))
 
         cache = rt.graph_cache()
         graph = _cached_graph(cache, signature, _pointers(cp, flat), make)
