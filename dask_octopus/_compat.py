@@ -43,6 +43,7 @@ from dask._task_spec import (
 )
 
 __all__ = [
+    "SCHEDULER_LOGGER",
     "Alias",
     "AnnotatedLLGExpr",
     "AnnotationsTombstone",
@@ -145,24 +146,33 @@ def annotated_restrictions(annotation: Mapping[str, Any], coerce: Callable[[Any]
     return workers, hosts, resources, loose
 
 
+SCHEDULER_LOGGER = "distributed.scheduler"  # where the scheduler logs the warning that run_spec_collision reads
 _COLLISION = re.compile(r"Detected different `run_spec` for key (?P<key>.+?) between two consecutive calls to "
                         r"`update_graph`\.", re.DOTALL)
-_NEW_DEPENDENCIES = re.compile(r"^\s*new dependencies: (?P<keys>.*?)\s*$", re.MULTILINE)
+_DEPENDENCIES = re.compile(r"^\s*(?P<which>old|new) dependencies: (?P<keys>.*?)\s*$", re.MULTILINE)
 
 
-def run_spec_collision(message: str) -> tuple[Any, set[Any]] | None:
-    """The key and the new run spec's dependencies that the scheduler's warning ``message`` names, where
-    it is the warning that ``update_graph`` logs for a key that came again with other dependencies than
-    the task it has (``Scheduler._generate_taskstates``); ``None`` for any other message, or one whose
-    key or dependencies do not read back as Python literals."""
-    found, named = _COLLISION.match(message), _NEW_DEPENDENCIES.search(message)
-    if found is None or named is None:
+def _key_set(text: str) -> set[Any]:
+    """The keys of a set as the warning prints it (``{...}``, ``frozenset({...})``, ``set()``)."""
+    if text.startswith("frozenset(") and text.endswith(")"):
+        text = text[len("frozenset("):-1] or "set()"
+    keys = ast.literal_eval(text)
+    if not isinstance(keys, (set, frozenset)):
+        raise ValueError(f"not a set of keys: {text[:80]}")
+    return set(keys)
+
+
+def run_spec_collision(message: str) -> tuple[Any, set[Any], set[Any]] | None:
+    """The key, the dependencies of the scheduler's task for it and those of the run spec that came
+    again, which the scheduler's warning ``message`` names, where it is the warning that
+    ``update_graph`` logs for a key that came again with other dependencies than the task it has
+    (``Scheduler._generate_taskstates``); ``None`` for any other message, or one whose key or
+    dependencies do not read back as Python literals."""
+    found = _COLLISION.match(message)
+    named = {m["which"]: m["keys"] for m in _DEPENDENCIES.finditer(message)}  # the last of each: after the specs
+    if found is None or named.keys() != {"old", "new"}:
         return None
-    keys = named["keys"]
-    if keys.startswith("frozenset(") and keys.endswith(")"):
-        keys = keys[len("frozenset("):-1] or "set()"
     try:
-        key, dependencies = ast.literal_eval(found["key"]), ast.literal_eval(keys)
+        return ast.literal_eval(found["key"]), _key_set(named["old"]), _key_set(named["new"])
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return None
-    return (key, set(dependencies)) if isinstance(dependencies, (set, frozenset)) else None

@@ -383,15 +383,21 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
     """Whether the task ``ts``, which reads groups (fragment tasks or guards), does the work of a run spec
     reading ``dependencies`` as grouped since: each of those is a task ``ts`` reads, or a member or an
-    input of a group it reads (a consumer reads a fragment in place of its members; a member's key
-    kept as a task picks the member's value from its fragment, which reads the member's inputs)."""
+    input of a group it reads, and each task ``ts`` reads is among them or, a group, has a member or
+    an input among them (a consumer reads a fragment in place of its members; a member's key kept as a
+    task picks the member's value from its fragment, which reads the member's inputs)."""
+    wanted = set(dependencies)
     reach: set[Key] = set()
+    grouped = False
     for dts in ts.dependencies:
-        reach.add(dts.key)
         members = replaced_keys(dts.run_spec)
-        if members:
-            reach.update(members, dts.run_spec.dependencies)
-    return len(reach) > len(ts.dependencies) and reach.issuperset(dependencies)
+        covered = {*members, *dts.run_spec.dependencies} if members else set()
+        if dts.key not in wanted and not covered & wanted:
+            return False
+        grouped = grouped or bool(members)
+        reach.add(dts.key)
+        reach.update(covered)
+    return grouped and reach.issuperset(wanted)
 
 
 class RegroupedRunSpecs(logging.Filter):
@@ -410,8 +416,15 @@ class RegroupedRunSpecs(logging.Filter):
         if scheduler is None or record.levelno < logging.WARNING or not isinstance(record.msg, str):
             return True
         collision = run_spec_collision(record.msg)
-        ts = scheduler.tasks.get(collision[0]) if collision is not None else None
-        return ts is None or not regrouped(ts, collision[1])
+        if collision is None:
+            return True
+        key, held, dependencies = collision
+        try:  # (the logger is the process's: another scheduler's record, logged from its event loop, may
+            # name a key this scheduler has too, and read its task while this one's loop changes it)
+            ts = scheduler.tasks.get(key)
+            return ts is None or {d.key for d in ts.dependencies} != held or not regrouped(ts, dependencies)
+        except Exception:  # a filter that raises would fail the update_graph that logs
+            return True
 
 
 def place_readers(scheduler: Scheduler, key: Key, worker: str) -> None:

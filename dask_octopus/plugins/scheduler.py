@@ -26,7 +26,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_octopus import config
 from dask_octopus._checks import is_finite
-from dask_octopus._compat import add_worker_plugin
+from dask_octopus._compat import SCHEDULER_LOGGER, add_worker_plugin
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from distributed.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-SCHEDULER_LOG = logging.getLogger("distributed.scheduler")  # Dask's scheduler logs here
+SCHEDULER_LOG = logging.getLogger(SCHEDULER_LOGGER)
 F = TypeVar("F", bound=Callable[..., Any])
 HELD = (Status.paused, Status.closing_gracefully)  # worker states in which Dask sends a worker no task
 
@@ -190,6 +190,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
         scheduler_groups.hosts.add(self)
+        if self._log_filter is not None:  # (started before: one filter per plugin)
+            SCHEDULER_LOG.removeFilter(self._log_filter)
         self._log_filter = scheduler_groups.RegroupedRunSpecs(scheduler)
         SCHEDULER_LOG.addFilter(self._log_filter)
         self._serve()
@@ -219,6 +221,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         scheduler_groups.hosts.discard(self)
         if self._log_filter is not None:
             SCHEDULER_LOG.removeFilter(self._log_filter)
+            self._log_filter = None
         self._stop_sampling()
         from dask_octopus.dashboard import serve
 
