@@ -47,7 +47,7 @@ import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
 from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
-from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.runner import interleave, settle, timed
 from dask_octopus.bench.small_tasks import run_small_tasks
 from dask_octopus.bench.workloads import (
     array_module,
@@ -65,11 +65,13 @@ from dask_octopus.groups.replay import CaptureRefused, capture
 from dask_octopus.groups.streams import EXTENSION
 
 
-def measure(variants: dict[str, Callable[[int], Any]], runs: int, warmup: int) -> dict[str, dict[str, Any]]:
-    """Time the variants interleaved (:func:`~dask_octopus.bench.runner.interleave`); per variant the
-    kept seconds and the value of its last run."""
+def measure(client: Client, variants: dict[str, Callable[[int], Any]], runs: int,
+            warmup: int) -> dict[str, dict[str, Any]]:
+    """Time the variants interleaved (:func:`~dask_octopus.bench.runner.interleave`), each from a settled
+    cluster (:func:`~dask_octopus.bench.runner.settle`); per variant the kept seconds and the value of
+    its last run."""
     res = interleave({name: (lambda run, fn=fn: timed(lambda: fn(run))) for name, fn in variants.items()},
-                     runs, warmup=warmup)
+                     runs, warmup=warmup, between=lambda: settle(client))
     return {name: {"seconds": [s for s, _ in r], "value": r[-1][1]} for name, r in res.items()}
 
 
@@ -113,7 +115,7 @@ def op_tiny(client: Client, gpu: bool, blocks: int, group: int, runs: int, warmu
             y = x.map_blocks(scale_shift, name=f"tiny-grouped-{run}")
         return client.compute(y.sum(axis=0)).result()
 
-    res = measure({"unannotated": plain, "grouped": grouped}, runs, warmup)
+    res = measure(client, {"unannotated": plain, "grouped": grouped}, runs, warmup)
     out = {"config": {"blocks": blocks, "block": [64, 8], "group": group}, "variants": summarise(res, "unannotated")}
     if gpu:
         out["device_peak_bytes"] = device_peaks(client, {"unannotated": plain, "grouped": grouped})
@@ -136,7 +138,7 @@ def op_dataframe(client: Client, blocks: int, group: int, runs: int, warmup: int
         with dask_octopus.annotate(resource="memory", group=group):
             return client.compute(df.map_partitions(scale_shift, token=f"df-grouped-{run}").a.sum()).result()
 
-    res = measure({"unannotated": plain, "grouped": grouped}, runs, warmup)
+    res = measure(client, {"unannotated": plain, "grouped": grouped}, runs, warmup)
     return {"config": {"partitions": blocks, "rows_per_partition": 64, "group": group},
             "variants": summarise(res, "unannotated")}
 
@@ -221,7 +223,7 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
     variants["grouped"] = through_dask(True)
     variants["map"] = mapped
     variants["loop"] = loop
-    res = measure(variants, runs, warmup)
+    res = measure(client, variants, runs, warmup)
     for r in res.values():  # per set
         r["seconds"] = [s / sets for s in r["seconds"]]
     out: dict[str, Any] = {"config": {"frames": len(local), "shapes": sorted(set(shapes)), "scale": scale,
@@ -287,7 +289,7 @@ def op_large(client: Client, gpu: bool, side: int, runs: int, warmup: int) -> di
                 y = x.map_blocks(fn, name=f"large-{label}-grouped-{run}")
             return client.compute(y.sum(axis=0)).result()
 
-        variants[label] = summarise(measure({"unannotated": plain, "grouped": grouped}, runs, warmup),
+        variants[label] = summarise(measure(client, {"unannotated": plain, "grouped": grouped}, runs, warmup),
                                     "unannotated")
     return {"config": {"blocks": 4, "side": side}, "variants": variants, "worker_capture": worker_capture(client)}
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from dask.core import flatten
 from scripts import load_script
 
 import dask_octopus
@@ -183,6 +184,34 @@ def test_interleave_calls_each_variant_once_per_run_in_those_orders():
     assert runs == ["".join("ABCD"[i] for i in run_orders(4)[run % 4]) for run in range(5)]
     assert runs[:2] == ["ABDC", "BCAD"]
     assert interleave({}, 3) == {}
+
+
+def test_interleave_calls_between_before_each_call():
+    from dask_octopus.bench.runner import interleave
+
+    calls = []
+    interleave({v: (lambda run, v=v: calls.append(v)) for v in "AB"}, 2, warmup=1, between=lambda: calls.append("|"))
+    assert "".join(calls) == "|A|B|B|A|A|B"
+
+
+def test_settle_waits_until_the_tasks_of_a_compute_are_let_go():
+    """A compute's result comes before the scheduler and the worker forget its tasks; once settled,
+    they hold the persisted blocks alone."""
+    import dask.array as da
+    from distributed import Client, LocalCluster, wait
+
+    from dask_octopus.bench.runner import settle
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        x = client.persist(da.ones(4000, chunks=10))
+        wait(x)
+        held = set(flatten(x.__dask_keys__()))
+        (worker,) = cluster.workers.values()
+        for i in range(3):
+            assert (x + i).sum().compute() == 4000 * (1 + i)
+            settle(client)
+            assert set(cluster.scheduler.tasks) == held and set(worker.state.tasks) == held
 
 
 def test_interleave_continues_the_run_orders_from_start():

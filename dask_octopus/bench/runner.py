@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 T = TypeVar("T")
 
@@ -21,11 +25,13 @@ def run_orders(n: int) -> list[list[int]]:
 
 
 def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup: int = 0, start: int = 0,
-               progress: Callable[[str], None] | None = None) -> dict[str, list[T]]:
+               progress: Callable[[str], None] | None = None,
+               between: Callable[[], None] | None = None) -> dict[str, list[T]]:
     """Call each variant once per run, in turn, with the run's number (from ``start``: a series of runs
     split over several calls continues where the last one stopped), in the orders of
     :func:`run_orders`; return what each call returned, per variant, for the runs after the first
-    ``warmup`` ones. ``progress`` is told each call as it starts."""
+    ``warmup`` ones. ``progress`` is told each call as it starts; ``between()`` is called before each
+    call (such as :func:`settle`: outside the variants' own timing)."""
     names = list(variants)
     orders = run_orders(len(names))
     out: dict[str, list[T]] = {name: [] for name in names}
@@ -33,10 +39,35 @@ def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup:
         for name in (names[i] for i in orders[run % len(orders)]) if orders else ():
             if progress is not None:
                 progress(f"run {run + 1}/{start + warmup + runs}: {name}")
+            if between is not None:
+                between()
             value = variants[name](run)
             if run >= start + warmup:
                 out[name].append(value)
     return out
+
+
+def settle(client: Client, timeout: float = 30.0) -> None:
+    """Wait until the cluster of ``client`` has let go of the tasks of what ran before (the scheduler
+    holds only tasks a client wants, each worker only tasks whose data it holds) or ``timeout``
+    seconds passed, then collect the garbage of every process: the next variant then starts on a
+    quiet cluster instead of paying for the previous one's release (a compute of 2,048 small tasks
+    leaves the scheduler and its worker busy forgetting them for a while after its result came)."""
+    deadline = time.monotonic() + timeout
+    while (client.run_on_scheduler(_unwanted_tasks) or any(client.run(_tasks_without_data).values())) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.run_on_scheduler(gc.collect)
+    client.run(gc.collect)
+    gc.collect()
+
+
+def _unwanted_tasks(dask_scheduler: Any) -> int:
+    return sum(not ts.who_wants for ts in dask_scheduler.tasks.values())
+
+
+def _tasks_without_data(dask_worker: Any) -> int:
+    return len(dask_worker.state.tasks) - len(dask_worker.data)
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, T]:

@@ -4,7 +4,8 @@ that loop captured once as a CUDA graph.
 
 Each block is small enough that Dask's cost per task (about 1 ms on a CPU worker, 2-4 ms on a
 dask-cuda worker) dwarfs its arithmetic: this is where the number of tasks, not the work, sets the
-time.
+time. Each timed run starts on a settled cluster (:func:`~dask_octopus.bench.runner.settle`): what
+the run before it left to release is not counted in it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from distributed import Client
 
 import dask_octopus
-from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.runner import interleave, settle, timed
 from dask_octopus.bench.workloads import array_module, elementwise_chain, persist_on_workers, random_matrix
 
 
@@ -115,13 +116,15 @@ def run_small_tasks(client: Client, *, gpu: bool, blocks: int, shape: tuple[int,
     _loop(local_blocks, xp)
     for _ in range(runs):  # each the first sighting of its fragment: the worker forgets what it saw before
         client.run(_forget_fragments)
+        settle(client)
         seconds, ways["first"].value = timed(lambda: through_dask(True))
         ways["first"].seconds.append(seconds)
     through_dask(True)  # the second sighting of a group: captured (GPU)
     measured = interleave({"dask": lambda run: timed(lambda: through_dask(False)),
                            "again": lambda run: timed(lambda: through_dask(True)),
                            "pattern": lambda run: timed(readme_pattern),
-                           "loop": lambda run: timed(lambda: _loop(local_blocks, xp))}, runs)
+                           "loop": lambda run: timed(lambda: _loop(local_blocks, xp))}, runs,
+                          between=lambda: settle(client))  # each from a quiet cluster
     for key, results in measured.items():
         ways[key].seconds = [s for s, _ in results]
         ways[key].value = results[-1][1]
