@@ -47,10 +47,10 @@ def interleave(variants: Mapping[str, Callable[[int], T]], runs: int, *, warmup:
     return out
 
 
-def settle(client: Client, timeout: float = 30.0) -> None:
+def settle(client: Client, timeout: float = 10.0) -> None:
     """Wait until the cluster of ``client`` has let go of the tasks of what ran before (the scheduler
-    holds only tasks a client wants, each worker only tasks whose data it holds) or ``timeout``
-    seconds passed, then collect the garbage of every process: the next variant then starts on a
+    holds only tasks a client wants, each worker only tasks in memory) or ``timeout`` seconds
+    passed, then collect the garbage of every process: the next variant then starts on a
     quiet cluster instead of paying for the previous one's release (a compute of 2,048 small tasks
     leaves the scheduler and its worker busy forgetting them for a while after its result came)."""
     deadline = time.monotonic() + timeout
@@ -67,7 +67,7 @@ def _unwanted_tasks(dask_scheduler: Any) -> int:
 
 
 def _tasks_without_data(dask_worker: Any) -> int:
-    return len(dask_worker.state.tasks) - len(dask_worker.data)
+    return sum(ts.state != "memory" for ts in dask_worker.state.tasks.values())
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, T]:
