@@ -169,8 +169,10 @@ def run_spec_collision(message: str) -> tuple[Any, set[Any], set[Any]] | None:
     (``Scheduler._generate_taskstates``); ``None`` for any other message, or one whose key or
     dependencies do not read back as Python literals."""
     found = _COLLISION.match(message)
+    if found is None:  # (most records: nothing else is read of them)
+        return None
     named = {m["which"]: m["keys"] for m in _DEPENDENCIES.finditer(message)}  # the last of each: after the specs
-    if found is None or named.keys() != {"old", "new"}:
+    if named.keys() != {"old", "new"}:
         return None
     try:
         return ast.literal_eval(found["key"]), _key_set(named["old"]), _key_set(named["new"])
