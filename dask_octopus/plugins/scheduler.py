@@ -190,10 +190,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
         scheduler_groups.hosts.add(self)
-        if self._log_filter is not None:  # (started before: one filter per plugin)
-            SCHEDULER_LOG.removeFilter(self._log_filter)
-        self._log_filter = scheduler_groups.RegroupedRunSpecs(scheduler)
-        SCHEDULER_LOG.addFilter(self._log_filter)
+        self._filter_log(scheduler)
         self._serve()
         self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
         scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
@@ -219,9 +216,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         log, sampling, its metrics and the RPC handlers that are still its own (a plugin registered since
         has its own)."""
         scheduler_groups.hosts.discard(self)
-        if self._log_filter is not None:
-            SCHEDULER_LOG.removeFilter(self._log_filter)
-            self._log_filter = None
+        self._filter_log(None)
         self._stop_sampling()
         from dask_octopus.dashboard import serve
 
@@ -231,6 +226,15 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 if self.scheduler.handlers.get(name) is handler:
                     del self.scheduler.handlers[name]
             self.scheduler.handlers.setdefault("octopus_report", _unheard)
+
+    def _filter_log(self, scheduler: Scheduler | None) -> None:
+        """Filter the scheduler's log with a :class:`~dask_octopus.groups.scheduler.RegroupedRunSpecs` of
+        ``scheduler`` in place of this plugin's filter so far (``None``: none; one filter per plugin)."""
+        if self._log_filter is not None:
+            SCHEDULER_LOG.removeFilter(self._log_filter)
+        self._log_filter = None if scheduler is None else scheduler_groups.RegroupedRunSpecs(scheduler)
+        if self._log_filter is not None:
+            SCHEDULER_LOG.addFilter(self._log_filter)
 
     def _serve(self) -> None:
         """Add the ``/octopus`` page and the ``dask_octopus_*`` metrics (optional dependencies: each
