@@ -266,8 +266,8 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
     order = launch_order([c or "memory" for c in known], sizes)
     n = max(1, min(len(members), config.get("streams.max-streams")))
     ready = cp.cuda.get_current_stream().record()
-    flat = [x for xs in inputs for x in xs]
     if None not in known and config.get("streams.capture"):
+        flat = [x for xs in inputs for x in xs]
         signature = (tuple(_signature(t, x) for t, x in zip(member_tokens, inputs)), tuple(known))
 
         def make(in_place: bool) -> CapturedGroup | None:
