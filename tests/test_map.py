@@ -1,6 +1,7 @@
 """dask_octopus.map: order, exact results, placement per plan, groups, faults, feedback, bad input."""
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -190,17 +191,33 @@ async def test_bad_input(c, s, a, b):
             raise KeyError("no size")
         return 1
 
+    class Sized:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+    items = [0, 1, 2]
     cases = [
-        (dict(cost=[1, 2]), ValueError, "cost has 2 entries for 3 items"),
-        (dict(cost=[1, -2, 3]), ValueError, "cost of item 1"),
-        (dict(cost=[1, float("nan"), 3]), ValueError, "cost of item 1"),
-        (dict(cost=cost_fails), ValueError, "cost raised for item 2"),
-        (dict(group=0), ValueError, "group must be"),
-        (dict(resource="disk"), ValueError, "unknown resource"),
+        (items, dict(cost=[1, 2]), ValueError, "cost has 2 entries for 3 items"),
+        (items, dict(cost=[1, 2, 3, 4]), ValueError, "cost has 4 entries for 3 items"),
+        (items, dict(cost=[1, -2, 3]), ValueError, "cost of item 1"),
+        (items, dict(cost=[1, float("nan"), 3]), ValueError, "cost of item 1"),
+        (items, dict(cost=cost_fails), ValueError, "cost raised for item 2"),
+        (items, dict(group=0), ValueError, "group must be"),
+        (items, dict(resource="disk"), ValueError, "unknown resource"),
+        ([Sized(8), Sized("big")], {}, ValueError, r"^item 1 has nbytes 'big', not a number, .* pass cost="),
+        ([Sized(8), Sized(-1)], {}, ValueError, "cost of item 1 must be"),
     ]
-    for kwargs, exc, match in cases:
-        with pytest.raises(exc, match=match):
-            await call(c, np.sum, [0, 1, 2], **kwargs)
+    ways = {"futures": lambda *a, **k: c.gather(dask_octopus.map(*a, client=c, **k)),
+            "gathered": lambda *a, **k: dask_octopus.map(*a, client=c, gather=True, **k),
+            "streamed": lambda *a, **k: [r for _, r in sorted(dask_octopus.imap(*a, client=c, **k))]}
+    loop = asyncio.get_running_loop()
+    for run in ways.values():
+        for values, kwargs, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                await loop.run_in_executor(None, functools.partial(run, len, values, **kwargs))
+        # any iterable of costs, one per item, in every way
+        costs = (1 for _ in items)
+        assert await loop.run_in_executor(None, functools.partial(run, str, items, cost=costs)) == ["0", "1", "2"]
     with captured_logger("distributed", level=logging.ERROR) as log, \
             pytest.raises(TypeError, match="cannot be pickled"):
         await call(c, lambda x: lock, [1])

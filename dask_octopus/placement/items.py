@@ -114,12 +114,32 @@ def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
     return {i: ItemError(it.exception()) for i, it in failed}
 
 
+def _given_costs(cost: Iterable[float], n: int) -> list[float]:
+    """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count."""
+    out = list(cost)
+    if len(out) != n:
+        raise ValueError(f"cost has {len(out)} entries for {n} items")
+    return out
+
+
+def _default_cost(i: int, item: Any) -> float:
+    """The cost of item ``i`` when none is given: 1 for a future, else its ``nbytes`` (1 without one)."""
+    if isinstance(item, Future):
+        return 1.0
+    nbytes = getattr(item, "nbytes", 1)
+    try:
+        return float(nbytes)
+    except (TypeError, ValueError):
+        raise ValueError(f"item {i} has nbytes {nbytes!r}, not a number, and nbytes is the default cost: "
+                         "pass cost=") from None
+
+
 def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
     """One cost per item. Futures (delayed items are futures by now) are equal by default, and a
     ``cost`` callable runs on the worker that holds them (one task each, gathered at once)."""
     if cost is None:
-        return [1.0 if isinstance(it, Future) else float(getattr(it, "nbytes", 1)) for it in items]
-    if callable(cost):
+        out = [_default_cost(i, it) for i, it in enumerate(items)]
+    elif callable(cost):
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
         costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
         wait(costed)
@@ -132,9 +152,7 @@ def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequ
                 raise ValueError(f"cost raised for item {i}: {value!r}") from value
             out.append(value)
     else:
-        out = list(cost)
-        if len(out) != len(items):
-            raise ValueError(f"cost has {len(out)} entries for {len(items)} items")
+        out = _given_costs(cost, len(items))
     check_costs(out)
     return [float(c) for c in out]
 
@@ -371,9 +389,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     TypeError
         When ``func`` cannot be pickled.
     ValueError
-        For costs of the wrong length, negative or NaN, a ``cost`` callable that raises (the
-        original error chained), an unknown ``resource`` or ``errors``, ``errors`` without
-        ``gather=True``, or a ``group`` below 1.
+        For costs of the wrong length, negative or NaN (without ``cost``: an item's ``nbytes`` that
+        is not a number), a ``cost`` callable that raises (the original error chained), an unknown
+        ``resource`` or ``errors``, ``errors`` without ``gather=True``, or a ``group`` below 1.
     NotRegisteredError
         When the scheduler has no dask_octopus plugin.
 
@@ -450,9 +468,9 @@ class _Batches:
                  resource: str, to_host: bool, kwargs: dict[str, Any]):
         self.client = client
         self._submit_args = (client, func, group, resource, to_host, kwargs)
+        self._cost = cost if cost is None or callable(cost) else _given_costs(cost, len(items))  # (indexed by item)
         _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
         self._items = items
-        self._cost = cost
         self.where: dict[Any, list[int]] = {}
         self._sent: dict[int, Future] = {}  # items given as futures (or computed), of batches not finished
         self._scattered: set[int] = set()
