@@ -200,22 +200,43 @@ def call(c, x, **kwargs):
     return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.balance(x, client=c, **kwargs))
 
 
+def never_computed(part):
+    raise AssertionError("the input was computed")
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_a_dataframe_is_not_waited_for_on_a_cluster_without_workers(c, s):
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    df = dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2)
+    for coll in (df, da.ones(10, chunks=5)):
+        with pytest.raises(ValueError, match=r"^the cluster has no workers$"):
+            await asyncio.wait_for(call(c, coll), 10)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_bad_input(c, s, a, b):
     x = da.ones((100, 4), chunks=10)
-    with pytest.raises(NotRegisteredError, match="not registered"):
-        await call(c, x)
+    # a dataframe is computed to be planned: never before the checks, which its error would hide
+    df = dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2).map_partitions(never_computed, meta={"a": "i8"})
+    for coll in (x, df):
+        with pytest.raises(NotRegisteredError, match="not registered"):
+            await call(c, coll)
     await setup(c, s, [1.0, 1.0])
     cases = [
         (np.ones(10), {}, TypeError, "expects a dask array or dataframe"),
         (dask.delayed(1), {}, TypeError, "supports dask arrays, dataframes"),
         (x, {"axis": 2}, ValueError, "axis 2 is out of range for a 2-d array"),
+        (x, {"axis": "0"}, ValueError, "axis must be an integer, got '0'"),
+        (da.ones((4, 3), chunks=1), {"axis": 1, "per_worker": 2}, PlanningError,
+         "3 entries along axis 1 are fewer than the 2 workers"),
         (x[x[:, 0] > 0], {}, ValueError, "compute_chunk_sizes"),
         (da.ones(3, chunks=1), {"per_worker": 2}, PlanningError, "fewer than the 2 workers"),
         (x, {"per_worker": 0}, ValueError, "per_worker must be an integer >= 1"),
         (x, {"per_worker": 2.0}, ValueError, "per_worker must be an integer >= 1"),
         (x, {"align": 60}, PlanningError, "align=60 is larger"),
         (x, {"align": 0}, PlanningError, "align must be an integer >= 1, got 0"),  # per_worker=None too
+        (df, {"align": 0}, PlanningError, "align must be an integer >= 1, got 0"),
+        (df, {"per_worker": 0}, ValueError, "per_worker must be an integer >= 1"),
         (x, {"resource": "disk"}, ValueError, "unknown resource 'disk'"),
         (dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2), {"axis": 1}, ValueError, "axis must be 0"),
     ]

@@ -9,6 +9,7 @@ blocks and the tasks that consume only them when the graph arrives.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import warnings
 from collections import Counter
@@ -30,6 +31,7 @@ from dask_octopus.placement.planning import (
     axis_order,
     block_sizes,
     block_sizes_within,
+    check_align,
     kept_groups,
     row_segments,
     snap_cuts,
@@ -74,7 +76,8 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
-          current: list[int], source: str, holders: list[str | None]) -> tuple[list[int], list[str], float]:
+          current: list[int], source: str, holders: list[str | None],
+          axis: int = 0) -> tuple[list[int], list[str], float]:
     """Flat block sizes, the worker of each block and the bytes of a row; the ``current`` sizes, each
     block on the worker that holds it (``holders``, None where not known; unless every block's holder
     is a profiled worker, the workers' sorted order is used instead), when moving data to the
@@ -84,11 +87,12 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     the order the rows they hold lie along the axis, so a re-chunk moves only the rows that change
     share. Without ``per_worker``, as few blocks per worker as keep every block within the largest
     current one and within what the worker can process at once (the working set learned for
-    ``source``); with it, a warning where a block is not."""
+    ``source``); with it, a warning where a block is not. ``axis`` names the rows in errors."""
     row_bytes = nbytes / total if total else 0.0
     workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
     if total < len(workers) * (per_worker or 1):
-        raise PlanningError(f"{total} rows are fewer than the {len(workers)} workers x "
+        rows = "rows" if axis == 0 else f"entries along axis {axis}"
+        raise PlanningError(f"{total} {rows} are fewer than the {len(workers)} workers x "
                             f"per_worker={per_worker or 1} blocks")
     if all(c is not None for c in caps) and sum(caps) < total:
         fraction = config.get("balance.memory-fraction")
@@ -198,8 +202,8 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     ValueError
         For a bad ``axis``, ``per_worker``, ``resource``, or unknown chunk sizes.
     PlanningError
-        When there are fewer rows than blocks, ``align`` is larger than a share, or the
-        collection does not fit in the workers' memory.
+        When there are fewer rows than blocks, ``align`` is not an integer >= 1 or is larger than a
+        share, or the collection does not fit in the workers' memory.
     NotRegisteredError
         When the scheduler has no dask_octopus plugin.
 
@@ -214,6 +218,7 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     if per_worker is not None and not is_count(per_worker):
         raise ValueError(f"per_worker must be an integer >= 1 or None, got {per_worker!r}")
     per_worker = None if per_worker is None else int(per_worker)
+    check_align(align)
     if isinstance(collection, da.Array):
         return _balance_array(collection, client, axis, per_worker, resource, align)
     import dask.dataframe as dd
@@ -227,7 +232,10 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
 
 def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | None, resource: str,
                    align: int) -> da.Array:
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise ValueError(f"axis must be an integer, got {axis!r}")
+    axis = int(axis)
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis!r} is out of range for a {x.ndim}-d array")
     axis %= x.ndim
     if any(math.isnan(c) for chunks in x.chunks for c in chunks):
@@ -242,7 +250,7 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
                 slabs[f.key[1 + axis]].append(f)
     holders, held = _holders(client, slabs)
     sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
-                                      list(x.chunks[axis]), source, holders)
+                                      list(x.chunks[axis]), source, holders, axis)
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     pieces = None
@@ -364,7 +372,9 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
 
     # Planning needs each partition's rows, so the partitions are computed now, once: the balanced
     # collection is cut from these futures (which it keeps alive) instead of computing the input a
-    # second time; an input already persisted is only read.
+    # second time; an input already persisted is only read. But first, the plugin and a worker must be
+    # there (NotRegisteredError, ValueError): the input is not computed for nothing, or waited for forever.
+    call_scheduler(client, "octopus_speeds", resource=resource)
     parts = client.compute(df.to_delayed())
     shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]

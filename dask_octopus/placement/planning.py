@@ -107,7 +107,7 @@ def block_sizes(
     counts = [per_worker] * len(w) if isinstance(per_worker, int) else list(per_worker)
     if len(counts) != len(w) or any(isinstance(k, bool) or int(k) != k or k < 1 for k in counts):
         raise PlanningError(f"per_worker must be an integer >= 1 (or one per worker), got {per_worker!r}")
-    _check_align(align)
+    check_align(align)
     nblocks = sum(counts)
     if total < nblocks:
         raise PlanningError(
@@ -131,7 +131,8 @@ def block_sizes(
     return plan
 
 
-def _check_align(align: int) -> None:
+def check_align(align: int) -> None:
+    """Raise :class:`PlanningError` where ``align`` is not an integer >= 1."""
     if isinstance(align, bool) or not isinstance(align, numbers.Real) or align < 1 or int(align) != align:
         raise PlanningError(f"align must be an integer >= 1, got {align!r}")
 
@@ -143,7 +144,7 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
     as its user chunked it: a plan never asks a worker to hold a block larger than the user's own (the
     last block may also hold the ``total % align`` remainder)."""
     w = _check_weights(weights)
-    _check_align(align)
+    check_align(align)
     bounds = list(largest) if isinstance(largest, Sequence) else [largest] * len(w)
     if len(bounds) != len(w) or any(b < 1 for b in bounds):
         raise PlanningError(f"largest must be >= 1, for all or for each of the {len(w)} workers, got {largest!r}")
