@@ -38,6 +38,7 @@ _FRACTION = ("a number in (0, 1]", lambda v: is_finite(v, positive=True) and v <
 CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must be, check)
     "calibration.seconds": ("a number > 0", lambda v: is_finite(v, positive=True)),
     "calibration.device": ("one of auto, cpu, gpu", lambda v: v in ("auto", "cpu", "gpu")),
+    "calibration.wait": ("a duration such as 30s", _parses(parse_timedelta)),
     "refine.alpha": _FRACTION,
     "refine.confidence-samples": ("an integer >= 1", _integer(1)),
     "refine.min-duration": ("a duration such as 2ms", _parses(parse_timedelta)),

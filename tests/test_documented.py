@@ -222,8 +222,9 @@ def test_the_other_settings_are_validated_naming_the_key(key, value, message):
 
 
 def test_readme_defaults():
-    expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "refine.alpha": 0.5,
-                "refine.confidence-samples": 3, "refine.min-duration": "2ms", "refine.significance": 2.5,
+    expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "calibration.wait": "30s",
+                "refine.alpha": 0.5, "refine.confidence-samples": 3, "refine.min-duration": "2ms",
+                "refine.significance": 2.5,
                 "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "map.steal-fraction": 0.25,
                 "map.steal-min-seconds": "50ms", "max-plans": 1000, "fragments.max-bytes": "auto",
                 "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,

@@ -120,6 +120,47 @@ async def test_workers_that_join_are_calibrated_and_those_that_leave_drop_out(c,
     assert b.address not in plugin(s).profiles and b.address not in plugin(s).model.priors
 
 
+def delayed_reports(s, seconds):
+    """Make the scheduler store the workers' calibration reports ``seconds`` late (``None``: never)."""
+    report = s.handlers["octopus_report"]
+
+    async def late(worker, profile):
+        if seconds is not None:
+            await asyncio.sleep(seconds)
+            report(worker=worker, profile=profile)
+
+    s.handlers["octopus_report"] = late
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
+async def test_plans_wait_for_a_worker_that_joined_to_report_its_calibration(c, s, a):
+    await dask_octopus.register(c)
+    delayed_reports(s, 1.0)
+    b = Worker(s.address, nthreads=1)
+    starting = asyncio.create_task(b.start())  # (a worker's start awaits its plugins' set-up: its calibration)
+    await c.wait_for_workers(2)  # as a client sees a worker join, before it calibrates
+    assert b.address not in plugin(s).profiles
+    profiles = await dask_octopus.profiles(c)
+    assert profiles[b.address]["error"] is None and profiles[b.address]["compute"] > 0
+    assert set(await dask_octopus.speeds(c)) == {a.address, b.address}
+    await starting
+    await b.close()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "300ms"})
+async def test_a_worker_that_never_reports_is_waited_for_once(c, s, a):
+    await dask_octopus.register(c)
+    delayed_reports(s, None)
+    async with Worker(s.address, nthreads=1) as b:
+        with captured_logger("dask_octopus.plugins.scheduler") as log:
+            for _ in range(2):
+                assert (await dask_octopus.profiles(c))[b.address]["error"] == "not calibrated"
+        assert log.getvalue().count("no calibration report from") == 1, log.getvalue()
+        assert b.address in log.getvalue() and plugin(s).unreported == {b.address}
+    await async_poll_for(lambda: b.address not in s.workers, 5)
+    assert not plugin(s).unreported
+
+
 @gen_cluster(client=True, nthreads=[], config=FAST)
 async def test_no_workers(c, s):
     await c.register_plugin(OctopusSchedulerPlugin())
@@ -456,6 +497,7 @@ async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
     ("balance.memory-fraction", "half", r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 'half'"),
     ("balance.memory-fraction", 2, r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 2"),
     ("refine.alpha", 0, "octopus.refine.alpha must be a number in"),
+    ("calibration.wait", "soon", "octopus.calibration.wait must be a duration such as 30s"),
     ("refine.confidence-samples", 1.5, "octopus.refine.confidence-samples must be an integer >= 1"),
     ("refine.min-duration", "soon", "octopus.refine.min-duration must be a duration"),
     ("calibration.device", "tpu", "octopus.calibration.device must be one of auto, cpu, gpu"),

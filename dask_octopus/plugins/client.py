@@ -61,7 +61,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
 
     Idempotent: a second call, or a call on a scheduler started with ``--preload dask_octopus``,
     changes nothing (but where only the worker plugin was unregistered, it is set up again). Workers
-    that join later are calibrated when they arrive. To register with other options, first
+    that join later are calibrated when they arrive, and plans (``balance``, ``map``) wait for their
+    reports (``octopus.calibration.wait``). To register with other options, first
     ``client.unregister_scheduler_plugin("octopus")``: the workers then calibrate anew.
 
     Parameters

@@ -115,6 +115,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     item_costs: defaultdict[str, defaultdict[str, ItemCostFit]]
     #: each live worker's calibration, as its worker plugin reported it
     profiles: dict[str, Profile]
+    #: how long planning waits for a worker's calibration report (seconds, ``octopus.calibration.wait``)
+    calibration_wait: float
+    #: live workers whose report did not come within ``calibration_wait`` (not waited for again)
+    unreported: set[str]
     #: per balanced input: peak memory of the tasks of its blocks per byte of block
     working_sets: WorkingSets
     #: hooks that raised once (logged once each)
@@ -142,6 +146,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.placement = Placement(plans, measure=self.working_sets.wants)
         self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
         self.profiles = {}
+        self.calibration_wait = parse_timedelta(config.get("calibration.wait"))
+        self.unreported = set()
         self.failed_hooks = set()
         self.bad_timings = set()
         self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions]] = {}  # fragment tasks to split
@@ -167,9 +173,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self._handlers = {
             "octopus_report": self.report,
-            "octopus_speeds": _replying(self.speeds),
-            "octopus_workers": _replying(self.workers),
-            "octopus_profiles": _replying(self.get_profiles),
+            "octopus_speeds": self._after_calibrations(_replying(self.speeds)),
+            "octopus_workers": self._after_calibrations(_replying(self.workers)),
+            "octopus_profiles": self._after_calibrations(_replying(self.get_profiles)),
             "octopus_add_plan": _replying(self.add_plan),
             "octopus_bandwidth": self.bandwidth,
             "octopus_options": self.options,
@@ -205,6 +211,30 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         when the scheduler plugin is unregistered: a plugin registered again calibrates them anew). A
         worker that leaves meanwhile is skipped: the others calibrate, and this returns once they did."""
         await add_worker_plugin(self.scheduler, dumps(self.worker_plugin), self.worker_plugin.name)
+
+    def _after_calibrations(self, handler: F) -> Callable[..., Any]:
+        """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
+        while a worker that joined is still calibrating would give it the mean weight."""
+
+        @functools.wraps(handler)
+        async def answer(*args: Any, **kwargs: Any) -> Any:
+            await self.calibrations()
+            return handler(*args, **kwargs)
+
+        return answer
+
+    async def calibrations(self) -> None:
+        """Return once every live worker has reported its calibration (:meth:`report`), or after
+        :attr:`calibration_wait` seconds: the workers that have not reported by then are logged and
+        waited for no more (they keep the mean weight until they report)."""
+        deadline = time.monotonic() + self.calibration_wait
+        while pending := self.scheduler.workers.keys() - self.profiles.keys() - self.unreported:
+            if time.monotonic() >= deadline:
+                logger.warning("dask_octopus: no calibration report from %s within octopus.calibration.wait=%ss; "
+                               "they get the mean weight until they report", sorted(pending), self.calibration_wait)
+                self.unreported |= pending
+                return
+            await asyncio.sleep(0.02)
 
     def registered(self) -> bool:
         """Whether this plugin is the one registered on its scheduler (Dask closes a plugin when its
@@ -284,8 +314,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Store a worker's calibration; called by :class:`OctopusWorkerPlugin`."""
         if worker not in self.scheduler.workers:
             return  # it left while calibrating
+        self.unreported.discard(worker)
         if not isinstance(profile, Mapping):
             logger.warning("dask_octopus: ignoring calibration report of %s: not a mapping: %r", worker, profile)
+            # (a worker without a profile has reported all the same: it is not waited for)
+            self.profiles.setdefault(worker, {"error": "its calibration report was not a mapping"})
             return
         self.profiles[worker] = profile
         if profile.get("calibrated") is False:
@@ -522,6 +555,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
         self._split_held(stimulus_id)  # before the pins of the worker's blocks move
         self.profiles.pop(worker, None)
+        self.unreported.discard(worker)
         self.model.remove(worker)
         for fits in self.item_costs.values():
             fits.pop(worker, None)
