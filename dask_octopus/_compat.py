@@ -18,7 +18,8 @@ When a new release moves one of these, this is the only module to change.
 - How ``Scheduler._apply_annotations`` turns a task's annotations into restrictions
   (``annotated_restrictions``: the optimizer places tasks before their task states exist).
 - The text of the scheduler's warning that a key came with another run spec than the one it has
-  (``run_spec_collision``: the warning is dropped where the only difference is our grouping).
+  (``run_spec_collision``: the warning is dropped where the only difference is our grouping), and
+  the names low-level fusion gives the tasks it fuses (``fused_name_of``).
 """
 
 from __future__ import annotations
@@ -160,6 +161,16 @@ def _key_set(text: str) -> set[Any]:
     if not isinstance(keys, (set, frozenset)):
         raise ValueError(f"not a set of keys: {text[:80]}")
     return set(keys)
+
+
+def fused_name_of(key: Any, name: Any) -> bool:
+    """Whether ``name`` is a name that Dask's low-level fusion gives a chain of tasks ending at ``key``
+    (``dask.optimization.default_fused_keys_renamer``, whose ``key`` stays as an alias of it: the other
+    tasks' name prefixes, then ``key``'s name, with ``key``'s index), unless shortened (past 115
+    characters, with a hash)."""
+    if type(key) is tuple and type(name) is tuple and key and name:
+        key, name = key[0], name[0] if name[1:] == key[1:] else None
+    return isinstance(key, str) and isinstance(name, str) and name.endswith("-" + key)
 
 
 def run_spec_collision(message: str) -> tuple[Any, set[Any], set[Any]] | None:

@@ -24,7 +24,7 @@ from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
 
 import dask_octopus
-from dask_octopus._compat import run_spec_collision
+from dask_octopus._compat import fused_name_of, run_spec_collision
 from dask_octopus.groups import marks
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, GUARD_PREFIX, replaced_keys
 from dask_octopus.groups.streams import StepFailed, pick
@@ -655,6 +655,53 @@ async def test_an_annotated_dataframe_computed_again_while_its_result_is_held_lo
         await async_poll_for(lambda: seen.count == 3, timeout=5)  # (the client knew the later ones' result)
     held = s.tasks[results[0].key].dependencies  # the held result reads fragments: the keys collide
     assert held and all(str(d.key[0]).startswith(FRAGMENT_PREFIX) for d in held)
+    assert "Detected different `run_spec`" not in log.getvalue()
+
+
+def plus_one_twice(block):
+    return block * 2 + 1
+
+
+@pytest.mark.parametrize("key, name, fused", [
+    (("var-1a", 4, 0), ("array-var-1a", 4, 0), True),  # Dask's name for the chain array -> var
+    (("var-1a", 4, 0), ("array-getitem-var-1a", 4, 0), True),
+    ("var-1a", "array-var-1a", True),
+    (("var-1a", 4, 0), ("array-var-1a", 4, 1), False),  # another block
+    (("var-1a", 4, 0), ("var-1a", 4, 0), False),
+    (("ar-1a", 0), ("bar-1a", 0), False),  # not a prefix joined by "-"
+    (("var-1a", 0), "array-var-1a", False),
+])
+def test_the_names_dask_s_fusion_gives_a_chain_are_told_apart(key, name, fused):
+    assert fused_name_of(key, name) is fused
+
+
+@pytest.mark.parametrize("group, again", [(None, None), (3, None), (None, 3), (3, 2)])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_annotated_array_computed_again_while_held_logs_no_collision(c, s, a, b, group, again):
+    """As for the dataframe, with an array whose keys Dask's fusion renames: the held result's tasks
+    read fragments whose members did the work of keys fused into them (an alias's target, the blocks a
+    partial result read); the same array computed again, plain or grouped otherwise, reads those keys."""
+    await dask_octopus.register(c, calibrate=False)
+    data = np.arange(60 * 40, dtype=float).reshape(60, 40)
+    seen = GraphsSeen()
+    s.add_plugin(seen)
+
+    def build():
+        return da.from_array(data, chunks=(10, 10)).map_blocks(plus_one_twice).std()
+
+    with captured_logger("distributed.scheduler") as log:
+        with dask_octopus.annotate(group=group):
+            first = c.compute(build())
+        await wait(first)  # held, still, when the next one comes
+        if again is None:
+            second = c.compute(build())
+        else:
+            with dask_octopus.annotate(group=again):
+                second = c.compute(build())
+        assert await first == await second == (data * 2 + 1).std()
+        await async_poll_for(lambda: seen.count == 2, timeout=5)
+    assert any(str(d.key[0]).startswith(FRAGMENT_PREFIX) for k in s.tasks[first.key].dependencies
+               for d in k.dependencies)  # the held result's tasks read fragments
     assert "Detected different `run_spec`" not in log.getvalue()
 
 

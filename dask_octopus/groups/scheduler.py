@@ -48,6 +48,7 @@ from dask_octopus._compat import (
     TaskRef,
     annotated_restrictions,
     cull,
+    fused_name_of,
     run_spec_collision,
     running_schedulers,
 )
@@ -57,6 +58,7 @@ from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
     dependents_of,
     fragment_graph,
+    inner_keys,
     is_guard,
     of_fragments,
     replaced_keys,
@@ -380,21 +382,38 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     return made, members
 
 
+def _covered(ts: TaskState, seen: set[Key]) -> set[Key]:
+    """The keys whose work the group ``ts`` (a fragment task or a guard) does or reads: its members and
+    the keys fused into them (:func:`~dask_octopus.groups.rewrite.inner_keys`), its inputs, and the same
+    of the groups among its inputs (each group once: ``seen``); empty for any other task."""
+    members = replaced_keys(ts.run_spec)
+    if not members or ts.key in seen:
+        return set()
+    seen.add(ts.key)
+    out = {*members, *inner_keys(ts.key, ts.run_spec)}
+    for dts in ts.dependencies:
+        out.add(dts.key)
+        out |= _covered(dts, seen)
+    return out
+
+
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
     """Whether the task ``ts``, which reads groups (fragment tasks or guards), does the work of a run spec
-    reading ``dependencies`` as grouped since: each of those is a task ``ts`` reads, or a member or an
-    input of a group it reads, and each task ``ts`` reads is among them or, a group, has a member or
-    an input among them (a consumer reads a fragment in place of its members; a member's key kept as a
-    task picks the member's value from its fragment, which reads the member's inputs)."""
-    wanted = set(dependencies)
+    reading ``dependencies`` as grouped since: each of those is a task ``ts`` reads, or one that a group
+    it reads covers (:func:`_covered`: a member, a key fused into one, an input, and those of the groups
+    it reads), and each task ``ts`` reads is among them or, a group, covers one of them (a consumer reads
+    a fragment in place of its members; a member's key kept as a task picks the member's value from its
+    fragment, which reads the member's inputs; a run spec that is an alias of the name Dask's fusion gave
+    the chain of tasks ending at ``ts``'s key, :func:`~dask_octopus._compat.fused_name_of`, reads that key's
+    work)."""
+    wanted = {ts.key if fused_name_of(ts.key, d) else d for d in dependencies}
     reach: set[Key] = set()
     grouped = False
     for dts in ts.dependencies:
-        members = replaced_keys(dts.run_spec)
-        covered = {*members, *dts.run_spec.dependencies} if members else set()
+        covered = _covered(dts, set())
         if dts.key not in wanted and not covered & wanted:
             return False
-        grouped = grouped or bool(members)
+        grouped = grouped or bool(covered)
         reach.add(dts.key)
         reach.update(covered)
     return grouped and reach.issuperset(wanted)
