@@ -187,10 +187,27 @@ def test_members_return_in_their_order_whatever_the_launch_order():
     ({"resource": "disk"}, "expected one of auto, compute, memory"),
     ({"group": 0}, "group must be None or an integer >= 1"),
     ({"group": "8"}, "group must be None or an integer >= 1"),
+    ({"resource": np.array(["compute", "memory"])}, "unknown resource array"),
 ])
 def test_bad_annotations(kwargs, message):
     with pytest.raises(ValueError, match=message), dask_octopus.annotate(**kwargs):
         pass
+
+
+@pytest.mark.parametrize("registered", [False, True])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_group_larger_than_any_graph_caps_nothing(c, s, a, b, registered):
+    """A group past 64 bits (which Dask's messages cannot carry) is accepted as what it means: no cap."""
+    if registered:
+        await dask_octopus.register(c, calibrate=False)
+    data = np.arange(100.0)
+    with dask_octopus.annotate(group=2**64):
+        y = da.from_array(data, chunks=10).map_blocks(f).sum()
+    assert await c.compute(y) == f(data).sum()
+    if registered:  # (map needs the plugin)
+        futures = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: dask_octopus.map(f, [1.0, 2.0], group=10**30, client=c))
+        assert await c.gather(futures) == [f(1.0), f(2.0)]
 
 
 def test_unannotated_graphs_pass_through_unchanged(x):

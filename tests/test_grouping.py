@@ -210,6 +210,7 @@ def test_launch_order_is_a_permutation_that_never_runs_two_of_a_class_while_the_
     ("auto", 0, "group must be None or an integer >= 1, got 0"),
     ("memory", True, "group must be None or an integer >= 1, got True"),
     ("compute", 2.5, "group must be None or an integer >= 1, got 2.5"),
+    (np.array(["compute", "memory"]), 2, "unknown resource array"),
 ])
 def test_bad_group_specs(resource, group, message):
     with pytest.raises(ValueError, match=message):

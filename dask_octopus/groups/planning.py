@@ -10,6 +10,7 @@ reduction tree). Tasks that combine several fragments stay tasks of their own.
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from itertools import zip_longest
 
@@ -21,12 +22,13 @@ ANNOTATION = "octopus"  # the Dask annotation that carries a task's group spec
 
 def check_group_spec(resource: str, group: int | None) -> int | None:
     """``group`` as a Python integer (or ``None``); raise ``ValueError`` naming the problem for an
-    unknown resource class or a group that is neither ``None`` nor an integer >= 1."""
-    if resource != "auto" and resource not in RESOURCES:
+    unknown resource class or a group that is neither ``None`` nor an integer >= 1. A group above
+    ``sys.maxsize`` (no graph has as many tasks) is ``sys.maxsize``: Dask's messages carry 64-bit integers."""
+    if not isinstance(resource, str) or (resource != "auto" and resource not in RESOURCES):
         raise ValueError(f"unknown resource {resource!r}: expected one of auto, {', '.join(RESOURCES)}")
     if group is not None and not is_count(group):
         raise ValueError(f"group must be None or an integer >= 1, got {group!r}")
-    return None if group is None else int(group)
+    return None if group is None else min(int(group), sys.maxsize)
 
 
 def topological(order: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]]) -> list[Hashable]:

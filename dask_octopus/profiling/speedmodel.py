@@ -29,7 +29,7 @@ RESOURCES = ("compute", "memory")
 
 def check_resource(resource: str) -> str:
     """Return ``resource`` if it is a known resource class, else raise ``ValueError``."""
-    if resource not in RESOURCES:
+    if not isinstance(resource, str) or resource not in RESOURCES:
         raise ValueError(f"unknown resource {resource!r}: expected one of {', '.join(RESOURCES)}")
     return resource
 
