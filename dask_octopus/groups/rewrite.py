@@ -96,6 +96,16 @@ def replaced_keys(node: GraphNode) -> list[Key]:
     return []
 
 
+def result_keys(node: GraphNode) -> list[Key]:
+    """The keys under which tasks outside a task made by :func:`fragment_graph` read its results: a
+    fragment task's outputs, or the one task a guard runs (empty for any other node)."""
+    if isinstance(node, Task) and node.func is run_fragment:
+        return list(node.args[0].value.outputs)
+    if is_guard(node):
+        return [node.args[0].value]
+    return []
+
+
 def _read_by_fragments_only(steps: Sequence[Key], dependents: Mapping[Key, Collection[Key]],
                             candidates: Collection[Key], members: Collection[Key]) -> list[Key]:
     """The keys of ``candidates`` that only ``members`` (of fragments) read, directly or through other such

@@ -58,10 +58,10 @@ from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
     dependents_of,
     fragment_graph,
-    inner_keys,
     is_guard,
     of_fragments,
     replaced_keys,
+    result_keys,
 )
 from dask_octopus.groups.streams import collected, pick, run_fragment
 from dask_octopus.profiling.working_set import MEASURE
@@ -382,35 +382,36 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     return made, members
 
 
-def _covered(ts: TaskState, seen: set[Key]) -> set[Key]:
-    """The keys whose work the group ``ts`` (a fragment task or a guard) does or reads: its members and
-    the keys fused into them (:func:`~dask_octopus.groups.rewrite.inner_keys`), its inputs, and the same
-    of the groups among its inputs (each group once: ``seen``); empty for any other task."""
+def _covered(ts: TaskState) -> set[Key]:
+    """The keys that the group ``ts`` (a fragment task or a guard) stands for where a run spec made
+    before the grouping read them: its members, its inputs, and the results of the groups among its
+    inputs (its members read those inline); empty for any other task."""
     members = replaced_keys(ts.run_spec)
-    if not members or ts.key in seen:
+    if not members:
         return set()
-    seen.add(ts.key)
-    out = {*members, *inner_keys(ts.key, ts.run_spec)}
+    out = set(members)
     for dts in ts.dependencies:
         out.add(dts.key)
-        out |= _covered(dts, seen)
+        out.update(result_keys(dts.run_spec))
     return out
 
 
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
     """Whether the task ``ts``, which reads groups (fragment tasks or guards), does the work of a run spec
     reading ``dependencies`` as grouped since: each of those is a task ``ts`` reads, or one that a group
-    it reads covers (:func:`_covered`: a member, a key fused into one, an input, and those of the groups
-    it reads), and each task ``ts`` reads is among them or, a group, covers one of them (a consumer reads
-    a fragment in place of its members; a member's key kept as a task picks the member's value from its
-    fragment, which reads the member's inputs; a run spec that is an alias of the name Dask's fusion gave
-    the chain of tasks ending at ``ts``'s key, :func:`~dask_octopus._compat.fused_name_of`, reads that key's
-    work)."""
-    wanted = {ts.key if fused_name_of(ts.key, d) else d for d in dependencies}
+    it reads stands for (:func:`_covered`: a member, an input, a result of a group it reads), and each
+    task ``ts`` reads is among them or, a group, stands for one of them (a consumer reads a fragment in
+    place of its members; a member's key kept as a task picks the member's value from its fragment,
+    which reads the member's inputs). A run spec that reads one key only, named as Dask's fusion names
+    a chain of tasks ending at ``ts``'s key (:func:`~dask_octopus._compat.fused_name_of`: the key is then
+    an alias of that chain's task), reads that key's own work."""
+    wanted = set(dependencies)
+    if len(wanted) == 1 and fused_name_of(ts.key, next(iter(wanted))):
+        wanted = {ts.key}
     reach: set[Key] = set()
     grouped = False
     for dts in ts.dependencies:
-        covered = _covered(dts, set())
+        covered = _covered(dts)
         if dts.key not in wanted and not covered & wanted:
             return False
         grouped = grouped or bool(covered)
