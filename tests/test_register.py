@@ -161,6 +161,33 @@ async def test_a_worker_that_never_reports_is_waited_for_once(c, s, a):
     assert not plugin(s).unreported
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "1s"})
+async def test_each_worker_is_waited_for_from_when_it_joined(c, s, a):
+    """Two workers that never report, the second joining 0.6 s after the first: a plan waits for each
+    until its own wait is over, and names each as that happens."""
+    await dask_octopus.register(c)
+    delayed_reports(s, None)
+    async with Worker(s.address, nthreads=1) as b:
+        await asyncio.sleep(0.6)
+        async with Worker(s.address, nthreads=1) as d:
+            with captured_logger("dask_octopus.plugins.scheduler") as log:
+                assert set(await dask_octopus.speeds(c)) == {a.address, b.address, d.address}
+            lines = [line for line in log.getvalue().splitlines() if "no calibration report from" in line]
+            assert len(lines) == 2 and b.address in lines[0] and d.address in lines[1], lines
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
+async def test_a_plan_waiting_for_calibrations_answers_once_the_plugin_is_unregistered(c, s, a):
+    await dask_octopus.register(c)
+    delayed_reports(s, None)
+    async with Worker(s.address, nthreads=1):
+        waiting = asyncio.ensure_future(dask_octopus.speeds(c))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await c.unregister_scheduler_plugin("octopus")
+        await asyncio.wait_for(waiting, 10)  # the next weight sample retires it, not octopus.calibration.wait (30 s)
+
+
 @gen_cluster(client=True, nthreads=[], config=FAST)
 async def test_no_workers(c, s):
     await c.register_plugin(OctopusSchedulerPlugin())

@@ -61,8 +61,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
 
     Idempotent: a second call, or a call on a scheduler started with ``--preload dask_octopus``,
     changes nothing (but where only the worker plugin was unregistered, it is set up again). Workers
-    that join later are calibrated when they arrive, and plans (``balance``, ``map``) wait for their
-    reports (``octopus.calibration.wait``). To register with other options, first
+    that join later are calibrated when they arrive, and plans (``balance``, ``map``, ``imap``) wait
+    for their reports (``octopus.calibration.wait``). To register with other options, first
     ``client.unregister_scheduler_plugin("octopus")``: the workers then calibrate anew.
 
     Parameters
@@ -121,7 +121,8 @@ def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
 
 @awaitable_on_async_clients
 def speeds(client: Client | None = None, resource: str = "compute") -> dict[str, float]:
-    """Current relative weights of the live workers for ``resource``.
+    """Current relative weights of the live workers for ``resource``, once the workers that joined
+    have reported their calibrations (each waited for up to ``octopus.calibration.wait`` after it joined).
 
     Parameters
     ----------
@@ -153,7 +154,8 @@ def speeds(client: Client | None = None, resource: str = "compute") -> dict[str,
 
 @awaitable_on_async_clients
 def profiles(client: Client | None = None, resource: str = "compute") -> dict[str, Profile]:
-    """Each worker's device, calibration figures, memory, current weight and task samples.
+    """Each worker's device, calibration figures, memory, current weight and task samples, once the
+    workers that joined have reported their calibrations (as :func:`speeds` waits for them).
 
     Parameters
     ----------

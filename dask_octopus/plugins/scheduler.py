@@ -95,8 +95,8 @@ def _replying(handler: F) -> F:
 class OctopusSchedulerPlugin(SchedulerPlugin):
     """Profiles workers, refines their speeds from task timings and pins planned blocks.
 
-    Configuration (``octopus.refine.*``, ``octopus.max-plans``) is read once, here, on the process
-    that makes the plugin, unless given as arguments; the worker plugin it sends reads
+    Configuration (``octopus.refine.*``, ``octopus.max-plans``, ``octopus.calibration.wait``) is read
+    once, here, on the process that makes the plugin, unless given as arguments; the worker plugin it sends reads
     ``octopus.calibration.*`` likewise.
     """
 
@@ -119,6 +119,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     calibration_wait: float
     #: live workers whose report did not come within ``calibration_wait`` (not waited for again)
     unreported: set[str]
+    #: when each live worker joined (``time.monotonic``; those there when the plugin started: its start)
+    joined: dict[str, float]
     #: per balanced input: peak memory of the tasks of its blocks per byte of block
     working_sets: WorkingSets
     #: hooks that raised once (logged once each)
@@ -148,6 +150,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.profiles = {}
         self.calibration_wait = parse_timedelta(config.get("calibration.wait"))
         self.unreported = set()
+        self.joined = {}
+        self._started = time.monotonic()
+        self._retired = False
         self.failed_hooks = set()
         self.bad_timings = set()
         self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions]] = {}  # fragment tasks to split
@@ -171,6 +176,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     async def _start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self._started = time.monotonic()
         self._handlers = {
             "octopus_report": self.report,
             "octopus_speeds": self._after_calibrations(_replying(self.speeds)),
@@ -224,15 +230,19 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return answer
 
     async def calibrations(self) -> None:
-        """Return once every live worker has reported its calibration (:meth:`report`), or after
-        :attr:`calibration_wait` seconds: the workers that have not reported by then are logged and
-        waited for no more (they keep the mean weight until they report)."""
-        deadline = time.monotonic() + self.calibration_wait
-        while pending := self.scheduler.workers.keys() - self.profiles.keys() - self.unreported:
-            if time.monotonic() >= deadline:
-                logger.warning("dask_octopus: no calibration report from %s within octopus.calibration.wait=%ss; "
-                               "they get the mean weight until they report", sorted(pending), self.calibration_wait)
-                self.unreported |= pending
+        """Return once every live worker has reported its calibration (:meth:`report`) or has not for
+        :attr:`calibration_wait` seconds since it joined: those are logged and waited for no more (they
+        keep the mean weight until they report). Returns at once when this plugin is retired."""
+        while not self._retired:
+            pending = self.scheduler.workers.keys() - self.profiles.keys() - self.unreported
+            now = time.monotonic()
+            late = {w for w in pending if now - self.joined.get(w, self._started) >= self.calibration_wait}
+            if late:
+                logger.warning("dask_octopus: no calibration report from %s within octopus.calibration.wait=%ss "
+                               "of joining; they get the mean weight until they report", sorted(late),
+                               self.calibration_wait)
+                self.unreported |= late
+            if pending <= late:
                 return
             await asyncio.sleep(0.02)
 
@@ -245,6 +255,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Stop everything this plugin runs beside Dask's hooks: grouping, its filter of the scheduler's
         log, sampling, its metrics and the RPC handlers that are still its own (a plugin registered since
         has its own)."""
+        self._retired = True  # (a handler waiting for calibrations answers now)
         scheduler_groups.hosts.discard(self)
         self._filter_log(None)
         self._stop_sampling()
@@ -547,6 +558,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self.joined[worker] = time.monotonic()
         if scheduler.workers[worker].status in HELD:  # joined paused (a new worker is "init" until it runs)
             self.placement.hold(scheduler, worker, False, "add-worker")
         self._rehome("add-worker")
@@ -556,6 +568,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._split_held(stimulus_id)  # before the pins of the worker's blocks move
         self.profiles.pop(worker, None)
         self.unreported.discard(worker)
+        self.joined.pop(worker, None)
         self.model.remove(worker)
         for fits in self.item_costs.values():
             fits.pop(worker, None)
