@@ -197,13 +197,17 @@ def test_bad_annotations(kwargs, message):
 @pytest.mark.parametrize("registered", [False, True])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
 async def test_a_group_larger_than_any_graph_caps_nothing(c, s, a, b, registered):
-    """A group past 64 bits (which Dask's messages cannot carry) is accepted as what it means: no cap."""
+    """A group past 64 bits (which Dask's messages cannot carry) is accepted as what it means: no cap
+    (one fragment per worker thread, as with ``group=None``)."""
     if registered:
         await dask_octopus.register(c, calibrate=False)
+    rec = WhereRan()
+    s.add_plugin(rec)
     data = np.arange(100.0)
     with dask_octopus.annotate(group=2**64):
         y = da.from_array(data, chunks=10).map_blocks(f).sum()
     assert await c.compute(y) == f(data).sum()
+    assert 1 <= len(ran(rec, FRAGMENT_PREFIX)) <= 2
     if registered:  # (map needs the plugin)
         futures = await asyncio.get_running_loop().run_in_executor(
             None, lambda: dask_octopus.map(f, [1.0, 2.0], group=10**30, client=c))

@@ -23,6 +23,18 @@ from dask_octopus.groups import streams
 from dask_octopus.profiling.itemcosts import ItemCost
 
 
+class GraphsSent(SchedulerPlugin):
+    """Counts the graphs the scheduler receives."""
+
+    name = "graphs-sent"
+
+    def __init__(self):
+        self.count = 0
+
+    def update_graph(self, *args, **kwargs):
+        self.count += 1
+
+
 def call(c, *args, **kwargs):
     return asyncio.get_running_loop().run_in_executor(None, lambda: dask_octopus.map(*args, client=c, **kwargs))
 
@@ -199,6 +211,7 @@ async def test_bad_input(c, s, a, b):
     cases = [
         (items, dict(cost=[1, 2]), ValueError, "cost has 2 entries for 3 items"),
         (items, dict(cost=[1, 2, 3, 4]), ValueError, "cost has 4 entries for 3 items"),
+        ([], dict(cost=[1]), ValueError, "cost has 1 entries for 0 items"),
         (items, dict(cost=[1, -2, 3]), ValueError, "cost of item 1"),
         (items, dict(cost=[1, float("nan"), 3]), ValueError, "cost of item 1"),
         (items, dict(cost=cost_fails), ValueError, "cost raised for item 2"),
@@ -218,6 +231,13 @@ async def test_bad_input(c, s, a, b):
         # any iterable of costs, one per item, in every way
         costs = (1 for _ in items)
         assert await loop.run_in_executor(None, functools.partial(run, str, items, cost=costs)) == ["0", "1", "2"]
+        graphs = GraphsSent()
+        s.add_plugin(graphs)
+        delayed_items = [dask.delayed(list)([1]), dask.delayed(list)([2])]
+        with pytest.raises(ValueError, match="cost has 1 entries for 2 items"):
+            await loop.run_in_executor(None, functools.partial(run, len, delayed_items, cost=[1]))
+        assert graphs.count == 0  # checked before the delayed items are computed
+        s.remove_plugin(graphs.name)
     with captured_logger("distributed", level=logging.ERROR) as log, \
             pytest.raises(TypeError, match="cannot be pickled"):
         await call(c, lambda x: lock, [1])

@@ -38,6 +38,7 @@ ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item'
 SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
 ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
+Cost = Callable[[Any], float] | Iterable[float] | None  # map's cost: a callable of an item, numbers, or None
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
 
 
@@ -122,6 +123,13 @@ def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     return out
 
 
+def _listed(items: Iterable[Any], cost: Cost) -> tuple[list[Any], Cost]:
+    """``items`` as a list, and ``cost``, where given as numbers, as a list of one per item (checked:
+    before anything is computed or submitted, whatever the mode)."""
+    items = list(items)
+    return items, (cost if cost is None or callable(cost) else _given_costs(cost, len(items)))
+
+
 def _default_cost(i: int, item: Any) -> float:
     """The cost of item ``i`` when none is given: 1 for a future, else its ``nbytes`` (1 without one)."""
     if isinstance(item, Future):
@@ -134,7 +142,7 @@ def _default_cost(i: int, item: Any) -> float:
                          "pass cost=") from None
 
 
-def _costs(client: Client, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None) -> list[float]:
+def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
     """One cost per item. Futures (delayed items are futures by now) are equal by default, and a
     ``cost`` callable runs on the worker that holds them (one task each, gathered at once)."""
     if cost is None:
@@ -260,7 +268,7 @@ def _compute_delayed(client: Client, items: list[Any]) -> None:
             items[i] = fut
 
 
-def _submit(client: Client, func: Callable, items: list[Any], cost: Callable[[Any], float] | Sequence[float] | None,
+def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
             per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
@@ -328,7 +336,7 @@ def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[
 
 
 @awaitable_on_async_clients
-def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
+def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Iterable[float] | None = None,
         client: Client | None = None, group: int | None = None, resource: str = "compute", gather: bool = False,
         errors: str = "raise", to_host: bool = False, **kwargs: Any) -> list[Future] | list[Any]:
     """Run ``func`` over indivisible items of different costs, packed onto the workers so that all
@@ -404,7 +412,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     group = _check_call(func, group, resource, errors)
     if errors != "raise" and not gather:
         raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
-    items = list(items)
+    items, cost = _listed(items, cost)
     if not items:
         return []
     if not gather:
@@ -413,7 +421,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     return [result for _, result in _checked(sorted(_as_finished(run)), errors)]
 
 
-def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Sequence[float] | None = None,
+def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Iterable[float] | None = None,
          client: Client | None = None, group: int | None = None, resource: str = "compute", errors: str = "raise",
          to_host: bool = False, **kwargs: Any) -> Iterator[tuple[int, Any]] | AsyncIterator[tuple[int, Any]]:
     """:func:`map` planned and run the same way, yielding ``(index, result)`` as each task of items
@@ -441,7 +449,7 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     """
     client = client or default_client()
     group = _check_call(func, group, resource, errors)
-    items = list(items)
+    items, cost = _listed(items, cost)
     if client.asynchronous:
         return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)
     if not items:
@@ -468,7 +476,7 @@ class _Batches:
                  resource: str, to_host: bool, kwargs: dict[str, Any]):
         self.client = client
         self._submit_args = (client, func, group, resource, to_host, kwargs)
-        self._cost = cost if cost is None or callable(cost) else _given_costs(cost, len(items))  # (indexed by item)
+        self._cost = cost  # one per item, where a list (:func:`_listed`)
         _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
         self._items = items
         self.where: dict[Any, list[int]] = {}
