@@ -72,7 +72,8 @@ def _si(value: float | None, unit: str) -> str:
 
 
 def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], title: str) -> Table:
-    """A table of :func:`dask_octopus.profiles` with the memory weights beside the compute ones."""
+    """A table of :func:`dask_octopus.profiles` with the memory weights beside the compute ones (``-`` for a
+    worker that joined between the two calls)."""
     table = Table(title=title)
     for col in ("worker", "name", "device", "memory", "GEMM", "stream", "weight compute", "weight memory",
                 "task timings", "note"):
@@ -82,7 +83,8 @@ def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], t
         memory = format_bytes(p["memory_total"]) if p.get("memory_total") else "-"
         table.add_row(addr, p["name_on_scheduler"], device, memory,
                       _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
-                      f"{memory_weights[addr]:.3f}", str(p["samples"]), p.get("error") or "")
+                      f"{memory_weights[addr]:.3f}" if addr in memory_weights else "-", str(p["samples"]),
+                      p.get("error") or "")
     return table
 
 
@@ -131,6 +133,8 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
                                  f"dask_octopus profiles at {scheduler_address}{when}")
         except (dask_octopus.NotRegisteredError, ValueError) as e:  # no plugin, no workers: say so, exit 1
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # the scheduler went away (closed comms, a timeout): say so, exit 1
+            raise click.ClickException(f"lost the scheduler at {scheduler_address}: {e!r}") from None
 
     try:
         resolve_address(scheduler_address)  # before a Client: one given a bad address stays half made

@@ -13,7 +13,7 @@ from distributed.utils_test import cluster
 
 import dask_octopus
 from dask_octopus.bench.demo import place_parts
-from dask_octopus.cli import main
+from dask_octopus.cli import main, profile_table
 from dask_octopus.profiling.probes import gpu_count
 
 
@@ -119,6 +119,28 @@ def test_profile_without_workers_says_so(loop):
         result = CliRunner().invoke(main, ["profile", "--scheduler-address", s["address"]])
     assert result.exit_code == 1 and "Error: the cluster has no workers" in result.output
     assert "Traceback" not in result.output
+
+
+def test_profile_watch_that_loses_its_scheduler_says_so(loop):
+    env = {**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"}
+    with cluster(nworkers=1) as (s, _):
+        with Client(s["address"], loop=loop) as c:
+            dask_octopus.register(c, calibrate=False)
+        watching = subprocess.Popen([sys.executable, "-m", "dask_octopus", "profile", "--scheduler-address",
+                                     s["address"], "--watch", "--interval", "0.2"], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in watching.stdout:  # a table, then the scheduler goes away
+            if "weight compute" in line:
+                break
+    _, err = watching.communicate(timeout=60)
+    assert watching.returncode == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith(f"Error: lost the scheduler at {s['address']}: "), err
+
+
+def test_a_worker_that_joined_between_the_two_calls_shows_no_memory_weight():
+    profile = {"name_on_scheduler": "w", "device": "cpu", "weight": 0.5, "samples": 0}
+    table = profile_table({"tcp://a:1": profile, "tcp://b:2": profile}, {"tcp://a:1": 0.5}, "t")
+    assert table.columns[7]._cells == ["0.500", "-"]
 
 
 def test_profile_of_an_address_without_a_scheduler_says_so():
