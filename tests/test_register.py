@@ -438,6 +438,17 @@ async def test_two_registrations_at_once_leave_one_working_plugin(c, s, a, b):
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_of_two_registrations_at_once_with_other_options_the_one_dropped_is_warned(c, s, a, b):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        await asyncio.gather(dask_octopus.register(c, calibration_seconds=0.1),
+                             dask_octopus.register(c, calibration_seconds=0.2))
+    other = {0.1: 0.2, 0.2: 0.1}[plugin(s).options()["calibration_seconds"]]  # the options of the one dropped
+    dropped = [str(w.message) for w in caught if "changes nothing" in str(w.message)]
+    assert len(dropped) == 1 and f"'calibration_seconds': {other}" in dropped[0].split("register() with")[1]
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_a_worker_joining_after_unregistering_reports_to_no_one_quietly(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)
     first = plugin(s)

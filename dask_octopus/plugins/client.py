@@ -91,14 +91,14 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     if unknown:
         raise TypeError(f"unknown register options: {sorted(unknown)}")
     plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)
-    current = client.run_on_scheduler(_registered_options)
+    client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
+    current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
     if current is not None and current != plugin.options():
         warnings.warn(
             f"dask_octopus is already registered on this scheduler with {current}; register() with "
             f"{plugin.options()} changes nothing. To change them, first call "
             "client.unregister_scheduler_plugin('octopus')",
             UserWarning, stacklevel=3)
-    client.register_plugin(plugin)
 
 
 def _has_plugin(dask_scheduler: Any) -> bool:
