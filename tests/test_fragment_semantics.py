@@ -735,6 +735,42 @@ async def test_a_grouped_key_brought_again_reading_work_done_upstream_is_still_w
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_grouped_sum_brought_again_reading_one_of_its_members_is_still_warned_about(c, s, a):
+    """The held sum reads one fragment (one worker thread); its key sent again reading one member."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    await dask_octopus.register(c, calibrate=False)
+    df = await c.persist(dd.from_pandas(pd.DataFrame({"v": np.arange(256.0)}), npartitions=16))
+    with dask_octopus.annotate():
+        first = c.compute(df.v.map_partitions(slow_plus_one).sum())
+    await wait(first)
+    (group,) = s.tasks[first.key].dependencies
+    member = replaced_keys(group.run_spec)[0]
+    with captured_logger("distributed.scheduler") as log:
+        async with Client(s.address, asynchronous=True) as c2:
+            await c2.get({first.key: (inc, member), member: 1}, first.key, sync=False)
+    assert f"Detected different `run_spec` for key {first.key!r}" in log.getvalue()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_named_grouped_total_brought_again_over_its_inputs_is_still_warned_about(c, s, a, b):
+    """A user's key held as the sum of f(part) (grouped), then the same key for the sum of the parts:
+    other work, whose dependencies are the fragments' inputs. Dask keeps the first (the second client
+    gets the first sum): the warning is the user's one signal."""
+    parts = await c.scatter([np.arange(10.0) + i for i in range(8)])
+    await dask_octopus.register(c, calibrate=False)
+    with dask_octopus.annotate():
+        first = c.compute(dask.delayed(sum)([dask.delayed(slow_plus_one)(p) for p in parts], dask_key_name="total"))
+    await wait(first)
+    assert all(replaced_keys(d.run_spec) for d in s.tasks["total"].dependencies)  # it reads fragments
+    with captured_logger("distributed.scheduler") as log:
+        async with Client(s.address, asynchronous=True) as c2:
+            await c2.compute(dask.delayed(sum)(parts, dask_key_name="total"))
+    assert "Detected different `run_spec` for key 'total'" in log.getvalue()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_plain_key_brought_again_for_other_work_is_still_warned_about(c, s, a):
     """The plugin drops Dask's warning only where the difference is our grouping: a key sent again with
     other dependencies than the task the scheduler holds (a user's key reused for other work) still gets it."""

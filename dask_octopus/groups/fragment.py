@@ -176,6 +176,10 @@ class Fragment:
     declared class (``"compute"``, ``"memory"`` or ``"auto"``, run as memory-bound): where steps of
     both classes are ready they alternate. ``retries`` maps members to the times a raising step of
     theirs may run again (:meth:`step_retries`; members missing: the fragment task's ``retries``).
+    ``read_before`` maps each output to the keys its task read before the grouping (set where the
+    fragment was made, :func:`~dask_octopus.groups.rewrite.fragment_graph`; not sent with it): a scheduler
+    holding the output's task, rewritten to pick it from the fragment, tells the same task brought again
+    from other work brought under its key.
 
     The specs stay as they are until the fragment is pickled (sent to another process): a worker or
     local scheduler of this process runs the members' very functions and constants, as without
@@ -238,6 +242,7 @@ class Fragment:
         self.retries = retries
         self._specs: bytes | tuple = specs
         self._structure: str | None = None
+        self.read_before: dict[Key, frozenset[Key]] = {}
 
     def split(self) -> list[Fragment]:
         """The fragment as one fragment per member, in the order of the members' first steps: each holds
@@ -270,7 +275,7 @@ class Fragment:
         return [default if r is None else r for r in self.retries]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        state = {**self.__dict__, "read_before": {}}  # (the scheduler's alone)
         specs = self._specs
         if not isinstance(specs, bytes):
             # sent elsewhere: from now on packed here too (a scheduler keeps no steps' objects alive)

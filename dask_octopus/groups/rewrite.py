@@ -41,7 +41,7 @@ def inner_keys(key: Key, node: Any) -> list[Key]:
         inner = node.args[0].value if isinstance(node.args[0], DataNode) else node.args[0]
         return [key, *(k for i, child in inner.items() for k in inner_keys(i, child))]
     if node.func is run_fragment:
-        return list(node.args[0].value.covers)
+        return list(fragment_of(node).covers)
     if is_guard(node):
         return [key, *inner_keys(node.args[0].value, node.args[1].value)]
     return [key]
@@ -51,6 +51,35 @@ def picks_a_result(node: Any) -> bool:
     """Whether ``node`` (a task's run spec) is a task of :func:`fragment_graph` that picks one result
     of a fragment task: it does none of its member's work."""
     return isinstance(node, Task) and node.func is pick
+
+
+def _nested_picks(node: GraphNode) -> list[Task]:
+    """The tasks nested in ``node`` that pick a result of a fragment task (:func:`picks_a_result`)."""
+    out: list[Task] = []
+    stack: list[Any] = [node]
+    while stack:
+        item = stack.pop()
+        if picks_a_result(item) and item is not node:
+            out.append(item)
+        elif isinstance(item, Task):
+            stack.extend(item.args)
+            stack.extend(item.kwargs.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return out
+
+
+def read_before_grouping(node: GraphNode) -> frozenset[Key] | None:
+    """The keys that ``node``, a run spec in which :func:`fragment_graph` nested tasks picking results
+    of fragments (under their members' keys), read before: those members, and its other dependencies;
+    ``None`` for a node with no such task."""
+    picks = _nested_picks(node)
+    if not picks:
+        return None
+    groups = {d for p in picks for d in p.dependencies}
+    return frozenset({p.key for p in picks} | (node.dependencies - groups))
 
 
 def is_guard(node: Any) -> bool:
@@ -86,21 +115,18 @@ def dependents_of(graph: Mapping[Key, GraphNode]) -> dict[Key, set[Key]]:
     return reverse_dict({k: node.dependencies for k, node in graph.items()})
 
 
+def fragment_of(node: Any) -> Fragment | None:
+    """The :class:`~dask_octopus.groups.fragment.Fragment` that ``node``, a fragment task's run spec, runs
+    (``None`` for any other node)."""
+    return node.args[0].value if isinstance(node, Task) and node.func is run_fragment else None
+
+
 def replaced_keys(node: GraphNode) -> list[Key]:
     """The keys of the graph whose work a task made by :func:`fragment_graph` does: a fragment task's
     members, or the one task a guard runs (empty for any other node)."""
-    if isinstance(node, Task) and node.func is run_fragment:
-        return list(node.args[0].value.members)
-    if is_guard(node):
-        return [node.args[0].value]
-    return []
-
-
-def result_keys(node: GraphNode) -> list[Key]:
-    """The keys under which tasks outside a task made by :func:`fragment_graph` read its results: a
-    fragment task's outputs, or the one task a guard runs (empty for any other node)."""
-    if isinstance(node, Task) and node.func is run_fragment:
-        return list(node.args[0].value.outputs)
+    fragment = fragment_of(node)
+    if fragment is not None:
+        return list(fragment.members)
     if is_guard(node):
         return [node.args[0].value]
     return []
@@ -137,7 +163,10 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
     """The :class:`Fragment` of ``members``; its outputs are the members read from outside it."""
     inside = set(members)
     outputs = [m for m in members if not dependents.get(m, set()) <= inside]
-    return Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries)
+    fragment = Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries)
+    # what each output's task read (members grouped before read other fragments' results inline)
+    fragment.read_before = {m: read_before_grouping(dsk[m]) or frozenset(dsk[m].dependencies) for m in outputs}
+    return fragment
 
 
 def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,

@@ -52,16 +52,17 @@ from dask_octopus._compat import (
     run_spec_collision,
     running_schedulers,
 )
-from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
     dependents_of,
     fragment_graph,
+    fragment_of,
     is_guard,
     of_fragments,
+    picks_a_result,
+    read_before_grouping,
     replaced_keys,
-    result_keys,
 )
 from dask_octopus.groups.streams import collected, pick, run_fragment
 from dask_octopus.profiling.working_set import MEASURE
@@ -382,42 +383,31 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     return made, members
 
 
-def _covered(ts: TaskState) -> set[Key]:
-    """The keys that the group ``ts`` (a fragment task or a guard) stands for where a run spec made
-    before the grouping read them: its members, its inputs, and the results of the groups among its
-    inputs (its members read those inline); empty for any other task."""
-    members = replaced_keys(ts.run_spec)
-    if not members:
-        return set()
-    out = set(members)
-    for dts in ts.dependencies:
-        out.add(dts.key)
-        out.update(result_keys(dts.run_spec))
-    return out
+def _read_before(ts: TaskState) -> frozenset[Key] | None:
+    """The keys the task ``ts`` read before the grouping rewrote its run spec: a member kept as a task
+    that picks its value from its fragment read what the member read
+    (:attr:`~dask_octopus.groups.fragment.Fragment.read_before`), a consumer that reads results of
+    fragments inline what :func:`~dask_octopus.groups.rewrite.read_before_grouping` says. ``None`` for a
+    task the grouping did not rewrite (or whose fragment no longer says)."""
+    if not picks_a_result(ts.run_spec):
+        return read_before_grouping(ts.run_spec)
+    fragment = next((fragment_of(d.run_spec) for d in ts.dependencies), None)
+    return fragment.read_before.get(ts.key) if fragment is not None else None
 
 
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
-    """Whether the task ``ts``, which reads groups (fragment tasks or guards), does the work of a run spec
-    reading ``dependencies`` as grouped since: each of those is a task ``ts`` reads, or one that a group
-    it reads stands for (:func:`_covered`: a member, an input, a result of a group it reads), and each
-    task ``ts`` reads is among them or, a group, stands for one of them (a consumer reads a fragment in
-    place of its members; a member's key kept as a task picks the member's value from its fragment,
-    which reads the member's inputs). A run spec that reads one key only, named as Dask's fusion names
-    a chain of tasks ending at ``ts``'s key (:func:`~dask_octopus._compat.fused_name_of`: the key is then
-    an alias of that chain's task), reads that key's own work."""
-    wanted = set(dependencies)
-    if len(wanted) == 1 and fused_name_of(ts.key, next(iter(wanted))):
-        wanted = {ts.key}
-    reach: set[Key] = set()
-    grouped = False
-    for dts in ts.dependencies:
-        covered = _covered(dts)
-        if dts.key not in wanted and not covered & wanted:
-            return False
-        grouped = grouped or bool(covered)
-        reach.add(dts.key)
-        reach.update(covered)
-    return grouped and reach.issuperset(wanted)
+    """Whether the task ``ts``, rewritten by the grouping, is the task of a run spec reading ``dependencies``
+    as grouped since: they are what it read before (:func:`_read_before`), or, for a member kept
+    as a task, the one key that Dask's fusion names a chain of tasks ending at the member's key (the
+    member's own work under the alias that Dask's graph gives it; our graph resolved that alias:
+    :func:`~dask_octopus._compat.fused_name_of`)."""
+    before = _read_before(ts)
+    new = set(dependencies)
+    if before is None:
+        return False
+    if new == before:
+        return True
+    return picks_a_result(ts.run_spec) and len(new) == 1 and fused_name_of(ts.key, next(iter(new)))
 
 
 class RegroupedRunSpecs(logging.Filter):
@@ -497,9 +487,8 @@ def hold_if_lost(ts: TaskState) -> Restrictions | None:
     """Keep the task ``ts`` from running (Dask finds it no worker) until :func:`split_fragment`, if it is
     a fragment task of two members or more that a worker left while running it (Dask counts it
     *suspicious*); returns its restrictions, which that puts back (``None``: not held)."""
-    node = ts.run_spec
-    if not (ts.suspicious and isinstance(node, Task) and node.func is run_fragment
-            and len(node.args[0].value.members) > 1):
+    fragment = fragment_of(ts.run_spec)
+    if not (ts.suspicious and fragment is not None and len(fragment.members) > 1):
         return None
     held = _restrictions(ts)
     _restrict(ts, ({HELD}, None, None, False))
@@ -544,7 +533,7 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
         return []
     if ts.worker_restrictions == {HELD}:
         _restrict(ts, held)  # (what the parts take)
-    fragment: Fragment = ts.run_spec.args[0].value
+    fragment = fragment_of(ts.run_spec)
     if ts.state not in ("waiting", "no-worker") or not ts.dependents or len(fragment.members) < 2:
         run_whole(scheduler, ts, held, stimulus_id)
         return []
