@@ -234,9 +234,11 @@ async def test_bad_input(c, s, a, b):
         graphs = GraphsSent()
         s.add_plugin(graphs)
         delayed_items = [dask.delayed(list)([1]), dask.delayed(list)([2])]
-        with pytest.raises(ValueError, match="cost has 1 entries for 2 items"):
-            await loop.run_in_executor(None, functools.partial(run, len, delayed_items, cost=[1]))
-        assert graphs.count == 0  # checked before the delayed items are computed
+        for costs, match in (([1], "cost has 1 entries for 2 items"), ([1, -2], "cost of item 1 must be")):
+            with pytest.raises(ValueError, match=match):
+                await loop.run_in_executor(None, functools.partial(run, len, delayed_items, cost=costs))
+        assert await c.submit(int, 0, pure=False) == 0  # (after any graph the calls sent: one client's in order)
+        assert graphs.count == 1  # that one: the costs were checked before the delayed items were computed
         s.remove_plugin(graphs.name)
     with captured_logger("distributed", level=logging.ERROR) as log, \
             pytest.raises(TypeError, match="cannot be pickled"):

@@ -116,10 +116,12 @@ def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
 
 
 def _given_costs(cost: Iterable[float], n: int) -> list[float]:
-    """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count."""
+    """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
+    a cost that is not a finite number >= 0."""
     out = list(cost)
     if len(out) != n:
         raise ValueError(f"cost has {len(out)} entries for {n} items")
+    check_costs(out)
     return out
 
 
