@@ -146,10 +146,13 @@ def _default_cost(i: int, item: Any) -> float:
 
 def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
     """One cost per item. Futures (delayed items are futures by now) are equal by default, and a
-    ``cost`` callable runs on the worker that holds them (one task each, gathered at once)."""
+    ``cost`` callable runs on the worker that holds them (one task each, gathered at once); costs given
+    as numbers are one per item, checked already (:func:`_listed`)."""
+    if cost is not None and not callable(cost):
+        return [float(c) for c in cost]
     if cost is None:
         out = [_default_cost(i, it) for i, it in enumerate(items)]
-    elif callable(cost):
+    else:
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
         costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
         wait(costed)
@@ -161,8 +164,6 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
             if not ok:
                 raise ValueError(f"cost raised for item {i}: {value!r}") from value
             out.append(value)
-    else:
-        out = _given_costs(cost, len(items))
     check_costs(out)
     return [float(c) for c in out]
 
