@@ -645,16 +645,16 @@ def _extra_bytes(rt: StreamRuntime, cp: Any, fragment: Fragment, layout: Fragmen
     return layout.pool_bytes(fragment, sizes) - one.pool_bytes(fragment, sizes) - max(sizes.values(), default=0)
 
 
-def _capture_within(rt: StreamRuntime, cp: Any, capture_on: Callable[[int], CapturedGroup], streams: int,
+def _capture_within(rt: StreamRuntime, cp: Any, capture_on: Callable[[int], CapturedGroup], n_streams: int,
                     largest: int) -> CapturedGroup | None:
-    """The graph captured over ``streams`` streams of the pool (``capture_on(n)`` captures on the first
+    """The graph captured over ``n_streams`` streams of the pool (``capture_on(n)`` captures on the first
     ``n``, waiting for the inputs) if it holds at most ``octopus.streams.capture-spare-bytes`` plus
     ``largest`` (the largest input's bytes) more than the graph captured on one stream, else the
     one-stream graph (also where the capture over the streams is refused): each stream of a pool
     reuses only its own freed memory, so a graph forked over 8 streams may hold 8 working sets.
     ``None`` where the capture on one stream is refused (the reason kept in ``rt.last_refusal``)."""
     graphs: list[CapturedGroup] = []
-    for n in [1] + ([streams] if streams > 1 else []):
+    for n in [1] + ([n_streams] if n_streams > 1 else []):
         try:
             graphs.append(capture_on(n))
         except CaptureRefused as e:
