@@ -57,7 +57,7 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; python3 -c 'import distributed_ucxx, ucxx; print("distributed_ucxx", distributed_ucxx.__version__, "ucxx", ucxx.__version__)'; echo "PROTOCOL=$protocol"; env | grep -E "^UCX(PY)?_" | sort; } > "$run/env.txt" 2>&1
 
 p=(--protocol "$protocol")
-step 240 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
+step 420 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
 step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
 step 80 fft-filter python3 benchmarks/fft_filter.py --devs "$devs" --cotenant-procs 2 "${p[@]}" --out "$run"
 step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 \

@@ -1111,7 +1111,8 @@ async def test_each_reader_of_a_failed_step_raises_its_traceback_once(c, s, a):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_partial_sums_of_pinned_blocks_join_their_fragments(c, s, a, b, grouped_by, priority):
     """Balanced blocks are pinned (and held) where they live; the partial sums that read them are
-    pinned too, or not, and share the blocks' annotations (none, or the same priority): they join."""
+    pinned too, or not, and share the blocks' annotations (none, or the same priority): they join.
+    Each worker runs its own blocks as one fragment; the aggregate over both stays a task."""
     rec = await setup(c, s, [1.0, 1.0])
     x = await c.persist(await run_balance(c, da.arange(4096.0, chunks=16), per_worker=4))
     with dask.annotate(**({"priority": priority} if priority else {})):
@@ -1121,6 +1122,8 @@ async def test_partial_sums_of_pinned_blocks_join_their_fragments(c, s, a, b, gr
     assert total == 4096 * 4095 / 2 + 4096
     ran = [key_split(k) for k in rec.worker]
     assert FRAGMENT_PREFIX in ran and "sum-partial" not in ran and "inc" not in ran, sorted(set(ran))
+    fragments = sorted(w for k, w in rec.worker.items() if FRAGMENT_PREFIX in str(k))
+    assert fragments == sorted([a.address, b.address]), fragments
 
 
 class OneStream:

@@ -1,5 +1,6 @@
 """GPU tests (marked ``gpu``; skipped without CuPy and a CUDA device). Run on the GPU machine. The UCX
-tests also skip without distributed-ucxx (``protocol="ucx"``)."""
+tests also skip without distributed-ucxx (``protocol="ucx"``). Tests of two workers run them on two GPUs,
+or both on GPU 0 where it is the only one; those that tell two GPUs apart skip without two."""
 
 import contextlib
 import time
@@ -39,22 +40,20 @@ def test_gpu_probe_figures_and_memory_is_freed():
     assert pool.total_bytes() == before
 
 
-def needs_two_gpus(protocol="tcp"):
-    """Skip without two GPUs, and for ``protocol="ucx"`` without distributed-ucxx."""
+def needs_two_gpus():
+    """Skip without two GPUs."""
     if n_gpus() < 2:
         pytest.skip("needs two GPUs")
-    if protocol == "ucx":
-        pytest.importorskip("distributed_ucxx", reason="protocol ucx needs distributed-ucxx")
 
 
 @contextlib.contextmanager
-def two_gpu_cluster(protocol):
-    """A client of a ``LocalCUDACluster`` on GPUs 0 and 1 whose workers talk over ``protocol``."""
-    needs_two_gpus(protocol)
+def two_worker_cluster(protocol, devices):
+    """A client of a ``LocalCUDACluster`` of two workers on ``devices`` (``"0,1"``: one GPU each;
+    ``"0,0"``: both on GPU 0) whose workers talk over ``protocol``."""
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", dashboard_address=":0", protocol=protocol) as cluster, \
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, dashboard_address=":0", protocol=protocol) as cluster, \
             Client(cluster) as c:
         c.wait_for_workers(2)
         assert c.scheduler.address.startswith(f"{protocol}://")
@@ -63,14 +62,31 @@ def two_gpu_cluster(protocol):
 
 @pytest.fixture
 def cuda_client():
-    with two_gpu_cluster("tcp") as c:
+    """Two dask-cuda workers on two GPUs, over TCP: for what tells the GPUs apart (a co-tenant on one)."""
+    needs_two_gpus()
+    with two_worker_cluster("tcp", "0,1") as c:
+        yield c
+
+
+def pair_devices():
+    """GPUs 0 and 1, or GPU 0 twice where it is the only one."""
+    return "0,1" if n_gpus() >= 2 else "0,0"
+
+
+@pytest.fixture
+def worker_pair():
+    """Two dask-cuda workers over TCP, on two GPUs or sharing the only one: for what two workers do
+    (placement, fragments and their aggregate, a worker's death), whatever their speeds."""
+    with two_worker_cluster("tcp", pair_devices()) as c:
         yield c
 
 
 @pytest.fixture
-def ucx_client():
-    """Two dask-cuda workers talking UCX (NVLink between the GPUs where it links them)."""
-    with two_gpu_cluster("ucx") as c:
+def ucx_pair():
+    """Two dask-cuda workers talking UCX (NVLink between two GPUs where it links them; CUDA IPC where
+    they share one)."""
+    pytest.importorskip("distributed_ucxx", reason="protocol ucx needs distributed-ucxx")
+    with two_worker_cluster("ucx", pair_devices()) as c:
         yield c
 
 
@@ -90,16 +106,16 @@ def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):
     assert all(p["device"] == "gpu" and p["error"] is None for p in profiles.values())
 
 
-def test_balance_cupy_array_exact_and_pinned(cuda_client):
+def test_balance_cupy_array_exact_and_pinned(worker_pair):
     import dask_octopus
 
-    dask_octopus.register(cuda_client)
-    balance_exact_and_pinned(cuda_client)
+    dask_octopus.register(worker_pair)
+    balance_exact_and_pinned(worker_pair)
 
 
-def balance_exact_and_pinned(cuda_client):
-    """Balance a CuPy array in two blocks per GPU: each GPU's rows follow its weight, the values are
-    exact, and every per-block task ran on its block's GPU."""
+def balance_exact_and_pinned(client):
+    """Balance a CuPy array in two blocks per worker: each worker's rows follow its weight, the values
+    are exact, and every per-block task ran on its block's worker."""
     import cupy
     import dask.array as da
     from dask.utils import key_split
@@ -109,16 +125,16 @@ def balance_exact_and_pinned(cuda_client):
 
     rng = da.random.default_rng(cupy.random.default_rng(0))
     x = rng.random((100_000, 256), chunks=(10_000, 256), dtype=np.float32)
-    weights = dask_octopus.speeds(cuda_client)
+    weights = dask_octopus.speeds(client)
     y = dask_octopus.balance(x, per_worker=2)
-    plan = cuda_client.run_on_scheduler(
+    plan = client.run_on_scheduler(
         lambda dask_scheduler, name=y.name: dask_scheduler.plugins["octopus"].placement.plans[name].workers)
-    # each GPU's rows follow its calibrated weight: predicted makespan within min-gain (3%) of the best
+    # each worker's rows follow its calibrated weight: predicted makespan within min-gain (3%) of the best
     rows = {w: sum(n for n, owner in zip(y.chunks[0], plan) if owner == w) for w in weights}
     assert max(rows[w] / weights[w] for w in weights) <= 1.03 * (100_000 + len(weights)), (rows, weights)
-    reference = cuda_client.compute((x * 2 + 1).sum(axis=1)).result()
-    with get_task_stream(cuda_client) as ts:
-        result = cuda_client.compute((y * 2 + 1).sum(axis=1)).result()
+    reference = client.compute((x * 2 + 1).sum(axis=1)).result()
+    with get_task_stream(client) as ts:
+        result = client.compute((y * 2 + 1).sum(axis=1)).result()
     assert isinstance(result, cupy.ndarray)
     cupy.testing.assert_array_equal(result, reference)
     blocks = [(r["key"], r["worker"]) for r in ts.data
@@ -157,42 +173,43 @@ def test_online_refinement_from_cuda_events_after_a_slowdown(cuda_client):
     assert weights[shared] < 0.4
 
 
-def test_map_cupy_items_exact_and_placed(cuda_client):
+def test_map_cupy_items_exact_and_placed(worker_pair):
     import dask_octopus
 
-    dask_octopus.register(cuda_client)
-    map_exact_and_placed(cuda_client)
+    dask_octopus.register(worker_pair)
+    map_exact_and_placed(worker_pair)
 
 
-def map_exact_and_placed(cuda_client):
-    """``map`` image pipelines over the GPUs: exact histograms, each GPU's share of the cost near its weight."""
+def map_exact_and_placed(client):
+    """``map`` image pipelines over the workers: exact histograms, each worker's share of the cost near its weight."""
     import dask_octopus
     from dask_octopus.bench.workloads import image_pipeline, specs, to_host
 
     items = specs("video", 0.5, 2)
-    weights = dask_octopus.speeds(cuda_client)
+    weights = dask_octopus.speeds(client)
     futs = dask_octopus.map(image_pipeline, items, cost=[h * w for h, w, _ in items], group=8)
-    got = cuda_client.gather(futs)
+    got = client.gather(futs)
     expected = [image_pipeline(it) for it in items]  # the same pipeline, in this process
     assert all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(got, expected, strict=True))
-    plan = cuda_client.run_on_scheduler(lambda dask_scheduler: next(
+    plan = client.run_on_scheduler(lambda dask_scheduler: next(
         p for n, p in dask_scheduler.plugins["octopus"].placement.plans.items() if "-octopus-map-" in n))
     load = {w: 0.0 for w in weights}  # the planned cost of each worker's batches
     for w, c in zip(plan.workers, plan.costs):
         load[w] += c
     total = sum(load.values())
-    # indivisible items, 60 of them: each GPU's share of the cost within 0.15 of its weight
+    # indivisible items, 60 of them: each worker's share of the cost within 0.15 of its weight
     assert all(abs(load[w] / total - weights[w]) < 0.15 for w in weights), (load, weights)
 
 
 def test_dask_cuda_worker_with_preload(tmp_path):
-    if n_gpus() < 2:
-        pytest.skip("needs two GPUs")
+    """``dask cuda worker --preload dask_octopus``: one worker per GPU it is given (GPU 0 twice where it
+    is the only one), calibrated on arrival, then balanced, pinned and exact."""
     import cupy
     import dask.array as da
     from test_deployment import check_balanced_and_pinned, cli_cluster
 
-    with cli_cluster(tmp_path, ["cuda", "worker"], n_workers=2, worker_processes=1) as c:
+    with cli_cluster(tmp_path, ["cuda", "worker"], n_workers=2, worker_processes=1,
+                     worker_env={"CUDA_VISIBLE_DEVICES": pair_devices()}) as c:
         assert all(p["device"] == "gpu" for p in dask_octopus_profiles(c).values())
         rng = da.random.default_rng(cupy.random.default_rng(1))
         x = rng.random((40_000, 64), chunks=(10_000, 64), dtype=np.float32)
@@ -312,22 +329,22 @@ def allocate_too_much(block):
     return cupy.empty(2**38, dtype=cupy.uint8)  # 256 GiB: more than any one GPU here
 
 
-def test_real_out_of_memory_on_a_gpu_names_worker_block_and_remedy(cuda_client):
+def test_real_out_of_memory_on_a_gpu_names_worker_block_and_remedy(worker_pair):
     import cupy
     import dask.array as da
 
     import dask_octopus
 
-    dask_octopus.register(cuda_client)
+    dask_octopus.register(worker_pair)
     rng = da.random.default_rng(cupy.random.default_rng(6))
     x = dask_octopus.balance(rng.random((40_000, 256), chunks=(10_000, 256), dtype=np.float32))
     with pytest.raises(Exception) as info:
-        cuda_client.compute(x.map_blocks(allocate_too_much, dtype=np.uint8).sum()).result()
+        worker_pair.compute(x.map_blocks(allocate_too_much, dtype=np.uint8).sum()).result()
     text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
     print(type(info.value), text)
     assert "OutOfMemory" in type(info.value).__name__ or "out of memory" in text.lower()
     assert "dask_octopus: worker tcp://" in text and "MiB" in text and "per_worker" in text
-    assert cuda_client.compute(x.sum()).result() > 0  # the cluster keeps working
+    assert worker_pair.compute(x.sum()).result() > 0  # the cluster keeps working
 
 
 def slow_copy(block, delay):
@@ -337,12 +354,12 @@ def slow_copy(block, delay):
     return block.copy()
 
 
-def test_killed_cuda_worker_mid_compute_with_balance_groups_and_map(cuda_client):
+def test_killed_cuda_worker_mid_compute_with_balance_groups_and_map(worker_pair):
     """A dask-cuda worker process dies mid-compute (its nanny restarts it): results complete and exact."""
-    killed_worker_mid_compute(cuda_client)
+    killed_worker_mid_compute(worker_pair)
 
 
-def killed_worker_mid_compute(cuda_client):
+def killed_worker_mid_compute(client):
     """Kill a worker process during a balanced, grouped compute, then ``map`` on the restarted cluster:
     both exact."""
     import os
@@ -353,22 +370,22 @@ def killed_worker_mid_compute(cuda_client):
     import dask_octopus
     from dask_octopus.bench.workloads import square
 
-    dask_octopus.register(cuda_client)
+    dask_octopus.register(client)
     rng = da.random.default_rng(cupy.random.default_rng(7))
     x = da.floor(rng.random((16 * 4096, 256), chunks=(4096, 256), dtype=np.float32) * 100)  # sums are exact
-    expected = cuda_client.compute(x.sum(axis=1)).result()
+    expected = client.compute(x.sum(axis=1)).result()
     y = dask_octopus.balance(x, per_worker=8)
     with dask_octopus.annotate(group=4):
         z = y.map_blocks(slow_copy, 0.2, dtype=y.dtype)
-    fut = cuda_client.compute(z.sum(axis=1))
+    fut = client.compute(z.sum(axis=1))
     time.sleep(1.0)
     assert not fut.done()
-    victim = sorted(workers_info(cuda_client))[0]
+    victim = sorted(workers_info(client))[0]
     with contextlib.suppress(Exception):  # the worker dies before it can answer
-        cuda_client.run(os._exit, 1, workers=[victim])
+        client.run(os._exit, 1, workers=[victim])
     cupy.testing.assert_array_equal(fut.result(timeout=120), expected)
     items = [cupy.full((256, 256), float(i), dtype=cupy.float32) for i in range(12)]
-    got = cuda_client.gather(dask_octopus.map(square, items, group=4))
+    got = client.gather(dask_octopus.map(square, items, group=4))
     assert all(cupy.array_equal(g, square(i)) for g, i in zip(got, items))
 
 
@@ -532,28 +549,72 @@ def grouped_exact(client):
     cupy.testing.assert_array_equal(client.compute(y.sum(axis=0)).result(), expected)
 
 
-def test_ucx_cluster_registers_balances_maps_and_groups_exactly(ucx_client):
+def balanced_fragments_exact_and_placed(client):
+    """A balanced CuPy array through an annotated chain, then a sum across the workers: each worker
+    runs its blocks and their partial sums as one fragment, where they are; the aggregate reads both
+    workers' fragments; the values are those of the unannotated compute."""
+    from collections import Counter
+
+    import cupy
+    import dask.array as da
+    from dask.utils import key_split
+    from distributed import get_task_stream, wait
+
+    import dask_octopus
+    from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+
+    rng = da.random.default_rng(cupy.random.default_rng(9))
+    x = client.persist(dask_octopus.balance(rng.random((16 * 1024, 512), chunks=(1024, 512), dtype=np.float32),
+                                            per_worker=4))
+    wait(x)
+    holders = Counter(w for (w,) in client.who_has(x).values())
+    assert len(holders) == 2, holders  # the balanced blocks live on both workers
+    expected = client.compute(da.map_blocks(add_sqrt, x, x, name="ref-fragments").sum(axis=0)).result()
+    with dask_octopus.annotate(resource="auto"):
+        y = da.map_blocks(add_sqrt, x, x, name="fragments-pair")
+    with get_task_stream(client) as ts:
+        got = client.compute(y.sum(axis=0)).result()
+    cupy.testing.assert_array_equal(got, expected)
+    ran = [(key_split(t["key"]), t["worker"]) for t in ts.data]
+    # one fragment per worker (one thread each), on the worker holding its blocks: it fetched none
+    assert Counter(w for name, w in ran if FRAGMENT_PREFIX in name) == Counter(holders.keys()), ran
+    fetched = [t["key"] for t in ts.data if FRAGMENT_PREFIX in str(t["key"])
+               and any(s["action"] == "transfer" for s in t["startstops"])]
+    assert not fetched, fetched
+    others = [name for name, _ in ran if FRAGMENT_PREFIX not in name]
+    assert others and "fragments-pair" not in others, ran  # the aggregate (fused with Dask's finalize), no block
+
+
+def test_balanced_fragments_run_where_their_blocks_are_and_aggregate_exactly(worker_pair):
+    import dask_octopus
+
+    dask_octopus.register(worker_pair)
+    balanced_fragments_exact_and_placed(worker_pair)
+
+
+def test_ucx_cluster_registers_balances_maps_and_groups_exactly(ucx_pair):
     import cupy
 
     import dask_octopus
     from dask_octopus.placement.transfers import bandwidths
 
-    dask_octopus.register(ucx_client)
-    profiles = dask_octopus.profiles(ucx_client)
+    dask_octopus.register(ucx_pair)
+    profiles = dask_octopus.profiles(ucx_pair)
     assert len(profiles) == 2 and all(p["device"] == "gpu" and p["error"] is None for p in profiles.values())
-    balance_exact_and_pinned(ucx_client)
-    map_exact_and_placed(ucx_client)
-    grouped_exact(ucx_client)
-    # the transfer model reads what UCX moved: a 64 MiB block from one GPU to the other is timed by the
+    balance_exact_and_pinned(ucx_pair)
+    map_exact_and_placed(ucx_pair)
+    grouped_exact(ucx_pair)
+    balanced_fragments_exact_and_placed(ucx_pair)
+    # the transfer model reads what UCX moved: a 64 MiB block from one worker to the other is timed by the
     # receiving worker, and the scheduler keeps the pair's figure from the next heartbeat on
     sender, receiver = sorted(profiles)
-    block = ucx_client.submit(cupy.ones, 2**24, dtype=cupy.float32, workers=[sender], pure=False)
-    assert ucx_client.submit(cupy.sum, block, workers=[receiver], pure=False).result() == 2**24
+    block = ucx_pair.submit(cupy.ones, 2**24, dtype=cupy.float32, workers=[sender], pure=False)
+    assert ucx_pair.submit(cupy.sum, block, workers=[receiver], pure=False).result() == 2**24
     deadline = time.monotonic() + 20
-    while (sender, receiver) not in bandwidths(ucx_client).pairs:
+    while (sender, receiver) not in bandwidths(ucx_pair).pairs:
         assert time.monotonic() < deadline, "no bandwidth measured between the workers"
         time.sleep(0.25)
-    links = bandwidths(ucx_client)
+    links = bandwidths(ucx_pair)
     print("bandwidths (B/s): default", links.default, "pairs", links.pairs)
     assert links.between(sender, receiver) > 0
 
@@ -561,13 +622,14 @@ def test_ucx_cluster_registers_balances_maps_and_groups_exactly(ucx_client):
 def test_ucx_cli_cluster_with_preload(tmp_path):
     """``dask scheduler --protocol ucx --preload dask_octopus`` and ``dask cuda worker --protocol ucx
     --preload dask_octopus``: calibrated on arrival, then balance, map and groups, all exact."""
-    needs_two_gpus("ucx")
+    pytest.importorskip("distributed_ucxx", reason="protocol ucx needs distributed-ucxx")
     import cupy
     import dask.array as da
     from test_deployment import check_balanced_and_pinned, cli_cluster
 
     worker = ["cuda", "worker", "--protocol", "ucx", "--host", "127.0.0.1"]
-    with cli_cluster(tmp_path, worker, n_workers=2, worker_processes=1, scheduler_args=["--protocol", "ucx"]) as c:
+    with cli_cluster(tmp_path, worker, n_workers=2, worker_processes=1, scheduler_args=["--protocol", "ucx"],
+                     worker_env={"CUDA_VISIBLE_DEVICES": pair_devices()}) as c:
         assert c.scheduler.address.startswith("ucx://")
         assert all(p["device"] == "gpu" for p in dask_octopus_profiles(c).values())
         rng = da.random.default_rng(cupy.random.default_rng(1))
@@ -578,9 +640,9 @@ def test_ucx_cli_cluster_with_preload(tmp_path):
         grouped_exact(c)
 
 
-def test_killed_cuda_worker_mid_compute_over_ucx(ucx_client):
+def test_killed_cuda_worker_mid_compute_over_ucx(ucx_pair):
     """The kill test of a TCP cluster, over UCX: a worker process dies mid-compute; results exact."""
-    killed_worker_mid_compute(ucx_client)
+    killed_worker_mid_compute(ucx_pair)
 
 
 def fail_on_block_3(b, block_info=None):
