@@ -48,19 +48,12 @@ def needs_two_gpus():
 
 @contextlib.contextmanager
 def two_worker_cluster(protocol):
-    """A client of two GPU workers that talk over ``protocol``: a ``LocalCUDACluster`` on GPUs 0 and 1,
-    or where GPU 0 is the only one, a ``LocalCluster`` of two worker processes (one thread each) on it
-    (dask-cuda puts one worker on a GPU)."""
-    from distributed import Client, LocalCluster
+    """A client of two dask-cuda workers that talk over ``protocol``: on GPUs 0 and 1, or both on GPU 0
+    where it is the only one (:func:`~dask_octopus.bench.experiment.local_cluster` with ``"0,0"``)."""
+    from dask_octopus.bench.experiment import local_cluster
 
-    if n_gpus() >= 2:
-        from dask_cuda import LocalCUDACluster
-
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", dashboard_address=":0", protocol=protocol)
-    else:
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", protocol=protocol)
-    with cluster, Client(cluster) as c:
-        c.wait_for_workers(2)
+    with local_cluster(True, "0,1" if n_gpus() >= 2 else "0,0", protocol=protocol) as c:
+        assert len(c.scheduler_info()["workers"]) == 2
         assert c.scheduler.address.startswith(f"{protocol}://")
         yield c
 
@@ -75,7 +68,7 @@ def cuda_client():
 
 @pytest.fixture
 def worker_pair():
-    """Two GPU workers over TCP, on two GPUs or sharing the only one: for what two workers do
+    """Two dask-cuda workers over TCP, on two GPUs or sharing the only one: for what two workers do
     (placement, fragments and their aggregate, a worker's death), whatever their speeds."""
     with two_worker_cluster("tcp") as c:
         yield c
@@ -83,8 +76,7 @@ def worker_pair():
 
 @pytest.fixture
 def ucx_pair():
-    """Two GPU workers talking UCX (NVLink between two GPUs where it links them; on one GPU, whatever
-    transport UCX picks: about 1 GB/s measured on one H100)."""
+    """Two dask-cuda workers talking UCX (NVLink between two GPUs where it links them)."""
     pytest.importorskip("distributed_ucxx", reason="protocol ucx needs distributed-ucxx")
     with two_worker_cluster("ucx") as c:
         yield c
