@@ -516,6 +516,21 @@ def _picked(node: GraphNode, key: Key) -> set[int]:
     return out
 
 
+def _named_for(key: Key, fkey: Key, prefix: str, j: int) -> Key:
+    """The key of the ``j``-th task of kind ``prefix`` made of fragment task ``fkey`` when it is split,
+    named for the task ``key`` it runs or serves: that task's name and index, with ``fkey``'s name (its
+    prefix replaced) and number after the name, so an error that names the task (``KilledWorker``) shows
+    the user's block, and the tasks made for one layer share a task group, as its tasks do (root tasks
+    are queued: a worker that goes down takes few of them with it); for keys of other kinds, ``key``'s
+    prefix and ``j``."""
+    name = fkey[0].replace(FRAGMENT_PREFIX, prefix, 1)
+    if isinstance(key, str):
+        return f"{key}-{name}-{fkey[1]}"
+    if type(key) is tuple and key and isinstance(key[0], str):
+        return (f"{key[0]}-{name}-{fkey[1]}", *key[1:])
+    return (f"{key_split(key)}-{name}", fkey[1], j)
+
+
 def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str,
                    made: Callable[[Key], None] | None = None) -> list[Key]:
     """Run the fragment task ``ts``, held by :func:`hold_if_lost` after its worker left while running it,
@@ -539,9 +554,7 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
         return []
     given = dict(zip(fragment.inputs, ts.run_spec.args[1:], strict=True))  # plain keys, or guards'
     order = {name: i for i, name in enumerate(fragment.names)}
-    # each part named for its member (in a task group per prefix, as Dask groups the members: root
-    # tasks are queued, so a worker that goes down takes few of them with it)
-    parts = {(f"{key_split(part.members[0])}-{key[0]}", key[1], j): part for j, part in enumerate(fragment.split())}
+    parts = {_named_for(part.members[0], key, FRAGMENT_PREFIX, j): part for j, part in enumerate(fragment.split())}
     where = {name: (pkey, i) for pkey, part in parts.items() for i, name in enumerate(part.outputs)}
 
     def read(name: Key) -> GraphNode:
@@ -555,7 +568,7 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
         positions = sorted(_picked(rts.run_spec, key))
         if not positions:
             raise ValueError(f"task {rts.key!r} reads fragment task {key!r} other than by picking its results")
-        ckey = (key[0].replace(FRAGMENT_PREFIX, GATHER_PREFIX, 1), key[1], j)
+        ckey = _named_for(rts.key, key, GATHER_PREFIX, j)
         specs[ckey] = Task(ckey, collected, len(fragment.outputs), DataNode(None, tuple(positions)),
                            *(read(fragment.outputs[i]) for i in positions))
         after[ckey] = max(order[fragment.outputs[i]] for i in positions)
