@@ -5,6 +5,7 @@ key's error, the other outputs intact), a worker killed mid-fragment, and the GP
 and events (with a stand-in for CuPy on CPU machines).
 """
 
+import logging
 import operator
 import pickle
 import threading
@@ -19,7 +20,7 @@ import pytest
 from dask.base import tokenize
 from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import setup
 from test_documented import FakeStream, fake_gpu  # noqa: F401 (a fixture)
 
@@ -215,14 +216,15 @@ def test_fragment_walks_its_steps_and_frees_intermediates():
     assert values == dict(zip(frag.results, (106, 14)))  # every input and intermediate is dropped after its last reader
 
 
-def test_peak_bytes_counts_the_intermediates_alive_at_once_in_the_run_order():
+def test_peak_bytes_counts_the_inputs_and_the_intermediates_alive_at_once_in_the_run_order():
     frag = two_chains()  # x -> a1 -> a2 -> a3; y -> b1 -> b2; j = a3 + b2; c = a3 + 10
     order = list(frag.names)
     assert order.index("a3") < order.index("b1")  # depth first: chain a ends before chain b starts
     assert order == ["a1", "a2", "a3", "b1", "b2", "j", "c"]
-    # each step as large as the largest value it reads: a* 100 bytes, b* 10, outputs j and c 100 held to
-    # the end; at the peak (after c): a3 (freed after c), j and c; before, a3 + b1 + b2 + j = 220
-    assert frag.peak_bytes({"x": 100, "y": 10}) == 300
+    # the inputs, 110 bytes, held to the end; each step as large as the largest value it reads: a* 100
+    # bytes, b* 10, outputs j and c 100 held to the end; at the peak (after c): a3 (freed after c), j and
+    # c; before, a3 + b1 + b2 + j = 220
+    assert frag.peak_bytes({"x": 100, "y": 10}) == 110 + 300
     assert frag.peak_bytes({}) == 0  # sizes unknown: nothing to estimate from
 
 
@@ -502,13 +504,38 @@ async def test_outputs_and_their_sum_in_one_compute(c, s, a, blocks):
 async def test_the_memory_budget_cuts_a_fragment_into_parts_that_fit(c, s, a, blocks):
     rec, x, expected, _ = await persisted_with_plain_sum(c, s, blocks)
     fragments = []
-    for budget in ("auto", 3 * blocks.blocks[0].nbytes):
+    for budget in ("auto", 32 * blocks.blocks[0].nbytes):  # 256 blocks: their inputs alone do not fit
         rec.worker.clear()
         with dask.config.set({"octopus.fragments.max-bytes": budget}), dask_octopus.annotate():
             got = await c.compute((x + 0).map_blocks(chain).sum())  # new keys each time
         assert got == pytest.approx(expected, rel=1e-12)
         fragments.append(sum(key_split(k) == FRAGMENT_PREFIX for k in rec.worker))
     assert fragments[0] == 1 and fragments[1] > 1, fragments
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_fragment_whose_inputs_made_by_the_graph_exceed_the_budget_is_split_before_it_runs(c, s, a):
+    """Inputs made by the same graph are not sized when fragments are cut: once they exist, a fragment
+    whose inputs and intermediates exceed ``octopus.fragments.max-bytes`` runs as one task per member,
+    each holding its own inputs only (the others may spill, as without fragments); exact either way."""
+    rec = await setup(c, s, [1.0])
+    x = da.random.default_rng(3).random((64 * 4, 6), chunks=(4, 6))  # 64 blocks of 192 bytes, made by the graph
+    expected = await c.compute(x.map_blocks(inc).sum() + x.sum())
+    for budget, split in (("auto", False), (40 * 192, True)):  # the inputs alone: 64 x 192 bytes
+        with dask_octopus.annotate():
+            y = x.map_blocks(inc, name=f"inc-{split}")  # new keys each time
+        total = y.sum() + x.sum()  # x's blocks: read by the fragment and by x.sum's tasks (not pulled in)
+        rec.worker.clear()
+        with dask.config.set({"octopus.fragments.max-bytes": budget}), \
+                captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+            assert await c.compute(total) == pytest.approx(expected, rel=1e-12)
+        whole = [k for k in rec.worker if key_split(k) == FRAGMENT_PREFIX]
+        parts = [k for k in rec.worker if FRAGMENT_PREFIX in str(k) and key_split(k) != FRAGMENT_PREFIX]
+        if split:
+            assert not whole and len(parts) > 64, (whole, parts)  # the blocks and the partial sums
+            assert "exceed octopus.fragments.max-bytes (7.50 kiB here), runs as" in log.getvalue(), log.getvalue()
+        else:
+            assert len(whole) == 1 and not parts, (whole, parts)
 
 
 def total(*parts):
@@ -531,7 +558,7 @@ def test_every_fragment_cut_by_the_budget_fits_it_or_holds_one_source():
     specs = {k: {"resource": "memory"} for k in graph}
     expected = sum(chain(v).sum() for v in data.values())
     counts = []
-    for budget in (None, 8 * 192, 3 * 192, 1):
+    for budget in (None, 16 * 192, 8 * 192, 1):  # bytes; a block is 192
         out = fragment_graph(graph, specs, {"top"}, dependents_of(graph), {}, {None: 1}, sizes=sizes,
                              budgets={None: budget})
         made = [node.args[0].value for k, node in out.items() if k not in graph]

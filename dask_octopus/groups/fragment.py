@@ -304,10 +304,11 @@ class Fragment:
         return held[first:], [[s - first for s in d if s >= first] for d in self.drop]
 
     def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
-        """The estimated peak of the bytes of intermediate results held while the steps run in their order
-        on one stream, outputs held to the end (:meth:`estimate`, :func:`live_peak`). The inputs are not
-        counted: Dask holds them for the unannotated run too."""
-        return live_peak(*self.estimate(sizes))
+        """The estimated peak of the bytes the fragment task holds while its steps run in their order on
+        one stream: its inputs (``sizes``; it receives them all before it starts and holds them to its
+        end, where Dask's tasks would hold only those of the running task, the others may spill) and the
+        intermediate results alive at once, outputs held to the end (:meth:`estimate`, :func:`live_peak`)."""
+        return sum(float(sizes.get(name, 0)) for name in self.inputs) + live_peak(*self.estimate(sizes))
 
     def structure(self) -> str:
         """What the fragment computes, whatever its keys: a hash of its steps' specs (functions and

@@ -171,15 +171,16 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
 
 def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,
                  budgets: Mapping[Any, float | None] | None) -> bool:
-    """Whether ``fragment``'s estimated peak (:meth:`Fragment.peak_bytes`) exceeds its place's budget
-    (not estimated where every step holding a result as large as the largest input fits)."""
+    """Whether ``fragment``'s estimated peak (:meth:`Fragment.peak_bytes`: its inputs and intermediates)
+    exceeds its place's budget (not estimated where the inputs and every step holding a result as large as
+    the largest input fit)."""
     budget = (budgets or {}).get(place)
     if budget is None:
         return False
-    sizes = sizes or {}
-    if len(fragment.names) * max((sizes.get(k, 0) for k in fragment.inputs), default=0) <= budget:
+    inputs = [(sizes or {}).get(k, 0) for k in fragment.inputs]
+    if sum(inputs) + len(fragment.names) * max(inputs, default=0) <= budget:
         return False
-    return fragment.peak_bytes(sizes) > budget
+    return fragment.peak_bytes(sizes or {}) > budget
 
 
 def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
@@ -205,8 +206,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     annotated ones join them, and so do those upstream that one fragment alone reads
     (:func:`~dask_octopus.groups.planning.pull_upstream`: their failures then fail only what reads
     them), all among ``pullable`` (``None``: any). ``budgets[place]`` caps the
-    estimated peak bytes of a fragment's intermediates (:meth:`Fragment.peak_bytes`, from ``sizes``, the
-    bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
+    estimated peak bytes of a fragment's inputs and intermediates (:meth:`Fragment.peak_bytes`, from
+    ``sizes``, the bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a

@@ -483,16 +483,42 @@ HELD = "octopus-held"  # a worker restriction no worker has: a fragment task kep
 GATHER_PREFIX = "octopus-gathered"  # a split fragment's results that one of its readers picks
 
 
-def hold_if_lost(ts: TaskState) -> Restrictions | None:
-    """Keep the task ``ts`` from running (Dask finds it no worker) until :func:`split_fragment`, if it is
-    a fragment task of two members or more that a worker left while running it (Dask counts it
-    *suspicious*); returns its restrictions, which that puts back (``None``: not held)."""
-    fragment = fragment_of(ts.run_spec)
-    if not (ts.suspicious and fragment is not None and len(fragment.members) > 1):
-        return None
+def _hold(ts: TaskState) -> Restrictions:
+    """Keep the task ``ts`` from running (Dask finds it no worker) until :func:`split_fragment`; returns
+    its restrictions, which that puts back."""
     held = _restrictions(ts)
     _restrict(ts, ({HELD}, None, None, False))
     return held
+
+
+def hold_if_lost(ts: TaskState) -> Restrictions | None:
+    """Hold the task ``ts`` (:func:`_hold`) if it is a fragment task of two members or more that a worker
+    left while running it (Dask counts it *suspicious*); ``None``: not held."""
+    fragment = fragment_of(ts.run_spec)
+    if not (ts.suspicious and fragment is not None and len(fragment.members) > 1):
+        return None
+    return _hold(ts)
+
+
+def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
+                      profiles: Mapping[str, Mapping[str, Any]]) -> tuple[Restrictions, float, float] | None:
+    """Hold the task ``ts`` (:func:`_hold`) if it is a fragment task of two members or more, waiting on
+    no input any more, whose inputs (sized now that they exist) and estimated intermediates
+    (:meth:`~dask_octopus.groups.fragment.Fragment.peak_bytes`) exceed its place's budget
+    (``octopus.fragments.max-bytes``): inputs made by the same graph are not sized when the fragments are
+    cut. Its parts then hold their own inputs only, as Dask's tasks would (the others may spill). Returns
+    its restrictions, the estimate and the budget; ``None``: not held."""
+    fragment = fragment_of(ts.run_spec)
+    if fragment is None or len(fragment.members) < 2 or ts.waiting_on or ts.state != "waiting":
+        return None
+    budget = _budget(scheduler, profiles, _place(ts))
+    if budget is None:
+        return None
+    tasks = scheduler.tasks
+    sizes = {name: dts.get_nbytes() for name, ref in zip(fragment.inputs, ts.run_spec.args[1:], strict=True)
+             if isinstance(ref, TaskRef) and (dts := tasks.get(ref.key)) is not None}
+    estimate = fragment.peak_bytes(sizes)
+    return (_hold(ts), estimate, budget) if estimate > budget else None
 
 
 def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:
@@ -533,9 +559,10 @@ def _named_for(key: Key, fkey: Key, prefix: str, j: int) -> Key:
 
 def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str,
                    made: Callable[[Key], None] | None = None) -> list[Key]:
-    """Run the fragment task ``ts``, held by :func:`hold_if_lost` after its worker left while running it,
-    as one fragment task per member (:meth:`~dask_octopus.groups.fragment.Fragment.split`), so that a
-    member that takes its worker down fails (``KilledWorker``) only what reads it, as without
+    """Run the fragment task ``ts``, held by :func:`hold_if_lost` after its worker left while running it
+    or by :func:`hold_if_too_large`, as one fragment task per member
+    (:meth:`~dask_octopus.groups.fragment.Fragment.split`), so that a member that takes its worker down
+    fails (``KilledWorker``) only what reads it, and each part holds its own inputs only, as without
     fragments. Each task that read the fragment reads, instead, a task that gathers the results it
     picks from the parts that make them; the parts run in the fragment's order (their priorities), the
     fragment task is forgotten. ``made`` is called with each new task's key before any runs (the plugin

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dask.utils import key_split, parse_timedelta
+from dask.utils import format_bytes, key_split, parse_timedelta
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
@@ -155,7 +155,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._retired = False
         self.failed_hooks = set()
         self.bad_timings = set()
-        self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions]] = {}  # fragment tasks to split
+        # fragment tasks to split: the task, its restrictions and why (logged as it is split)
+        self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions, str]] = {}
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: PeriodicCallback | None = None
@@ -460,6 +461,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self._steal_for(worker)
         elif start == "processing" and finish == "released":
             self._hold_if_lost(key)
+        if finish == "memory":
+            self._hold_if_too_large(key)
 
     @_guarded
     def _hold_if_lost(self, key: Any) -> None:
@@ -467,14 +470,31 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         this stimulus end (in :meth:`remove_worker`, or soon after where no worker left)."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and key not in self.held and (held := scheduler_groups.hold_if_lost(ts)) is not None:
-            self.held[key] = (ts, held)
-            self.scheduler.loop.add_callback(self._split_held, f"octopus-split-fragment-{time.time()}")
+            self._split_later(ts, held, "whose worker left while running it")
+
+    @_guarded
+    def _hold_if_too_large(self, key: Any) -> None:
+        """Hold the fragment tasks that the result ``key`` was the last input of, where their inputs and
+        intermediates exceed the budget (:func:`~dask_octopus.groups.scheduler.hold_if_too_large`), to
+        split them before they run."""
+        ts = self.scheduler.tasks.get(key)
+        for dts in ts.dependents if ts is not None else ():
+            if dts.key not in self.held and (
+                    found := scheduler_groups.hold_if_too_large(self.scheduler, dts, self.profiles)) is not None:
+                held, estimate, budget = found
+                self._split_later(dts, held, f"whose inputs and intermediates ({format_bytes(estimate)}) exceed "
+                                             f"octopus.fragments.max-bytes ({format_bytes(budget)} here)")
+
+    def _split_later(self, ts: Any, held: scheduler_groups.Restrictions, why: str) -> None:
+        """Split the held fragment task ``ts`` once Dask's transitions of this stimulus end."""
+        self.held[ts.key] = (ts, held, why)
+        self.scheduler.loop.add_callback(self._split_held, f"octopus-split-fragment-{time.time()}")
 
     def _split_held(self, stimulus_id: str) -> None:
         """Split the held fragment tasks (:func:`~dask_octopus.groups.scheduler.split_fragment`); one that
         cannot be split runs again whole, as Dask would run it."""
         while self.held:
-            key, (ts, held) = self.held.popitem()
+            key, (ts, held, why) = self.held.popitem()
             try:
                 parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
                                                         lambda k, f=key: self.placement.inherit(k, f))
@@ -484,8 +504,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 scheduler_groups.run_whole(self.scheduler, ts, held, stimulus_id)
                 continue
             if parts:
-                logger.info("dask_octopus: fragment task %s, whose worker left while running it, runs again as %d "
-                            "tasks, one per member", key, len(parts))
+                logger.info("dask_octopus: fragment task %s, %s, runs as %d tasks, one per member", key, why,
+                            len(parts))
 
     @_guarded
     def _refine(self, key: Any, worker: str, kwargs: dict[str, Any]) -> None:
