@@ -397,13 +397,15 @@ async def test_a_block_that_takes_its_worker_down_fails_only_what_reads_it(c, s,
 def test_the_tasks_of_a_split_fragment_are_named_for_the_tasks_they_run_or_serve():
     """A part of a split fragment (and a gather for one of its readers) keeps its task's name and index,
     the fragment's name after the name; keys of other kinds get their prefix and the part's number.
-    Distinct keys, also those that print alike, get distinct names."""
+    A reader that is a fragment task gets the fragment's name. Distinct keys, also those that print
+    alike, get distinct names."""
     from dask_octopus.groups.scheduler import GATHER_PREFIX, _named_for
 
     fkey = (f"{FRAGMENT_PREFIX}-ab", 1)
     assert _named_for(("sum-1", 3, 0), fkey, FRAGMENT_PREFIX, 0) == (f"sum-1-{FRAGMENT_PREFIX}-ab-1", 3, 0)
     assert _named_for("total", fkey, GATHER_PREFIX, 0) == f"total-{GATHER_PREFIX}-ab-1"
     assert _named_for(5, fkey, FRAGMENT_PREFIX, 2) == (f"Other-{FRAGMENT_PREFIX}-ab", 1, 2)
+    assert _named_for((f"{FRAGMENT_PREFIX}-cd", 0), fkey, GATHER_PREFIX, 3) == (f"{GATHER_PREFIX}-ab", 1, 3)
     keys = ["5", 5, ("5",), ("a", 5), ("a", "5"), "a", ("a",), (1, 2)]
     named = {_named_for(k, fkey, prefix, j) for j, k in enumerate(keys) for prefix in (FRAGMENT_PREFIX, GATHER_PREFIX)}
     assert len(named) == 2 * len(keys)

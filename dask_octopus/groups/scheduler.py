@@ -548,8 +548,11 @@ def _named_for(key: Key, fkey: Key, prefix: str, j: int) -> Key:
     prefix replaced) and number after the name, so an error that names the task (``KilledWorker``) shows
     the user's block, and the tasks made for one layer share a task group, as its tasks do (root tasks
     are queued: a worker that goes down takes few of them with it); for keys of other kinds, ``key``'s
-    prefix and ``j``."""
+    prefix and ``j``; for a fragment task (a reader: no user's name to keep), ``fkey``'s and ``j``."""
     name = fkey[0].replace(FRAGMENT_PREFIX, prefix, 1)
+    head = key[0] if type(key) is tuple and key else key
+    if isinstance(head, str) and head.startswith(FRAGMENT_PREFIX):
+        return (name, fkey[1], j)
     if isinstance(key, str):
         return f"{key}-{name}-{fkey[1]}"
     if type(key) is tuple and key and isinstance(key[0], str):
