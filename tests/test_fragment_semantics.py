@@ -406,9 +406,11 @@ def test_the_tasks_of_a_split_fragment_are_named_for_the_tasks_they_run_or_serve
     assert _named_for("total", fkey, GATHER_PREFIX, 0) == f"total-{GATHER_PREFIX}-ab-1"
     assert _named_for(5, fkey, FRAGMENT_PREFIX, 2) == (f"Other-{FRAGMENT_PREFIX}-ab", 1, 2)
     assert _named_for((f"{FRAGMENT_PREFIX}-cd", 0), fkey, GATHER_PREFIX, 3) == (f"{GATHER_PREFIX}-ab", 1, 3)
-    keys = ["5", 5, ("5",), ("a", 5), ("a", "5"), "a", ("a",), (1, 2)]
-    named = {_named_for(k, fkey, prefix, j) for j, k in enumerate(keys) for prefix in (FRAGMENT_PREFIX, GATHER_PREFIX)}
-    assert len(named) == 2 * len(keys)
+    named = ["5", ("5",), ("a", 5), ("a", "5"), "a", ("a",)]  # their names: distinct, whatever the part
+    assert len({_named_for(k, fkey, p, 0) for k in named for p in (FRAGMENT_PREFIX, GATHER_PREFIX)}) == 2 * len(named)
+    others = [5, (1, 2), (f"{FRAGMENT_PREFIX}-cd", 0)]  # told apart by the part's number, unique in a split
+    made = {_named_for(k, fkey, p, j) for j, k in enumerate(named + others) for p in (FRAGMENT_PREFIX, GATHER_PREFIX)}
+    assert len(made) == 2 * len(named + others)
 
 
 def slow_first(i):

@@ -502,28 +502,28 @@ def hold_if_lost(ts: TaskState) -> Restrictions | None:
 
 def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
                       profiles: Mapping[str, Mapping[str, Any]]) -> tuple[Restrictions, float, float] | None:
-    """Hold the task ``ts`` (:func:`_hold`) if it is a fragment task of two members or more, waiting on
-    no input any more, whose inputs (sized now that they exist) and estimated intermediates
+    """Hold the task ``ts``, ready to run (its inputs all in memory), (:func:`_hold`) if it is a fragment
+    task of two members or more reading two inputs or more (its parts then hold fewer at once) whose
+    inputs (sized now that they exist) and estimated intermediates
     (:meth:`~dask_octopus.groups.fragment.Fragment.peak_bytes`) exceed its place's budget
     (``octopus.fragments.max-bytes``): inputs made by the same graph are not sized when the fragments are
     cut. Its parts then hold their own inputs only, as Dask's tasks would (the others may spill). Returns
     its restrictions, the estimate and the budget; ``None``: not held."""
     fragment = fragment_of(ts.run_spec)
-    if fragment is None or len(fragment.members) < 2 or ts.waiting_on or ts.state != "waiting":
+    if fragment is None or len(fragment.members) < 2 or len(fragment.inputs) < 2:
         return None
     budget = _budget(scheduler, profiles, _place(ts))
     if budget is None:
         return None
-    tasks = scheduler.tasks
-    sizes = {name: dts.get_nbytes() for name, ref in zip(fragment.inputs, ts.run_spec.args[1:], strict=True)
-             if isinstance(ref, TaskRef) and (dts := tasks.get(ref.key)) is not None}
+    reads = {dts.key: dts for dts in ts.dependencies}  # (a fragment task reads its inputs as TaskRefs)
+    sizes = {name: reads[ref.key].get_nbytes() for name, ref in zip(fragment.inputs, ts.run_spec.args[1:], strict=True)}
     estimate = fragment.peak_bytes(sizes)
     return (_hold(ts), estimate, budget) if estimate > budget else None
 
 
 def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:
-    """Undo :func:`hold_if_lost` (where the task is still held): ``ts`` runs again whole, as Dask would
-    run it."""
+    """Undo :func:`hold_if_lost` or :func:`hold_if_too_large` (where the task is still held): ``ts`` runs
+    whole, as Dask would run it."""
     if ts.worker_restrictions == {HELD}:
         _restrict(ts, held)
     if scheduler.tasks.get(ts.key) is ts and ts.state == "no-worker":
@@ -546,8 +546,8 @@ def _named_for(key: Key, fkey: Key, prefix: str, j: int) -> Key:
     """The key of the ``j``-th task of kind ``prefix`` made of fragment task ``fkey`` when it is split,
     named for the task ``key`` it runs or serves: that task's name and index, with ``fkey``'s name (its
     prefix replaced) and number after the name, so an error that names the task (``KilledWorker``) shows
-    the user's block, and the tasks made for one layer share a task group, as its tasks do (root tasks
-    are queued: a worker that goes down takes few of them with it); for keys of other kinds, ``key``'s
+    the user's block, and the tasks made for one layer of one fragment share a task group, as its tasks
+    do (root tasks are queued: a worker that goes down takes few of them with it); for keys of other kinds, ``key``'s
     prefix and ``j``; for a fragment task (a reader: no user's name to keep), ``fkey``'s and ``j``."""
     name = fkey[0].replace(FRAGMENT_PREFIX, prefix, 1)
     head = key[0] if type(key) is tuple and key else key

@@ -469,7 +469,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Hold a fragment task whose worker left while running it, to split it once Dask's transitions of
         this stimulus end (in :meth:`remove_worker`, or soon after where no worker left)."""
         ts = self.scheduler.tasks.get(key)
-        if ts is not None and key not in self.held and (held := scheduler_groups.hold_if_lost(ts)) is not None:
+        if (ts is not None and self.held.get(key, (None,))[0] is not ts
+                and (held := scheduler_groups.hold_if_lost(ts)) is not None):
             self._split_later(ts, held, "whose worker left while running it")
 
     @_guarded
@@ -479,8 +480,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         split them before they run."""
         ts = self.scheduler.tasks.get(key)
         for dts in ts.dependents if ts is not None else ():
-            if dts.key not in self.held and (
-                    found := scheduler_groups.hold_if_too_large(self.scheduler, dts, self.profiles)) is not None:
+            if dts.state != "waiting" or dts.waiting_on or self.held.get(dts.key, (None,))[0] is dts:
+                continue  # not ready to run yet (or held already)
+            if (found := scheduler_groups.hold_if_too_large(self.scheduler, dts, self.profiles)) is not None:
                 held, estimate, budget = found
                 self._split_later(dts, held, f"whose inputs and intermediates ({format_bytes(estimate)}) exceed "
                                              f"octopus.fragments.max-bytes ({format_bytes(budget)} here)")
@@ -500,7 +502,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                                         lambda k, f=key: self.placement.inherit(k, f))
             except Exception as e:  # raised before anything changed
                 (logger.info if isinstance(e, ValueError) else logger.exception)(
-                    "dask_octopus: fragment task %s runs again whole: %s", key, e)
+                    "dask_octopus: fragment task %s runs whole: %s", key, e)
                 scheduler_groups.run_whole(self.scheduler, ts, held, stimulus_id)
                 continue
             if parts:
@@ -578,6 +580,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self._split_held(f"octopus-add-worker-{time.time()}")  # before the held tasks are placed again
         self.joined[worker] = time.monotonic()
         if scheduler.workers[worker].status in HELD:  # joined paused (a new worker is "init" until it runs)
             self.placement.hold(scheduler, worker, False, "add-worker")
