@@ -310,6 +310,16 @@ class Fragment:
         intermediate results alive at once, outputs held to the end (:meth:`estimate`, :func:`live_peak`)."""
         return sum(float(sizes.get(name, 0)) for name in self.inputs) + live_peak(*self.estimate(sizes))
 
+    def exceeds(self, sizes: Mapping[Key, float], budget: float | None) -> bool:
+        """Whether :meth:`peak_bytes` exceeds ``budget`` (``None``: no budget); not estimated where the
+        inputs and every step holding a result as large as the largest input fit."""
+        if budget is None:
+            return False
+        inputs = [float(sizes.get(name, 0)) for name in self.inputs]
+        if sum(inputs) + len(self.names) * max(inputs, default=0) <= budget:
+            return False
+        return self.peak_bytes(sizes) > budget
+
     def structure(self) -> str:
         """What the fragment computes, whatever its keys: a hash of its steps' specs (functions and
         constants, pickled) and of the slots they read and return (a token where they do not pickle).

@@ -169,20 +169,6 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
     return fragment
 
 
-def _over_budget(fragment: Fragment, place: Any, sizes: Mapping[Key, float] | None,
-                 budgets: Mapping[Any, float | None] | None) -> bool:
-    """Whether ``fragment``'s estimated peak (:meth:`Fragment.peak_bytes`: its inputs and intermediates)
-    exceeds its place's budget (not estimated where the inputs and every step holding a result as large as
-    the largest input fit)."""
-    budget = (budgets or {}).get(place)
-    if budget is None:
-        return False
-    inputs = [(sizes or {}).get(k, 0) for k in fragment.inputs]
-    if sum(inputs) + len(fragment.names) * max(inputs, default=0) <= budget:
-        return False
-    return fragment.peak_bytes(sizes or {}) > budget
-
-
 def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
                    dependents: Mapping[Key, set[Key]], places: Mapping[Key, Any],
                    parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
@@ -245,7 +231,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
             made[place] = made.get(place, 0) + 1
             inside = set(marked)
             sources = sum(not dependencies[m] & inside for m in marked)
-            if sources > 1 and _over_budget(fragment, place, sizes, budgets):
+            if sources > 1 and fragment.exceeds(sizes or {}, (budgets or {}).get(place)):
                 over.add(place)
         if not over:
             break

@@ -517,8 +517,7 @@ def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
         return None
     reads = {dts.key: dts for dts in ts.dependencies}  # (a fragment task reads its inputs as TaskRefs)
     sizes = {name: reads[ref.key].get_nbytes() for name, ref in zip(fragment.inputs, ts.run_spec.args[1:], strict=True)}
-    estimate = fragment.peak_bytes(sizes)
-    return (_hold(ts), estimate, budget) if estimate > budget else None
+    return (_hold(ts), fragment.peak_bytes(sizes), budget) if fragment.exceeds(sizes, budget) else None
 
 
 def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:

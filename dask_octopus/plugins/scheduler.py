@@ -488,9 +488,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                              f"octopus.fragments.max-bytes ({format_bytes(budget)} here)")
 
     def _split_later(self, ts: Any, held: scheduler_groups.Restrictions, why: str) -> None:
-        """Split the held fragment task ``ts`` once Dask's transitions of this stimulus end."""
+        """Split the held fragment task ``ts`` once Dask's transitions of this stimulus end (one callback
+        splits all that are held by then)."""
+        if not self.held:
+            self.scheduler.loop.add_callback(self._split_held, f"octopus-split-fragment-{time.time()}")
         self.held[ts.key] = (ts, held, why)
-        self.scheduler.loop.add_callback(self._split_held, f"octopus-split-fragment-{time.time()}")
 
     def _split_held(self, stimulus_id: str) -> None:
         """Split the held fragment tasks (:func:`~dask_octopus.groups.scheduler.split_fragment`); one that
