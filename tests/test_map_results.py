@@ -126,6 +126,33 @@ async def test_a_worker_lost_mid_map_loses_no_gathered_result(c, s, a, b):
     assert await gathered == list(range(16))
 
 
+def fails_when_computed_again(event):
+    from distributed import Event
+
+    if Event(event).is_set():
+        raise ZeroDivisionError("input computed again failed")
+    return -1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_an_input_lost_with_its_worker_that_fails_when_computed_again_fails_only_its_item(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    again = Event()
+    lost = c.submit(fails_when_computed_again, again.name, workers=[a.worker_address], allow_other_workers=True)
+    await wait(lost)
+    items = [lost, *range(1, 16)]  # the input on a: planned there, with other items in its batches
+    gathered = in_thread(dask_octopus.map, slow_identity, items, client=c, cost=[1] * 16, group=2, gather=True,
+                         errors="skip", delay=0.2)
+
+    def started_on_a():
+        return [m for _, m in s.get_events("slow-identity") if m["worker"] == a.worker_address]
+
+    await async_poll_for(lambda: len(started_on_a()) >= 2, timeout=30)  # a is into its items
+    await again.set()
+    await a.kill()
+    assert await gathered == list(range(1, 16))  # Dask computes the input again, which fails its item alone
+
+
 def slows_down_on(x, slow, fast_s, slow_s):
     """Sleeps ``fast_s``, or ``slow_s`` on the worker named ``slow`` (a slowdown the plan does not know)."""
     time.sleep(slow_s if get_worker().name == slow else fast_s)
@@ -297,22 +324,25 @@ def fail_on_3_after(i, event):
 
 async def map_while_inputs_run(c, s, how, items, go):
     """Run ``map(gather=True)`` or ``imap`` of ``v + 1`` over ``items`` (errors skipped), in groups of 3,
-    letting the inputs finish (``go``) once the batch tasks are in the scheduler; their results."""
+    letting the inputs finish (``go``) once the map waits for them (before it plans its batches: their
+    sizes cut them); their results. No batch task is submitted before the inputs finish."""
     if how == "map":
         run = in_thread(dask_octopus.map, lambda v: v + 1, items, client=c, group=3, gather=True, errors="skip")
     else:
         run = in_thread(lambda: sorted(dask_octopus.imap(lambda v: v + 1, items, client=c, group=3, errors="skip")))
-    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
+    await async_poll_for(lambda: sum("fail_on_3_after" in str(k) for k in s.tasks) == 6, timeout=10)
+    await asyncio.sleep(0.2)  # (the map waiting, or about to: either way the same results)
+    assert not any("octopus-map" in str(k) for k in s.tasks)
     await go.set()
     return await asyncio.wait_for(run, 20)
 
 
 @pytest.mark.parametrize("how", ["map", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_an_input_that_fails_while_the_map_runs_fails_only_its_item(c, s, a, b, how):
+async def test_an_input_that_fails_while_the_map_waits_for_it_fails_only_its_item(c, s, a, b, how):
     await setup(c, s, [1.0, 1.0])
     go = Event()
-    inputs = c.map(fail_on_3_after, range(6), event=go.name)  # still running when the map is submitted
+    inputs = c.map(fail_on_3_after, range(6), event=go.name)  # still running when the map is called
     got = await map_while_inputs_run(c, s, how, inputs, go)
     assert (got if how == "map" else [r for _, r in got]) == [1, 2, 3, 5, 6]
     assert how == "map" or [i for i, _ in got] == [0, 1, 2, 4, 5]
@@ -331,9 +361,9 @@ async def test_an_input_failing_in_the_only_batch_fails_once_and_alone(c, s, a):
     go = Event()
     failing = c.submit(fail_after, go.name)
     run = in_thread(dask_octopus.map, lambda v: v + 1, [failing, 1], client=c, gather=True, errors="skip")
-    await async_poll_for(lambda: any("octopus-map" in str(k) for k in s.tasks), timeout=10)
+    await asyncio.sleep(0.2)  # (the map waiting for its items, or about to)
     await go.set()
-    assert await asyncio.wait_for(run, 20) == [2]  # submitted again as other keys: not the erred batch forever
+    assert await asyncio.wait_for(run, 20) == [2]
 
 
 def total(x):
@@ -399,7 +429,7 @@ def test_map_and_imap_use_the_client_they_are_given_not_the_default():
 
 @pytest.mark.parametrize("how", ["map", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_a_delayed_input_that_fails_while_the_map_runs_fails_only_its_item(c, s, a, b, how):
+async def test_a_delayed_input_that_fails_while_the_map_waits_for_it_fails_only_its_item(c, s, a, b, how):
     await setup(c, s, [1.0, 1.0])
     go = Event()
     items = [dask.delayed(fail_on_3_after)(i, go.name) for i in range(6)]
@@ -419,3 +449,35 @@ async def test_an_imap_stopped_early_cancels_nothing_of_the_same_map_running_bes
         return sorted(other)
 
     assert await in_thread(both) == [(i, i) for i in range(8)]
+
+
+NO_MEMORY_MONITOR = {f"distributed.worker.memory.{k}": False for k in ("target", "spill", "pause", "terminate")}
+
+
+@pytest.mark.parametrize("given", ["local", "delayed"])
+@pytest.mark.parametrize("budget, counts", [("auto", [2, 2, 4, 4]), ("1.1 MB", [2] * 6)])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, worker_kwargs={"memory_limit": "4 MB"},
+             config={"octopus.map.steal-fraction": 0, **NO_MEMORY_MONITOR})
+async def test_a_batch_holds_no_more_than_its_worker_s_memory_budget(c, s, a, b, given, budget, counts):
+    rec = await setup(c, s, [1.0, 1.0])
+    # 256 KiB items, counted with results of their size: 0.5 MB each; auto gives 0.6 x 4 MB per thread
+    items = [np.full(2**15, float(i)) for i in range(12)]
+    if given == "delayed":
+        items = [dask.delayed(np.full)(2**15, float(i)) for i in range(12)]
+    with dask.config.set({"octopus.fragments.max-bytes": budget}):
+        results = await in_thread(dask_octopus.map, np.sum, items, client=c, gather=True)
+    assert results == [i * 2**15 for i in range(12)]
+    name, plan = plan_of(s)
+    assert sorted(plan.counts) == counts  # six items per worker, cut into batches within the budget
+    ran = {k[1]: w for k, w in rec.worker.items() if isinstance(k, tuple) and k[0] == name}
+    assert [ran[i] for i in range(len(plan.workers))] == plan.workers
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, worker_kwargs={"memory_limit": "600 MiB"},
+             timeout=120, config={"octopus.map.steal-fraction": 0})
+async def test_batches_of_more_than_a_worker_holds_run_in_parts_instead_of_killing_it(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    # 16 items of 32 MiB, and results of their size: one batch of a worker's 8 would hold 512 MiB at once
+    items = [dask.delayed(np.full)(2**22, float(i)) for i in range(16)]
+    results = await in_thread(dask_octopus.map, np.negative, items, client=c, gather=True)
+    assert [(r.shape, r[0], r[-1]) for r in results] == [((2**22,), -i, -i) for i in range(16)]

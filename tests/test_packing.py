@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.placement.packing import lower_bound, pack, split_tail
+from dask_octopus.placement.packing import lower_bound, pack, split_by_bytes, split_tail
 
 
 def optimum(costs, speeds):
@@ -230,3 +230,23 @@ def test_split_tail_parts_each_cost_about_an_equal_share_of_the_tail(costs, frac
     share = sum(tail) / len(parts)
     for a, b in parts:  # a greedy cut by cumulated cost is off its share by less than one item (two, last)
         assert abs(sum(costs[a:b]) - share) <= 2 * max(tail) + 1e-9
+
+
+@given(st.lists(st.floats(0, 100), max_size=30), st.floats(0.5, 300))
+def test_split_by_bytes_keeps_every_item_once_and_each_part_within_the_budget(nbytes, budget):
+    parts = split_by_bytes(nbytes, budget)
+    assert [i for a, b in parts for i in range(a, b)] == list(range(len(nbytes)))  # in order, each once
+    for a, b in parts:
+        assert b > a and (b - a == 1 or sum(nbytes[a:b]) <= budget)  # within it, or one item alone
+    for (a, b), _ in itertools.pairwise(parts):
+        assert sum(nbytes[a:b + 1]) > budget  # greedy: the next part's first item did not fit
+
+
+def test_split_by_bytes_examples_and_bad_input():
+    assert split_by_bytes([3, 3, 3, 5, 1], 6) == [(0, 2), (2, 3), (3, 5)]
+    assert split_by_bytes([9, 1], 4) == [(0, 1), (1, 2)]  # an item over the budget alone
+    assert split_by_bytes([9, 1], None) == [(0, 2)] and split_by_bytes([], 4) == []
+    with pytest.raises(ValueError, match=r"^bytes of item 1 must be finite and >= 0, got -1$"):
+        split_by_bytes([1, -1], 4)
+    with pytest.raises(ValueError, match=r"^budget must be finite and > 0, got 0$"):
+        split_by_bytes([1], 0)

@@ -68,7 +68,7 @@ from dask_octopus.groups.streams import collected, pick, run_fragment
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
-    from distributed.scheduler import Scheduler, TaskState
+    from distributed.scheduler import Scheduler, TaskState, WorkerState
 
 logger = logging.getLogger(__name__)
 hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process that group marked tasks
@@ -191,24 +191,28 @@ def _worker_of(place: Hashable) -> str | None:
     return home if home is not None else (next(iter(restricted)) if len(restricted) == 1 else None)
 
 
-def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], place: Hashable) -> float | None:
-    """``octopus.fragments.max-bytes`` for fragments of ``place``: the setting, or with ``auto`` the
-    ``octopus.balance.memory-fraction`` of its worker's memory (free device memory at calibration on
-    GPU workers, the memory limit on CPU workers) per worker thread; of the smallest worker for a
-    place that is not one worker; ``None`` (no cap) where no worker's memory is known."""
+def thread_budget(ws: WorkerState, profile: Mapping[str, Any]) -> float | None:
+    """The bytes one task of worker ``ws`` (calibrated as ``profile``) may hold at once
+    (``octopus.fragments.max-bytes``, which caps fragments and ``map``'s batches): the setting, or
+    with ``auto`` the ``octopus.balance.memory-fraction`` of the worker's memory (free device memory
+    at calibration on GPU workers, the memory limit on CPU workers) per worker thread; ``None`` (no
+    cap) when its memory is not known."""
     setting = config.get("fragments.max-bytes")
     if setting != "auto":
         return float(parse_bytes(setting))
+    memory = profile.get("memory_free") if profile.get("device") == "gpu" else (
+        ws.memory_limit or profile.get("memory_total"))
+    return memory * config.get("balance.memory-fraction") / max(1, ws.nthreads) if memory else None
+
+
+def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], place: Hashable) -> float | None:
+    """:func:`thread_budget` for fragments of ``place``: of its worker, or of the smallest worker for
+    a place that is not one worker; ``None`` (no cap) where no worker's memory is known."""
     workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
     one = _worker_of(place)
     if one in workers:  # else (no one worker, or it left) the smallest of all, as _threads counts all
         workers = {one: workers[one]}
-    budgets = []
-    for addr, ws in workers.items():
-        p = profiles.get(addr, {})
-        memory = p.get("memory_free") if p.get("device") == "gpu" else ws.memory_limit or p.get("memory_total")
-        if memory:
-            budgets.append(memory * config.get("balance.memory-fraction") / max(1, ws.nthreads))
+    budgets = [b for addr, ws in workers.items() if (b := thread_budget(ws, profiles.get(addr, {}))) is not None]
     return min(budgets) if budgets else None
 
 

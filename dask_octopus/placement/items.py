@@ -19,7 +19,7 @@ import dask
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split, parse_timedelta
-from distributed import Client, Future, as_completed, default_client, wait
+from distributed import Client, Future, as_completed, default_client
 from distributed.client import FutureCancelledError
 
 from dask_octopus import config
@@ -27,7 +27,7 @@ from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
-from dask_octopus.placement.packing import Packing, check_costs, pack, split_tail
+from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_bytes, split_tail
 from dask_octopus.placement.transfers import item_seconds
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
 from dask_octopus.plugins.messages import WorkerInfo
@@ -40,6 +40,7 @@ ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item tha
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
 Cost = Callable[[Any], float] | Iterable[float] | None  # map's cost: a callable of an item, numbers, or None
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
+HELD_PER_BYTE = 2  # a batch task holds its items and their results: counted as the items' bytes twice
 
 
 class ItemError(streams.HeldError):
@@ -115,6 +116,12 @@ def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
     return {i: ItemError(it.exception()) for i, it in failed}
 
 
+def _wait(client: Client, futures: list[Future]) -> None:
+    """Wait until ``futures`` (of ``client``, which need not be the default client) finish or fail."""
+    for _ in as_completed(futures, loop=client.loop):
+        pass
+
+
 def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
     a cost that is not a finite number >= 0."""
@@ -155,7 +162,7 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
     else:
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
         costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
-        wait(costed)
+        _wait(client, costed)
         # an item that failed upstream fails on its own when it runs: costed as one, meanwhile
         found = {i: f.result() if f.status == "finished" else (True, 1.0) for i, f in zip(remote, costed)}
         out = []
@@ -169,11 +176,11 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
 
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
-                prefix: str) -> tuple[list[str], list[int], list[bool], Packing, float | None]:
-    """Live workers (sorted), their threads, which of them have no per-item seconds of the function
-    fitted yet, the packing of ``costs`` onto them, counting the transfer of items that are futures
-    already on some worker, and the seconds of one unit of the packing's finish times (``None`` while
-    unknown). Once every worker has a fitted per-item cost of the function
+                prefix: str) -> tuple[list[str], list[WorkerInfo], list[bool], Packing, float | None]:
+    """Live workers (sorted), what the scheduler knows of each, which of them have no per-item seconds
+    of the function fitted yet, the packing of ``costs`` onto them, counting the transfer of items that
+    are futures already on some worker, and the seconds of one unit of the packing's finish times
+    (``None`` while unknown). Once every worker has a fitted per-item cost of the function
     (:mod:`dask_octopus.profiling.itemcosts`), items are packed by their predicted seconds there, fixed part
     included; until then by the workers' weights (the function's own observed speeds once every
     worker has them), in units of cost over weight."""
@@ -194,12 +201,13 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
         scale = 1 / rate if rate else None  # a worker of weight w runs w * rate units per second
         # moves in the packing's unit: seconds times the total rate (not counted until it is known)
         penalty = [[m * rate for m in row] for row in moves] if moves is not None and scale else None
-    threads = [info[w].threads for w in workers]
-    return workers, threads, [fit is None for fit in fits], pack(costs, speeds, penalty=penalty), scale
+    packing = pack(costs, speeds, penalty=penalty)
+    return workers, [info[w] for w in workers], [fit is None for fit in fits], packing, scale
 
 
 def _batches(costs: list[float], packing: Packing, threads: list[int], batched: bool, explore: list[bool],
-             steal: float, scale: float | None) -> list[tuple[int, list[int], bool]]:
+             steal: float, scale: float | None, nbytes: list[float],
+             budgets: Sequence[float | None]) -> list[tuple[int, list[int], bool]]:
     """``(worker index, item indices, stealable)`` of each task, the tasks each worker runs first
     before the stealable ones. Not ``batched``: one task per item. ``batched``: one per thread of
     the worker, its items split between its threads by cost; largest items first. A worker with
@@ -209,7 +217,9 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
     its cost at most, are split off as :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`), unless
     each would be predicted (``scale``: seconds per unit of the packing's finish times) to take less
     than ``octopus.map.steal-min-seconds``: too short to pay for its own task. Not ``batched``, the
-    tail's items are stealable whatever their length (they are tasks anyway)."""
+    tail's items are stealable whatever their length (they are tasks anyway). ``batched``, each part
+    is cut further so that one task holds at most its worker's ``budgets`` bytes (:func:`split_by_bytes`),
+    counting each item's ``nbytes`` and a result of its size: the task holds them all until it ends."""
     out = []
     floor = parse_timedelta(config.get("map.steal-min-seconds"))
     for j, n in enumerate(threads):
@@ -228,8 +238,23 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
         for idx in lists:
             parts = split_tail([costs[i] for i in idx], steal if worth else 0.0, TAIL_TASKS)
             for start, stop, stealable in parts:
-                out += [(j, idx[start:stop], stealable)] if batched else [(j, [i], stealable) for i in idx[start:stop]]
+                if batched:
+                    part = idx[start:stop]
+                    held = [HELD_PER_BYTE * nbytes[i] for i in part]
+                    out += [(j, part[a:b], stealable) for a, b in split_by_bytes(held, budgets[j])]
+                else:
+                    out += [(j, [i], stealable) for i in idx[start:stop]]
     return sorted(out, key=lambda batch: batch[2])  # stable: every worker's own tasks first
+
+
+def _item_bytes(client: Client, items: list[Any]) -> list[float]:
+    """The bytes of each item: Dask's ``sizeof`` of a local item, the scheduler's figure for a future,
+    waited for first (a batch task cannot start before all its items are computed anyway); 0 for a
+    future that failed (the scheduler's -1: no result)."""
+    futures = [it for it in items if isinstance(it, Future)]
+    _wait(client, futures)
+    nbytes = client.nbytes([f.key for f in futures], summary=False) if futures else {}
+    return [max(0.0, nbytes.get(it.key, 0)) if isinstance(it, Future) else float(sizeof(it)) for it in items]
 
 
 def _scatter_to_plan(client: Client, items: list[Any], batches: list[tuple[str, list[int]]]) -> None:
@@ -279,13 +304,15 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     indices of the items that were futures failed already (:func:`_failed_inputs`)."""
     _compute_delayed(client, items)
     costs = _costs(client, items, cost)
+    batched = group is not None or not per_item
+    nbytes = _item_bytes(client, items) if batched else [0.0] * len(items)  # (one task per item: not needed)
     failed = _failed_inputs(items)
     # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
     # under which its speeds are kept) stops at the first word with a character that is not a letter
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
-    workers, threads, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
-    batched = group is not None or not per_item
-    batches = _batches(costs, packing, threads, batched, unfitted, config.get("map.steal-fraction"), scale)
+    workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
+    batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted,
+                       config.get("map.steal-fraction"), scale, nbytes, [w.budget for w in info])
     # the futures per item are the user's, named by their work as Dask names them; the batch tasks of a run
     # that gathers its results are its own (it cancels those it does not read): no other run shares their keys
     run = None if per_item else uuid.uuid4().hex
@@ -376,7 +403,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         ``None``: one task per item (with ``gather=True``: one per worker thread, its items one
         after the other). ``g``: each worker runs its items in one task per worker thread (a Dask
         task costs milliseconds on a GPU worker), ``g`` at a time as a stream group; each item's
-        result is then picked by a small coroutine task unless ``gather=True``.
+        result is then picked by a small coroutine task unless ``gather=True``. Batches are cut
+        where one would hold more than ``octopus.fragments.max-bytes`` of items and results of
+        their size; items that are futures or delayed are waited for first, to know their sizes.
     resource
         Weights to plan by until the function's own speeds are known: ``"compute"`` or ``"memory"``.
     gather

@@ -138,3 +138,23 @@ def split_tail(costs: Sequence[float], fraction: float, pieces: int) -> list[tup
         cut = stop
     out.append((cut, n, True))
     return out
+
+
+def split_by_bytes(nbytes: Sequence[float], budget: float | None) -> list[tuple[int, int]]:
+    """Cut a list of items, in order, into consecutive parts holding at most ``budget`` bytes each
+    (``nbytes`` per item); an item over the budget is a part alone.
+
+    Returns ``(start, stop)`` slices of the list, first to last; ``budget`` ``None``: the list whole.
+    """
+    for i, b in enumerate(nbytes):
+        check_finite(b, f"bytes of item {i}", positive=False)
+    if budget is None or not nbytes:
+        return [(0, len(nbytes))] if nbytes else []
+    check_finite(budget, "budget")
+    out, start, held = [], 0, 0.0
+    for i, b in enumerate(nbytes):
+        if i > start and held + b > budget:
+            out.append((start, i))
+            start, held = i, 0.0
+        held += b
+    return [*out, (start, len(nbytes))]

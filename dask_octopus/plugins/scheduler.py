@@ -364,7 +364,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
         """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, the
         ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
-        (:mod:`dask_octopus.profiling.itemcosts`), and the units per second observed of ``prefix``."""
+        (:mod:`dask_octopus.profiling.itemcosts`), the units per second observed of ``prefix``, and the
+        bytes one of its tasks may hold (:func:`~dask_octopus.groups.scheduler.thread_budget`)."""
         weights = self.speeds(resource, prefix)
         fits = self.item_costs.get(prefix, {}) if prefix is not None else {}
         rates = self.model.rates.get(prefix, {}) if prefix is not None else {}
@@ -373,7 +374,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
             out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
-                                   rate)
+                                   rate, scheduler_groups.thread_budget(ws, self.profiles.get(addr, {})))
         return out
 
     def get_profiles(self, resource: str = "compute", source: str | None = None) -> dict[str, Profile]:
