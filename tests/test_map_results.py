@@ -473,6 +473,26 @@ async def test_a_batch_holds_no_more_than_its_worker_s_memory_budget(c, s, a, b,
     assert [ran[i] for i in range(len(plan.workers))] == plan.workers
 
 
+def four_times(x):
+    return np.tile(x, 4)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.map.steal-fraction": 0,
+                                                                   "octopus.fragments.max-bytes": "1.1 MB"})
+async def test_batches_count_results_as_large_as_the_function_s_last_batches_made_them(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(2**15, float(i)) for i in range(12)]  # 256 KiB each, results four times as large
+    counts = []
+    for _ in range(2):
+        results = await in_thread(dask_octopus.map, four_times, items, client=c, gather=True)
+        assert all(np.array_equal(r, np.tile(x, 4)) for r, x in zip(results, items))
+        counts.append(list(plan_of(s)[1].counts))
+        s.plugins["octopus"].placement.plans.clear()
+    # first taken as large as its items (two of 0.5 MB each a batch), then 5 x 256 KiB each: one a batch
+    assert counts == [[2] * 6, [1] * 12]
+    assert 3.9 < max(s.plugins["octopus"].result_sizes["four_times-octopus-map"]) < 4.1
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, worker_kwargs={"memory_limit": "600 MiB"},
              timeout=120, config={"octopus.map.steal-fraction": 0})
 async def test_batches_of_more_than_a_worker_holds_run_in_parts_instead_of_killing_it(c, s, a, b):

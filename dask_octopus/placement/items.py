@@ -40,7 +40,7 @@ ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item tha
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
 Cost = Callable[[Any], float] | Iterable[float] | None  # map's cost: a callable of an item, numbers, or None
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
-HELD_PER_BYTE = 2  # a batch task holds its items and their results: counted as the items' bytes twice
+RESULT_SIZE = 1.0  # bytes of result per byte of items, until a function's batches have shown theirs
 
 
 class ItemError(streams.HeldError):
@@ -206,7 +206,7 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
 
 
 def _batches(costs: list[float], packing: Packing, threads: list[int], batched: bool, explore: list[bool],
-             steal: float, scale: float | None, nbytes: list[float],
+             steal: float, scale: float | None, held: list[float],
              budgets: Sequence[float | None]) -> list[tuple[int, list[int], bool]]:
     """``(worker index, item indices, stealable)`` of each task, the tasks each worker runs first
     before the stealable ones. Not ``batched``: one task per item. ``batched``: one per thread of
@@ -219,7 +219,7 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
     than ``octopus.map.steal-min-seconds``: too short to pay for its own task. Not ``batched``, the
     tail's items are stealable whatever their length (they are tasks anyway). ``batched``, each part
     is cut further so that one task holds at most its worker's ``budgets`` bytes (:func:`split_by_bytes`),
-    counting each item's ``nbytes`` and a result of its size: the task holds them all until it ends."""
+    ``held`` per item (its bytes and its result's): the task holds them all until it ends."""
     out = []
     floor = parse_timedelta(config.get("map.steal-min-seconds"))
     for j, n in enumerate(threads):
@@ -240,8 +240,7 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
             for start, stop, stealable in parts:
                 if batched:
                     part = idx[start:stop]
-                    held = [HELD_PER_BYTE * nbytes[i] for i in part]
-                    out += [(j, part[a:b], stealable) for a, b in split_by_bytes(held, budgets[j])]
+                    out += [(j, part[a:b], stealable) for a, b in split_by_bytes([held[i] for i in part], budgets[j])]
                 else:
                     out += [(j, [i], stealable) for i in idx[start:stop]]
     return sorted(out, key=lambda batch: batch[2])  # stable: every worker's own tasks first
@@ -311,8 +310,10 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     # under which its speeds are kept) stops at the first word with a character that is not a letter
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
     workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
-    batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted,
-                       config.get("map.steal-fraction"), scale, nbytes, [w.budget for w in info])
+    # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
+    result_size = next((w.result_size for w in info if w.result_size is not None), RESULT_SIZE)
+    batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
+                       scale, [b * (1 + result_size) for b in nbytes], [w.budget for w in info])
     # the futures per item are the user's, named by their work as Dask names them; the batch tasks of a run
     # that gathers its results are its own (it cancels those it does not read): no other run shares their keys
     run = None if per_item else uuid.uuid4().hex
@@ -322,7 +323,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
                    counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches],
-                   resource=resource)
+                   resource=resource, items_bytes=[sum(nbytes[i] for i in idx) for _, idx, _ in batches]
+                   if batched else None)
     item_name = f"{ITEM_PREFIX}-{token}"
     user = dask.get_annotations().get("priority", 0)
     user = user if isinstance(user, int) else 0

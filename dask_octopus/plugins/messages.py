@@ -37,9 +37,10 @@ class WorkerInfo(NamedTuple):
     fit: tuple[float, float] | None  #: ``(fixed, per_unit)`` seconds per item, once fitted
     rate: float | None  #: observed work units per second of the function there, once it ran there
     budget: float | None  #: bytes one task there may hold (``octopus.fragments.max-bytes``), if known
+    result_size: float | None  #: bytes of result per byte of items of the function's recent batches, if any
 
     @classmethod
     def of(cls, values: Sequence[Any]) -> WorkerInfo:
         """Rebuild one from what came over the wire."""
-        weight, threads, fit, rate, budget = values
-        return cls(weight, threads, None if fit is None else (fit[0], fit[1]), rate, budget)
+        weight, threads, fit, rate, budget, result_size = values
+        return cls(weight, threads, None if fit is None else (fit[0], fit[1]), rate, budget, result_size)

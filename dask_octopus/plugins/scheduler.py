@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 import weakref
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -66,6 +66,7 @@ def _guarded(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+RESULT_SIZES = 8  #: map batches per task prefix whose bytes of result per byte of items are kept
 HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the dashboard's history
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
@@ -113,6 +114,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     placement: Placement
     #: per task prefix and worker: the per-item cost fit of ``map`` batches
     item_costs: defaultdict[str, defaultdict[str, ItemCostFit]]
+    #: per task prefix: the bytes of result per byte of items of its recent ``map`` batches
+    result_sizes: defaultdict[str, deque[float]]
     #: each live worker's calibration, as its worker plugin reported it
     profiles: dict[str, Profile]
     #: how long planning waits for a worker's calibration report (seconds, ``octopus.calibration.wait``)
@@ -147,6 +150,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.working_sets = WorkingSets(max_sources=plans)
         self.placement = Placement(plans, measure=self.working_sets.wants)
         self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
+        self.result_sizes = defaultdict(lambda: deque(maxlen=RESULT_SIZES))
         self.profiles = {}
         self.calibration_wait = parse_timedelta(config.get("calibration.wait"))
         self.unreported = set()
@@ -364,17 +368,20 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
         """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, the
         ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
-        (:mod:`dask_octopus.profiling.itemcosts`), the units per second observed of ``prefix``, and the
-        bytes one of its tasks may hold (:func:`~dask_octopus.groups.scheduler.thread_budget`)."""
+        (:mod:`dask_octopus.profiling.itemcosts`), the units per second observed of ``prefix``, the
+        bytes one of its tasks may hold (:func:`~dask_octopus.groups.scheduler.thread_budget`), and the
+        largest bytes of result per byte of items of ``prefix``'s recent batches."""
         weights = self.speeds(resource, prefix)
         fits = self.item_costs.get(prefix, {}) if prefix is not None else {}
         rates = self.model.rates.get(prefix, {}) if prefix is not None else {}
+        sizes = self.result_sizes.get(prefix) if prefix is not None else None
+        result_size = max(sizes) if sizes else None
         out = {}
         for addr, ws in self.scheduler.workers.items():
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
             out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
-                                   rate, scheduler_groups.thread_budget(ws, self.profiles.get(addr, {})))
+                                   rate, scheduler_groups.thread_budget(ws, self.profiles.get(addr, {})), result_size)
         return out
 
     def get_profiles(self, resource: str = "compute", source: str | None = None) -> dict[str, Profile]:
@@ -395,7 +402,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
                  sizes: list[float] | None = None, resource: str = "compute", source: str | None = None,
-                 nbytes: list[float] | None = None, pieces: str | None = None) -> None:
+                 nbytes: list[float] | None = None, pieces: str | None = None,
+                 items_bytes: list[float] | None = None) -> None:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
         ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``).
         ``sizes[i]`` (rows) and the weights of ``resource`` now give the dashboard the plan's
@@ -403,7 +411,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         its input's key prefix, ``source``, and its blocks' bytes, ``nbytes``: the working sets of
         its tasks are learned for that input; and the key name of its re-chunk's slices of input
         blocks, ``pieces``: each is pinned, loosely, to the workers holding the block it slices when
-        that block is in memory as the graph arrives."""
+        that block is in memory as the graph arrives. A ``map`` plan of batches gives the bytes of each
+        batch's items, ``items_bytes``: the bytes of result per byte of items are learned for its prefix."""
         check_resource(resource)
         if not set(workers) <= self.scheduler.workers.keys():  # left while the client planned: to the others
             left = sorted(set(workers) - self.scheduler.workers.keys())
@@ -411,14 +420,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             logger.info("dask_octopus: plan %s names workers that left (%s): their blocks go to the others",
                         name, ", ".join(left))
         for label, values in (("costs", costs), ("counts", counts), ("stealable flags", stealable),
-                              ("sizes", sizes), ("block bytes", nbytes)):
+                              ("sizes", sizes), ("block bytes", nbytes), ("item bytes", items_bytes)):
             if values is not None and len(values) != len(workers):
                 raise ValueError(f"plan has {len(values)} {label} for {len(workers)} blocks")
         if counts is not None and costs is None:
             raise ValueError("plan has item counts without costs")
         if (source is None) != (nbytes is None):
             raise ValueError("plan has a source without block bytes, or block bytes without a source")
-        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces)
+        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces, items_bytes)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
                                          self.speeds(resource)))
@@ -458,6 +467,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             scheduler_groups.place_readers(self.scheduler, key, worker)
             # each guarded on its own: a failure in one (logged once) leaves the others working
             self._refine(key, worker, kwargs)
+            self._learn_result_size(key, kwargs.get("nbytes"))
             self._record_finish(key, worker, kwargs["startstops"])
             self._steal_for(worker)
         elif start == "processing" and finish == "released":
@@ -528,6 +538,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
         units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
         self._observe(worker, key, ts.prefix.name, units, seconds)
+
+    @_guarded
+    def _learn_result_size(self, key: Any, nbytes: Any) -> None:
+        """Keep the bytes of result per byte of items of a finished ``map`` batch task ``key``."""
+        items = self.placement.items_bytes_of(key)
+        if items and isinstance(nbytes, int) and nbytes > 0:
+            self.result_sizes[key_split(key)].append(nbytes / items)
 
     @_guarded
     def _steal_for(self, worker: str) -> None:
