@@ -192,11 +192,23 @@ def _worker_of(place: Hashable) -> str | None:
 
 
 def thread_budget(ws: WorkerState, profile: Mapping[str, Any]) -> float | None:
-    """The bytes one task of worker ``ws`` (calibrated as ``profile``) may hold at once
-    (``octopus.fragments.max-bytes``, which caps fragments and ``map``'s batches): the setting, or
-    with ``auto`` the ``octopus.balance.memory-fraction`` of the worker's memory (free device memory
-    at calibration on GPU workers, the memory limit on CPU workers) per worker thread; ``None`` (no
-    cap) when its memory is not known."""
+    """The bytes one task of a worker may hold at once (``octopus.fragments.max-bytes``, which caps
+    fragments and ``map``'s batches).
+
+    Parameters
+    ----------
+    ws
+        The worker, as the scheduler knows it (its memory limit and threads).
+    profile
+        Its calibration (``device``, ``memory_free``, ``memory_total``); empty where not reported.
+
+    Returns
+    -------
+    float or None
+        The setting, read on the scheduler; with ``auto``, ``octopus.balance.memory-fraction`` of the
+        worker's memory (free device memory at calibration on GPU workers, the memory limit on CPU
+        workers) per worker thread; ``None`` (no cap) when its memory is not known.
+    """
     setting = config.get("fragments.max-bytes")
     if setting != "auto":
         return float(parse_bytes(setting))

@@ -249,10 +249,11 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
 def _item_bytes(client: Client, items: list[Any]) -> list[float]:
     """The bytes of each item: Dask's ``sizeof`` of a local item, the scheduler's figure for a future,
     waited for first (a batch task cannot start before all its items are computed anyway); 0 for a
-    future that failed (the scheduler's -1: no result)."""
+    future that failed or was cancelled (no result)."""
     futures = [it for it in items if isinstance(it, Future)]
     _wait(client, futures)
-    nbytes = client.nbytes([f.key for f in futures], summary=False) if futures else {}
+    held = [f.key for f in futures if f.status == "finished"]  # (the scheduler knows no cancelled key)
+    nbytes = client.nbytes(held, summary=False) if held else {}
     return [max(0.0, nbytes.get(it.key, 0)) if isinstance(it, Future) else float(sizeof(it)) for it in items]
 
 
@@ -406,8 +407,10 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         after the other). ``g``: each worker runs its items in one task per worker thread (a Dask
         task costs milliseconds on a GPU worker), ``g`` at a time as a stream group; each item's
         result is then picked by a small coroutine task unless ``gather=True``. Batches are cut
-        where one would hold more than ``octopus.fragments.max-bytes`` of items and results of
-        their size; items that are futures or delayed are waited for first, to know their sizes.
+        where one would hold more than ``octopus.fragments.max-bytes`` (the scheduler's setting) of
+        items and results, these as large per byte of item as the function's recent batches made
+        them (at first, as large as the items); items that are futures or delayed are waited for
+        first, to know their sizes.
     resource
         Weights to plan by until the function's own speeds are known: ``"compute"`` or ``"memory"``.
     gather
@@ -463,8 +466,9 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
 
     Parameters are those of :func:`map`; ``errors="raise"`` raises an item's exception when its
     task's results arrive, ``"skip"`` leaves failed items out. The plan is made and submitted at
-    once; with an asynchronous client, iterate with ``async for`` (the plan is then made at the
-    first step). Stopping early releases the tasks not yet finished.
+    once, when the items that are futures or delayed are computed (as :func:`map` with batches);
+    with an asynchronous client, iterate with ``async for`` (the plan is then made at the first
+    step). Stopping early releases the tasks not yet finished.
 
     Returns
     -------

@@ -142,7 +142,7 @@ def split_tail(costs: Sequence[float], fraction: float, pieces: int) -> list[tup
 
 def split_by_bytes(nbytes: Sequence[float], budget: float | None) -> list[tuple[int, int]]:
     """Cut a list of items, in order, into consecutive parts holding at most ``budget`` bytes each
-    (``nbytes`` per item); an item over the budget is a part alone.
+    (``nbytes`` per item); an item over the budget is a part alone (budget 0: every item of any bytes).
 
     Returns ``(start, stop)`` slices of the list, first to last; ``budget`` ``None``: the list whole.
     """
@@ -150,7 +150,7 @@ def split_by_bytes(nbytes: Sequence[float], budget: float | None) -> list[tuple[
         check_finite(b, f"bytes of item {i}", positive=False)
     if budget is None or not nbytes:
         return [(0, len(nbytes))] if nbytes else []
-    check_finite(budget, "budget")
+    check_finite(budget, "budget", positive=False)
     out, start, held = [], 0, 0.0
     for i, b in enumerate(nbytes):
         if i > start and held + b > budget:
