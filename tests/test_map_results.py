@@ -477,12 +477,14 @@ async def test_batches_count_results_as_large_as_the_function_s_last_batches_mad
     assert 3.9 < max(s.plugins["octopus"].result_sizes["four_times-octopus-map"]) < 4.1
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, worker_kwargs={"memory_limit": "600 MiB"},
-             timeout=120, config={"octopus.map.steal-fraction": 0})
+# a worker process holds ~200 MiB of its own here, a large share of so small a limit: a lower fraction
+# than the default 0.6 leaves it room (with workers of gigabytes, the default does)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, worker_kwargs={"memory_limit": "1000 MiB"},
+             timeout=120, config={"octopus.map.steal-fraction": 0, "octopus.balance.memory-fraction": 0.3})
 async def test_batches_of_more_than_a_worker_holds_run_in_parts_instead_of_killing_it(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
-    # 16 items of 32 MiB, and results of their size: one batch of a worker's 8 would hold 512 MiB at once
-    items = [dask.delayed(np.full)(2**22, float(i)) for i in range(16)]
+    # 32 items of 32 MiB, and results of their size: one batch of a worker's 16 would hold 1 GiB at once
+    items = [dask.delayed(np.full)(2**22, float(i)) for i in range(32)]
     results = await in_thread(dask_octopus.map, np.negative, items, client=c, gather=True)
-    assert [(r.shape, r[0], r[-1]) for r in results] == [((2**22,), -i, -i) for i in range(16)]
-    assert max(plan_of(s)[1].counts) == 5  # 0.6 x 600 MiB over 64 MiB (an item and its result)
+    assert [(r.shape, r[0], r[-1]) for r in results] == [((2**22,), -i, -i) for i in range(32)]
+    assert max(plan_of(s)[1].counts) == 4  # 0.3 x 1000 MiB over 64 MiB (an item and its result)
