@@ -175,11 +175,11 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
     return [float(c) for c in out]
 
 
-def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any],
+def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any], nbytes: list[float],
                 prefix: str) -> tuple[list[str], list[WorkerInfo], list[bool], Packing, float | None]:
     """Live workers (sorted), what the scheduler knows of each, which of them have no per-item seconds
     of the function fitted yet, the packing of ``costs`` onto them, counting the transfer of items that
-    are futures already on some worker, and the seconds of one unit of the packing's finish times
+    are futures already on some worker (of ``nbytes`` each), and the seconds of one unit of the packing's finish times
     (``None`` while unknown). Once every worker has a fitted per-item cost of the function
     (:mod:`dask_octopus.profiling.itemcosts`), items are packed by their predicted seconds there, fixed part
     included; until then by the workers' weights (the function's own observed speeds once every
@@ -187,7 +187,7 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     info = {w: WorkerInfo.of(v) for w, v in call_scheduler(client, "octopus_workers", resource=resource,
                                                            prefix=prefix).items()}
     workers = sorted(info)
-    moves = item_seconds(client, items, workers)  # moving items that are futures, at measured bandwidths
+    moves = item_seconds(client, items, nbytes, workers)  # moving items that are futures, at measured bandwidths
     fits = [info[w].fit for w in workers]
     if all(fit is not None for fit in fits):
         speeds = [1 / per_unit for _, per_unit in fits]
@@ -246,22 +246,25 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
     return sorted(out, key=lambda batch: batch[2])  # stable: every worker's own tasks first
 
 
-def _item_bytes(client: Client, items: list[Any]) -> list[float]:
+def _item_bytes(client: Client, items: list[Any], wait: bool) -> list[float]:
     """The bytes of each item: Dask's ``sizeof`` of a local item, the scheduler's figure for a future,
-    waited for first (a batch task cannot start before all its items are computed anyway); 0 for a
-    future that failed or was cancelled (no result)."""
+    the futures waited for first where ``wait`` (a batch task cannot start before all its items are
+    computed anyway); 0 for a future that failed, was cancelled or, not waited for, is not computed yet."""
     futures = [it for it in items if isinstance(it, Future)]
-    _wait(client, futures)
+    if wait:
+        _wait(client, futures)
     held = [f.key for f in futures if f.status == "finished"]  # (the scheduler knows no cancelled key)
     nbytes = client.nbytes(held, summary=False) if held else {}
     return [max(0.0, nbytes.get(it.key, 0)) if isinstance(it, Future) else float(sizeof(it)) for it in items]
 
 
-def _scatter_to_plan(client: Client, items: list[Any], batches: list[tuple[str, list[int]]]) -> None:
+def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batches: list[tuple[str, list[int]]],
+                     ) -> None:
     """Replace the local items by futures of their data on the worker planned for them (one scatter per
-    worker), when they hold :data:`SCATTER_BYTES` or more in all: the graph then carries keys, not data."""
+    worker), when they hold :data:`SCATTER_BYTES` or more in all (``nbytes`` each): the graph then
+    carries keys, not data."""
     local = [i for i, it in enumerate(items) if not isinstance(it, Future)]
-    if sum(sizeof(items[i]) for i in local) < SCATTER_BYTES:
+    if sum(nbytes[i] for i in local) < SCATTER_BYTES:
         return
     planned: dict[str, list[int]] = {}
     for worker, idx in batches:
@@ -305,12 +308,12 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     _compute_delayed(client, items)
     costs = _costs(client, items, cost)
     batched = group is not None or not per_item
-    nbytes = _item_bytes(client, items) if batched else [0.0] * len(items)  # (one task per item: not needed)
+    nbytes = _item_bytes(client, items, wait=batched)  # (one task per item: it waits for its item itself)
     failed = _failed_inputs(items)
     # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
     # under which its speeds are kept) stops at the first word with a character that is not a letter
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
-    workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, prefix)
+    workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, nbytes, prefix)
     # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
     result_size = next((w.result_size for w in info if w.result_size is not None), RESULT_SIZE)
     batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
@@ -319,13 +322,12 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     # that gathers its results are its own (it cancels those it does not read): no other run shares their keys
     run = None if per_item else uuid.uuid4().hex
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
-    _scatter_to_plan(client, items, [(workers[j], idx) for j, idx, _ in batches])
+    _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{funcname(func)}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
                    counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches],
-                   resource=resource, items_bytes=[sum(nbytes[i] for i in idx) for _, idx, _ in batches]
-                   if batched else None)
+                   resource=resource, nbytes=[sum(nbytes[i] for i in idx) for _, idx, _ in batches])
     item_name = f"{ITEM_PREFIX}-{token}"
     user = dask.get_annotations().get("priority", 0)
     user = user if isinstance(user, int) else 0

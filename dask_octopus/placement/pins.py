@@ -47,9 +47,8 @@ class Plan:
     counts: list[int] | None = None
     stealable: list[bool] | None = None
     source: str | None = None  # a balance plan: the key prefix of the collection it re-blocked
-    nbytes: list[float] | None = None  # ... and the bytes of each block
+    nbytes: list[float] | None = None  # ... and the bytes of each block (of a map plan: of its items)
     pieces: str | None = None  # ... and the key name of its re-chunk's slices of input blocks
-    items_bytes: list[float] | None = None  # a map plan of batches: the bytes of each batch's items
     moved: set[int] = field(default_factory=set)  # blocks moved off workers that left (Placement.rehome)
 
 
@@ -104,14 +103,11 @@ class Placement:
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
-                 source: str | None = None, nbytes: list[float] | None = None, pieces: str | None = None,
-                 items_bytes: list[float] | None = None) -> None:
+                 source: str | None = None, nbytes: list[float] | None = None, pieces: str | None = None) -> None:
         """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``; with ``source``
         and the blocks' ``nbytes``, the tasks pinned for it are marked for measuring their working sets;
-        the tasks named ``pieces`` (slices of input blocks) run where the blocks they slice are held;
-        ``items_bytes``: the bytes of the items of each batch task of a ``map``."""
-        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes, pieces,
-                                items_bytes)
+        the tasks named ``pieces`` (slices of input blocks) run where the blocks they slice are held."""
+        self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes, pieces)
         self.plans.move_to_end(name)
         while len(self.plans) > self.max_plans:
             self.plans.popitem(last=False)
@@ -126,11 +122,12 @@ class Placement:
         return plan.costs[i], (plan.counts[i] if plan.counts is not None else None)
 
     def items_bytes_of(self, key: Key) -> float | None:
-        """The bytes of the items of the ``map`` batch task ``key``, if it is one of a plan that gave them."""
+        """The bytes of the items of the ``map`` task ``key``, if it is one of a plan of items (with
+        counts) that gave its blocks' bytes."""
         plan = self.plans.get(_key_name(key))
-        if plan is None or plan.items_bytes is None or not isinstance(key, tuple):
+        if plan is None or plan.counts is None or plan.nbytes is None or not isinstance(key, tuple):
             return None
-        return plan.items_bytes[key[plan.index]]
+        return plan.nbytes[key[plan.index]]
 
     def measured_block(self, key: Key) -> tuple[str, float] | None:
         """The input's key prefix and the bytes of the block of the balance plan that pinned the task

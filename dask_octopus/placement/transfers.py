@@ -25,10 +25,11 @@ def bandwidths(client: Client) -> Bandwidths:
     return Bandwidths(reply["default"], {(sender, receiver): bw for sender, receiver, bw in reply["pairs"]})
 
 
-def item_seconds(client: Client, items: Sequence[Any], workers: Sequence[str]) -> list[list[float]] | None:
-    """For each item and worker: the seconds to move the item's data there from the fastest of the
-    workers that hold it (0 where it is held, for local items, and for futures not computed yet);
-    ``None`` when no item is a future."""
+def item_seconds(client: Client, items: Sequence[Any], nbytes: Sequence[float],
+                 workers: Sequence[str]) -> list[list[float]] | None:
+    """For each item and worker: the seconds to move the item's data (``nbytes`` of it) there from the
+    fastest of the workers that hold it (0 where it is held, for local items, and for futures not
+    computed yet); ``None`` when no item is a future."""
     at = [i for i, it in enumerate(items) if isinstance(it, Future)]
     if not at:
         return None
@@ -37,12 +38,10 @@ def item_seconds(client: Client, items: Sequence[Any], workers: Sequence[str]) -
     seconds = [[0.0] * len(workers) for _ in items]
     if not held:
         return seconds
-    # keys in memory only: the scheduler may not know yet a future that was just computed
-    nbytes = client.nbytes([items[i].key for i in held], summary=False)
     links = bandwidths(client)
     for i in held:
         holders = set(who[items[i].key])
-        seconds[i] = [links.fetch_seconds(nbytes.get(items[i].key, 0), holders, w) for w in workers]
+        seconds[i] = [links.fetch_seconds(nbytes[i], holders, w) for w in workers]
     return seconds
 
 

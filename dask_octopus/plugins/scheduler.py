@@ -66,7 +66,7 @@ def _guarded(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-RESULT_SIZES = 8  #: map batches per task prefix whose bytes of result per byte of items are kept
+RESULT_SIZES = 8  #: map tasks per task prefix whose bytes of result per byte of items are kept
 HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the dashboard's history
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
@@ -402,8 +402,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
                  sizes: list[float] | None = None, resource: str = "compute", source: str | None = None,
-                 nbytes: list[float] | None = None, pieces: str | None = None,
-                 items_bytes: list[float] | None = None) -> None:
+                 nbytes: list[float] | None = None, pieces: str | None = None) -> None:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
         ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``).
         ``sizes[i]`` (rows) and the weights of ``resource`` now give the dashboard the plan's
@@ -411,8 +410,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         its input's key prefix, ``source``, and its blocks' bytes, ``nbytes``: the working sets of
         its tasks are learned for that input; and the key name of its re-chunk's slices of input
         blocks, ``pieces``: each is pinned, loosely, to the workers holding the block it slices when
-        that block is in memory as the graph arrives. A ``map`` plan of batches gives the bytes of each
-        batch's items, ``items_bytes``: the bytes of result per byte of items are learned for its prefix."""
+        that block is in memory as the graph arrives. A ``map`` plan gives the bytes of each task's
+        items as ``nbytes`` (without ``source``): the bytes of result per byte of items are learned
+        for its prefix."""
         check_resource(resource)
         if not set(workers) <= self.scheduler.workers.keys():  # left while the client planned: to the others
             left = sorted(set(workers) - self.scheduler.workers.keys())
@@ -420,14 +420,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             logger.info("dask_octopus: plan %s names workers that left (%s): their blocks go to the others",
                         name, ", ".join(left))
         for label, values in (("costs", costs), ("counts", counts), ("stealable flags", stealable),
-                              ("sizes", sizes), ("block bytes", nbytes), ("item bytes", items_bytes)):
+                              ("sizes", sizes), ("block bytes", nbytes)):
             if values is not None and len(values) != len(workers):
                 raise ValueError(f"plan has {len(values)} {label} for {len(workers)} blocks")
         if counts is not None and costs is None:
             raise ValueError("plan has item counts without costs")
-        if (source is None) != (nbytes is None):
-            raise ValueError("plan has a source without block bytes, or block bytes without a source")
-        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces, items_bytes)
+        if source is not None and nbytes is None:
+            raise ValueError("plan has a source without block bytes")
+        self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
                                          self.speeds(resource)))
@@ -541,7 +541,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def _learn_result_size(self, key: Any, nbytes: Any) -> None:
-        """Keep the bytes of result per byte of items of a finished ``map`` batch task ``key``."""
+        """Keep the bytes of result per byte of items of a finished ``map`` task ``key``."""
         items = self.placement.items_bytes_of(key)
         if items and isinstance(nbytes, int) and nbytes > 0:
             self.result_sizes[key_split(key)].append(nbytes / items)
