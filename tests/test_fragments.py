@@ -5,6 +5,7 @@ key's error, the other outputs intact), a worker killed mid-fragment, and the GP
 and events (with a stand-in for CuPy on CPU machines).
 """
 
+import contextlib
 import logging
 import operator
 import pickle
@@ -513,13 +514,19 @@ async def test_the_memory_budget_cuts_a_fragment_into_parts_that_fit(c, s, a, bl
     assert fragments[0] == 1 and fragments[1] > 1, fragments
 
 
+def unknown_chunks(x):
+    """``x`` with its blocks' rows unknown to Dask (as after a boolean mask): not sized before they exist."""
+    return x.map_blocks(np.asarray, chunks=((np.nan,) * x.numblocks[0], x.chunks[1]), dtype=x.dtype)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_fragment_whose_inputs_made_by_the_graph_exceed_the_budget_is_split_before_it_runs(c, s, a):
-    """Inputs made by the same graph are not sized when fragments are cut: once they exist, a fragment
-    whose inputs and intermediates exceed ``octopus.fragments.max-bytes`` runs as one task per member,
-    each holding its own inputs only (the others may spill, as without fragments); exact either way."""
+    """Inputs made by the same graph that are not blocks of known chunks are not sized when fragments
+    are cut: once they exist, a fragment whose inputs and intermediates exceed
+    ``octopus.fragments.max-bytes`` runs as one task per member, each holding its own inputs only (the
+    others may spill, as without fragments); exact either way."""
     rec = await setup(c, s, [1.0])
-    x = da.random.default_rng(3).random((64 * 4, 6), chunks=(4, 6))  # 64 blocks of 192 bytes, made by the graph
+    x = unknown_chunks(da.random.default_rng(3).random((64 * 4, 6), chunks=(4, 6)))  # 64 blocks of 192 bytes
     expected = await c.compute(x.map_blocks(inc).sum() + x.sum())
     for budget, split in (("auto", False), (40 * 192, True)):  # the inputs alone: 64 x 192 bytes
         with dask_octopus.annotate():
@@ -536,6 +543,48 @@ async def test_a_fragment_whose_inputs_made_by_the_graph_exceed_the_budget_is_sp
             assert "exceed octopus.fragments.max-bytes (7.50 kiB here), runs as" in log.getvalue(), log.getvalue()
         else:
             assert len(whole) == 1 and not parts, (whole, parts)
+
+
+@pytest.mark.parametrize("inside", ["built", "computed"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_blocks_the_graph_makes_are_sized_from_their_chunks_when_fragments_are_cut(c, s, a, inside):
+    """Blocks of dask arrays that the graph makes (random blocks here) are sized from their chunks and
+    dtype before they exist: a fragment over the budget is cut when it is made, into fragments that
+    fit, and none is split as it runs; whether the fragments are made from the marks of blocks built
+    inside ``annotate`` (the mapped blocks read the random ones, which other tasks read too) or from
+    those of a compute inside it (the random blocks join the fragments)."""
+    rec = await setup(c, s, [1.0])
+    for budget, cut in (("auto", False), (40 * 192, True)):  # the inputs alone: 64 x 192 bytes
+        x = da.random.default_rng(3 + cut).random((64 * 4, 6), chunks=(4, 6))  # 64 blocks of 192 bytes; new keys
+        expected = x.map_blocks(inc).sum().compute(scheduler="sync") + x.sum().compute(scheduler="sync")
+        with dask_octopus.annotate() if inside == "built" else contextlib.nullcontext():
+            y = x.map_blocks(inc, name=f"inc-sized-{cut}")  # new keys each time
+        rec.worker.clear()
+        with dask.config.set({"octopus.fragments.max-bytes": budget}), \
+                dask_octopus.annotate() if inside == "computed" else contextlib.nullcontext(), \
+                captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+            assert await c.compute(y.sum() + x.sum()) == pytest.approx(expected, rel=1e-12)
+        whole = [k for k in rec.worker if key_split(k) == FRAGMENT_PREFIX]
+        parts = [k for k in rec.worker if FRAGMENT_PREFIX in str(k) and key_split(k) != FRAGMENT_PREFIX]
+        assert not parts and "runs as" not in log.getvalue(), (parts, log.getvalue())
+        assert len(whole) > 1 if cut else len(whole) == 1, whole
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_fragment_reading_another_s_results_inline_is_sized_from_them_before_it_runs(c, s, a):
+    """A fragment that reads the results of another fragment inline (the blocks of ``x`` below, which
+    the maximum's fragment makes and the division's reads) sizes them once they exist, from that
+    fragment's result, and is split before it runs where they exceed the budget; exact."""
+    await setup(c, s, [1.0])
+    x = unknown_chunks(da.random.default_rng(5).random((32 * 4, 6), chunks=(4, 6)))  # 32 blocks of 192 bytes
+    expected = (x / x.max()).sum().compute(scheduler="sync")  # (the cluster gets the keys once)
+    # the division's fragments are made from the marks of the blocks built inside annotate, the maximum's
+    # (x's blocks, built outside) from the compute's: the division's then read x's blocks inline
+    with dask.config.set({"octopus.fragments.max-bytes": 8 * 192}), dask_octopus.annotate(), \
+            captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+        assert await c.compute((x / x.max()).sum()) == pytest.approx(expected, rel=1e-12)
+    assert "failed" not in log.getvalue() and not s.plugins["octopus"].failed_hooks, log.getvalue()
+    assert "exceed octopus.fragments.max-bytes (1.50 kiB here), runs as" in log.getvalue(), log.getvalue()
 
 
 def total(*parts):
@@ -801,3 +850,25 @@ def test_a_failed_step_guard_or_map_item_holds_its_error_from_the_user_s_code_an
     assert repr(out.error) == "ValueError('cannot use Held')"
     assert [f.name for f in traceback.extract_tb(out.traceback.as_traceback())] == ["fails_on"]  # the user's code
     assert "dask_octopus: raised by task 'd', read by fragments" in out.error.__notes__
+
+
+@pytest.mark.parametrize("memory, fraction, budget", [
+    ({"target": 0.6, "spill": 0.7, "terminate": 0.95}, 0.6, 0.35 * 1000 / 2),  # Dask's defaults: its headroom
+    ({"target": 0.6, "spill": 0.7, "terminate": 0.95}, 0.3, 0.3 * 1000 / 2),  # a smaller memory-fraction
+    ({"target": False, "spill": 0.7, "terminate": 0.95}, 0.6, 0.25 * 1000 / 2),  # spilling from spill
+    ({"target": 0.6, "spill": 0.7, "terminate": False}, 0.6, 0.6 * 1000 / 2),  # never terminated
+])
+def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_terminates_the_worker(memory, fraction, budget):
+    """``fragments.max-bytes: auto`` on a CPU worker: ``balance.memory-fraction`` of its memory limit per
+    thread, and no more than the fraction between Dask's spill target and its terminate threshold (what
+    a fragment holds while it runs cannot spill); on a GPU worker, of the free device memory."""
+    from types import SimpleNamespace
+
+    from dask_octopus.groups.scheduler import thread_budget
+
+    ws = SimpleNamespace(memory_limit=1000, nthreads=2)
+    with dask.config.set({"octopus.balance.memory-fraction": fraction,
+                          **{f"distributed.worker.memory.{k}": v for k, v in memory.items()}}):
+        assert thread_budget(ws, {"device": "cpu"}) == pytest.approx(budget)
+        assert thread_budget(ws, {"device": "gpu", "memory_free": 4000}) == pytest.approx(fraction * 4000 / 2)
+        assert thread_budget(SimpleNamespace(memory_limit=0, nthreads=2), {}) is None  # memory unknown

@@ -179,7 +179,9 @@ class Fragment:
     ``read_before`` maps each output to the keys its task read before the grouping (set where the
     fragment was made, :func:`~dask_octopus.groups.rewrite.fragment_graph`; not sent with it): a scheduler
     holding the output's task, rewritten to pick it from the fragment, tells the same task brought again
-    from other work brought under its key.
+    from other work brought under its key. ``made`` maps inputs and steps to the bytes of their values
+    where those are known before they exist (blocks of dask arrays: their chunks and dtype; given where
+    the fragment is made, not sent with it), for :meth:`estimate`.
 
     The specs stay as they are until the fragment is pickled (sent to another process): a worker or
     local scheduler of this process runs the members' very functions and constants, as without
@@ -190,7 +192,7 @@ class Fragment:
     """
 
     def __init__(self, members: Mapping[Key, GraphNode], outputs: Iterable[Key], resources: Mapping[Key, str],
-                 retries: Mapping[Key, int] | None = None):
+                 retries: Mapping[Key, int] | None = None, made: Mapping[Key, float] | None = None):
         flat: dict[Key, tuple[Any, tuple, Key]] = {}
         covers: list[Key] = []
         memo: dict[int, tuple[GraphNode, Any, tuple]] = {}
@@ -210,13 +212,15 @@ class Fragment:
         known = retries or {}
         self._lay_out(names, {name: flat[name][1] for name in names}, outputs, tuple(flat[name][0] for name in names),
                       tuple(members), tuple(dict.fromkeys(covers)),
-                      tuple(known.get(flat[name][2]) for name in names) if known.keys() & members.keys() else None)
+                      tuple(known.get(flat[name][2]) for name in names) if known.keys() & members.keys() else None,
+                      made or {})
 
     def _lay_out(self, names: Sequence[Key], reads: Mapping[Key, Sequence[Key]], outputs: Iterable[Key],
                  specs: tuple, members: tuple[Key, ...], covers: tuple[Key, ...],
-                 retries: tuple[int | None, ...] | None) -> None:
+                 retries: tuple[int | None, ...] | None, made: Mapping[Key, float]) -> None:
         """Set the slots of steps ``names`` (in run order), each reading the values ``reads[name]`` (by
-        name, in the order of its ``(Ref, j)``), with ``specs`` (in the same order)."""
+        name, in the order of its ``(Ref, j)``), with ``specs`` (in the same order) and the known bytes of
+        the values ``made`` (by name; others may be left in)."""
         self.inputs: tuple[Key, ...] = tuple(sorted({d for name in names for d in reads[name]} - set(names), key=str))
         self.outputs: tuple[Key, ...] = tuple(outputs)
         first = len(self.inputs)
@@ -243,6 +247,8 @@ class Fragment:
         self._specs: bytes | tuple = specs
         self._structure: str | None = None
         self.read_before: dict[Key, frozenset[Key]] = {}
+        self.made: dict[Key, float] = ({name: made[name] for name in (*self.inputs, *names) if name in made}
+                                       if made else {})
 
     def split(self) -> list[Fragment]:
         """The fragment as one fragment per member, in the order of the members' first steps: each holds
@@ -263,7 +269,8 @@ class Fragment:
             names = [self.names[i] for i in steps]
             part._lay_out(names, {self.names[i]: [named[s] for s in self.reads[i]] for i in steps},
                           [name for name in names if name in apart], tuple(specs[i] for i in steps), (member,),
-                          (member,), None if self.retries is None else tuple(self.retries[i] for i in steps))
+                          (member,), None if self.retries is None else tuple(self.retries[i] for i in steps),
+                          self.made)
             parts.append(part)
         return parts
 
@@ -275,7 +282,7 @@ class Fragment:
         return [default if r is None else r for r in self.retries]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {**self.__dict__, "read_before": {}}  # (the scheduler's alone)
+        state = {**self.__dict__, "read_before": {}, "made": {}}  # (the scheduler's alone)
         specs = self._specs
         if not isinstance(specs, bytes):
             # sent elsewhere: from now on packed here too (a scheduler keeps no steps' objects alive)
@@ -292,15 +299,22 @@ class Fragment:
         specs = self._specs  # read once: pickling the fragment in another thread swaps it for its bytes
         return pickle.loads(specs) if isinstance(specs, bytes) else specs
 
+    def _input_bytes(self, sizes: Mapping[Key, float]) -> list[float]:
+        """The bytes of each input: ``sizes[name]``, else as known before it existed (``made``), else 0."""
+        made = self.made
+        return [float(sizes[name]) if name in sizes else made.get(name, 0.0) for name in self.inputs]
+
     def estimate(self, sizes: Mapping[Key, float]) -> tuple[list[float], list[list[int]]]:
-        """Each step's estimated result bytes, as large as the largest value it reads (elementwise work;
-        0 for a step reading none: Dask does not say how large a result will be before it exists), from
-        ``sizes``, the bytes of the inputs by name (those missing count 0); and the steps whose results
-        are freed after each step."""
+        """Each step's estimated result bytes: those known before it exists (``made``), else as large as
+        the largest value it reads (elementwise work; 0 for a step reading none), from ``sizes``, the
+        bytes of the inputs by name (those missing: as ``made`` says, else 0); and the steps whose
+        results are freed after each step."""
         first = len(self.inputs)
-        held = [float(sizes.get(name, 0)) for name in self.inputs]
-        for r in self.reads:
-            held.append(max((held[s] for s in r), default=0))
+        held = self._input_bytes(sizes)
+        made = self.made
+        for name, r in zip(self.names, self.reads, strict=True):
+            known = made.get(name)
+            held.append(known if known is not None else max((held[s] for s in r), default=0))
         return held[first:], [[s - first for s in d if s >= first] for d in self.drop]
 
     def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
@@ -308,15 +322,16 @@ class Fragment:
         one stream: its inputs (``sizes``; it receives them all before it starts and holds them to its
         end, where Dask's tasks would hold only those of the running task, the others may spill) and the
         intermediate results alive at once, outputs held to the end (:meth:`estimate`, :func:`live_peak`)."""
-        return sum(float(sizes.get(name, 0)) for name in self.inputs) + live_peak(*self.estimate(sizes))
+        return sum(self._input_bytes(sizes)) + live_peak(*self.estimate(sizes))
 
     def exceeds(self, sizes: Mapping[Key, float], budget: float | None) -> bool:
         """Whether :meth:`peak_bytes` exceeds ``budget`` (``None``: no budget); not estimated where the
-        inputs and every step holding a result as large as the largest input fit."""
+        inputs and every step holding a result as large as the largest input or known result fit."""
         if budget is None:
             return False
-        inputs = [float(sizes.get(name, 0)) for name in self.inputs]
-        if sum(inputs) + len(self.names) * max(inputs, default=0) <= budget:
+        inputs = self._input_bytes(sizes)
+        largest = max(max(inputs, default=0), max(self.made.values(), default=0))
+        if sum(inputs) + len(self.names) * largest <= budget:
             return False
         return self.peak_bytes(sizes) > budget
 

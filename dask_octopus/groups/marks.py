@@ -38,6 +38,7 @@ from dask.typing import Key
 from dask.utils import ensure_dict
 
 from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, resolve_aliases
+from dask_octopus.groups import blocksizes
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
 from dask_octopus.groups.rewrite import dependents_of, fragment_graph, inner_keys, picks_a_result, replaced_keys
@@ -51,6 +52,8 @@ class GroupingOptimizer:
         self.base = base
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        if grouping_here():  # the scheduler plugin may group these tasks: within its budget
+            blocksizes.remember(dsk)
         dsk = pull_marks(dsk)
         specs = marked_keys(dsk)
         if not specs:

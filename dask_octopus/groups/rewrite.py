@@ -159,11 +159,13 @@ def _pull_downstream(steps: Sequence[Key], specs: Mapping[Key, Mapping[str, Any]
 
 
 def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
-           dependents: Mapping[Key, set[Key]], members: list[Key], retries: Mapping[Key, int] | None) -> Fragment:
+           dependents: Mapping[Key, set[Key]], members: list[Key], retries: Mapping[Key, int] | None,
+           made_bytes: Mapping[Key, float]) -> Fragment:
     """The :class:`Fragment` of ``members``; its outputs are the members read from outside it."""
     inside = set(members)
     outputs = [m for m in members if not dependents.get(m, set()) <= inside]
-    fragment = Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries)
+    fragment = Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries,
+                        made_bytes)
     # what each output's task read (members grouped before read other fragments' results inline)
     fragment.read_before = {m: read_before_grouping(dsk[m]) or frozenset(dsk[m].dependencies) for m in outputs}
     return fragment
@@ -174,7 +176,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
                    sizes: Mapping[Key, float] | None = None,
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
-                   labels: Mapping[Key, Any] | None = None) -> dict[Key, GraphNode]:
+                   labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
+                   ) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
@@ -193,7 +196,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     (:func:`~dask_octopus.groups.planning.pull_upstream`: their failures then fail only what reads
     them), all among ``pullable`` (``None``: any). ``budgets[place]`` caps the
     estimated peak bytes of a fragment's inputs and intermediates (:meth:`Fragment.peak_bytes`, from
-    ``sizes``, the bytes of inputs that exist already): a place whose fragments exceed it is cut into twice as many
+    ``sizes``, the bytes of inputs that exist already, and ``made_bytes``, the bytes of tasks' results known
+    before they exist: blocks of dask arrays): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
@@ -216,6 +220,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
+    made_bytes = made_bytes or {}
     while True:
         planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                  parts, min(caps) if caps else None, labels)
@@ -223,7 +228,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         for members, marked in zip(fragments, planned):  # pulled upstream: the class of the first source
             for k in members:
                 specs.setdefault(k, specs[marked[0]])
-        built = [_build(dsk, specs, dependents, members, retries) for members in fragments]
+        built = [_build(dsk, specs, dependents, members, retries, made_bytes) for members in fragments]
         made: dict[Any, int] = {}
         over = set()  # places with a fragment over its budget that can still be cut (two sources or more)
         for marked, fragment in zip(planned, built):

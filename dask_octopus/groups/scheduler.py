@@ -33,9 +33,11 @@ import functools
 import logging
 import operator
 import weakref
+from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from dask.typing import Key
 from dask.utils import key_split, parse_bytes
 
@@ -52,6 +54,7 @@ from dask_octopus._compat import (
     run_spec_collision,
     running_schedulers,
 )
+from dask_octopus.groups.blocksizes import block_bytes
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
@@ -69,6 +72,8 @@ from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState, WorkerState
+
+    from dask_octopus.groups.fragment import Fragment
 
 logger = logging.getLogger(__name__)
 hosts: weakref.WeakSet = weakref.WeakSet()  # scheduler plugins of this process that group marked tasks
@@ -206,15 +211,33 @@ def thread_budget(ws: WorkerState, profile: Mapping[str, Any]) -> float | None:
     -------
     float or None
         The setting, read on the scheduler; with ``auto``, ``octopus.balance.memory-fraction`` of the
-        worker's memory (free device memory at calibration on GPU workers, the memory limit on CPU
-        workers) per worker thread; ``None`` (no cap) when its memory is not known.
+        worker's memory per worker thread: on GPU workers, of the free device memory at calibration; on
+        CPU workers, of the memory limit, and at most the fraction between the one Dask spills results
+        down to and the one at which it terminates the worker (:func:`_headroom`); ``None`` (no cap)
+        when its memory is not known.
     """
     setting = config.get("fragments.max-bytes")
     if setting != "auto":
         return float(parse_bytes(setting))
-    memory = profile.get("memory_free") if profile.get("device") == "gpu" else (
-        ws.memory_limit or profile.get("memory_total"))
-    return memory * config.get("balance.memory-fraction") / max(1, ws.nthreads) if memory else None
+    fraction = config.get("balance.memory-fraction")
+    if profile.get("device") == "gpu":
+        memory = profile.get("memory_free")
+    else:
+        memory = ws.memory_limit or profile.get("memory_total")
+        headroom = _headroom()
+        fraction = fraction if headroom is None else min(fraction, headroom)
+    return memory * fraction / max(1, ws.nthreads) if memory else None
+
+
+def _headroom() -> float | None:
+    """The fraction of a worker's memory limit between Dask's ``distributed.worker.memory.target`` (else
+    ``spill``), down to which a worker spills the results it holds, and ``terminate``, at which its nanny
+    ends it: what the tasks running on it may hold besides (a fragment or a ``map`` batch holds its
+    inputs and results until it ends, where Dask's small tasks would let them spill); ``None`` where
+    either is off."""
+    memory = dask.config.get("distributed.worker.memory", {}) or {}
+    floor, terminate = memory.get("target") or memory.get("spill"), memory.get("terminate")
+    return max(0.0, float(terminate) - float(floor)) if floor and terminate else None
 
 
 def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], place: Hashable) -> float | None:
@@ -302,7 +325,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
-                          retries=annotated_retries(annotations), labels=annotation_labels(annotations))
+                          retries=annotated_retries(annotations), labels=annotation_labels(annotations),
+                          made_bytes=block_bytes(graph))
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -365,7 +389,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          groupable, sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
-                         labels={k: shared_annotations(ts.annotations) for k, ts in new.items()})
+                         labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
+                         made_bytes=block_bytes(new))
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
     # not one that failed as a whole (its worker lost, say): Dask fails the readers of failed tasks before
@@ -531,9 +556,24 @@ def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
     budget = _budget(scheduler, profiles, _place(ts))
     if budget is None:
         return None
-    reads = {dts.key: dts for dts in ts.dependencies}  # (a fragment task reads its inputs as TaskRefs)
-    sizes = {name: reads[ref.key].get_nbytes() for name, ref in zip(fragment.inputs, ts.run_spec.args[1:], strict=True)}
+    sizes = _input_sizes(ts, fragment)
     return (_hold(ts), fragment.peak_bytes(sizes), budget) if fragment.exceeds(sizes, budget) else None
+
+
+def _input_sizes(ts: TaskState, fragment: Fragment) -> dict[Key, float]:
+    """The bytes of the inputs of the fragment task ``ts``, all in memory, by name: those it reads as
+    tasks, the tasks'; those it picks inline from the result of another task (a fragment task, or the
+    gatherer of a split one), as known before they existed
+    (:attr:`~dask_octopus.groups.fragment.Fragment.made`), else an equal share of that task's bytes."""
+    nbytes = {dts.key: dts.get_nbytes() for dts in ts.dependencies}
+    args = ts.run_spec.args[1:]
+    read = [arg.key if isinstance(arg, TaskRef) else next(iter(arg.dependencies)) for arg in args]  # (a pick reads one)
+    picks = Counter(read)
+    sizes = {}
+    for name, arg, k in zip(fragment.inputs, args, read, strict=True):
+        inline_known = not isinstance(arg, TaskRef) and name in fragment.made
+        sizes[name] = fragment.made[name] if inline_known else nbytes[k] / picks[k]
+    return sizes
 
 
 def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:
