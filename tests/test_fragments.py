@@ -526,7 +526,8 @@ async def test_a_fragment_whose_inputs_made_by_the_graph_exceed_the_budget_is_sp
     ``octopus.fragments.max-bytes`` runs as one task per member, each holding its own inputs only (the
     others may spill, as without fragments); exact either way."""
     rec = await setup(c, s, [1.0])
-    x = unknown_chunks(da.random.default_rng(3).random((64 * 4, 6), chunks=(4, 6)))  # 64 blocks of 192 bytes
+    # 64 blocks of 192 bytes (Dask fuses each random block into its block of unknown rows: no input is sized)
+    x = unknown_chunks(da.random.default_rng(3).random((64 * 4, 6), chunks=(4, 6)))
     expected = await c.compute(x.map_blocks(inc).sum() + x.sum())
     for budget, split in (("auto", False), (40 * 192, True)):  # the inputs alone: 64 x 192 bytes
         with dask_octopus.annotate():
@@ -568,6 +569,51 @@ async def test_blocks_the_graph_makes_are_sized_from_their_chunks_when_fragments
         parts = [k for k in rec.worker if FRAGMENT_PREFIX in str(k) and key_split(k) != FRAGMENT_PREFIX]
         assert not parts and "runs as" not in log.getvalue(), (parts, log.getvalue())
         assert len(whole) > 1 if cut else len(whole) == 1, whole
+
+
+def test_array_blocks_are_sized_from_the_chunks_and_dtype_of_their_layer(monkeypatch):
+    from collections import OrderedDict
+
+    from dask_octopus.groups import blocksizes
+
+    monkeypatch.setattr(blocksizes, "_layers", OrderedDict())
+    x = da.ones((10, 6), chunks=(4, 6), dtype="f4")  # blocks of 4, 4 and 2 rows
+    masked = unknown_chunks(x)
+    objects = da.from_array(np.array(["a", "b"], dtype=object), chunks=1)
+    other = x.map_blocks(np.ma.masked_invalid, meta=np.ma.masked_array(np.ones((0, 0), "f4")))  # not NumPy's array
+    blocksizes.remember((x + masked.sum() + objects.size + other).__dask_graph__())
+    blocksizes.remember({"not": "a HighLevelGraph"})  # left as it is
+    sizes = blocksizes.block_bytes()
+    assert [sizes[(x.name, i, 0)] for i in range(3)] == [96.0, 96.0, 48.0]
+    for key in [(x.name, 3, 0), (x.name, -1, 0), (x.name, 0), (x.name, 0, 0, 0), (masked.name, 0, 0),
+                (objects.name, 0), (other.name, 0, 0), "x", ("other", 0, 0)]:
+        assert key not in sizes, key  # past its blocks, other shapes, unknown chunks, objects, other types, layers
+    assert len(sizes) == len(list(sizes)) >= 3 and (x.name, 2, 0) in list(sizes)
+    later = blocksizes.block_bytes()
+    monkeypatch.setattr(blocksizes, "LAYERS", 2)
+    blocksizes.remember(da.zeros(4, chunks=2).__dask_graph__())
+    blocksizes.remember(da.zeros(5, chunks=2).__dask_graph__())  # a third layer: the first seen goes
+    assert (x.name, 0, 0) not in blocksizes.block_bytes() and (x.name, 0, 0) in later  # (a copy)
+    many = da.stack([da.zeros(4, chunks=2) + i for i in range(3)])  # more layers than kept: all of one graph
+    blocksizes.remember(many.__dask_graph__())
+    assert (many.name, 0, 0) in blocksizes.block_bytes()
+    assert len(blocksizes._layers) == len(many.__dask_graph__().layers)
+
+
+def test_a_fragment_s_inputs_picked_inline_count_their_share_of_what_they_are_picked_from():
+    from types import SimpleNamespace
+
+    from dask_octopus.groups.scheduler import _input_sizes
+
+    members = {"m": Task("m", add, TaskRef("a"), TaskRef("b")), "n": Task("n", add, TaskRef("m"), TaskRef("c"))}
+    fragment = Fragment(members, ["n"], dict.fromkeys(members, "memory"), made={"b": 700.0, "c": 10.0})
+    assert fragment.inputs == ("a", "b", "c") and fragment.made == {"b": 700.0, "c": 10.0}
+    tasks = {k: SimpleNamespace(key=k, get_nbytes=lambda n=n: n) for k, n in (("a", 50), ("f", 1000))}
+    args = (TaskRef("a"), Task("b", streams.pick, TaskRef("f"), 0), Task("c", streams.pick, TaskRef("f"), 1))
+    ts = SimpleNamespace(dependencies=list(tasks.values()),
+                         run_spec=Task("frag", streams.run_fragment, DataNode(None, fragment), *args))
+    # a: its task's bytes; b and c, picked from one task of 1000 bytes: 500 each, or their estimate if more
+    assert _input_sizes(ts, fragment) == {"a": 50, "b": 700.0, "c": 500.0}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

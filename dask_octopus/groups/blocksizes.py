@@ -6,15 +6,19 @@ materializes a graph, remembers them by layer name (:func:`remember`), for the m
 fragments (``octopus.fragments.max-bytes``): a fragment that makes blocks from nothing it reads
 (random blocks), or reads blocks another fragment makes, is sized before it runs, whether its tasks
 are grouped by the optimizer or, later, by the scheduler plugin from the annotations of a compute
-inside ``annotate`` (:func:`block_bytes`). An array's layer name is a token of what it computes, so
-what is remembered under a name holds; the last :data:`LAYERS` names are kept.
+inside ``annotate`` (:func:`block_bytes`). These are estimates: the chunks describe the array a layer
+makes, which some of Dask's own intermediate layers (a reduction's partial results) do not hold, and
+two arrays of other chunks that a user gave one name are sized as the last one remembered. Only
+layers of NumPy and CuPy blocks of known chunks count; the last :data:`LAYERS` names are kept (and
+all those of the last graph).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterator, Mapping
+from itertools import product
 from typing import Any
 
 import numpy as np
@@ -22,14 +26,21 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.typing import Key
 
 LAYERS = 1000  # layers remembered (least recently seen dropped first)
+ARRAYS = ("numpy", "cupy")  # the modules of the block types sized (dense arrays)
 
 _lock = threading.Lock()  # the optimizer runs in Dask's offload thread, the plugin on the event loop
-_layers: OrderedDict[str, tuple[tuple[tuple[int, ...], ...], int]] = OrderedDict()
+Layout = tuple[tuple[tuple[int, ...], ...], int]  # an array layer's chunks and item size
+_layers: OrderedDict[str, Layout] = OrderedDict()
+
+
+def _dense(chunk_type: Any) -> bool:
+    """Whether ``chunk_type`` (Dask's name of a layer's block type) names NumPy's or CuPy's array."""
+    return isinstance(chunk_type, str) and chunk_type.split(".")[0] in ARRAYS and chunk_type.endswith(".ndarray")
 
 
 def remember(dsk: Any) -> None:
-    """Remember the chunks and item size of each array layer of ``dsk``, a ``HighLevelGraph`` (anything
-    else is left as it is), but arrays of unknown chunks or of Python objects."""
+    """Remember the chunks and item size of each layer of dense arrays of known chunks of ``dsk``, a
+    ``HighLevelGraph`` (anything else is left as it is)."""
     if not isinstance(dsk, HighLevelGraph):
         return
     found = {}
@@ -37,26 +48,46 @@ def remember(dsk: Any) -> None:
         about = layer.collection_annotations or {}
         chunks, dtype = about.get("chunks"), about.get("dtype")
         if (isinstance(name, str) and isinstance(chunks, tuple) and isinstance(dtype, np.dtype)
-                and not dtype.hasobject and all(c == c for dim in chunks for c in dim)):  # (NaN: unknown)
+                and not dtype.hasobject and _dense(about.get("chunk_type"))
+                and all(c == c for dim in chunks for c in dim)):  # (NaN: unknown)
             found[name] = (chunks, dtype.itemsize)
     with _lock:
-        for name, known in found.items():
-            _layers[name] = known
+        for name, layout in found.items():
+            _layers[name] = layout
             _layers.move_to_end(name)
-        while len(_layers) > LAYERS:
+        while len(_layers) > max(LAYERS, len(found)):
             _layers.popitem(last=False)
 
 
-def block_bytes(keys: Iterable[Key]) -> dict[Key, float]:
-    """The bytes of each of ``keys`` that names a block of a remembered array layer (:func:`remember`)."""
+class BlockBytes(Mapping):
+    """The bytes of the blocks of the layers remembered when it was made (:func:`block_bytes`), by key
+    ``(name, i, j, ...)``, each computed when it is looked up."""
+
+    def __init__(self, layers: Mapping[str, Layout]):
+        self._layers = layers
+
+    def __getitem__(self, key: Key) -> float:
+        layout = self._layers.get(key[0]) if type(key) is tuple and key and type(key[0]) is str else None
+        if layout is None or len(key) != len(layout[0]) + 1:
+            raise KeyError(key)
+        nbytes = layout[1]
+        for dim, i in zip(layout[0], key[1:], strict=True):
+            if type(i) is not int or not 0 <= i < len(dim):
+                raise KeyError(key)
+            nbytes *= dim[i]
+        return float(nbytes)
+
+    def __iter__(self) -> Iterator[Key]:
+        for name, (chunks, _) in self._layers.items():
+            for index in product(*(range(len(dim)) for dim in chunks)):
+                yield (name, *index)
+
+    def __len__(self) -> int:
+        return sum(int(np.prod([len(dim) for dim in chunks])) for chunks, _ in self._layers.values())
+
+
+def block_bytes() -> BlockBytes:
+    """The bytes of the blocks of the array layers remembered now (:func:`remember`): a mapping over a
+    copy of the table, sizing a key when it is looked up."""
     with _lock:
-        layers = dict(_layers)
-    out = {}
-    for k in keys:
-        array = layers.get(k[0]) if type(k) is tuple and k and type(k[0]) is str else None
-        if array is not None and len(k) == len(array[0]) + 1 and all(type(i) is int for i in k[1:]):
-            nbytes = array[1]
-            for dim, i in zip(array[0], k[1:], strict=True):
-                nbytes *= dim[i]
-            out[k] = float(nbytes)
-    return out
+        return BlockBytes(dict(_layers))

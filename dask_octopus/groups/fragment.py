@@ -180,8 +180,8 @@ class Fragment:
     fragment was made, :func:`~dask_octopus.groups.rewrite.fragment_graph`; not sent with it): a scheduler
     holding the output's task, rewritten to pick it from the fragment, tells the same task brought again
     from other work brought under its key. ``made`` maps inputs and steps to the bytes of their values
-    where those are known before they exist (blocks of dask arrays: their chunks and dtype; given where
-    the fragment is made, not sent with it), for :meth:`estimate`.
+    as estimated before they exist (blocks of dask arrays: their chunks and dtype; given where the
+    fragment is made, not sent with it), for :meth:`estimate`.
 
     The specs stay as they are until the fragment is pickled (sent to another process): a worker or
     local scheduler of this process runs the members' very functions and constants, as without
@@ -213,7 +213,7 @@ class Fragment:
         self._lay_out(names, {name: flat[name][1] for name in names}, outputs, tuple(flat[name][0] for name in names),
                       tuple(members), tuple(dict.fromkeys(covers)),
                       tuple(known.get(flat[name][2]) for name in names) if known.keys() & members.keys() else None,
-                      made or {})
+                      made if made is not None else {})
 
     def _lay_out(self, names: Sequence[Key], reads: Mapping[Key, Sequence[Key]], outputs: Iterable[Key],
                  specs: tuple, members: tuple[Key, ...], covers: tuple[Key, ...],
@@ -247,8 +247,7 @@ class Fragment:
         self._specs: bytes | tuple = specs
         self._structure: str | None = None
         self.read_before: dict[Key, frozenset[Key]] = {}
-        self.made: dict[Key, float] = ({name: made[name] for name in (*self.inputs, *names) if name in made}
-                                       if made else {})
+        self.made: dict[Key, float] = {name: made[name] for name in (*self.inputs, *names) if name in made}
 
     def split(self) -> list[Fragment]:
         """The fragment as one fragment per member, in the order of the members' first steps: each holds
@@ -305,16 +304,15 @@ class Fragment:
         return [float(sizes[name]) if name in sizes else made.get(name, 0.0) for name in self.inputs]
 
     def estimate(self, sizes: Mapping[Key, float]) -> tuple[list[float], list[list[int]]]:
-        """Each step's estimated result bytes: those known before it exists (``made``), else as large as
-        the largest value it reads (elementwise work; 0 for a step reading none), from ``sizes``, the
-        bytes of the inputs by name (those missing: as ``made`` says, else 0); and the steps whose
-        results are freed after each step."""
+        """Each step's estimated result bytes: as large as the largest value it reads (elementwise work),
+        or as ``made`` says where that is more (0 for a step reading none that it does not size), from
+        ``sizes``, the bytes of the inputs by name (those missing: as ``made`` says, else 0); and the
+        steps whose results are freed after each step."""
         first = len(self.inputs)
         held = self._input_bytes(sizes)
         made = self.made
         for name, r in zip(self.names, self.reads, strict=True):
-            known = made.get(name)
-            held.append(known if known is not None else max((held[s] for s in r), default=0))
+            held.append(max(made.get(name, 0.0), max((held[s] for s in r), default=0)))
         return held[first:], [[s - first for s in d if s >= first] for d in self.drop]
 
     def peak_bytes(self, sizes: Mapping[Key, float]) -> float:

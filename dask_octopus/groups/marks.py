@@ -52,16 +52,18 @@ class GroupingOptimizer:
         self.base = base
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        if grouping_here():  # the scheduler plugin may group these tasks: within its budget
+        grouping = grouping_here()
+        if grouping:  # the scheduler plugin may group these tasks (a compute inside annotate): by their sizes
             blocksizes.remember(dsk)
         dsk = pull_marks(dsk)
         specs = marked_keys(dsk)
         if not specs:
             return self.base(dsk, keys, **kwargs)
         with collector_paused():  # Dask's optimizer and ours allocate many short-lived objects
-            return self._group(dsk, keys, specs, **kwargs)
+            return self._group(dsk, keys, specs, grouping, **kwargs)
 
-    def _group(self, dsk: Any, keys: Any, specs: Mapping[Key, Mapping[str, Any]], **kwargs: Any) -> Any:
+    def _group(self, dsk: Any, keys: Any, specs: Mapping[Key, Mapping[str, Any]], grouping: bool,
+               **kwargs: Any) -> Any:
         optimized = self.base(dsk, keys, **kwargs)
         keep = list(dict.fromkeys(flatten(keys)))  # in the order asked for: fragments are planned from them
         wanted = set(keep)
@@ -75,7 +77,6 @@ class GroupingOptimizer:
             dependents = dependents_of(resolved)
         graph = resolved
         marks = inner_marks(graph, specs)
-        grouping = grouping_here()
         here = fragment_here(graph, marks, keep, dependents, annotations) if grouping else None
         if here is not None:  # on the scheduler, knowing where the tasks run
             graph = here

@@ -160,7 +160,7 @@ def _pull_downstream(steps: Sequence[Key], specs: Mapping[Key, Mapping[str, Any]
 
 def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
            dependents: Mapping[Key, set[Key]], members: list[Key], retries: Mapping[Key, int] | None,
-           made_bytes: Mapping[Key, float]) -> Fragment:
+           made_bytes: Mapping[Key, float] | None) -> Fragment:
     """The :class:`Fragment` of ``members``; its outputs are the members read from outside it."""
     inside = set(members)
     outputs = [m for m in members if not dependents.get(m, set()) <= inside]
@@ -196,8 +196,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     (:func:`~dask_octopus.groups.planning.pull_upstream`: their failures then fail only what reads
     them), all among ``pullable`` (``None``: any). ``budgets[place]`` caps the
     estimated peak bytes of a fragment's inputs and intermediates (:meth:`Fragment.peak_bytes`, from
-    ``sizes``, the bytes of inputs that exist already, and ``made_bytes``, the bytes of tasks' results known
-    before they exist: blocks of dask arrays): a place whose fragments exceed it is cut into twice as many
+    ``sizes``, the bytes of inputs that exist already, and ``made_bytes``, the bytes of tasks' results as
+    estimated before they exist: blocks of dask arrays): a place whose fragments exceed it is cut into twice as many
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
@@ -220,7 +220,6 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
-    made_bytes = made_bytes or {}
     while True:
         planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                  parts, min(caps) if caps else None, labels)

@@ -213,8 +213,8 @@ def thread_budget(ws: WorkerState, profile: Mapping[str, Any]) -> float | None:
         The setting, read on the scheduler; with ``auto``, ``octopus.balance.memory-fraction`` of the
         worker's memory per worker thread: on GPU workers, of the free device memory at calibration; on
         CPU workers, of the memory limit, and at most the fraction between the one Dask spills results
-        down to and the one at which it terminates the worker (:func:`_headroom`); ``None`` (no cap)
-        when its memory is not known.
+        down to and the one at which it terminates the worker (:func:`_headroom`), else (no limit) of
+        its total memory; ``None`` (no cap) when its memory is not known.
     """
     setting = config.get("fragments.max-bytes")
     if setting != "auto":
@@ -222,19 +222,21 @@ def thread_budget(ws: WorkerState, profile: Mapping[str, Any]) -> float | None:
     fraction = config.get("balance.memory-fraction")
     if profile.get("device") == "gpu":
         memory = profile.get("memory_free")
-    else:
-        memory = ws.memory_limit or profile.get("memory_total")
-        headroom = _headroom()
+    elif ws.memory_limit:
+        memory, headroom = ws.memory_limit, _headroom()
         fraction = fraction if headroom is None else min(fraction, headroom)
+    else:  # no limit: Dask neither spills nor terminates it
+        memory = profile.get("memory_total")
     return memory * fraction / max(1, ws.nthreads) if memory else None
 
 
 def _headroom() -> float | None:
     """The fraction of a worker's memory limit between Dask's ``distributed.worker.memory.target`` (else
     ``spill``), down to which a worker spills the results it holds, and ``terminate``, at which its nanny
-    ends it: what the tasks running on it may hold besides (a fragment or a ``map`` batch holds its
-    inputs and results until it ends, where Dask's small tasks would let them spill); ``None`` where
-    either is off."""
+    ends it, as configured where this runs (the scheduler): what the tasks running on a worker may hold
+    besides (a fragment or a ``map`` batch holds its inputs and results until it ends, where Dask's
+    small tasks would let them spill); 0 where the target is not below the terminate threshold;
+    ``None`` where either is off."""
     memory = dask.config.get("distributed.worker.memory", {}) or {}
     floor, terminate = memory.get("target") or memory.get("spill"), memory.get("terminate")
     return max(0.0, float(terminate) - float(floor)) if floor and terminate else None
@@ -326,7 +328,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         return None
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations),
-                          made_bytes=block_bytes(graph))
+                          made_bytes=block_bytes())
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -390,7 +392,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
-                         made_bytes=block_bytes(new))
+                         made_bytes=block_bytes())
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
     # not one that failed as a whole (its worker lost, say): Dask fails the readers of failed tasks before
@@ -547,9 +549,10 @@ def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
     task of two members or more reading two inputs or more (its parts then hold fewer at once) whose
     inputs (sized now that they exist) and estimated intermediates
     (:meth:`~dask_octopus.groups.fragment.Fragment.peak_bytes`) exceed its place's budget
-    (``octopus.fragments.max-bytes``): inputs made by the same graph are not sized when the fragments are
-    cut. Its parts then hold their own inputs only, as Dask's tasks would (the others may spill). Returns
-    its restrictions, the estimate and the budget; ``None``: not held."""
+    (``octopus.fragments.max-bytes``): inputs made by the same graph, but blocks of dask arrays of known
+    chunks, are not sized when the fragments are cut (:func:`_input_sizes`). Its parts then hold their
+    own inputs only, as Dask's tasks would (the others may spill). Returns its restrictions, the
+    estimate and the budget; ``None``: not held."""
     fragment = fragment_of(ts.run_spec)
     if fragment is None or len(fragment.members) < 2 or len(fragment.inputs) < 2:
         return None
@@ -563,17 +566,14 @@ def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
 def _input_sizes(ts: TaskState, fragment: Fragment) -> dict[Key, float]:
     """The bytes of the inputs of the fragment task ``ts``, all in memory, by name: those it reads as
     tasks, the tasks'; those it picks inline from the result of another task (a fragment task, or the
-    gatherer of a split one), as known before they existed
-    (:attr:`~dask_octopus.groups.fragment.Fragment.made`), else an equal share of that task's bytes."""
+    gatherer of a split one), an equal share of that task's bytes, or their estimate before they existed
+    (:attr:`~dask_octopus.groups.fragment.Fragment.made`) where that is more."""
     nbytes = {dts.key: dts.get_nbytes() for dts in ts.dependencies}
     args = ts.run_spec.args[1:]
     read = [arg.key if isinstance(arg, TaskRef) else next(iter(arg.dependencies)) for arg in args]  # (a pick reads one)
     picks = Counter(read)
-    sizes = {}
-    for name, arg, k in zip(fragment.inputs, args, read, strict=True):
-        inline_known = not isinstance(arg, TaskRef) and name in fragment.made
-        sizes[name] = fragment.made[name] if inline_known else nbytes[k] / picks[k]
-    return sizes
+    return {name: nbytes[k] if isinstance(arg, TaskRef) else max(nbytes[k] / picks[k], fragment.made.get(name, 0.0))
+            for name, arg, k in zip(fragment.inputs, args, read, strict=True)}
 
 
 def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:
