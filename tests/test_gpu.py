@@ -760,6 +760,30 @@ def test_the_memory_budget_cuts_gpu_fragments_and_they_stay_exact(cuda_one):
     assert counts[0] == 1 and counts[1] > 1, counts
 
 
+def test_random_cupy_blocks_made_inside_annotate_are_sized_before_they_exist(cuda_one):
+    """CuPy blocks a fragment makes from nothing it reads count their chunks' bytes when fragments are
+    cut: a budget of a quarter of them cuts the work into several fragments, exact."""
+    import cupy
+    import dask
+    import dask.array as da
+
+    import dask_octopus
+
+    block = 256 * 384 * 4
+    counts = []
+    for run, budget in enumerate(("auto", 16 * block)):  # 64 random blocks, made by the fragments
+        rng = da.random.default_rng(cupy.random.default_rng(20 + run))  # new keys each run
+        with dask_octopus.annotate():
+            x = rng.random((64 * 256, 384), chunks=(256, 384), dtype=np.float32)
+            y = (x / x.max()).sum()
+        expected = float(y.compute(scheduler="sync"))
+        with dask.config.set({"octopus.fragments.max-bytes": budget}):
+            got, n = fragment_tasks(cuda_one, lambda y=y: cuda_one.compute(y).result())
+        assert float(got) == pytest.approx(expected, rel=1e-5)
+        counts.append(n)
+    assert counts[1] > counts[0], counts
+
+
 def inflate_on_gpu(block):
     """Six block-sized temporaries on the device: a working set of about eight blocks."""
     import cupy
