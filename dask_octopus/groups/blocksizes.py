@@ -49,7 +49,7 @@ def remember(dsk: Any) -> None:
         chunks, dtype = about.get("chunks"), about.get("dtype")
         if (isinstance(name, str) and isinstance(chunks, tuple) and isinstance(dtype, np.dtype)
                 and not dtype.hasobject and _dense(about.get("chunk_type"))
-                and all(c == c for dim in chunks for c in dim)):  # (NaN: unknown)
+                and all((total := sum(dim)) == total for dim in chunks)):  # (a NaN, unknown, makes the sum NaN)
             found[name] = (chunks, dtype.itemsize)
     with _lock:
         for name, layout in found.items():
