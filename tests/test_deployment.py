@@ -20,9 +20,9 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname
 
 
 @contextlib.contextmanager
-def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler_args=()):
+def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler_args=(), worker_env=None):
     """``dask scheduler`` (with ``scheduler_args``, e.g. ``--protocol ucx``) and ``worker_processes``
-    worker commands, all with ``--preload dask_octopus``."""
+    worker commands (with ``worker_env`` added to their environment), all with ``--preload dask_octopus``."""
     sched_file = str(tmp_path / "scheduler.json")
     preload = ["--preload", "dask_octopus", "--no-dashboard"]
     procs = [subprocess.Popen([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0",
@@ -34,7 +34,7 @@ def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler
             time.sleep(0.1)
         for _ in range(worker_processes):
             procs.append(subprocess.Popen([*DASK, *worker_command, "--scheduler-file", sched_file, *preload],
-                                          env=ENV))
+                                          env={**ENV, **(worker_env or {})}))
         with Client(scheduler_file=sched_file, timeout="30s") as client:
             client.wait_for_workers(n_workers, timeout=60)
             deadline = time.monotonic() + 60  # no register(): the preload did it; workers calibrate on arrival

@@ -87,6 +87,12 @@ def cuda_worker_processes():
     return 1 if n_gpus() >= 2 else 2
 
 
+def cuda_worker_env():
+    """The GPUs each of those commands sees: GPUs 0 and 1 (one worker each; more GPUs would start more
+    workers), or the only one."""
+    return {"CUDA_VISIBLE_DEVICES": "0,1" if n_gpus() >= 2 else "0"}
+
+
 def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):
     import dask_octopus
     from dask_octopus.bench.cotenant import CoTenant
@@ -205,7 +211,8 @@ def test_dask_cuda_worker_with_preload(tmp_path):
     import dask.array as da
     from test_deployment import check_balanced_and_pinned, cli_cluster
 
-    with cli_cluster(tmp_path, ["cuda", "worker"], n_workers=2, worker_processes=cuda_worker_processes()) as c:
+    with cli_cluster(tmp_path, ["cuda", "worker"], n_workers=2, worker_processes=cuda_worker_processes(),
+                     worker_env=cuda_worker_env()) as c:
         assert all(p["device"] == "gpu" for p in dask_octopus_profiles(c).values())
         rng = da.random.default_rng(cupy.random.default_rng(1))
         x = rng.random((40_000, 64), chunks=(10_000, 64), dtype=np.float32)
@@ -625,7 +632,7 @@ def test_ucx_cli_cluster_with_preload(tmp_path):
 
     worker = ["cuda", "worker", "--protocol", "ucx", "--host", "127.0.0.1"]
     with cli_cluster(tmp_path, worker, n_workers=2, worker_processes=cuda_worker_processes(),
-                     scheduler_args=["--protocol", "ucx"]) as c:
+                     scheduler_args=["--protocol", "ucx"], worker_env=cuda_worker_env()) as c:
         assert c.scheduler.address.startswith("ucx://")
         assert all(p["device"] == "gpu" for p in dask_octopus_profiles(c).values())
         rng = da.random.default_rng(cupy.random.default_rng(1))
