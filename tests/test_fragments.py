@@ -578,21 +578,21 @@ def test_array_blocks_are_sized_from_the_chunks_and_dtype_of_their_layer(monkeyp
 
     monkeypatch.setattr(blocksizes, "_layers", OrderedDict())
     x = da.ones((10, 6), chunks=(4, 6), dtype="f4")  # blocks of 4, 4 and 2 rows
-    masked = unknown_chunks(x)
+    unknown = unknown_chunks(x)
     objects = da.from_array(np.array(["a", "b"], dtype=object), chunks=1)
-    other = x.map_blocks(np.ma.masked_invalid, meta=np.ma.masked_array(np.ones((0, 0), "f4")))  # not NumPy's array
-    blocksizes.remember((x + masked.sum() + objects.size + other).__dask_graph__())
+    masked = x.map_blocks(np.ma.masked_invalid, meta=np.ma.masked_array(np.ones((0, 0), "f4")))  # not NumPy's array
+    blocksizes.remember((x + unknown.sum() + masked).__dask_graph__())
+    blocksizes.remember(objects.__dask_graph__())
     blocksizes.remember({"not": "a HighLevelGraph"})  # left as it is
     sizes = blocksizes.block_bytes()
     assert [sizes[(x.name, i, 0)] for i in range(3)] == [96.0, 96.0, 48.0]
-    for key in [(x.name, 3, 0), (x.name, -1, 0), (x.name, 0), (x.name, 0, 0, 0), (masked.name, 0, 0),
-                (objects.name, 0), (other.name, 0, 0), "x", ("other", 0, 0)]:
+    for key in [(x.name, 3, 0), (x.name, -1, 0), (x.name, 0), (x.name, 0, 0, 0), (unknown.name, 0, 0),
+                (objects.name, 0), (masked.name, 0, 0), "x", ("other", 0, 0)]:
         assert key not in sizes, key  # past its blocks, other shapes, unknown chunks, objects, other types, layers
     assert len(sizes) == len(list(sizes)) >= 3 and (x.name, 2, 0) in list(sizes)
     later = blocksizes.block_bytes()
     monkeypatch.setattr(blocksizes, "LAYERS", 2)
-    blocksizes.remember(da.zeros(4, chunks=2).__dask_graph__())
-    blocksizes.remember(da.zeros(5, chunks=2).__dask_graph__())  # a third layer: the first seen goes
+    blocksizes.remember(da.zeros(4, chunks=2).__dask_graph__())  # two layers kept: the first seen go
     assert (x.name, 0, 0) not in blocksizes.block_bytes() and (x.name, 0, 0) in later  # (a copy)
     many = da.stack([da.zeros(4, chunks=2) + i for i in range(3)])  # more layers than kept: all of one graph
     blocksizes.remember(many.__dask_graph__())
@@ -600,20 +600,36 @@ def test_array_blocks_are_sized_from_the_chunks_and_dtype_of_their_layer(monkeyp
     assert len(blocksizes._layers) == len(many.__dask_graph__().layers)
 
 
+def test_a_step_counts_its_block_s_recorded_bytes_only_where_they_are_more_than_it_reads():
+    """Dask records an array layer's chunks before some operations change them (a reduction's partial
+    results are recorded as large as the blocks they read): a step's estimate is the larger of its
+    block's recorded bytes and the largest value it reads; a step reading nothing takes its block's."""
+    members = {"r": Task("r", np.ones, 4), "s": Task("s", np.sum, TaskRef("x")), "t": Task("t", add, TaskRef("r"),
+                                                                                           TaskRef("s"))}
+    fragment = Fragment(members, ["t"], dict.fromkeys(members, "memory"), made={"r": 50.0, "s": 8.0, "t": 300.0})
+    sizes, _ = fragment.estimate({"x": 192})
+    assert dict(zip(fragment.names, sizes, strict=True)) == {"r": 50.0, "s": 192.0, "t": 300.0}
+
+
 def test_a_fragment_s_inputs_picked_inline_count_their_share_of_what_they_are_picked_from():
     from types import SimpleNamespace
 
     from dask_octopus.groups.scheduler import _input_sizes
 
-    members = {"m": Task("m", add, TaskRef("a"), TaskRef("b")), "n": Task("n", add, TaskRef("m"), TaskRef("c"))}
-    fragment = Fragment(members, ["n"], dict.fromkeys(members, "memory"), made={"b": 700.0, "c": 10.0})
-    assert fragment.inputs == ("a", "b", "c") and fragment.made == {"b": 700.0, "c": 10.0}
-    tasks = {k: SimpleNamespace(key=k, get_nbytes=lambda n=n: n) for k, n in (("a", 50), ("f", 1000))}
-    args = (TaskRef("a"), Task("b", streams.pick, TaskRef("f"), 0), Task("c", streams.pick, TaskRef("f"), 1))
-    ts = SimpleNamespace(dependencies=list(tasks.values()),
-                         run_spec=Task("frag", streams.run_fragment, DataNode(None, fragment), *args))
-    # a: its task's bytes; b and c, picked from one task of 1000 bytes: 500 each, or their estimate if more
-    assert _input_sizes(ts, fragment) == {"a": 50, "b": 700.0, "c": 500.0}
+    members = {"m": Task("m", add, TaskRef("a"), TaskRef("b")), "n": Task("n", add, TaskRef("m"), TaskRef("c")),
+               "o": Task("o", add, TaskRef("n"), TaskRef("d"))}
+    fragment = Fragment(members, ["o"], dict.fromkeys(members, "memory"), made={"b": 700.0, "c": 10.0, "d": 1500.0})
+    assert fragment.inputs == ("a", "b", "c", "d") and fragment.made == {"b": 700.0, "c": 10.0, "d": 1500.0}
+    upstream = Fragment({k: Task(k, inc, 1) for k in "bcde"}, "bcde", dict.fromkeys("bcde", "memory"))
+    tasks = [SimpleNamespace(key="a", get_nbytes=lambda: 50, run_spec=None),
+             SimpleNamespace(key="f", get_nbytes=lambda: 1000,  # a fragment task of four results
+                             run_spec=Task("f", streams.run_fragment, DataNode(None, upstream)))]
+    args = (TaskRef("a"), *(Task(k, streams.pick, TaskRef("f"), i) for i, k in enumerate("bcd")))
+    spec = Task("frag", streams.run_fragment, DataNode(None, fragment), *args)
+    ts = SimpleNamespace(dependencies=tasks, run_spec=spec)
+    # a: its task's bytes; b, c and d, picked from a task of 1000 bytes and four results: 250 each, or their
+    # estimate where that is more, but no more than the task's bytes
+    assert _input_sizes(ts, fragment) == {"a": 50, "b": 700.0, "c": 250.0, "d": 1000.0}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
@@ -913,8 +929,10 @@ def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_terminates_th
     from dask_octopus.groups.scheduler import thread_budget
 
     ws = SimpleNamespace(memory_limit=1000, nthreads=2)
+    unlimited = SimpleNamespace(memory_limit=0, nthreads=2)  # no limit: Dask neither spills nor terminates it
     with dask.config.set({"octopus.balance.memory-fraction": fraction,
                           **{f"distributed.worker.memory.{k}": v for k, v in memory.items()}}):
         assert thread_budget(ws, {"device": "cpu"}) == pytest.approx(budget)
         assert thread_budget(ws, {"device": "gpu", "memory_free": 4000}) == pytest.approx(fraction * 4000 / 2)
-        assert thread_budget(SimpleNamespace(memory_limit=0, nthreads=2), {}) is None  # memory unknown
+        assert thread_budget(unlimited, {"memory_total": 4000}) == pytest.approx(fraction * 4000 / 2)
+        assert thread_budget(unlimited, {}) is None  # memory unknown

@@ -3,6 +3,7 @@ tests also skip without distributed-ucxx (``protocol="ucx"``). Tests of two work
 or both on GPU 0 where it is the only one; those that tell two GPUs apart skip without two."""
 
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -88,9 +89,10 @@ def cuda_worker_processes():
 
 
 def cuda_worker_env():
-    """The GPUs each of those commands sees: GPUs 0 and 1 (one worker each; more GPUs would start more
-    workers), or the only one."""
-    return {"CUDA_VISIBLE_DEVICES": "0,1" if n_gpus() >= 2 else "0"}
+    """The GPUs each of those commands sees: the first two this process sees (one worker each; more GPUs
+    would start more workers), or the only one."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or ["0", "1"]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(visible[:2]) if n_gpus() >= 2 else visible[0]}
 
 
 def test_calibration_on_two_gpus_one_with_a_cotenant(cuda_client):

@@ -15,6 +15,7 @@ all those of the last graph).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -38,6 +39,14 @@ def _dense(chunk_type: Any) -> bool:
     return isinstance(chunk_type, str) and chunk_type.split(".")[0] in ARRAYS and chunk_type.endswith(".ndarray")
 
 
+def _known(chunks: tuple) -> bool:
+    """Whether ``chunks`` are all numbers, none of them NaN (unknown: a NaN makes its dimension's sum NaN)."""
+    try:
+        return not any(math.isnan(sum(dim)) for dim in chunks)
+    except TypeError:
+        return False
+
+
 def remember(dsk: Any) -> None:
     """Remember the chunks and item size of each layer of dense arrays of known chunks of ``dsk``, a
     ``HighLevelGraph`` (anything else is left as it is)."""
@@ -48,8 +57,7 @@ def remember(dsk: Any) -> None:
         about = layer.collection_annotations or {}
         chunks, dtype = about.get("chunks"), about.get("dtype")
         if (isinstance(name, str) and isinstance(chunks, tuple) and isinstance(dtype, np.dtype)
-                and not dtype.hasobject and _dense(about.get("chunk_type"))
-                and all((total := sum(dim)) == total for dim in chunks)):  # (a NaN, unknown, makes the sum NaN)
+                and not dtype.hasobject and _dense(about.get("chunk_type")) and _known(chunks)):
             found[name] = (chunks, dtype.itemsize)
     with _lock:
         for name, layout in found.items():
@@ -59,7 +67,7 @@ def remember(dsk: Any) -> None:
             _layers.popitem(last=False)
 
 
-class BlockBytes(Mapping):
+class BlockBytes(Mapping[Key, float]):
     """The bytes of the blocks of the layers remembered when it was made (:func:`block_bytes`), by key
     ``(name, i, j, ...)``, each computed when it is looked up."""
 

@@ -566,14 +566,25 @@ def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
 def _input_sizes(ts: TaskState, fragment: Fragment) -> dict[Key, float]:
     """The bytes of the inputs of the fragment task ``ts``, all in memory, by name: those it reads as
     tasks, the tasks'; those it picks inline from the result of another task (a fragment task, or the
-    gatherer of a split one), an equal share of that task's bytes, or their estimate before they existed
-    (:attr:`~dask_octopus.groups.fragment.Fragment.made`) where that is more."""
-    nbytes = {dts.key: dts.get_nbytes() for dts in ts.dependencies}
+    gatherer of a split one), an equal share of that task's bytes (among the fragment's results, or the
+    gatherer's picks), or their estimate before they existed
+    (:attr:`~dask_octopus.groups.fragment.Fragment.made`) where that is more, but no more than the task's."""
+    reads = {dts.key: dts for dts in ts.dependencies}
     args = ts.run_spec.args[1:]
-    read = [arg.key if isinstance(arg, TaskRef) else next(iter(arg.dependencies)) for arg in args]  # (a pick reads one)
+    read = [arg.key if isinstance(arg, TaskRef) else next(iter(arg.dependencies), None) for arg in args]
     picks = Counter(read)
-    return {name: nbytes[k] if isinstance(arg, TaskRef) else max(nbytes[k] / picks[k], fragment.made.get(name, 0.0))
-            for name, arg, k in zip(fragment.inputs, args, read, strict=True)}
+    sizes = {}
+    for name, arg, k in zip(fragment.inputs, args, read, strict=True):
+        if k is None:  # (an inline value reading no task: none of a task's bytes)
+            continue
+        nbytes = float(reads[k].get_nbytes())
+        if isinstance(arg, TaskRef):
+            sizes[name] = nbytes
+            continue
+        picked = fragment_of(reads[k].run_spec)
+        share = nbytes / (len(picked.outputs) if picked is not None else picks[k])
+        sizes[name] = min(nbytes, max(share, fragment.made.get(name, 0.0)))
+    return sizes
 
 
 def run_whole(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str) -> None:
