@@ -9,9 +9,9 @@ from typing import Any
 
 def is_finite(value: Any, *, positive: bool = False) -> bool:
     """Whether ``value`` is a real number (not a bool), finite, and ``> 0`` if ``positive`` else ``>= 0``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
+    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        return False  # (a float, the common case, skips the slower checks)
+    return math.isfinite(value) and (value > 0 if positive else value >= 0)
 
 
 def is_count(value: Any, minimum: int = 1) -> bool:

@@ -2,12 +2,13 @@
 
 import itertools
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_octopus.placement.packing import lower_bound, pack, split_by_bytes, split_tail
+from dask_octopus.placement.packing import CLOSE_ENOUGH, lower_bound, pack, split_by_bytes, split_tail
 
 
 def optimum(costs, speeds):
@@ -156,6 +157,8 @@ def test_no_single_move_or_swap_shortens_the_packing(costs, speeds, data):
         return max(finish)
 
     best = makespan(result.assignment) * (1 - 1e-9)
+    if result.makespan <= result.floor * (1 + CLOSE_ENOUGH):  # no move or swap is sought: none gains more
+        best = result.floor * (1 - 1e-9)  # (than the rest; no packing ends before the bound)
     for i, j in itertools.product(range(len(costs)), range(len(speeds))):
         moved = list(result.assignment)
         moved[i] = j
@@ -164,6 +167,16 @@ def test_no_single_move_or_swap_shortens_the_packing(costs, speeds, data):
         swapped = list(result.assignment)
         swapped[i], swapped[k] = swapped[k], swapped[i]
         assert makespan(swapped) >= best
+
+
+def test_no_improvement_is_sought_within_close_enough_of_the_lower_bound():
+    rng = random.Random(0)
+    costs = [rng.uniform(1, 10) for _ in range(400)]  # many items: LPT ends within 0.01% of the bound
+    lpt = pack(costs, [1.0, 1.3, 1.6, 1.9], rounds=0)
+    assert lpt.makespan <= lpt.floor * (1 + CLOSE_ENOUGH)
+    assert pack(costs, [1.0, 1.3, 1.6, 1.9]).assignment == lpt.assignment
+    few = [3.0, 3.0, 2.0, 2.0, 2.0]  # LPT ends at 7 against a bound of 6: one swap makes 6
+    assert pack(few, [1.0, 1.0], rounds=0).makespan == 7 and pack(few, [1.0, 1.0]).makespan == 6
 
 
 def test_on_a_tie_the_item_goes_to_the_faster_worker():

@@ -118,7 +118,8 @@ def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
 
 def _wait(client: Client, futures: list[Future]) -> None:
     """Wait until ``futures`` (of ``client``, which need not be the default client) finish or fail."""
-    for _ in as_completed(futures, loop=client.loop):
+    pending = [f for f in futures if not f.done()]  # (as_completed costs 90 us a future, done or not)
+    for _ in as_completed(pending, loop=client.loop) if pending else ():
         pass
 
 

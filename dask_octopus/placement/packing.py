@@ -4,7 +4,10 @@ The uniform-machines makespan problem: item ``i`` costs ``c_i`` units, worker ``
 ``s_j`` units per second, and a worker finishes at ``sum(c_i on j) / s_j`` (plus, optionally, a
 penalty per item and worker, such as moving the item's data there). :func:`pack` runs LPT (largest
 item first, to the worker where it would finish earliest) and then improves the result locally by
-moving or swapping items off the worker that finishes last.
+moving or swapping items off the worker that finishes last, until no move or swap helps or the
+packing is within :data:`CLOSE_ENOUGH` of the lower bound: with many items LPT ends there at once
+(2,000 items of random costs on 4 workers: within 0.013%), where the swaps' search, quadratic in the
+items, took seconds to gain the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dask_octopus._checks import check_finite, is_finite
+
+CLOSE_ENOUGH = 1e-3  # relative to the lower bound: no local improvement is sought within it (costs are estimates)
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ def lower_bound(costs: Sequence[float], speeds: Sequence[float]) -> float:
 
 def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[Sequence[float]] | None = None,
          rounds: int = 200) -> Packing:
-    """Assign every item to a worker, minimising the latest finish (LPT + local improvement).
+    """Assign every item to a worker, minimising the latest finish (LPT + local improvement, at most
+    ``rounds`` moves or swaps, none once within :data:`CLOSE_ENOUGH` of the lower bound).
 
     ``penalty[i][j]`` (>= 0, optional) is time item ``i`` costs on worker ``j`` beyond its work, in the
     unit of ``cost / speed``: moving the item's data to a worker that does not hold it, for instance.
@@ -73,10 +79,11 @@ def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[S
         j = min(range(n), key=lambda j: (finish[j] + time(i, j), -speeds[j], j))
         assignment[i] = j
         finish[j] += time(i, j)
+    floor = lower_bound(costs, speeds)
     for _ in range(rounds):
-        if not _improve(time, assignment, finish):
+        if max(finish) <= floor * (1 + CLOSE_ENOUGH) or not _improve(time, assignment, finish):
             break
-    return Packing(assignment, finish, lower_bound(costs, speeds))
+    return Packing(assignment, finish, floor)
 
 
 def _improve(time: Callable[[int, int], float], assignment: list[int], finish: list[float]) -> bool:

@@ -29,9 +29,10 @@ def item_seconds(client: Client, items: Sequence[Any], nbytes: Sequence[float],
                  workers: Sequence[str]) -> list[list[float]] | None:
     """For each item and worker: the seconds to move the item's data (``nbytes`` of it) there from the
     fastest of the workers that hold it (0 where it is held, for local items, and for futures not
-    computed yet); ``None`` when no item is a future."""
+    computed yet); ``None`` when no item is a future, or there is one worker (nothing to choose, no
+    round trip to the scheduler)."""
     at = [i for i, it in enumerate(items) if isinstance(it, Future)]
-    if not at:
+    if not at or len(workers) < 2:
         return None
     who = client.who_has([items[i] for i in at])
     held = [i for i in at if who.get(items[i].key)]  # not computed yet: wherever it runs, it is not moved
