@@ -247,7 +247,7 @@ class Fragment:
         self._specs: bytes | tuple = specs
         self._structure: str | None = None
         self.read_before: dict[Key, frozenset[Key]] = {}
-        self.made: dict[Key, float] = {name: made[name] for name in (*self.inputs, *names) if name in made}
+        self.made: dict[Key, float] = {name: b for name in (*self.inputs, *names) if (b := made.get(name)) is not None}
 
     def split(self) -> list[Fragment]:
         """The fragment as one fragment per member, in the order of the members' first steps: each holds

@@ -68,6 +68,7 @@ from dask_octopus.groups.rewrite import (
     replaced_keys,
 )
 from dask_octopus.groups.streams import collected, pick, run_fragment
+from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling.working_set import MEASURE
 
 if TYPE_CHECKING:
@@ -220,13 +221,10 @@ def thread_budget(ws: WorkerState, profile: Mapping[str, Any]) -> float | None:
     if setting != "auto":
         return float(parse_bytes(setting))
     fraction = config.get("balance.memory-fraction")
-    if profile.get("device") == "gpu":
-        memory = profile.get("memory_free")
-    elif ws.memory_limit:
-        memory, headroom = ws.memory_limit, _headroom()
+    memory = plannable_memory(profile, ws.memory_limit)
+    if profile.get("device") != "gpu" and ws.memory_limit:  # (without a limit Dask neither spills nor terminates)
+        headroom = _headroom()
         fraction = fraction if headroom is None else min(fraction, headroom)
-    else:  # no limit: Dask neither spills nor terminates it
-        memory = profile.get("memory_total")
     return memory * fraction / max(1, ws.nthreads) if memory else None
 
 

@@ -40,6 +40,7 @@ from dask_octopus.placement.planning import (
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.placement.unfused import UnfusedTask
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
+from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
 
@@ -63,7 +64,7 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
     limits: list[int] = []
     for w in workers:
         p = profiles[w]
-        memory = p.get("memory_free") if p.get("device") == "gpu" else p.get("memory_total")
+        memory = plannable_memory(p)
         caps.append(int(memory * fraction // row_bytes) if memory and row_bytes > 0 else None)
         ratio = p.get("working_set")
         # never below the smallest block whose working set is learned: tasks of smaller ones are not measured

@@ -3,7 +3,7 @@ client side rebuilds :class:`WorkerInfo` with ``WorkerInfo.of``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
 
@@ -27,6 +27,28 @@ class Profile(TypedDict, total=False):
     threads: int  #: worker threads (``octopus_profiles``)
     #: peak bytes per byte of block of the tasks of the asked input's blocks, once measured (``octopus_profiles``)
     working_set: float | None
+
+
+def plannable_memory(profile: Mapping[str, Any], memory_limit: int | None = None) -> float | None:
+    """The memory of a worker that plans fill a fraction of (``octopus.balance.memory-fraction``).
+
+    Parameters
+    ----------
+    profile
+        The worker's calibration (:class:`Profile`).
+    memory_limit
+        Its memory limit as the scheduler knows it, if any (``octopus_profiles`` puts it in the profile
+        of a CPU worker already).
+
+    Returns
+    -------
+    float or None
+        Free device memory at calibration on a GPU worker; on a CPU worker its memory limit, else its
+        total memory; ``None`` where not known.
+    """
+    if profile.get("device") == "gpu":
+        return profile.get("memory_free")
+    return memory_limit or profile.get("memory_total")
 
 
 class WorkerInfo(NamedTuple):
