@@ -647,6 +647,31 @@ async def test_blocks_a_survivor_holds_stay_with_it_when_a_worker_joins(c, s, a,
             assert now[moved[0]] in (newcomer.address, third.address)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_that_joins_before_moved_blocks_started_takes_its_share_back(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    gate = Event()
+    g = c.submit(wait_for_event, gate.name, workers=[a.address], pure=False)  # the blocks wait for it
+    x = da.ones((400, 8), chunks=(50, 8)).map_blocks(add_gate, g, dtype=float)
+    y = await run_balance(c, x, per_worker=2)
+    plan = s.plugins["octopus"].placement.plans[y.name]
+    on_b = [i for i, w in enumerate(plan.workers) if w == b.address]
+    assert len(on_b) == 2
+    fut = c.compute(y.sum(axis=1))
+    await async_poll_for(lambda: s.tasks[g.key].state == "processing", timeout=10)
+    await b.close()  # as a nanny restarting it: its blocks move to a, none of them started
+    assert plan.workers == [a.address] * 4
+    async with Worker(s.address, nthreads=1) as newcomer:
+        await c.wait_for_workers(2)
+        assert [plan.workers[i] for i in on_b] == [newcomer.address] * 2  # a keeps its own two
+        rec.worker.clear()
+        await gate.set()
+        np.testing.assert_array_equal(await fut, np.full(400, 8.0 * 2))
+        blocks = {k: w for k, w in rec.worker.items() if key_split(k).startswith("rechunk-merge")}  # y's, fused
+        assert len(blocks) == 4 and all(w == plan.workers[k[1]] for k, w in blocks.items()), blocks
+        assert {w for k, w in blocks.items() if k[1] in on_b} == {newcomer.address}
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
              config={"distributed.worker.memory.pause": False})  # the worker's memory monitor would unpause it
 async def test_blocks_of_a_paused_worker_run_elsewhere_until_it_runs_again(c, s, a, b):

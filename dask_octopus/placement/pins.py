@@ -305,9 +305,12 @@ class Placement:
     def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
         """Move blocks planned on workers that left to the live ones, ``weights`` (:func:`reassign`).
 
-        Blocks moved so before whose plan has no task in the scheduler now (computed and released, or
-        forgotten by ``client.restart``) are shared again among the live workers: after every worker
-        left, the first to join took all blocks, and those that joined later take their share back.
+        Blocks moved so before none of whose tasks has started (none is processing or done: their plan
+        waits for its inputs, or has no task in the scheduler now, computed and released or forgotten
+        by ``client.restart``) are shared again among the live workers: after a worker left, the
+        survivors took its blocks, and a worker that joins before they ran (its nanny restarted it)
+        takes its share back; a survivor that took them all would hold all the results, as Dask
+        alone spreads the recomputed tasks over the workers that are there when they are ready.
         Updates the restrictions of the pinned tasks of moved blocks (unpins those of plans dropped
         since, pinned to no live worker) and reschedules those stuck in ``no-worker``. Returns the
         number of tasks re-pinned or unpinned.
@@ -316,9 +319,10 @@ class Placement:
             return 0
         self.held &= weights.keys()
         moved: set[Block] = set()
-        busy = {block[0] for key, block in self.pins.items() if key in scheduler.tasks}
+        started = {block for key, block in self.pins.items()
+                   if (ts := scheduler.tasks.get(key)) is not None and ts.state in _DONE}
         for name, plan in self.plans.items():
-            again = plan.moved if name not in busy else ()
+            again = {i for i in plan.moved if (name, i) not in started}
             if all(w in weights for w in plan.workers) and not again:
                 continue
             new = reassign([None if i in again else w for i, w in enumerate(plan.workers)], weights)
