@@ -47,6 +47,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "balance.min-gain": ("a number >= 0", is_finite),
     "map.steal-fraction": ("a number in [0, 1]", lambda v: is_finite(v) and v <= 1),
     "map.steal-min-seconds": ("a duration such as 50ms", _parses(parse_timedelta)),
+    "map.learn-result-size": ("true or false", lambda v: isinstance(v, bool)),
     "max-plans": ("an integer >= 1", _integer(1)),
     "fragments.max-bytes": ("auto or a size such as 2GiB", lambda v: v == "auto" or _parses(parse_bytes)(v)),
     "streams.max-streams": ("an integer >= 1", _integer(1)),

@@ -1,8 +1,24 @@
+import dask
 import pytest
 from distributed.utils_test import cleanup, loop, loop_in_thread  # noqa: F401  (fixtures)
 
 import dask_octopus  # noqa: F401  (registers its dask.config defaults)
+from dask_octopus import config
 from dask_octopus.profiling.probes import gpu_available
+
+
+@pytest.fixture(autouse=True)
+def result_sizes_not_learned_first(request, monkeypatch):
+    """The first batched ``map`` of a function runs one item alone first (``octopus.map.learn-result-size``),
+    which adds a plan of one item before the plan most tests look at; the tests of that step turn it on.
+    Off in ``dask.config`` and in the package's defaults, which stand where Dask's test utilities
+    replace the whole configuration (``gen_cluster``); as shipped for tests marked ``package_defaults``."""
+    if request.node.get_closest_marker("package_defaults"):
+        yield
+        return
+    monkeypatch.setitem(config.defaults["octopus"]["map"], "learn-result-size", False)
+    with dask.config.set({"octopus.map.learn-result-size": False}):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

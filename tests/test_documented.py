@@ -213,6 +213,7 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.max-graphs", 0, "octopus.streams.max-graphs must be an integer >= 1, got 0"),
     ("map.steal-fraction", 1.5, r"octopus.map.steal-fraction must be a number in \[0, 1\], got 1.5"),
     ("map.steal-min-seconds", "soon", "octopus.map.steal-min-seconds must be a duration such as 50ms, got 'soon'"),
+    ("map.learn-result-size", "yes", "octopus.map.learn-result-size must be true or false, got 'yes'"),
     ("fragments.max-bytes", "lots", "octopus.fragments.max-bytes must be auto or a size such as 2GiB, got 'lots'"),
     ("streams.capture-spare-bytes", "a few", "octopus.streams.capture-spare-bytes must be a size such as 32MiB, got "),
 ])
@@ -221,12 +222,14 @@ def test_the_other_settings_are_validated_naming_the_key(key, value, message):
         config.get(key)
 
 
+@pytest.mark.package_defaults
 def test_readme_defaults():
     expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "calibration.wait": "30s",
                 "refine.alpha": 0.5, "refine.confidence-samples": 3, "refine.min-duration": "2ms",
                 "refine.significance": 2.5,
                 "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "map.steal-fraction": 0.25,
-                "map.steal-min-seconds": "50ms", "max-plans": 1000, "fragments.max-bytes": "auto",
+                "map.steal-min-seconds": "50ms", "map.learn-result-size": True, "max-plans": 1000,
+                "fragments.max-bytes": "auto",
                 "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,
                 "streams.capture-after": 1, "streams.max-graphs": 64, "streams.capture-spare-bytes": "32MiB"}
     assert {key: config.get(key) for key in expected} == expected

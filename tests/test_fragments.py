@@ -915,15 +915,17 @@ def test_a_failed_step_guard_or_map_item_holds_its_error_from_the_user_s_code_an
 
 
 @pytest.mark.parametrize("memory, fraction, budget", [
-    ({"target": 0.6, "spill": 0.7, "terminate": 0.95}, 0.6, 0.35 * 1000 / 2),  # Dask's defaults: its headroom
-    ({"target": 0.6, "spill": 0.7, "terminate": 0.95}, 0.3, 0.3 * 1000 / 2),  # a smaller memory-fraction
-    ({"target": False, "spill": 0.7, "terminate": 0.95}, 0.6, 0.25 * 1000 / 2),  # spilling from spill
-    ({"target": 0.6, "spill": 0.7, "terminate": False}, 0.6, 0.6 * 1000 / 2),  # never terminated
+    ({"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}, 0.6, 0.2 * 1000 / 2),  # Dask's defaults
+    ({"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}, 0.1, 0.1 * 1000 / 2),  # a smaller fraction
+    ({"target": False, "spill": 0.7, "pause": 0.8, "terminate": 0.95}, 0.6, 0.1 * 1000 / 2),  # spilling from spill
+    ({"target": 0.6, "spill": 0.7, "pause": False, "terminate": 0.95}, 0.6, 0.35 * 1000 / 2),  # never paused
+    ({"target": 0.6, "spill": 0.7, "pause": False, "terminate": False}, 0.6, 0.6 * 1000 / 2),  # nor terminated
 ])
-def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_terminates_the_worker(memory, fraction, budget):
+def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_pauses_the_worker(memory, fraction, budget):
     """``fragments.max-bytes: auto`` on a CPU worker: ``balance.memory-fraction`` of its memory limit per
-    thread, and no more than the fraction between Dask's spill target and its terminate threshold (what
-    a fragment holds while it runs cannot spill); on a GPU worker, of the free device memory."""
+    thread, and no more than the fraction between Dask's spill target and its pause threshold, else its
+    terminate threshold (what a fragment holds while it runs cannot spill); on a GPU worker, of the free
+    device memory."""
     from types import SimpleNamespace
 
     from dask_octopus.groups.scheduler import thread_budget

@@ -477,14 +477,37 @@ async def test_batches_count_results_as_large_as_the_function_s_last_batches_mad
     assert 3.9 < max(s.plugins["octopus"].result_sizes["four_times-octopus-map"]) < 4.1
 
 
-# a worker process holds ~200 MiB of its own here, a large share of so small a limit: a lower fraction
-# than the default 0.6 leaves it room (with workers of gigabytes, the default does)
+def render(i):
+    return np.full(2**17, float(i))  # 1 MiB from an int of 28 bytes
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={
+    "octopus.map.steal-fraction": 0, "octopus.fragments.max-bytes": "4 MiB", "octopus.map.learn-result-size": True})
+async def test_a_function_s_first_batches_count_results_as_large_as_its_first_item_made(c, s, a, b, gather):
+    """The first batched map of a function (paths in, images out) runs its cheapest item alone first: the
+    others' batches then count their results that large (3 of 1 MiB in 4 MiB), not as large as the
+    items (which would put each worker's 12 in one batch); the next map of it plans all at once."""
+    await setup(c, s, [1.0, 1.0])
+    for _ in range(2):
+        if gather:
+            results = await in_thread(dask_octopus.map, render, list(range(24)), client=c, gather=True)
+        else:
+            results = await c.gather(await in_thread(dask_octopus.map, render, list(range(24)), client=c, group=2))
+        assert [(r.shape, r[0]) for r in results] == [((2**17,), float(i)) for i in range(24)]
+    counts = [list(p.counts) for p in s.plugins["octopus"].placement.plans.values()]
+    assert [sum(n) for n in counts] == [1, 23, 24] and counts[0] == [1], counts
+    assert max(counts[1]) == max(counts[2]) == 3, counts
+
+
+# a worker process holds ~200 MiB of its own here, a large share of so small a limit: the default budget, the
+# fraction Dask leaves between its spill target and its pause threshold (0.2), leaves it room
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, worker_kwargs={"memory_limit": "1000 MiB"},
-             timeout=120, config={"octopus.map.steal-fraction": 0, "octopus.balance.memory-fraction": 0.3})
+             timeout=120, config={"octopus.map.steal-fraction": 0})
 async def test_batches_of_more_than_a_worker_holds_run_in_parts_instead_of_killing_it(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
     # 32 items of 32 MiB, and results of their size: one batch of a worker's 16 would hold 1 GiB at once
     items = [dask.delayed(np.full)(2**22, float(i)) for i in range(32)]
     results = await in_thread(dask_octopus.map, np.negative, items, client=c, gather=True)
     assert [(r.shape, r[0], r[-1]) for r in results] == [((2**22,), -i, -i) for i in range(32)]
-    assert max(plan_of(s)[1].counts) == 4  # 0.3 x 1000 MiB over 64 MiB (an item and its result)
+    assert max(plan_of(s)[1].counts) == 3  # 0.2 x 1000 MiB over 64 MiB (an item and its result)

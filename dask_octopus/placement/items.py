@@ -302,10 +302,11 @@ def _compute_delayed(client: Client, items: list[Any]) -> None:
 
 def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
+            per_item: bool, probe: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
     (and no batches); else one future per batch task, with the indices of its items. Also returns the
-    indices of the items that were futures failed already (:func:`_failed_inputs`)."""
+    indices of the items that were futures failed already (:func:`_failed_inputs`). Batches of a
+    function whose results' size the scheduler does not know yet: :func:`_probed` (with ``probe``)."""
     _compute_delayed(client, items)
     costs = _costs(client, items, cost)
     batched = group is not None or not per_item
@@ -316,7 +317,10 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
     workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, nbytes, prefix)
     # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
-    result_size = next((w.result_size for w in info if w.result_size is not None), RESULT_SIZE)
+    result_size = next((w.result_size for w in info if w.result_size is not None), None)
+    if result_size is None and probe and batched and len(items) > 1 and config.get("map.learn-result-size"):
+        return _probed(client, func, items, costs, group, resource, to_host, kwargs, per_item)
+    result_size = RESULT_SIZE if result_size is None else result_size
     batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
                        scale, [b * (1 + result_size) for b in nbytes], [w.budget for w in info])
     # the futures per item are the user's, named by their work as Dask names them; the batch tasks of a run
@@ -358,6 +362,33 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     # expression takes it too instead of tokenizing every task again (as Client.submit does).
     graph = AnnotatedLLGExpr(dsk, {"priority": priority}, _determ_token=token)
     return client.get(graph, keys, sync=False), [idx for _, idx, _ in batches] if not per_item else [], set(failed)
+
+
+def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], group: int | None, resource: str,
+            to_host: bool, kwargs: dict[str, Any], per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
+    """:func:`_submit` of batches of a function none of whose batches has finished yet: its cheapest item
+    first, alone, and once that finished (the scheduler then knows the bytes of result per byte of item)
+    the others, in batches that count their results that large. Results much larger than their items
+    (paths in, images out) would otherwise be counted as large as the items, and a batch cut to the
+    worker's budget by that count would hold many times more, until the worker dies running it."""
+    first = min(range(len(items)), key=costs.__getitem__)
+    rest = [i for i in range(len(items)) if i != first]
+    parts = []
+    for indices in ([first], rest):
+        part = _submit(client, func, [items[i] for i in indices], [costs[i] for i in indices], group, resource,
+                       to_host, kwargs, per_item, probe=False)
+        parts.append((indices, part))
+        if indices == [first]:
+            _wait(client, part[0])
+    failed = {indices[j] for indices, (_, _, bad) in parts for j in bad}
+    if per_item:
+        futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
+        for indices, (futs, _, _) in parts:
+            for i, f in zip(indices, futs, strict=True):
+                futures[i] = f
+        return futures, [], failed
+    return ([f for _, (futs, _, _) in parts for f in futs],
+            [[indices[j] for j in idx] for indices, (_, batches, _) in parts for idx in batches], failed)
 
 
 def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[int, Any]]:
