@@ -660,6 +660,7 @@ async def test_a_worker_that_joins_before_moved_blocks_started_takes_its_share_b
     fut = c.compute(y.sum(axis=1))
     await async_poll_for(lambda: s.tasks[g.key].state == "processing", timeout=10)
     await b.close()  # as a nanny restarting it: its blocks move to a, none of them started
+    await async_poll_for(lambda: b.address not in s.workers, timeout=10)
     assert plan.workers == [a.address] * 4
     async with Worker(s.address, nthreads=1) as newcomer:
         await c.wait_for_workers(2)

@@ -931,7 +931,7 @@ def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_pauses_the_wo
     from dask_octopus.groups.scheduler import thread_budget
 
     ws = SimpleNamespace(memory_limit=1000, nthreads=2)
-    unlimited = SimpleNamespace(memory_limit=0, nthreads=2)  # no limit: Dask neither spills nor terminates it
+    unlimited = SimpleNamespace(memory_limit=0, nthreads=2)  # no limit: Dask neither spills nor pauses it
     with dask.config.set({"octopus.balance.memory-fraction": fraction,
                           **{f"distributed.worker.memory.{k}": v for k, v in memory.items()}}):
         assert thread_budget(ws, {"device": "cpu"}) == pytest.approx(budget)

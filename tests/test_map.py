@@ -151,10 +151,12 @@ def slow_total(x, delay):
     return float(slow_identity(float(x.sum()), delay))
 
 
+@pytest.mark.parametrize("learn", [False, True])  # with a first item run alone (a function new to the scheduler)
 @pytest.mark.parametrize("how", ["map", "imap", "map, no rounds left"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)] * 2, Worker=Nanny, timeout=120)
-async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b, how, monkeypatch):
+async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b, how, learn, monkeypatch):
     await setup(c, s, [1.0, 1.0])
+    dask.config.set({"octopus.map.learn-result-size": learn})  # (gen_cluster restores the configuration)
     if how == "map, no rounds left":
         monkeypatch.setattr("dask_octopus.placement.items.LOST_ROUNDS", 0)
     items = [np.full(2**14, float(i)) for i in range(32)]  # 4 MiB in all: scattered to their planned workers

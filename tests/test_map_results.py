@@ -500,6 +500,23 @@ async def test_a_function_s_first_batches_count_results_as_large_as_its_first_it
     assert max(counts[1]) == max(counts[2]) == 3, counts
 
 
+def render_but_the_first(i):
+    if i == 0:
+        raise ValueError("no frame 0")
+    return render(i)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={
+    "octopus.map.steal-fraction": 0, "octopus.fragments.max-bytes": "4 MiB", "octopus.map.learn-result-size": True})
+async def test_a_first_item_that_raises_teaches_nothing_the_next_cheapest_runs_alone(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    results = await in_thread(dask_octopus.map, render_but_the_first, list(range(24)), cost=range(1, 25), client=c,
+                              gather=True, errors="skip")
+    assert [r[0] for r in results] == [float(i) for i in range(1, 24)]  # item 0 left out
+    counts = [list(p.counts) for p in s.plugins["octopus"].placement.plans.values()]
+    assert counts[:2] == [[1], [1]] and sum(counts[2]) == 22 and max(counts[2]) == 3, counts
+
+
 # a worker process holds ~200 MiB of its own here, a large share of so small a limit: the default budget, the
 # fraction Dask leaves between its spill target and its pause threshold (0.2), leaves it room
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, worker_kwargs={"memory_limit": "1000 MiB"},

@@ -10,7 +10,7 @@ import functools
 import inspect
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -41,6 +41,7 @@ TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into t
 Cost = Callable[[Any], float] | Iterable[float] | None  # map's cost: a callable of an item, numbers, or None
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
 RESULT_SIZE = 1.0  # bytes of result per byte of items, until a function's batches have shown theirs
+PROBES = 3  # items of a function run alone first, one after the other, until one does not raise (_probed)
 
 
 class ItemError(streams.HeldError):
@@ -319,7 +320,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
     result_size = next((w.result_size for w in info if w.result_size is not None), None)
     if result_size is None and probe and batched and len(items) > 1 and config.get("map.learn-result-size"):
-        return _probed(client, func, items, costs, group, resource, to_host, kwargs, per_item)
+        usable = {i for i, b in enumerate(nbytes) if i not in failed and b > 0}
+        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item)
     result_size = RESULT_SIZE if result_size is None else result_size
     batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
                        scale, [b * (1 + result_size) for b in nbytes], [w.budget for w in info])
@@ -364,22 +366,41 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     return client.get(graph, keys, sync=False), [idx for _, idx, _ in batches] if not per_item else [], set(failed)
 
 
-def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], group: int | None, resource: str,
-            to_host: bool, kwargs: dict[str, Any], per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
-    """:func:`_submit` of batches of a function none of whose batches has finished yet: its cheapest item
-    first, alone, and once that finished (the scheduler then knows the bytes of result per byte of item)
-    the others, in batches that count their results that large. Results much larger than their items
-    (paths in, images out) would otherwise be counted as large as the items, and a batch cut to the
-    worker's budget by that count would hold many times more, until the worker dies running it."""
-    first = min(range(len(items)), key=costs.__getitem__)
-    rest = [i for i in range(len(items)) if i != first]
-    parts = []
-    for indices in ([first], rest):
-        part = _submit(client, func, [items[i] for i in indices], [costs[i] for i in indices], group, resource,
-                       to_host, kwargs, per_item, probe=False)
+def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], usable: Collection[int],
+            group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
+            per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
+    """:func:`_submit` of batches of a function none of whose tasks has finished yet: its cheapest item of
+    ``usable`` (not failed already, of known bytes) first, alone, and once that finished (the scheduler
+    then knows the bytes of result per byte of item) the others, in batches that count their results
+    that large. Results much larger than their items (paths in, images out) would otherwise be counted
+    as large as the items, and a batch cut to the worker's budget by that count would hold many times
+    more, until the worker dies running it. An item that raises teaches the size of its error: the
+    next cheapest runs alone then, up to :data:`PROBES` items. Items scattered to their workers on the
+    way replace those of ``items``, as :func:`_submit` does."""
+    parts: list[tuple[list[int], tuple[list[Future], list[list[int]], set[int]]]] = []
+
+    def submit(indices: list[int], probe: bool) -> list[Future]:
+        some = [items[i] for i in indices]
+        part = _submit(client, func, some, [costs[i] for i in indices], group, resource, to_host, kwargs,
+                       per_item, probe=probe)
+        for i, item in zip(indices, some):
+            items[i] = item
         parts.append((indices, part))
-        if indices == [first]:
-            _wait(client, part[0])
+        return part[0]
+
+    left = list(range(len(items)))
+    for _ in range(PROBES):
+        candidates = [i for i in left if i in usable]
+        if not candidates or len(left) < 2:
+            break
+        first = min(candidates, key=costs.__getitem__)
+        left.remove(first)
+        (future,) = submit([first], probe=False)
+        _wait(client, [future])
+        if not _failed_alone(future, per_item):
+            break
+    if left:  # (after PROBES failed items, as large as the last one's error)
+        submit(left, probe=False)
     failed = {indices[j] for indices, (_, _, bad) in parts for j in bad}
     if per_item:
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
@@ -389,6 +410,11 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
         return futures, [], failed
     return ([f for _, (futs, _, _) in parts for f in futs],
             [[indices[j] for j in idx] for indices, (_, batches, _) in parts for idx in batches], failed)
+
+
+def _failed_alone(future: Future, per_item: bool) -> bool:
+    """Whether the one-item task ``future`` (a finished item's future, or its batch task's) failed."""
+    return future.status == "error" or (not per_item and isinstance(future.result()[0], ItemError))
 
 
 def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[int, Any]]:
@@ -443,8 +469,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         result is then picked by a small coroutine task unless ``gather=True``. Batches are cut
         where one would hold more than ``octopus.fragments.max-bytes`` (the scheduler's setting) of
         items and results, these as large per byte of item as the function's recent batches made
-        them (at first, as large as the items); items that are futures or delayed are waited for
-        first, to know their sizes.
+        them (for a function none of whose tasks has finished on the scheduler, its cheapest item
+        runs alone first, to show them: ``octopus.map.learn-result-size``, read here); items that
+        are futures or delayed are waited for first, to know their sizes.
     resource
         Weights to plan by until the function's own speeds are known: ``"compute"`` or ``"memory"``.
     gather
@@ -500,7 +527,8 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
 
     Parameters are those of :func:`map`; ``errors="raise"`` raises an item's exception when its
     task's results arrive, ``"skip"`` leaves failed items out. The plan is made and submitted at
-    once, when the items that are futures or delayed are computed (as :func:`map` with batches);
+    once, when the items that are futures or delayed are computed (as :func:`map` with batches;
+    after the first item of a function new to the scheduler ran alone, as there);
     with an asynchronous client, iterate with ``async for`` (the plan is then made at the first
     step). Stopping early releases the tasks not yet finished.
 
@@ -540,7 +568,8 @@ class _Batches:
     submitted again: :meth:`again` plans and submits their items anew, from the items kept here (an
     item lost with workers at most :data:`LOST_ROUNDS` times; a failed item then fails alone, as one
     that failed before the map, :func:`_failed_inputs`). Computes the delayed items and submits ``items``
-    (a list it keeps) at once: :meth:`take` hands over the batch tasks' futures; call :meth:`finish` with
+    (a list it keeps; a first item alone first, :func:`_probed`): :meth:`take` hands over the batch
+    tasks' futures; call :meth:`finish` with
     each that finished.
     """
 

@@ -319,8 +319,11 @@ class Placement:
             return 0
         self.held &= weights.keys()
         moved: set[Block] = set()
-        started = {block for key, block in self.pins.items()
-                   if (ts := scheduler.tasks.get(key)) is not None and ts.state in _DONE}
+        started: set[Block] = set()  # also the other blocks a started task fused or grouped into it
+        for key, block in self.pins.items():
+            if (ts := scheduler.tasks.get(key)) is not None and ts.state in _DONE:
+                started.add(block)
+                started.update(self._planned_blocks(key, ts.run_spec))
         for name, plan in self.plans.items():
             again = {i for i in plan.moved if (name, i) not in started}
             if all(w in weights for w in plan.workers) and not again:
