@@ -477,6 +477,32 @@ async def test_batches_count_results_as_large_as_the_function_s_last_batches_mad
     assert 3.9 < max(s.plugins["octopus"].result_sizes["four_times-octopus-map"]) < 4.1
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.map.steal-fraction": 0,
+                                                                   "octopus.fragments.max-bytes": "1 MiB"})
+async def test_a_batch_s_results_are_read_when_the_caller_gets_to_them(c, s, a, b):
+    """A finished batch's results stay on its worker until the caller's loop reaches them (as a loop over
+    ``as_completed`` reading each result): read all as they finish, several batches at once, a worker
+    that had spilled them would read them all back to send them."""
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(2**15, float(i)) for i in range(12)]  # 256 KiB each and results as large: two a batch
+    stream = dask_octopus.imap(np.negative, items, client=c)
+    got = [await stream.__anext__()]
+
+    def batches():
+        return [ts for k, ts in s.tasks.items() if "-octopus-map-" in str(k)]
+
+    def all_finished():  # the five others in memory (the first may be released already: read and dropped)
+        states = [ts.state for ts in batches()]
+        return len(states) >= 5 and all(state == "memory" for state in states)
+
+    await async_poll_for(all_finished, timeout=10)
+    await asyncio.sleep(0.2)
+    assert a.transfer_outgoing_count_total + b.transfer_outgoing_count_total == 1  # the first batch only
+    got += [pair async for pair in stream]
+    assert sorted((i, float(r[0])) for i, r in got) == [(i, -float(i)) for i in range(12)]
+    assert a.transfer_outgoing_count_total + b.transfer_outgoing_count_total == 6
+
+
 def render(i):
     return np.full(2**17, float(i))  # 1 MiB from an int of 28 bytes
 

@@ -640,10 +640,18 @@ class _Batches:
 
 def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     """``(index, result or ItemError)`` of ``run``'s items as its batch tasks finish, those that ended for
-    want of an item submitted again (:meth:`_Batches.again`); a batch task that failed raises its error."""
-    done = as_completed(run.take(), with_results=True, raise_errors=False, loop=run.client.loop)
+    want of an item submitted again (:meth:`_Batches.again`); a batch task that failed raises its error.
+    Each batch's results are read when the caller gets to them, one batch at a time, as a loop over
+    ``as_completed`` reading ``future.result()`` does: read as soon as they finish (``with_results``),
+    several batches' results were sent at once, and a worker holding them spilled (96 results of 32
+    MiB in batches of 6, two 1 GiB CPU workers) read them all back to send them and died."""
+    done = as_completed(run.take(), loop=run.client.loop)
     try:
-        for future, result in done:
+        for future in done:
+            try:
+                result = future.result()
+            except Exception as e:  # (cancelled futures too) as with_results=True, raise_errors=False
+                result = e
             again = run.again(future, result)
             if again is not None:
                 done.update(again)
@@ -671,9 +679,13 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
     if not items:
         return
     run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs)
-    done = as_completed(run.take(), with_results=True, raise_errors=False, loop=client.loop)
+    done = as_completed(run.take(), loop=client.loop)
     try:
-        async for future, result in done:
+        async for future in done:
+            try:
+                result = await future  # read as the caller gets to it (_as_finished)
+            except Exception as e:
+                result = e
             again = await asyncio.to_thread(run.again, future, result)
             if again is not None:
                 done.update(again)
