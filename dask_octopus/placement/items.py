@@ -413,8 +413,9 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
 
 
 def _failed_alone(future: Future, per_item: bool) -> bool:
-    """Whether the one-item task ``future`` (a finished item's future, or its batch task's) failed."""
-    return future.status == "error" or (not per_item and isinstance(future.result()[0], ItemError))
+    """Whether the one-item task ``future`` (a finished item's future, or its batch task's) failed, or was
+    cancelled (its worker left with its item: :meth:`_Batches.again` sends it again)."""
+    return future.status != "finished" or (not per_item and isinstance(future.result()[0], ItemError))
 
 
 def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[int, Any]]:
@@ -569,8 +570,7 @@ class _Batches:
     item lost with workers at most :data:`LOST_ROUNDS` times; a failed item then fails alone, as one
     that failed before the map, :func:`_failed_inputs`). Computes the delayed items and submits ``items``
     (a list it keeps; a first item alone first, :func:`_probed`): :meth:`take` hands over the batch
-    tasks' futures; call :meth:`finish` with
-    each that finished.
+    tasks' futures; call :meth:`finish` with each that finished.
     """
 
     def __init__(self, client: Client, func: Callable, items: list[Any], cost: Any, group: int | None,
