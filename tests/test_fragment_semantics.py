@@ -364,10 +364,10 @@ async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a,
     assert "Detected different `run_spec`" not in log.getvalue()
 
 
-def exit_on_block_5(b, block_info=None):
-    """The block, but block 5 of its row of blocks takes its worker process down (after a while: the
-    other thread of the worker meanwhile runs what waits there)."""
-    if block_info[0]["chunk-location"][1] == 5:
+def exit_on_block_0_5(b, block_info=None):
+    """The block, but block (0, 5) takes its worker process down (after a while: the other thread of
+    the worker meanwhile runs what waits there)."""
+    if block_info[0]["chunk-location"] == (0, 5):
         time.sleep(0.2)
         os._exit(1)
     return b
@@ -378,12 +378,13 @@ async def test_a_block_that_takes_its_worker_down_fails_only_what_reads_it(c, s,
     """The fragment whose member kills its worker is lost with it; it runs again as one task per member
     (named for the member), so, as without fragments, the member that kills its worker again fails with
     ``KilledWorker`` and only the output that reads it fails; the others are exact. (Dask's default
-    ``allowed-failures``, 3, and two threads per worker: a task waiting on a worker when it goes down
-    counts too, as without fragments, and with 1 and one thread another part sometimes failed so.)"""
+    ``allowed-failures``, 3, and two threads per worker. One block kills: a task waiting on a worker
+    when it goes down counts too, as without fragments, and with a column of four killing blocks, or
+    with one thread per worker, another part took its share of the deaths and sometimes failed so.)"""
     await setup(c, s, [1.0, 1.0])
     x = da.ones((40, 80), chunks=10)
     with dask_octopus.annotate():
-        y = x.map_blocks(exit_on_block_5, dtype=float)
+        y = x.map_blocks(exit_on_block_0_5, dtype=float)
         outs = [y[:, i * 10:(i + 1) * 10].sum() for i in range(8)]
     futures = c.compute(outs)
     error = await futures[5].exception()  # (the others' results may be lost with a worker, then made again)
