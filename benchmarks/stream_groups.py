@@ -7,7 +7,8 @@ Operations (each variant interleaved with the others, run after run; medians rep
   GPU), the README pattern (``annotate`` around ``map_blocks`` only), the plain loop in this process
   and, on GPU, the floor: that loop captured as one CUDA graph over 8 streams.
 - ``tiny``: ``blocks`` tiny blocks mapped (``2 b + 1``) and summed: unannotated vs ``annotate(group=G)``;
-  on GPU also the peak device memory of each (CuPy's pool, capture off).
+  on GPU also the peak device memory of each (capture off: CuPy's pool after the run, and the bytes
+  in use at once, counted).
 - ``dataframe``: the same on a dask-expr dataframe of ``blocks`` partitions (pandas), computed inside
   ``annotate``: grouped by the scheduler plugin, since dataframes ignore layer annotations.
 - ``frames``: 216 frames (256x256 to 4K) through blur, Sobel, normalise and histogram, the whole set
@@ -17,7 +18,8 @@ Operations (each variant interleaved with the others, run after run; medians rep
   batch per worker thread over CUDA streams, replayed; no task graph to build), the plain loop
   a user would write in one process, and the floor: the whole set captured as one CUDA graph in
   one process and replayed (kernel time alone, GPU only); on GPU also the peak device memory of one
-  task per frame and of the fragments (CuPy's pool after one eager run, capture off).
+  task per frame and of the fragments (one eager run, capture off: CuPy's pool after it, and the
+  bytes in use at once, counted).
 - ``large``: 8192x8192 blocks (GPU; 1024 on CPU), GEMM and elementwise, annotated vs not.
 - ``mixed`` (GPU, no Dask): one group of GEMMs (512-1024) and elementwise passes (1-16 M elements)
   on one stream, round-robin over streams in submission order, and class-interleaved; beside them
@@ -159,17 +161,43 @@ def _pool_bytes() -> int:
     return int(cupy.get_default_memory_pool().total_bytes())
 
 
-def device_peaks(client: Client, variants: dict[str, Callable[[int], Any]]) -> dict[str, int]:
-    """Each variant's peak device memory on the worker, run once eagerly (capture off): the CuPy default
-    pool's held bytes after the run, its cached blocks freed before (the pool reuses freed blocks, so
-    what it holds after a run is the most it had in use at once, persisted inputs included)."""
+def _count_from_here() -> int:
+    """Start counting the bytes allocated through CuPy (the worker's ``CupyPeak``); the bytes in use now."""
+    import cupy
+
+    from dask_octopus.profiling.working_set import CupyPeak
+
+    CupyPeak.shared().start()
+    return int(cupy.get_default_memory_pool().used_bytes())
+
+
+def _counted_peak() -> int:
+    """The most bytes held at once through CuPy since :func:`_count_from_here`, above what was held then."""
+    from dask_octopus.profiling.working_set import CupyPeak
+
+    counter = CupyPeak._process
+    extra = counter.extra()
+    counter.close()
+    return extra
+
+
+def device_peaks(client: Client, variants: dict[str, Callable[[int], Any]]) -> dict[str, dict[str, int]]:
+    """Each variant's peak device memory on the worker, run once eagerly (capture off), two ways:
+    ``pool``, the CuPy default pool's held bytes after the run, its cached blocks freed before (the
+    pool reuses freed blocks, so what it holds after a run is at least the most it had in use at once,
+    persisted inputs included, plus blocks it could not reuse for a larger request); ``in_use``, the
+    bytes in use before the run (the persisted inputs) plus the most bytes allocated through CuPy and
+    held at once during it (counted as the working-set meters count them)."""
     _set_capture(client, False)
     try:
-        peaks = {}
+        peaks: dict[str, dict[str, int]] = {"pool": {}, "in_use": {}}
         for name, fn in variants.items():
             client.run(_free_pool)
+            (before,) = client.run(_count_from_here).values()
             fn(-1)
-            (peaks[name],) = client.run(_pool_bytes).values()
+            (extra,) = client.run(_counted_peak).values()
+            peaks["in_use"][name] = before + extra
+            (peaks["pool"][name],) = client.run(_pool_bytes).values()
         return peaks
     finally:
         _set_capture(client, True)
