@@ -1,0 +1,217 @@
+"""Fragments on random programs (hypothesis): every output as without ``annotate``.
+
+Random DAGs of delayed calls (some built inside ``annotate``, or all computed inside it), with a node
+that raises and persisted nodes, and random chains of dask array operations (elementwise, tree
+reductions, transposes, slices, rechunks, cumulative sums, overlaps) over in-memory or persisted
+blocks. Computed on a local scheduler (the optimizer makes the fragments) and on an in-process
+cluster with the scheduler plugin (the plugin makes them, where the tasks will run); each output is
+compared with the same program computed without ``annotate`` by the synchronous scheduler: its value,
+or the exception it raises. Each test also checks that fragments were made. The examples are
+derandomized: the same ones each run, so that the suite's time and outcome do not vary.
+"""
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dask_octopus
+from dask_octopus.groups import marks
+from dask_octopus.groups import scheduler as grouping
+from dask_octopus.groups.rewrite import fragment_of
+
+EXAMPLES = settings(max_examples=100, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+class Boom(ValueError):
+    pass
+
+
+def combine(fail, c, *xs):
+    """``c`` plus a weighted sum of ``xs`` (so that the order of the inputs counts), or :class:`Boom`."""
+    if fail:
+        raise Boom(f"node {c}")
+    return c + sum((i + 1) * x for i, x in enumerate(xs)) % 1000003
+
+
+@st.composite
+def programs(draw):
+    """Nodes ``(dependencies, built inside annotate, constant)`` of a DAG, the outputs asked for, the
+    ``group`` cap and the node that raises (or ``None``)."""
+    n = draw(st.integers(1, 25))
+    nodes = [(sorted(draw(st.sets(st.integers(0, k - 1), max_size=3))) if k else [], draw(st.booleans()),
+              draw(st.integers(0, 9))) for k in range(n)]
+    outputs = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=4)))
+    group = draw(st.one_of(st.none(), st.integers(1, 4)))
+    failing = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+    return nodes, outputs, group, failing
+
+
+def build(nodes, outputs, group, marked, failing=None, persist=None):
+    """The delayed outputs of a program; nodes marked where ``marked`` says so, the nodes of ``persist``
+    (a client and node indices) persisted on its cluster."""
+    made = []
+    for k, (deps, mark, c) in enumerate(nodes):
+        args = (k == failing, 100 * c + k, *(made[d] for d in deps))
+        if marked and mark:
+            with dask_octopus.annotate(group=group):
+                node = dask.delayed(combine, pure=True)(*args)
+        else:
+            node = dask.delayed(combine, pure=True)(*args)
+        if persist is not None and k in persist[1]:
+            node = persist[0].persist(node)
+        made.append(node)
+    return [made[o] for o in outputs]
+
+
+def outcome_alone(value):
+    """The value of a collection computed by the synchronous scheduler, or ``("error", type name)``."""
+    try:
+        return dask.compute(value, scheduler="sync")[0]
+    except Boom:
+        return ("error", "Boom")
+
+
+def outcomes(client, values):
+    """The value of each collection computed on the cluster, or ``("error", type name)``."""
+    futures = client.compute(values)
+    wait(futures)
+    return [("error", type(f.exception()).__name__) if f.status == "error" else f.result() for f in futures]
+
+
+class Counted:
+    """Counts the fragments made by a module's ``fragment_graph``."""
+
+    def __init__(self, module, monkeypatch):
+        self.made = 0
+        inner = module.fragment_graph
+
+        def counted(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self.made += sum(fragment_of(node) is not None for node in out.values())
+            return out
+
+        monkeypatch.setattr(module, "fragment_graph", counted)
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    with (LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
+          Client(cluster) as client):
+        dask_octopus.register(client, calibrate=False)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def fragments_made_on_the_scheduler():
+    """Fragments made by the scheduler plugin over one module's examples (checked at its end)."""
+    with pytest.MonkeyPatch.context() as mp:
+        counted = Counted(grouping, mp)
+        yield counted
+    assert counted.made > 0
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_random_delayed_programs_give_every_output_on_a_local_scheduler(scheduler, monkeypatch):
+    counted = Counted(marks, monkeypatch)
+
+    @given(programs())
+    @EXAMPLES
+    def check(program):
+        nodes, outputs, group, _ = program
+        expected = dask.compute(*build(nodes, outputs, group, marked=False), scheduler=scheduler)
+        assert dask.compute(*build(nodes, outputs, group, marked=True), scheduler=scheduler) == expected
+
+    check()
+    assert counted.made > 0
+
+
+@given(programs(), st.booleans(), st.data())
+@EXAMPLES
+def test_random_delayed_programs_give_every_output_or_its_error_on_a_cluster(
+        cluster_client, fragments_made_on_the_scheduler, program, whole, data):
+    """Built with some nodes inside ``annotate``, or computed inside it; up to two nodes persisted first;
+    the outputs that read the failing node raise its error, the others are exact."""
+    nodes, outputs, group, failing = program
+    persisted = data.draw(st.sets(st.integers(0, len(nodes) - 1), max_size=2))
+    expected = [outcome_alone(v) for v in build(nodes, outputs, group, marked=False, failing=failing)]
+    values = build(nodes, outputs, group, marked=not whole, failing=failing, persist=(cluster_client, persisted))
+    if whole:
+        with dask_octopus.annotate(group=group):
+            got = outcomes(cluster_client, values)
+    else:
+        got = outcomes(cluster_client, values)
+    assert got == expected
+
+
+def _overlap(b):
+    return b + np.roll(b, 1, axis=0)
+
+
+def apply(x, op, c):
+    """``x`` after the array operation ``op`` (with the constant ``c``); ``x`` where ``op`` does not fit."""
+    if op == "add":
+        return x + c
+    if op == "mul":
+        return x * (c % 3 + 1) - c
+    if op == "map_blocks":
+        return x.map_blocks(np.multiply, c + 1, dtype=x.dtype)
+    if op == "mean":
+        return x.mean(axis=-1, keepdims=True)
+    if op == "max":
+        return x.max(axis=0, keepdims=True)
+    if op == "slice":
+        return x[::2] if x.shape[0] > 2 else x
+    if op == "rechunk":
+        return x.rechunk(max(1, x.shape[0] // 3))
+    if op == "sum0":
+        return x.sum(axis=0, keepdims=True)
+    if op == "sum1":
+        return x.sum(axis=1, keepdims=True)
+    if op == "T":
+        return x.T
+    if op == "plusT" and x.shape[0] == x.shape[1]:
+        return x + x.T
+    if op == "cumsum0":
+        return x.cumsum(axis=0)
+    if op == "overlap" and min(min(c_) for c_ in x.chunks) >= 2:
+        return x.map_overlap(_overlap, depth=1, boundary="none", dtype=x.dtype)
+    return x
+
+
+OPS = ["add", "mul", "map_blocks", "mean", "max", "slice", "rechunk", "sum0", "sum1", "T", "plusT", "cumsum0",
+       "overlap"]
+
+
+@given(st.integers(2, 12), st.integers(1, 5), st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 9)),
+                                                       min_size=1, max_size=6),
+       st.sampled_from(["whole compute", "built inside", "persisted input"]), st.one_of(st.none(), st.integers(1, 4)))
+@EXAMPLES
+def test_random_array_programs_give_the_unannotated_values_on_a_cluster(
+        cluster_client, fragments_made_on_the_scheduler, side, chunk, ops, how, group):
+    """A square integer array in blocks of ``chunk`` through up to six operations: annotated around the
+    whole compute, around building the program only (the README pattern: what reads the marked blocks
+    joins them), or computed inside ``annotate`` over persisted blocks."""
+    data = np.arange(side * side, dtype=np.int64).reshape(side, side)
+
+    def program(x):
+        for op, c in ops:
+            x = apply(x, op, c)
+        return x
+
+    expected = program(da.from_array(data, chunks=chunk)).compute(scheduler="sync")
+    x = da.from_array(data, chunks=chunk)
+    if how == "persisted input":
+        x = cluster_client.persist(x)
+    if how == "built inside":
+        with dask_octopus.annotate(group=group):
+            y = program(x)
+        got = cluster_client.compute(y).result()
+    else:
+        with dask_octopus.annotate(group=group):
+            got = cluster_client.compute(program(x)).result()
+    np.testing.assert_array_equal(got, expected)
