@@ -3,7 +3,8 @@
 Random DAGs of delayed calls (some built inside ``annotate``, or all computed inside it), with a node
 that raises and persisted nodes, and random chains of dask array operations (elementwise, tree
 reductions, transposes, slices, rechunks, cumulative sums, overlaps) over in-memory or persisted
-blocks. Computed on a local scheduler (the optimizer makes the fragments) and on an in-process
+blocks, and of dask dataframe operations (partition-wise steps, filters, groupby aggregations,
+cumulative sums, and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed on a local scheduler (the optimizer makes the fragments) and on an in-process
 cluster with the scheduler plugin (the plugin makes them, where the tasks will run); each output is
 compared with the same program computed without ``annotate`` by the synchronous scheduler: its value,
 or the exception it raises. Each test also checks that fragments were made. The examples are
@@ -12,7 +13,9 @@ derandomized: the same ones each run, so that the suite's time and outcome do no
 
 import dask
 import dask.array as da
+import dask.dataframe as dd
 import numpy as np
+import pandas as pd
 import pytest
 from distributed import Client, LocalCluster, wait
 from hypothesis import HealthCheck, given, settings
@@ -215,3 +218,73 @@ def test_random_array_programs_give_the_unannotated_values_on_a_cluster(
         with dask_octopus.annotate(group=group):
             got = cluster_client.compute(program(x)).result()
     np.testing.assert_array_equal(got, expected)
+
+
+def _shift(part, c):
+    return part.assign(a=part.a + c)
+
+
+def apply_frame(df, op, c):
+    """``df`` after the dataframe operation ``op`` (with the constant ``c``). The shuffles (``shuffle``,
+    ``set_index`` with its divisions given, ``merge``) run as Dask's P2P on the cluster, whose special
+    tasks stay out of fragments: ``set_index`` without divisions would compute them while the graph is
+    built, and an in-process scheduler can then deadlock on Python 3.11 (its ``functools.cached_property``
+    lock is one per property, held by the client's thread while the scheduler's thread needs it)."""
+    if op == "map_partitions":
+        return df.map_partitions(_shift, c)
+    if op == "filter":
+        return df[df.b % 3 != c % 3]
+    if op == "assign":
+        return df.assign(b=df.b * 2 + c)
+    if op == "groupby sum":
+        return df.groupby("k").a.sum().to_frame().reset_index().assign(b=c)
+    if op == "groupby agg":
+        return df.groupby("k").agg({"a": "sum", "b": "max"}).reset_index()
+    if op == "cumsum":
+        return df.assign(a=df.a.cumsum())
+    if op == "shuffle":
+        return df.shuffle("k")
+    if op == "set_index":
+        return df.set_index("b", divisions=[-10**9, 3, 10**9]).reset_index()
+    other = pd.DataFrame({"k": np.arange(5), "w": np.arange(5) * 10 + c})
+    return df.merge(dd.from_pandas(other, npartitions=2), on="k", how="left").drop(columns="w")
+
+
+FRAME_OPS = ["map_partitions", "filter", "assign", "groupby sum", "groupby agg", "cumsum", "shuffle", "set_index",
+             "merge"]
+
+
+def _in_order(value):
+    """A dataframe's rows sorted by all its columns (shuffles deal them out in another order)."""
+    if isinstance(value, pd.DataFrame):
+        return value.sort_values(list(value.columns)).reset_index(drop=True)
+    return value
+
+
+@given(st.integers(1, 120), st.integers(1, 6),
+       st.lists(st.tuples(st.sampled_from(FRAME_OPS), st.integers(0, 9)), min_size=1, max_size=4),
+       st.sampled_from(["frame", "sum", "mean"]), st.booleans())
+@settings(EXAMPLES, max_examples=60)
+def test_random_dataframe_programs_give_the_unannotated_values_on_a_cluster(
+        cluster_client, fragments_made_on_the_scheduler, rows, partitions, ops, result, persisted):
+    """A pandas-backed dask dataframe (from memory, or persisted) through up to four operations, the
+    frame or a sum or mean asked for, computed inside ``annotate`` (the plugin makes the fragments in
+    ``update_graph``): the same rows and values as the synchronous scheduler without ``annotate``."""
+    data = pd.DataFrame({"a": np.arange(rows, dtype=np.int64), "b": np.arange(rows) % 7, "k": np.arange(rows) % 5})
+
+    def program(df):
+        for op, c in ops:
+            df = apply_frame(df, op, c)
+        return df if result == "frame" else df.a.sum() if result == "sum" else df.b.mean()
+
+    with dask.config.set({"dataframe.shuffle.method": "tasks"}):  # (P2P needs a cluster)
+        expected = _in_order(program(dd.from_pandas(data, npartitions=partitions)).compute(scheduler="sync"))
+    df = dd.from_pandas(data, npartitions=partitions)
+    if persisted:
+        df = cluster_client.persist(df)
+    with dask_octopus.annotate():
+        got = _in_order(cluster_client.compute(program(df)).result())
+    if isinstance(expected, pd.DataFrame):
+        pd.testing.assert_frame_equal(got, expected)
+    else:
+        assert got == expected or (np.isnan(got) and np.isnan(expected))
