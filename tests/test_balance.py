@@ -18,6 +18,7 @@ from distributed.utils_test import async_poll_for, gen_cluster
 
 import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.placement.blocks import aligned
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
@@ -694,6 +695,42 @@ def test_a_worker_that_joins_takes_only_moved_blocks_no_task_of_which_started():
     placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "c-joined")
     assert placement.plans["y"].workers == ["a", "a", "a", "c"]  # blocks 1 (its reader ran) and 2 (running) stay
     assert tasks[("y", 3)].worker_restrictions == {"c"} and tasks[("y", 2)].worker_restrictions == {"a"}
+
+
+def wait_then_double(block, name):
+    Event(name).wait(30)
+    return block * 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_moved_blocks_that_a_started_fragment_runs_stay_with_it_when_a_worker_joins(c, s, a, b):
+    """A fragment task does the work of both of a worker's blocks, pinned under one key: once it runs
+    on the survivor that took them, neither block goes to a worker that joins."""
+    rec = await setup(c, s, [1.0, 1.0])
+    first, second = Event(), Event()
+    g = c.submit(wait_for_event, first.name, workers=[a.address], pure=False)  # the blocks wait for it
+    x = da.ones((400, 8), chunks=(50, 8)).map_blocks(add_gate, g, dtype=float)
+    y = await run_balance(c, x, per_worker=2)
+    plan = s.plugins["octopus"].placement.plans[y.name]
+    on_b = [i for i, w in enumerate(plan.workers) if w == b.address]
+    assert len(on_b) == 2
+    with dask_octopus.annotate():
+        fut = c.compute(y.map_blocks(wait_then_double, second.name, dtype=float).sum(axis=1))
+    await async_poll_for(lambda: s.tasks[g.key].state == "processing"
+                         and any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), timeout=10)
+    fragments = [k for k in s.tasks if key_split(k) == FRAGMENT_PREFIX]
+    assert len(fragments) == 2  # one per worker, each with its two blocks
+    await b.close()  # its blocks move to a, their fragment not started
+    assert plan.workers == [a.address] * 4
+    await first.set()
+    await async_poll_for(lambda: all(s.tasks[k].state == "processing" for k in fragments), timeout=10)
+    async with Worker(s.address, nthreads=1) as newcomer:
+        await c.wait_for_workers(2)
+        assert plan.workers == [a.address] * 4  # b's blocks are a's fragment's now, started: they stay
+        await second.set()
+        np.testing.assert_array_equal(await fut, np.full(400, 2 * 8 * 2.0))
+        assert {w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX} == {a.address}
+        assert not any(w == newcomer.address for w in rec.worker.values())
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
