@@ -1,14 +1,15 @@
 """Fragments on random programs (hypothesis): every output as without ``annotate``.
 
 Random DAGs of delayed calls (some built inside ``annotate``, or all computed inside it), with a node
-that raises and persisted nodes, and random chains of dask array operations (elementwise, tree
-reductions, transposes, slices, rechunks, cumulative sums, overlaps) over in-memory or persisted
-blocks, and of dask dataframe operations (partition-wise steps, filters, groupby aggregations,
-cumulative sums, and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed on a local scheduler (the optimizer makes the fragments) and on an in-process
-cluster with the scheduler plugin (the plugin makes them, where the tasks will run); each output is
-compared with the same program computed without ``annotate`` by the synchronous scheduler: its value,
-or the exception it raises. Each test also checks that fragments were made. The examples are
-derandomized: the same ones each run, so that the suite's time and outcome do not vary.
+that raises and persisted nodes; random chains of dask array operations (elementwise, tree reductions,
+transposes, slices, rechunks, cumulative sums, overlaps) over in-memory or persisted blocks; and
+random dask dataframe programs (partition-wise steps, filters, groupby aggregations, cumulative sums,
+and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed on a local scheduler (the
+optimizer makes the fragments) and on an in-process cluster with the scheduler plugin (the plugin
+makes them, where the tasks will run); each output is compared with the same program computed
+without ``annotate`` by the synchronous scheduler: its value, or the exception it raises. Each test
+also checks that fragments were made. The examples are derandomized: the same ones each run, so
+that the suite's time and outcome do not vary.
 """
 
 import dask
