@@ -75,13 +75,21 @@ class BlockBytes(Mapping[Key, float]):
         self._layers = layers
 
     def __getitem__(self, key: Key) -> float:
+        nbytes = self.get(key)
+        if nbytes is None:
+            raise KeyError(key)
+        return nbytes
+
+    def get(self, key: Key, default: Any = None) -> Any:
+        """The bytes of block ``key``, else ``default`` (without raising: fragments look up every step's
+        name, most of which name no block)."""
         layout = self._layers.get(key[0]) if type(key) is tuple and key and type(key[0]) is str else None
         if layout is None or len(key) != len(layout[0]) + 1:
-            raise KeyError(key)
+            return default
         nbytes = layout[1]
         for dim, i in zip(layout[0], key[1:], strict=True):
             if type(i) is not int or not 0 <= i < len(dim):
-                raise KeyError(key)
+                return default
             nbytes *= dim[i]
         return float(nbytes)
 
