@@ -648,16 +648,23 @@ async def test_blocks_a_survivor_holds_stay_with_it_when_a_worker_joins(c, s, a,
             assert now[moved[0]] in (newcomer.address, third.address)
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_a_worker_that_joins_before_moved_blocks_started_takes_its_share_back(c, s, a, b):
-    rec = await setup(c, s, [1.0, 1.0])
-    gate = Event()
-    g = c.submit(wait_for_event, gate.name, workers=[a.address], pure=False)  # the blocks wait for it
+async def gated_plan(c, s, a, b, gate):
+    """Blocks of ones (400 x 8, 8 blocks) that wait for a task on ``a`` until ``gate`` is set, balanced
+    two per worker: the gate's future, the balanced array, its plan and the indices of ``b``'s blocks."""
+    g = c.submit(wait_for_event, gate.name, workers=[a.address], pure=False)
     x = da.ones((400, 8), chunks=(50, 8)).map_blocks(add_gate, g, dtype=float)
     y = await run_balance(c, x, per_worker=2)
     plan = s.plugins["octopus"].placement.plans[y.name]
     on_b = [i for i, w in enumerate(plan.workers) if w == b.address]
     assert len(on_b) == 2
+    return g, y, plan, on_b
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_that_joins_before_moved_blocks_started_takes_its_share_back(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    gate = Event()
+    g, y, plan, on_b = await gated_plan(c, s, a, b, gate)
     fut = c.compute(y.sum(axis=1))
     await async_poll_for(lambda: s.tasks[g.key].state == "processing", timeout=10)
     await b.close()  # as a nanny restarting it: its blocks move to a, none of them started
@@ -708,12 +715,7 @@ async def test_moved_blocks_that_a_started_fragment_runs_stay_with_it_when_a_wor
     on the survivor that took them, neither block goes to a worker that joins."""
     rec = await setup(c, s, [1.0, 1.0])
     first, second = Event(), Event()
-    g = c.submit(wait_for_event, first.name, workers=[a.address], pure=False)  # the blocks wait for it
-    x = da.ones((400, 8), chunks=(50, 8)).map_blocks(add_gate, g, dtype=float)
-    y = await run_balance(c, x, per_worker=2)
-    plan = s.plugins["octopus"].placement.plans[y.name]
-    on_b = [i for i, w in enumerate(plan.workers) if w == b.address]
-    assert len(on_b) == 2
+    g, y, plan, _ = await gated_plan(c, s, a, b, first)
     with dask_octopus.annotate():
         fut = c.compute(y.map_blocks(wait_then_double, second.name, dtype=float).sum(axis=1))
     await async_poll_for(lambda: s.tasks[g.key].state == "processing"
