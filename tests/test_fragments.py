@@ -21,12 +21,13 @@ import pytest
 from dask.base import tokenize
 from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import setup
 from test_documented import FakeStream, fake_gpu  # noqa: F401 (a fixture)
 
 import dask_octopus
-from dask_octopus._compat import DataNode, GraphNode, Task, TaskRef, parse_input
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Call, Fragment, Ref
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
@@ -189,6 +190,45 @@ async def test_dataframe_map_partitions_then_groupby_agg(c, s, a, b):
             {"v": ["sum", "max"]}))
     pd.testing.assert_frame_equal(got.sort_index(), expected)
     assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+
+
+def double_v(p):
+    return p.assign(v=p.v * 2)
+
+
+class Aliases(SchedulerPlugin):
+    """The target of each alias task of the graphs the scheduler is given, by the alias's key."""
+
+    def __init__(self):
+        self.targets = {}
+
+    def update_graph(self, scheduler, *, tasks, **kwargs):
+        self.targets.update((k, ts.run_spec.target) for k in tasks
+                            if isinstance((ts := scheduler.tasks[k]).run_spec, Alias))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_fragments_read_a_persisted_dataframe_s_partitions_in_place_of_its_aliases(c, s, a):
+    """dask-expr reads a persisted dataframe through one alias task per partition; the fragments read
+    the partitions themselves: the compute runs its fragment and the top of the sum, no alias task."""
+    rec = await setup(c, s, [1.0])
+    frame = pd.DataFrame({"k": np.arange(800) % 7, "v": np.arange(800.0)})
+    df = c.persist(dd.from_pandas(frame, npartitions=16))
+    await wait(df)
+    persisted = {f.key for f in futures_of(df)}
+    aliases = Aliases()
+    s.add_plugin(aliases)
+    assert await c.compute(df.map_partitions(double_v).v.sum()) == 2 * frame.v.sum()
+    assert len(aliases.targets) == 16 and set(aliases.targets.values()) == persisted
+    assert aliases.targets.keys() <= rec.worker.keys()  # without annotate: a task per partition's alias
+    await async_poll_for(lambda: not aliases.targets.keys() & s.tasks.keys(), timeout=5)  # (else still read)
+    rec.worker.clear()
+    aliases.targets.clear()
+    with dask_octopus.annotate():  # (other keys: the first compute's may still be held)
+        assert await c.compute(df.map_partitions(double_v, token="annotated").v.sum()) == 2 * frame.v.sum()
+    assert len(aliases.targets) == 16  # the graph's aliases: none runs, and the plugin forgets them
+    assert sorted(key_split(k) for k in rec.worker) == [FRAGMENT_PREFIX, "sum-tree"], rec.worker
+    await async_poll_for(lambda: not aliases.targets.keys() & s.tasks.keys(), timeout=5)
 
 
 def inc(x):
@@ -571,6 +611,28 @@ async def test_blocks_the_graph_makes_are_sized_from_their_chunks_when_fragments
         assert len(whole) > 1 if cut else len(whole) == 1, whole
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_persisted_dataframe_s_partitions_read_through_aliases_are_sized_when_fragments_are_cut(c, s, a):
+    """The partitions of a persisted dask-expr dataframe, which its graph reads through aliases, count
+    with their bytes when fragments are cut: a fragment over the budget is cut when it is made, into
+    fragments that fit, and none is split as it runs; exact."""
+    rec = await setup(c, s, [1.0])
+    frame = pd.DataFrame({"k": np.arange(1600) % 7, "v": np.arange(1600.0)})
+    df = c.persist(dd.from_pandas(frame, npartitions=16))
+    await wait(df)
+    part = max(ts.get_nbytes() for f in futures_of(df) if (ts := s.tasks[f.key]))
+    for budget, cut in (("auto", False), (8 * part, True)):  # all 16 partitions do not fit in 8
+        rec.worker.clear()
+        with dask.config.set({"octopus.fragments.max-bytes": budget}), dask_octopus.annotate(), \
+                captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+            got = await c.compute(df.map_partitions(double_v, token=f"sized-{cut}").v.sum())
+        assert got == 2 * frame.v.sum()
+        whole = [k for k in rec.worker if key_split(k) == FRAGMENT_PREFIX]
+        parts = [k for k in rec.worker if FRAGMENT_PREFIX in str(k) and key_split(k) != FRAGMENT_PREFIX]
+        assert not parts and "runs as" not in log.getvalue(), (parts, log.getvalue())
+        assert len(whole) > 1 if cut else len(whole) == 1, whole
+
+
 def test_array_blocks_are_sized_from_the_chunks_and_dtype_of_their_layer(monkeypatch):
     from collections import OrderedDict
 
@@ -745,6 +807,31 @@ def test_a_task_reading_an_unfused_slice_joins_a_fragment_and_one_next_to_a_spec
     pulled = {"slice"} if kind is Task else set()
     assert grouped == ({("c", i) for i in range(4)} | pulled if joins else set())
     assert ("slice" in out) is not pulled and (pulled or type(out["slice"]) is kind)
+
+
+@pytest.mark.parametrize("movable", [True, False])
+def test_fragments_read_the_targets_of_aliases_and_the_aliases_only_they_read_go(movable):
+    """Blocks read through aliases (one of an alias) of tasks that exist already: the fragment reads
+    the targets; the aliases go where they may (the plugin's new tasks that only this graph reads) and
+    stay, read by nothing here, where something else may read them; the values are the graph's."""
+    from dask_octopus._compat import Alias
+    from dask_octopus.groups.rewrite import dependents_of, fragment_graph
+
+    graph = {}
+    for i in range(4):
+        graph[("alias", i)] = Alias(("alias", i), ("x", i))  # ("x", i) exist already
+        graph[("again", i)] = Alias(("again", i), ("alias", i))
+        graph[("c", i)] = Task(("c", i), chain, TaskRef(("again", i)))
+    graph["top"] = Task("top", total, *(TaskRef(("c", i)) for i in range(4)))
+    specs = {("c", i): {"resource": "memory"} for i in range(4)}
+    aliases = {(name, i) for name in ("alias", "again") for i in range(4)}
+    pullable = None if movable else set(graph) - aliases
+    out = fragment_graph(graph, specs, {"top"}, dependents_of(graph), {}, {None: 1}, pullable)
+    (fkey,) = [k for k in out if k not in graph]
+    assert out[fkey].dependencies == {("x", i) for i in range(4)}
+    assert (aliases & out.keys()) == (set() if movable else aliases)
+    inputs = {("x", i): np.full(3, float(i)) for i in range(4)}
+    np.testing.assert_array_equal(dask.get({**out, **inputs}, "top"), dask.get({**graph, **inputs}, "top"))
 
 
 class Doubled(Task):

@@ -205,13 +205,19 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
     fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
-    read): where one raises, only the steps that read it fail.
+    read): where one raises, only the steps that read it fail. Fragments and guards read what an alias
+    names (through aliases of aliases) where that is a task of the result or outside the graph, and the
+    aliases that only they read are left out (sized as what they name, from ``sizes``).
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     wanted = set(keep)
     steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
+    sizes = dict(sizes or {})
+    for k in steps:  # an alias is as large as its target (fragments read the target: see below)
+        if type(dsk[k]) is Alias and k not in sizes and dsk[k].target in sizes:
+            sizes[k] = sizes[dsk[k].target]
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     movable = {k for k in dsk if k not in wanted and (pullable is None or k in pullable)
                and not dependencies[k] & special}
@@ -235,7 +241,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
             made[place] = made.get(place, 0) + 1
             inside = set(marked)
             sources = sum(not dependencies[m] & inside for m in marked)
-            if sources > 1 and fragment.exceeds(sizes or {}, (budgets or {}).get(place)):
+            if sources > 1 and fragment.exceeds(sizes, (budgets or {}).get(place)):
                 over.add(place)
         if not over:
             break
@@ -245,8 +251,10 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
+    unread: set[Key] = set()  # aliases that only fragments read, which read their targets instead
     for d in _read_by_fragments_only(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
         if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
+            unread.add(d)
             continue
         # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
         # what it reads (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ): computes in
@@ -270,15 +278,24 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         node = dsk[k]
         return node.substitute(picks) if picks.keys() & node.dependencies else node
 
-    members_of = (inside - kept.keys()) | guards.keys()
+    # fragments and guards read an alias's target (a task of their own: a persisted partition of a dask-expr
+    # dataframe, which Dask reads through one alias task per partition), and the aliases only they read go
+    through: dict[Key, Key] = {}
+    for k in steps:  # dependencies first: an alias of an alias reads the first one's target
+        if type(dsk[k]) is Alias and k not in guards:
+            target = through.get(dsk[k].target, dsk[k].target)
+            if target not in inside or target in kept:  # (a member's result is a task where it is kept)
+                through[k] = target
+    members_of = (inside - kept.keys()) | guards.keys() | (unread & through.keys())
+    given = {**through, **guards}  # what the fragments and guards read in place of each such task
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
     for d, gkey in guards.items():
         node = rewritten(d)
         reads = tuple(sorted(node.dependencies, key=str))
         out[gkey] = Task(gkey, run_guarded, DataNode(None, d), DataNode(None, node), DataNode(None, reads),
-                         retries.get(d), *(TaskRef(guards.get(r, r)) for r in reads))
+                         retries.get(d), *(TaskRef(given.get(r, r)) for r in reads))
     for fkey, fragment in made.items():
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment),
-                         *(TaskRef(guards.get(d, d)) for d in fragment.inputs))
+                         *(TaskRef(given.get(d, d)) for d in fragment.inputs))
     return out

@@ -402,7 +402,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     shared = {k for k in made if k in tasks and is_guard(out[k]) and tasks[k].state != "erred"}
     if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
         return {}, []
-    members = [m for ms in made.values() for m in ms if m not in out]  # not the results picked as tasks
+    # the members (not the results picked as tasks) and the aliases whose targets the fragments read instead
+    members = [k for k in new if k not in out]
     made = {k: ms for k, ms in made.items() if k not in shared}
     computation = scheduler.computations[-1] if scheduler.computations else None
     for gkey, members_of in made.items():
