@@ -19,12 +19,15 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.base import tokenize
+from dask.core import flatten
+from dask.highlevelgraph import HighLevelGraph
 from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
-from test_balance import setup
+from test_balance import run_balance, setup
 from test_documented import FakeStream, fake_gpu  # noqa: F401 (a fixture)
+from test_fragment_semantics import grouped_by  # noqa: F401 (a fixture)
 
 import dask_octopus
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, parse_input
@@ -809,29 +812,82 @@ def test_a_task_reading_an_unfused_slice_joins_a_fragment_and_one_next_to_a_spec
     assert ("slice" in out) is not pulled and (pulled or type(out["slice"]) is kind)
 
 
-@pytest.mark.parametrize("movable", [True, False])
-def test_fragments_read_the_targets_of_aliases_and_the_aliases_only_they_read_go(movable):
-    """Blocks read through aliases (one of an alias) of tasks that exist already: the fragment reads
-    the targets; the aliases go where they may (the plugin's new tasks that only this graph reads) and
-    stay, read by nothing here, where something else may read them; the values are the graph's."""
-    from dask_octopus._compat import Alias
+@pytest.mark.parametrize("through, movable", [(True, True), (True, False), (False, True)])
+def test_fragments_read_the_targets_of_aliases_and_the_aliases_only_they_read_go(through, movable):
+    """Blocks read through aliases (one of an alias) of tasks that exist already: where the aliases may
+    be read through, the fragment reads the targets, and the aliases go where they may (the plugin's new
+    tasks that only this graph reads) and stay, read by nothing here, where something else may read
+    them; otherwise it reads the aliases. The values are the graph's; an alias of a special task stays
+    what the fragment reads."""
     from dask_octopus.groups.rewrite import dependents_of, fragment_graph
 
-    graph = {}
+    graph = {"special": Barrier("special", operator.add, TaskRef(("x", 0)), 0),
+             "of-special": Alias("of-special", "special")}
     for i in range(4):
         graph[("alias", i)] = Alias(("alias", i), ("x", i))  # ("x", i) exist already
         graph[("again", i)] = Alias(("again", i), ("alias", i))
         graph[("c", i)] = Task(("c", i), chain, TaskRef(("again", i)))
-    graph["top"] = Task("top", total, *(TaskRef(("c", i)) for i in range(4)))
-    specs = {("c", i): {"resource": "memory"} for i in range(4)}
+    graph[("c", 4)] = Task(("c", 4), chain, TaskRef("of-special"))
+    graph["top"] = Task("top", total, *(TaskRef(("c", i)) for i in range(5)))
+    specs = {("c", i): {"resource": "memory"} for i in range(5)}
     aliases = {(name, i) for name in ("alias", "again") for i in range(4)}
     pullable = None if movable else set(graph) - aliases
-    out = fragment_graph(graph, specs, {"top"}, dependents_of(graph), {}, {None: 1}, pullable)
+    out = fragment_graph(graph, specs, {"top"}, dependents_of(graph), {}, {None: 1}, pullable,
+                         read_through={*aliases, "of-special"} if through else ())
     (fkey,) = [k for k in out if k not in graph]
-    assert out[fkey].dependencies == {("x", i) for i in range(4)}
-    assert (aliases & out.keys()) == (set() if movable else aliases)
+    read = {("x", i) for i in range(4)} if through else {("again", i) for i in range(4)}
+    assert out[fkey].dependencies == read | {"of-special"}
+    assert (aliases & out.keys()) == (set() if through and movable else aliases)
     inputs = {("x", i): np.full(3, float(i)) for i in range(4)}
     np.testing.assert_array_equal(dask.get({**out, **inputs}, "top"), dask.get({**graph, **inputs}, "top"))
+
+
+def aliased(x, name):
+    """``x`` read through one alias task per block (as ``balance`` names blocks it keeps)."""
+    layer = {(name, *k[1:]): Alias((name, *k[1:]), k) for k in flatten(x.__dask_keys__())}
+    return da.Array(HighLevelGraph.from_collections(name, layer, dependencies=[x]), name, x.chunks, meta=x._meta)
+
+
+@pytest.mark.parametrize("inside", ["built", "computed"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={"optimization.fuse.active": False})
+async def test_aliases_the_scheduler_holds_are_read_as_they_are(c, s, a, inside):
+    """Aliases that the scheduler holds (persisted) are reused, as Dask reuses them: the fragments read
+    them, and their targets, released since, do not run again."""
+    rec = await setup(c, s, [1.0])
+    x = da.ones((800, 8), chunks=(100, 8)).map_blocks(inc)
+    y = aliased(x, "held-alias")
+    held = c.persist(y)  # held: the aliases; x's blocks are released
+    await wait(held)
+    expected = await c.compute(y.map_blocks(chain).sum())
+    rec.worker.clear()
+    with dask_octopus.annotate() if inside == "built" else contextlib.nullcontext():
+        z = y.map_blocks(chain, token="annotated").sum()
+    with dask_octopus.annotate() if inside == "computed" else contextlib.nullcontext():
+        assert await c.compute(z) == pytest.approx(expected, rel=1e-12)
+    assert FRAGMENT_PREFIX in {key_split(k) for k in rec.worker}
+    assert not {k for k in rec.worker if key_split(k) in ("inc", "held-alias")}, rec.worker
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_fragments_over_blocks_balance_names_run_where_the_plan_pins_them(c, s, a, b, grouped_by):  # noqa: F811
+    """``balance`` keeps blocks it need not move under new names, aliases of the blocks, which its plan
+    pins (read by two layers here: not fused into them); built inside ``annotate``, each worker's
+    blocks make one fragment, which runs on that worker, and the aliases stay tasks where planned,
+    whether the optimizer or the plugin's ``update_graph`` makes the fragments."""
+    rec = await setup(c, s, [1.0, 1.0])
+    x = c.persist(da.ones((800, 8), chunks=(100, 8)), workers=[a.address])
+    await wait(x)
+    y = await run_balance(c, x, per_worker=4)
+    plan = s.plugins["octopus"].placement.plans[y.name]
+    assert sorted(plan.workers) == sorted([a.address] * 4 + [b.address] * 4)
+    with dask_octopus.annotate():
+        z = (y.map_blocks(chain).sum(axis=1) + y.map_blocks(np.sin).sum(axis=1)).sum()
+    expected = (chain(np.ones((800, 8))).sum(axis=1) + np.sin(np.ones((800, 8))).sum(axis=1)).sum()
+    assert await c.compute(z) == pytest.approx(expected, rel=1e-12)
+    fragments = [w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX]
+    assert sorted(fragments) == sorted([a.address, b.address]), rec.worker
+    blocks = {k[1]: w for k, w in rec.worker.items() if k[0] == y.name}  # the aliases, run as tasks
+    assert blocks == dict(enumerate(plan.workers)), rec.worker
 
 
 class Doubled(Task):

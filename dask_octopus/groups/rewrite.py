@@ -177,6 +177,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    sizes: Mapping[Key, float] | None = None,
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
                    labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
+                   read_through: Collection[Key] = (),
                    ) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
@@ -205,9 +206,12 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
     fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
-    read): where one raises, only the steps that read it fail. Fragments and guards read what an alias
-    names (through aliases of aliases) where that is a task of the result or outside the graph, and the
-    aliases that only they read are left out (sized as what they name, from ``sizes``).
+    read): where one raises, only the steps that read it fail. Fragments and guards read what the
+    aliases among ``read_through`` name (through aliases of aliases) where that is a task of the result
+    (not a special one) or outside the graph, and those aliases that only they read are left out (any
+    alias is sized as what it names, from ``sizes``). Give only aliases whose targets hold the same value
+    without running anything more: not those the scheduler holds (Dask reuses them: their targets may
+    have been released since), nor those a plan pins.
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
@@ -215,7 +219,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     sizes = dict(sizes or {})
-    for k in steps:  # an alias is as large as its target (fragments read the target: see below)
+    for k in steps:  # an alias is as large as its target (the same value)
         if type(dsk[k]) is Alias and k not in sizes and dsk[k].target in sizes:
             sizes[k] = sizes[dsk[k].target]
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
@@ -282,9 +286,9 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     # dataframe, which Dask reads through one alias task per partition), and the aliases only they read go
     through: dict[Key, Key] = {}
     for k in steps:  # dependencies first: an alias of an alias reads the first one's target
-        if type(dsk[k]) is Alias and k not in guards:
+        if type(dsk[k]) is Alias and k in read_through and k not in guards:
             target = through.get(dsk[k].target, dsk[k].target)
-            if target not in inside or target in kept:  # (a member's result is a task where it is kept)
+            if (target not in inside or target in kept) and target not in special:  # (a kept member: a task)
                 through[k] = target
     members_of = (inside - kept.keys()) | guards.keys() | (unread & through.keys())
     given = {**through, **guards}  # what the fragments and guards read in place of each such task

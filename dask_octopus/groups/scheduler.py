@@ -330,7 +330,14 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         return None
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations),
-                          made_bytes=block_bytes())
+                          made_bytes=block_bytes(),
+                          read_through=_read_through({k: graph[k] for k in new}, placement.planned_block))
+
+
+def _read_through(graph: Mapping[Key, GraphNode], planned: Callable[[Key, Any], Any] | None) -> set[Key]:
+    """The aliases of ``graph`` (new tasks' run specs) whose targets fragments may read instead: those
+    no plan pins (``planned``: the plan's block of a key and its run spec, if any)."""
+    return {k for k, node in graph.items() if type(node) is Alias and (planned is None or planned(k, node) is None)}
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -365,14 +372,19 @@ def _relink(ts: TaskState, dependencies: set[Key], tasks: Mapping[Key, TaskState
 
 def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Key, Mapping[str, Any]],
                     wanted: Collection[Key], profiles: Mapping[str, Mapping[str, Any]] | None = None,
-                    unread: Collection[Key] = ()) -> tuple[dict[Key, list[Key]], list[Key]]:
+                    unread: Collection[Key] = (), planned: Callable[[Key, Any], Any] | None = None,
+                    ) -> tuple[dict[Key, list[Key]], list[Key]]:
     """Group the marked tasks among the new, released tasks ``keys`` of one ``update_graph``, but
     those ``unread`` (:func:`unread_tasks`).
 
     ``marks`` are the ``octopus`` annotations of the tasks (``resource``, ``group``); ``wanted`` are
     the keys the client asked for, which keep their own tasks; ``profiles`` (the workers' calibrations)
-    size the memory budget of ``octopus.fragments.max-bytes: auto``. Returns each new group task's key
-    with its members' keys, and the members' keys, which nothing reads any more. Forget those with
+    size the memory budget of ``octopus.fragments.max-bytes: auto``. The fragments read what the new
+    aliases name (dask-expr reads a persisted dataframe through one alias task per partition), but
+    for the aliases that ``planned`` (a key and its run spec: the plan's block, if any,
+    :meth:`~dask_octopus.placement.pins.Placement.planned_block`) says a plan pins. Returns each new
+    group task's key with its members' keys, and the keys of the tasks that nothing reads any more
+    (members, tasks run as guards, aliases the fragments read through). Forget those with
     :func:`forget_unread` after ``update_graph``, so that plugins called after this one still find
     every key they are given.
     """
@@ -394,7 +406,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
-                         made_bytes=block_bytes())
+                         made_bytes=block_bytes(), read_through=_read_through(dsk, planned))
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
     # not one that failed as a whole (its worker lost, say): Dask fails the readers of failed tasks before
@@ -402,7 +414,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     shared = {k for k in made if k in tasks and is_guard(out[k]) and tasks[k].state != "erred"}
     if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
         return {}, []
-    # the members (not the results picked as tasks) and the aliases whose targets the fragments read instead
+    # the members (not the results picked as tasks), the guarded tasks and the aliases read through
     members = [k for k in new if k not in out]
     made = {k: ms for k, ms in made.items() if k not in shared}
     computation = scheduler.computations[-1] if scheduler.computations else None

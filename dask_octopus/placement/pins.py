@@ -161,7 +161,9 @@ class Placement:
             if plan is not None and isinstance(k, tuple) and len(k) > plan.index:
                 yield (_key_name(k), k[plan.index])
 
-    def _planned_block(self, key: Key, run_spec: Any) -> Block | None:
+    def planned_block(self, key: Key, run_spec: Any) -> Block | None:
+        """The first planned block whose key the task ``key`` (run spec ``run_spec``) is, or has fused or
+        grouped into it; ``None`` for a task of no plan."""
         return next(self._planned_blocks(key, run_spec), None)
 
     def update_graph(self, scheduler: Scheduler, keys: Iterable[Key]) -> int:
@@ -250,7 +252,7 @@ class Placement:
     def planned_worker(self, key: Key, run_spec: Any) -> str | None:
         """The worker that the task ``key`` (or a task fused into it) is pinned to by a plan, if any
         (``None`` also for a stealable block, which may run elsewhere)."""
-        block = self._planned_block(key, run_spec)
+        block = self.planned_block(key, run_spec)
         return self.worker_of(block) if block is not None and not self.stealable(block) else None
 
     def inherit(self, key: Key, member: Key) -> None:

@@ -445,7 +445,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if marks:  # marks that only the scheduler sees (dataframes, collections computed inside annotate)
             with collector_paused():
                 made, grouped = scheduler_groups.group_new_tasks(scheduler, tasks, marks, keys or (), self.profiles,
-                                                                 set(unread))
+                                                                 set(unread), self.placement.planned_block)
             unread += grouped
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
