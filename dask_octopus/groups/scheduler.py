@@ -331,13 +331,14 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations),
                           made_bytes=block_bytes(),
-                          read_through=_read_through({k: graph[k] for k in new}, placement.planned_block))
+                          read_through=_read_through(graph, new, placement.planned_block))
 
 
-def _read_through(graph: Mapping[Key, GraphNode], planned: Callable[[Key, Any], Any] | None) -> set[Key]:
-    """The aliases of ``graph`` (new tasks' run specs) whose targets fragments may read instead: those
+def _read_through(graph: Mapping[Key, GraphNode], new: Iterable[Key], planned: Callable[[Key, Any], Any] | None,
+                  ) -> set[Key]:
+    """The aliases among the ``new`` tasks of ``graph`` whose targets fragments may read instead: those
     no plan pins (``planned``: the plan's block of a key and its run spec, if any)."""
-    return {k for k, node in graph.items() if type(node) is Alias and (planned is None or planned(k, node) is None)}
+    return {k for k in new if type(node := graph[k]) is Alias and (planned is None or planned(k, node) is None)}
 
 
 def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[Key]) -> bool:
@@ -406,7 +407,7 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
-                         made_bytes=block_bytes(), read_through=_read_through(dsk, planned))
+                         made_bytes=block_bytes(), read_through=_read_through(dsk, dsk, planned))
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
     # not one that failed as a whole (its worker lost, say): Dask fails the readers of failed tasks before
