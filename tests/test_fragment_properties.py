@@ -1,15 +1,16 @@
 """Fragments on random programs (hypothesis): every output as without ``annotate``.
 
-Random DAGs of delayed calls (some built inside ``annotate``, or all computed inside it), with a node
-that raises and persisted nodes; random chains of dask array operations (elementwise, tree reductions,
-transposes, slices, rechunks, cumulative sums, overlaps) over in-memory or persisted blocks; and
-random dask dataframe programs (partition-wise steps, filters, groupby aggregations, cumulative sums,
-and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed on a local scheduler (the
-optimizer makes the fragments) and on an in-process cluster with the scheduler plugin (the plugin
-makes them, where the tasks will run); each output is compared with the same program computed
-without ``annotate`` by the synchronous scheduler: its value, or the exception it raises. Each test
-also checks that fragments were made. The examples are derandomized: the same ones each run, so
-that the suite's time and outcome do not vary.
+Random low-level graphs with aliases (of inputs, of tasks, of aliases) and special tasks, rewritten by
+``fragment_graph`` itself; random DAGs of delayed calls (some built inside ``annotate``, or all computed
+inside it), with a node that raises and persisted nodes; random chains of dask array operations
+(elementwise, tree reductions, transposes, slices, rechunks, cumulative sums, overlaps) over in-memory
+or persisted blocks; and random dask dataframe programs (partition-wise steps, filters, groupby
+aggregations, cumulative sums, and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed
+on a local scheduler (the optimizer makes the fragments) and on an in-process cluster with the scheduler
+plugin (the plugin makes them, where the tasks will run); each output is compared with the same program
+computed without ``annotate`` by the synchronous scheduler: its value, or the exception it raises. The
+tests on a scheduler or cluster also check that fragments were made. The examples are derandomized: the
+same ones each run, so that the suite's time and outcome do not vary.
 """
 
 import dask
@@ -23,9 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dask_octopus
+from dask_octopus._compat import Alias, Task, TaskRef
 from dask_octopus.groups import marks
 from dask_octopus.groups import scheduler as grouping
-from dask_octopus.groups.rewrite import fragment_of
+from dask_octopus.groups.rewrite import dependents_of, fragment_graph, fragment_of
 
 EXAMPLES = settings(max_examples=100, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -70,6 +72,57 @@ def build(nodes, outputs, group, marked, failing=None, persist=None):
             node = persist[0].persist(node)
         made.append(node)
     return [made[o] for o in outputs]
+
+
+class Special(Task):
+    """A special task (as Dask's P2P barrier): fragments keep away from it."""
+
+    __slots__ = ()
+
+
+@st.composite
+def aliased_graphs(draw):
+    """A low-level graph of up to 20 nodes over up to 3 inputs that exist already: tasks (some special),
+    each reading up to three earlier nodes or inputs, and aliases of one; the keys asked for, the tasks
+    to run as fragments and the places of each, the aliases to read through, the keys that may be pulled
+    into fragments (``None``: any), the inputs' bytes and a budget per place."""
+    n_in = draw(st.integers(0, 3))
+    graph: dict = {}
+    for k in range(draw(st.integers(1, 20))):
+        key, pool = ("n", k), [("in", i) for i in range(n_in)] + list(graph)
+        kind = draw(st.sampled_from(["task", "task", "alias", "alias", "special"]))
+        if kind == "alias" and pool:
+            graph[key] = Alias(key, draw(st.sampled_from(pool)))
+        else:
+            reads = sorted(draw(st.sets(st.sampled_from(pool), max_size=3))) if pool else []
+            graph[key] = (Special if kind == "special" else Task)(key, combine, False, k, *map(TaskRef, reads))
+    keys = sorted(graph)
+    keep = sorted(draw(st.sets(st.sampled_from(keys), min_size=1, max_size=3)))
+    marked = {k for k in keys if draw(st.integers(0, 3))}  # most
+    through = {k for k in keys if draw(st.booleans())}
+    places = {k: draw(st.sampled_from(["w0", "w1", None])) for k in marked}
+    parts = {p: draw(st.integers(1, 3)) for p in ("w0", "w1", None)}
+    pullable = draw(st.one_of(st.none(), st.sets(st.sampled_from(keys)).map(lambda p: p | marked)))
+    sizes = {("in", i): draw(st.integers(0, 100)) for i in range(n_in)}
+    budgets = {p: draw(st.one_of(st.none(), st.integers(1, 300))) for p in ("w0", "w1", None)}
+    return graph, n_in, keep, marked, through, places, parts, pullable, sizes, budgets
+
+
+@given(aliased_graphs())
+@settings(EXAMPLES, max_examples=400)
+def test_random_graphs_with_aliases_give_every_asked_key_s_value_after_the_rewrite(graph):
+    """``fragment_graph`` over any graph with aliases (of inputs, tasks, special tasks and aliases; each
+    read through or not): the keys asked for are tasks of the result with the graph's values, and every
+    key the result reads is one of its tasks or an input (the plugin forgets the others). An alias read
+    through by fragments stays where an alias that is not read through reads it."""
+    graph, n_in, keep, marked, through, places, parts, pullable, sizes, budgets = graph
+    inputs = {("in", i): 10 * i + 1 for i in range(n_in)}
+    out = fragment_graph(graph, {k: {"resource": "memory"} for k in marked}, keep, dependents_of(graph), places,
+                         parts, pullable, sizes=sizes, budgets=budgets,
+                         read_through={k for k in through if type(graph[k]) is Alias})
+    assert set(keep) <= out.keys()
+    assert {d for node in out.values() for d in node.dependencies} <= out.keys() | inputs.keys()
+    assert dask.get({**out, **inputs}, keep) == dask.get({**graph, **inputs}, keep)
 
 
 def outcome_alone(value):

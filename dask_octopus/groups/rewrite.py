@@ -207,8 +207,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
     read): where one raises, only the steps that read it fail. Fragments and guards read what the
-    aliases among ``read_through`` name (through aliases of aliases) where that is a task of the result
-    (not a special one) or outside the graph, and those aliases that only they read are left out (any
+    aliases among ``read_through`` name (through aliases of aliases) where that is not a special task, and
+    those aliases that only they, or other such aliases, read are left out (any
     alias is sized as what it names, from ``sizes``). Give only aliases whose targets hold the same value
     without running anything more: not those the scheduler holds (Dask reuses them: their targets may
     have been released since), nor those a plan pins.
@@ -287,10 +287,14 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     through: dict[Key, Key] = {}
     for k in steps:  # dependencies first: an alias of an alias reads the first one's target
         if type(dsk[k]) is Alias and k in read_through and k not in guards:
-            target = through.get(dsk[k].target, dsk[k].target)
-            if (target not in inside or target in kept) and target not in special:  # (a kept member: a task)
+            target = through.get(dsk[k].target, dsk[k].target)  # (never a member: an alias reads it)
+            if target not in special:
                 through[k] = target
-    members_of = (inside - kept.keys()) | guards.keys() | (unread & through.keys())
+    gone: set[Key] = set()  # aliases read through by all that read them: fragments, guards and other such aliases
+    for k in reversed(steps):
+        if k in unread and k in through and all(r in inside or r in guards or r in gone for r in dependents[k]):
+            gone.add(k)
+    members_of = (inside - kept.keys()) | guards.keys() | gone
     given = {**through, **guards}  # what the fragments and guards read in place of each such task
     out: dict[Key, GraphNode] = {k: rewritten(k) for k in dsk if k not in members_of}
     out.update(kept)
