@@ -2,7 +2,7 @@
 
 Random low-level graphs with aliases (of inputs, of tasks, of aliases) and special tasks, rewritten by
 ``fragment_graph`` itself; random DAGs of delayed calls (some built inside ``annotate``, or all computed
-inside it), with a node that raises and persisted nodes; random chains of dask array operations
+inside it), with a node that raises, aliases and persisted nodes; random chains of dask array operations
 (elementwise, tree reductions, transposes, slices, rechunks, cumulative sums, overlaps) over in-memory
 or persisted blocks; and random dask dataframe programs (partition-wise steps, filters, groupby
 aggregations, cumulative sums, and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed
@@ -13,12 +13,16 @@ tests on a scheduler or cluster also check that fragments were made. The example
 same ones each run, so that the suite's time and outcome do not vary.
 """
 
+import contextlib
+
 import dask
 import dask.array as da
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.delayed import Delayed
+from dask.highlevelgraph import HighLevelGraph
 from distributed import Client, LocalCluster, wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,11 +50,12 @@ def combine(fail, c, *xs):
 
 @st.composite
 def programs(draw):
-    """Nodes ``(dependencies, built inside annotate, constant)`` of a DAG, the outputs asked for, the
-    ``group`` cap and the node that raises (or ``None``)."""
+    """Nodes ``(dependencies, built inside annotate, constant, an alias)`` of a DAG (an alias names its
+    first dependency, else the node before it), the outputs asked for, the ``group`` cap and the node
+    that raises (or ``None``)."""
     n = draw(st.integers(1, 25))
     nodes = [(sorted(draw(st.sets(st.integers(0, k - 1), max_size=3))) if k else [], draw(st.booleans()),
-              draw(st.integers(0, 9))) for k in range(n)]
+              draw(st.integers(0, 9)), k > 0 and draw(st.integers(0, 4)) == 0) for k in range(n)]
     outputs = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=4)))
     group = draw(st.one_of(st.none(), st.integers(1, 4)))
     failing = draw(st.one_of(st.none(), st.integers(0, n - 1)))
@@ -61,13 +66,10 @@ def build(nodes, outputs, group, marked, failing=None, persist=None):
     """The delayed outputs of a program; nodes marked where ``marked`` says so, the nodes of ``persist``
     (a client and node indices) persisted on its cluster."""
     made = []
-    for k, (deps, mark, c) in enumerate(nodes):
+    for k, (deps, mark, c, alias) in enumerate(nodes):
         args = (k == failing, 100 * c + k, *(made[d] for d in deps))
-        if marked and mark:
-            with dask_octopus.annotate(group=group):
-                node = dask.delayed(combine, pure=True)(*args)
-        else:
-            node = dask.delayed(combine, pure=True)(*args)
+        with dask_octopus.annotate(group=group) if marked and mark else contextlib.nullcontext():
+            node = aliased(made[deps[0] if deps else k - 1], k) if alias else dask.delayed(combine, pure=True)(*args)
         if persist is not None and k in persist[1]:
             node = persist[0].persist(node)
         made.append(node)
@@ -123,6 +125,12 @@ def test_random_graphs_with_aliases_give_every_asked_key_s_value_after_the_rewri
     assert set(keep) <= out.keys()
     assert {d for node in out.values() for d in node.dependencies} <= out.keys() | inputs.keys()
     assert dask.get({**out, **inputs}, keep) == dask.get({**graph, **inputs}, keep)
+
+
+def aliased(value, k):
+    """``value`` under another key, through an alias task (as dask-expr reads a persisted collection)."""
+    key = f"alias-{k}-{value.key}"
+    return Delayed(key, HighLevelGraph.from_collections(key, {key: Alias(key, value.key)}, dependencies=[value]))
 
 
 def outcome_alone(value):
