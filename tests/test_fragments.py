@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 from dask.base import tokenize
 from dask.core import flatten
+from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
@@ -888,6 +889,38 @@ async def test_fragments_over_blocks_balance_names_run_where_the_plan_pins_them(
     assert sorted(fragments) == sorted([a.address, b.address]), rec.worker
     blocks = {k[1]: w for k, w in rec.worker.items() if k[0] == y.name}  # the aliases, run as tasks
     assert blocks == dict(enumerate(plan.workers)), rec.worker
+
+
+def alias_of(value, name):
+    """The delayed ``value`` read through a new alias task named ``name``."""
+    return Delayed(name, HighLevelGraph.from_collections(name, {name: Alias(name, value.key)}, dependencies=[value]))
+
+
+@pytest.mark.parametrize("inside", ["built", "computed"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_values_read_through_new_aliases_are_sized_when_the_optimizer_cuts_fragments(c, s, a, inside):
+    """Delayed values persisted, read through new aliases made outside ``annotate`` (fragments made by the
+    optimizer on the scheduler, where nothing else says how large the values are): the values count
+    with their bytes when fragments are cut, as they would read directly; exact, none split as it runs."""
+    rec = await setup(c, s, [1.0])
+    blocks = c.persist([dask.delayed(np.full, pure=True)((100, 8), float(i)) for i in range(16)])
+    await wait(blocks)
+    block = 100 * 8 * 8
+    expected = float(sum(chain(np.full((100, 8), float(i))).sum() for i in range(16)))
+    for budget, cut in (("auto", False), (8 * block, True)):  # all 16 blocks do not fit in 8
+        rec.worker.clear()
+        aliases = [alias_of(b, f"new-alias-{inside}-{cut}-{i}") for i, b in enumerate(blocks)]  # (not marked)
+        with dask.config.set({"octopus.fragments.max-bytes": budget}), \
+                captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+            with dask_octopus.annotate() if inside == "built" else contextlib.nullcontext():
+                z = dask.delayed(total)(*(dask.delayed(np.sum)(dask.delayed(chain)(b)) for b in aliases))
+            with dask_octopus.annotate() if inside == "computed" else contextlib.nullcontext():
+                assert await c.compute(z) == pytest.approx(expected, rel=1e-12)
+        whole = [k for k in rec.worker if key_split(k) == FRAGMENT_PREFIX]
+        parts = [k for k in rec.worker if FRAGMENT_PREFIX in str(k) and key_split(k) != FRAGMENT_PREFIX]
+        assert not parts and "runs as" not in log.getvalue(), (parts, log.getvalue())
+        assert len(whole) > 1 if cut else len(whole) == 1, whole
+        assert not {k for k in rec.worker if key_split(k).startswith("new-alias")}, rec.worker  # read through
 
 
 class Doubled(Task):

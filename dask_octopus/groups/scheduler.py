@@ -313,13 +313,14 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         new = {k for k in graph if k not in reusable}
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
-        sizes: dict[Key, float] = {}
+        # the bytes of the graph's inputs held already (what its fragments, or the aliases they read through, read)
+        sizes = _sizes({ts for node in graph.values() for d in node.dependencies
+                        if d not in graph and (ts := scheduler.tasks.get(d)) is not None})
         coerce = functools.lru_cache(maxsize=None)(scheduler.coerce_address)  # (it may look a host name up)
         for k in marks:
             node = graph[k]
             worker = placement.planned_worker(k, node)
             held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
-            sizes.update(_sizes(held))
             places[k] = (_place_of([worker]) if worker is not None
                          else _place_of(*annotated_restrictions(annotations.get(k, {}), coerce), _home(held)))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
