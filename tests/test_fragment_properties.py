@@ -141,9 +141,10 @@ def outcome_alone(value):
         return ("error", "Boom")
 
 
-def outcomes(client, values):
-    """The value of each collection computed on the cluster, or ``("error", type name)``."""
-    futures = client.compute(values)
+def outcomes(client, values, apart=False):
+    """The value of each collection computed on the cluster, or ``("error", type name)``; ``apart``: each
+    by a compute of its own, all in flight at once (sharing the tasks they have in common)."""
+    futures = [client.compute(v) for v in values] if apart else client.compute(values)
     wait(futures)
     return [("error", type(f.exception()).__name__) if f.status == "error" else f.result() for f in futures]
 
@@ -200,16 +201,15 @@ def test_random_delayed_programs_give_every_output_on_a_local_scheduler(schedule
 def test_random_delayed_programs_give_every_output_or_its_error_on_a_cluster(
         cluster_client, fragments_made_on_the_scheduler, program, whole, data):
     """Built with some nodes inside ``annotate``, or computed inside it; up to two nodes persisted first;
-    the outputs that read the failing node raise its error, the others are exact."""
+    the outputs computed together or each by a compute of its own, at once; the outputs that read the
+    failing node raise its error, the others are exact."""
     nodes, outputs, group, failing = program
     persisted = data.draw(st.sets(st.integers(0, len(nodes) - 1), max_size=2))
+    apart = data.draw(st.booleans())
     expected = [outcome_alone(v) for v in build(nodes, outputs, group, marked=False, failing=failing)]
     values = build(nodes, outputs, group, marked=not whole, failing=failing, persist=(cluster_client, persisted))
-    if whole:
-        with dask_octopus.annotate(group=group):
-            got = outcomes(cluster_client, values)
-    else:
-        got = outcomes(cluster_client, values)
+    with dask_octopus.annotate(group=group) if whole else contextlib.nullcontext():
+        got = outcomes(cluster_client, values, apart)
     assert got == expected
 
 
