@@ -24,7 +24,7 @@ import pytest
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
 from distributed import Client, LocalCluster, wait
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dask_octopus
@@ -111,6 +111,10 @@ def aliased_graphs(draw):
 
 
 @given(aliased_graphs())
+@example((  # an alias read through (A1), read by one that is not (A2), which a fragment reads: A1 stays for A2
+    {"A1": Alias("A1", ("in", 0)), "A2": Alias("A2", "A1"), "m1": Task("m1", combine, False, 1, TaskRef("A2")),
+     "m2": Task("m2", combine, False, 2, TaskRef("m1")), "out": Task("out", combine, False, 3, TaskRef("m2"))},
+    1, ["out"], {"m1", "m2"}, {"A1"}, {}, {None: 1}, None, {}, {}))
 @settings(EXAMPLES, max_examples=400)
 def test_random_graphs_with_aliases_give_every_asked_key_s_value_after_the_rewrite(graph):
     """``fragment_graph`` over any graph with aliases (of inputs, tasks, special tasks and aliases; each

@@ -313,9 +313,9 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         new = {k for k in graph if k not in reusable}
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
-        # the bytes of the graph's inputs held already (what its fragments, or the aliases they read through, read)
-        sizes = _sizes({ts for node in graph.values() for d in node.dependencies
-                        if d not in graph and (ts := scheduler.tasks.get(d)) is not None})
+        # the bytes of what the new tasks read that exists already (also through the aliases they read through)
+        sizes = _sizes({ts for k in new for d in graph[k].dependencies
+                        if d not in new and (ts := scheduler.tasks.get(d)) is not None})
         coerce = functools.lru_cache(maxsize=None)(scheduler.coerce_address)  # (it may look a host name up)
         for k in marks:
             node = graph[k]
@@ -386,7 +386,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     for the aliases that ``planned`` (a key and its run spec: the plan's block, if any,
     :meth:`~dask_octopus.placement.pins.Placement.planned_block`) says a plan pins. Returns each new
     group task's key with its members' keys, and the keys of the tasks that nothing reads any more
-    (members, tasks run as guards, aliases the fragments read through). Forget those with
+    (members, tasks run as guards, aliases read through that only fragments, guards or other such
+    aliases read). Forget those with
     :func:`forget_unread` after ``update_graph``, so that plugins called after this one still find
     every key they are given.
     """
