@@ -258,13 +258,15 @@ OPS = ["add", "mul", "map_blocks", "mean", "max", "slice", "rechunk", "sum0", "s
 
 @given(st.integers(2, 12), st.integers(1, 5), st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 9)),
                                                        min_size=1, max_size=6),
-       st.sampled_from(["whole compute", "built inside", "persisted input"]), st.one_of(st.none(), st.integers(1, 4)))
+       st.sampled_from(["whole compute", "built inside", "persisted input", "balanced input"]),
+       st.one_of(st.none(), st.integers(1, 4)))
 @EXAMPLES
 def test_random_array_programs_give_the_unannotated_values_on_a_cluster(
         cluster_client, fragments_made_on_the_scheduler, side, chunk, ops, how, group):
     """A square integer array in blocks of ``chunk`` through up to six operations: annotated around the
     whole compute, around building the program only (the README pattern: what reads the marked blocks
-    joins them), or computed inside ``annotate`` over persisted blocks."""
+    joins them), or computed inside ``annotate`` over persisted blocks or over blocks ``balance`` planned
+    (its pins and renamed blocks beside the fragments)."""
     data = np.arange(side * side, dtype=np.int64).reshape(side, side)
 
     def program(x):
@@ -272,10 +274,13 @@ def test_random_array_programs_give_the_unannotated_values_on_a_cluster(
             x = apply(x, op, c)
         return x
 
-    expected = program(da.from_array(data, chunks=chunk)).compute(scheduler="sync")
     x = da.from_array(data, chunks=chunk)
     if how == "persisted input":
         x = cluster_client.persist(x)
+    if how == "balanced input":
+        x = dask_octopus.balance(x, client=cluster_client, per_worker=1)
+    # (some operations depend on the blocks: the reference is in the blocks the program gets)
+    expected = program(da.from_array(data, chunks=x.chunks)).compute(scheduler="sync")
     if how == "built inside":
         with dask_octopus.annotate(group=group):
             y = program(x)
