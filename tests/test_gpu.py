@@ -837,3 +837,43 @@ def test_balance_learns_a_cupy_working_set_and_sizes_the_next_blocks_by_it():
         assert all(n * 4 * r <= free * fraction for n in second.chunks[0])
         assert len(second.chunks[0]) > len(first.chunks[0])
         assert float(second.map_blocks(inflate_on_gpu).sum().compute()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_random_cupy_array_programs_are_exact_eager_and_replayed(cuda_one):
+    """Random array programs (the CPU property test's operations) on persisted CuPy integer blocks,
+    computed inside ``annotate`` three times: eager, then captured and replayed as CUDA graphs; each
+    time the NumPy reference's values (integers exactly; means to 1e-12)."""
+    import cupy
+    import dask.array as da
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_fragment_properties import OPS, apply
+
+    import dask_octopus
+
+    @given(st.integers(2, 12), st.integers(1, 5), st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 9)),
+                                                           min_size=1, max_size=6))
+    @settings(max_examples=25, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    def check(side, chunk, ops):
+        data = np.arange(side * side, dtype=np.int64).reshape(side, side)
+
+        def program(x):
+            for op, c in ops:
+                x = apply(x, op, c)
+            return x
+
+        x = cuda_one.persist(da.from_array(cupy.asarray(data), chunks=chunk))
+        expected = program(da.from_array(data, chunks=chunk)).compute(scheduler="sync")
+        for _ in range(3):
+            with dask_octopus.annotate():
+                got = cupy.asnumpy(cuda_one.compute(program(x)).result())
+            if np.issubdtype(expected.dtype, np.integer):
+                np.testing.assert_array_equal(got, expected)
+            else:
+                np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+    check()
+    (s,) = cuda_one.run(capture_stats).values()
+    print("capture stats", s)
+    assert s["replays"] >= 1  # (the fragments of most programs are captured at their second compute)
