@@ -42,7 +42,7 @@ def _ran(dask_scheduler):
 
 
 @given(st.integers(64, 400), st.integers(1, 6), st.sampled_from([0, 1]), st.data())
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_random_balanced_arrays_keep_their_values_and_run_each_block_where_planned(client, long, short, axis, data):
     """Along ``axis`` the array is ``long`` (64-400) in blocks of 8 or more; across it ``short``."""
@@ -78,7 +78,7 @@ def test_random_balanced_arrays_keep_their_values_and_run_each_block_where_plann
 
 
 @given(st.integers(16, 300), st.integers(1, 8), st.data())
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=15, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_random_balanced_dataframes_keep_their_rows_and_run_each_partition_where_planned(client, rows, parts, data):
     """A dataframe of ``rows`` rows in ``parts`` partitions: a sorted index with runs of equal values

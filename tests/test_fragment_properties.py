@@ -116,7 +116,7 @@ def aliased_graphs(draw):
     {"A1": Alias("A1", ("in", 0)), "A2": Alias("A2", "A1"), "m1": Task("m1", combine, False, 1, TaskRef("A2")),
      "m2": Task("m2", combine, False, 2, TaskRef("m1")), "out": Task("out", combine, False, 3, TaskRef("m2"))},
     1, ["out"], {"m1", "m2"}, {"A1"}, {}, {None: 1}, None, {}, {}))
-@settings(EXAMPLES, max_examples=400)
+@settings(EXAMPLES, max_examples=200)
 def test_random_graphs_with_aliases_give_every_asked_key_s_value_after_the_rewrite(graph):
     """``fragment_graph`` over any graph with aliases (of inputs, tasks, special tasks and aliases; each
     read through or not): the keys asked for are tasks of the result with the graph's values, and every

@@ -10,9 +10,10 @@ on it here. The examples are derandomized: the same ones each run.
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fragment_properties import cluster_client  # noqa: F401 (a fixture)
 
 import dask_octopus
 
@@ -27,21 +28,13 @@ def work(x, fail=frozenset(), offset=0):
     return 3 * x + offset
 
 
-@pytest.fixture(scope="module")
-def client():
-    with (LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster,
-          Client(cluster) as client):
-        dask_octopus.register(client, calibrate=False)
-        yield client
-
-
 HOWS = ["futures", "gather", "skip", "imap", "imap-skip"]
 
 
 @given(st.lists(st.integers(0, 40), max_size=24), st.data())
 @settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-def test_random_maps_give_every_item_its_result_or_its_own_error(client, values, data):
+def test_random_maps_give_every_item_its_result_or_its_own_error(cluster_client, values, data):  # noqa: F811
     n = len(values)
     kinds = data.draw(st.lists(st.sampled_from(["local", "future", "delayed"]), min_size=n, max_size=n))
     failing = frozenset(data.draw(st.sets(st.sampled_from(values)))) if values else frozenset()
@@ -49,10 +42,10 @@ def test_random_maps_give_every_item_its_result_or_its_own_error(client, values,
     cost = data.draw(st.one_of(st.none(), st.lists(st.floats(0, 100), min_size=n, max_size=n)))
     how = data.draw(st.sampled_from(HOWS))
     offset = data.draw(st.integers(0, 5))
-    items = [x if kind == "local" else client.scatter(x, hash=False) if kind == "future"
+    items = [x if kind == "local" else cluster_client.scatter(x, hash=False) if kind == "future"
              else dask.delayed(lambda v: v, pure=False)(x) for x, kind in zip(values, kinds, strict=True)]
     expected = [None if x in failing else 3 * x + offset for x in values]
-    options = {"client": client, "group": group, "cost": cost, "fail": failing, "offset": offset}
+    options = {"client": cluster_client, "group": group, "cost": cost, "fail": failing, "offset": offset}
     if how == "futures":
         futures = dask_octopus.map(work, items, **options)
         wait(futures)
@@ -92,7 +85,7 @@ def scaled(block, fail=frozenset()):
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 4000)), max_size=16), st.data())
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-def test_random_maps_of_blocks_under_a_memory_budget_give_every_block_its_result(client, blocks, data):
+def test_random_maps_of_blocks_under_a_memory_budget_give_every_block_its_result(cluster_client, blocks, data):  # noqa: F811
     """Blocks of up to 32 kB under a budget of 8 to 64 kB per task: batches are cut to fit (or hold one
     block each), and every block's result is its own, or its own error."""
     budget = data.draw(st.sampled_from(["8kB", "16kB", "64kB"]))
@@ -100,7 +93,8 @@ def test_random_maps_of_blocks_under_a_memory_budget_give_every_block_its_result
     group = data.draw(st.one_of(st.none(), st.integers(1, 8)))
     items = [np.full(size, float(x)) for x, size in blocks]
     with dask.config.set({"octopus.fragments.max-bytes": budget}):
-        got = dask_octopus.map(scaled, items, client=client, group=group, gather=True, errors="skip", fail=failing)
+        got = dask_octopus.map(scaled, items, client=cluster_client, group=group, gather=True, errors="skip",
+                               fail=failing)
     expected = [b * 3.0 for (x, _), b in zip(blocks, items, strict=True) if x not in failing]
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
