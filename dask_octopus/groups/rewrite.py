@@ -207,9 +207,9 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
     read): where one raises, only the steps that read it fail. Fragments and guards read what the
-    aliases among ``read_through`` name (through aliases of aliases) where that is not a special task, and
-    those aliases that only they, or other such aliases, read are left out (any
-    alias is sized as what it names, from ``sizes``). Give only aliases whose targets hold the same value
+    aliases among ``read_through`` name (through aliases of aliases) where that is not a special task,
+    and those aliases that only they, or other such aliases, read are left out (any alias is sized as
+    what it names, from ``sizes``). Give only aliases whose targets hold the same value
     without running anything more: not those the scheduler holds (Dask reuses them: their targets may
     have been released since), nor those a plan pins.
     """
@@ -255,7 +255,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
-    unread: set[Key] = set()  # aliases that only fragments read, which read their targets instead
+    unread: set[Key] = set()  # aliases that only fragments and guards read (directly or through such aliases)
     for d in _read_by_fragments_only(steps, dependents, (plain | aliases) - inside, inside):  # dependencies first
         if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
             unread.add(d)

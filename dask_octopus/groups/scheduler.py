@@ -313,14 +313,16 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         new = {k for k in graph if k not in reusable}
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
-        # the bytes of what the new tasks read that exists already (also through the aliases they read through)
-        sizes = _sizes({ts for k in new for d in graph[k].dependencies
-                        if d not in new and (ts := scheduler.tasks.get(d)) is not None})
+        # what the new tasks read that the scheduler has: sized (also through the aliases read through), and
+        # where it is in memory, the home of the marked tasks that read it
+        had = {d: ts for k in new for d in graph[k].dependencies
+               if d not in new and (ts := scheduler.tasks.get(d)) is not None}
+        sizes = _sizes(had.values())
         coerce = functools.lru_cache(maxsize=None)(scheduler.coerce_address)  # (it may look a host name up)
         for k in marks:
             node = graph[k]
             worker = placement.planned_worker(k, node)
-            held = [ts for d in node.dependencies if d not in graph and (ts := scheduler.tasks.get(d)) is not None]
+            held = [had[d] for d in node.dependencies if d in had]
             places[k] = (_place_of([worker]) if worker is not None
                          else _place_of(*annotated_restrictions(annotations.get(k, {}), coerce), _home(held)))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
@@ -387,9 +389,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     :meth:`~dask_octopus.placement.pins.Placement.planned_block`) says a plan pins. Returns each new
     group task's key with its members' keys, and the keys of the tasks that nothing reads any more
     (members, tasks run as guards, aliases read through that only fragments, guards or other such
-    aliases read). Forget those with
-    :func:`forget_unread` after ``update_graph``, so that plugins called after this one still find
-    every key they are given.
+    aliases read). Forget those with :func:`forget_unread` after ``update_graph``, so that plugins
+    called after this one still find every key they are given.
     """
     tasks = scheduler.tasks
     new = {k: tasks[k] for k in keys if k in tasks and k not in unread and tasks[k].state == "released"
