@@ -22,11 +22,10 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from dask.delayed import Delayed
-from dask.highlevelgraph import HighLevelGraph
 from distributed import Client, LocalCluster, wait
 from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
+from test_fragments import Barrier, alias_of
 
 import dask_octopus
 from dask_octopus._compat import Alias, Task, TaskRef
@@ -69,18 +68,13 @@ def build(nodes, outputs, group, marked, failing=None, persist=None):
     made = []
     for k, (deps, mark, c, alias) in enumerate(nodes):
         args = (k == failing, 100 * c + k, *(made[d] for d in deps))
+        target = made[deps[0] if deps else k - 1] if alias else None
         with dask_octopus.annotate(group=group) if marked and mark else contextlib.nullcontext():
-            node = aliased(made[deps[0] if deps else k - 1], k) if alias else dask.delayed(combine, pure=True)(*args)
+            node = alias_of(target, f"alias-{k}-{target.key}") if alias else dask.delayed(combine, pure=True)(*args)
         if persist is not None and k in persist[1]:
             node = persist[0].persist(node)
         made.append(node)
     return [made[o] for o in outputs]
-
-
-class Special(Task):
-    """A special task (as Dask's P2P barrier): fragments keep away from it."""
-
-    __slots__ = ()
 
 
 @st.composite
@@ -98,7 +92,7 @@ def aliased_graphs(draw):
             graph[key] = Alias(key, draw(st.sampled_from(pool)))
         else:
             reads = sorted(draw(st.sets(st.sampled_from(pool), max_size=3))) if pool else []
-            graph[key] = (Special if kind == "special" else Task)(key, combine, False, k, *map(TaskRef, reads))
+            graph[key] = (Barrier if kind == "special" else Task)(key, combine, False, k, *map(TaskRef, reads))
     keys = sorted(graph)
     keep = sorted(draw(st.sets(st.sampled_from(keys), min_size=1, max_size=3)))
     marked = {k for k in keys if draw(st.integers(0, 3))}  # most
@@ -130,12 +124,6 @@ def test_random_graphs_with_aliases_give_every_asked_key_s_value_after_the_rewri
     assert set(keep) <= out.keys()
     assert {d for node in out.values() for d in node.dependencies} <= out.keys() | inputs.keys()
     assert dask.get({**out, **inputs}, keep) == dask.get({**graph, **inputs}, keep)
-
-
-def aliased(value, k):
-    """``value`` under another key, through an alias task (as dask-expr reads a persisted collection)."""
-    key = f"alias-{k}-{value.key}"
-    return Delayed(key, HighLevelGraph.from_collections(key, {key: Alias(key, value.key)}, dependencies=[value]))
 
 
 def outcome_alone(value):
