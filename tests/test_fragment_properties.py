@@ -2,7 +2,8 @@
 
 Random low-level graphs with aliases (of inputs, of tasks, of aliases) and special tasks, rewritten by
 ``fragment_graph`` itself; random DAGs of delayed calls (some built inside ``annotate``, or all computed
-inside it), with a node that raises, aliases and persisted nodes; random chains of dask array operations
+inside it), with a node that raises, aliases and persisted nodes, some outputs cancelled as they run;
+random chains of dask array operations
 (elementwise, tree reductions, transposes, slices, rechunks, cumulative sums, overlaps) over in-memory
 or persisted blocks; and random dask dataframe programs (partition-wise steps, filters, groupby
 aggregations, cumulative sums, and Dask's P2P shuffles: ``shuffle``, ``set_index``, ``merge``). Computed
@@ -15,6 +16,7 @@ same ones each run, so that the suite's time and outcome do not vary.
 
 import contextlib
 import itertools
+import time
 
 import dask
 import dask.array as da
@@ -62,15 +64,27 @@ def programs(draw):
     return nodes, outputs, group, failing
 
 
-def build(nodes, outputs, group, marked, failing=None, persist=None):
+def napping_combine(nap, salt, *args):
+    """:func:`combine` after ``nap`` seconds (``salt`` makes the key another)."""
+    time.sleep(nap)
+    return combine(*args)
+
+
+def build(nodes, outputs, group, marked, failing=None, persist=None, naps=None, salt=None):
     """The delayed outputs of a program; nodes marked where ``marked`` says so, the nodes of ``persist``
-    (a client and node indices) persisted on its cluster."""
+    (a client and node indices) persisted on its cluster; with ``naps``, node ``k`` sleeps ``naps[k]``
+    seconds first and ``salt`` is part of every key."""
     made = []
     for k, (deps, mark, c, alias) in enumerate(nodes):
         args = (k == failing, 100 * c + k, *(made[d] for d in deps))
         target = made[deps[0] if deps else k - 1] if alias else None
         with dask_octopus.annotate(group=group) if marked and mark else contextlib.nullcontext():
-            node = alias_of(target, f"alias-{k}-{target.key}") if alias else dask.delayed(combine, pure=True)(*args)
+            if alias:
+                node = alias_of(target, f"alias-{k}-{target.key}")
+            elif naps is None:
+                node = dask.delayed(combine, pure=True)(*args)
+            else:
+                node = dask.delayed(napping_combine, pure=True)(naps[k], salt, *args)
         if persist is not None and k in persist[1]:
             node = persist[0].persist(node)
         made.append(node)
@@ -204,6 +218,60 @@ def test_random_delayed_programs_give_every_output_or_its_error_on_a_cluster(
     with dask_octopus.annotate(group=group) if whole else contextlib.nullcontext():
         got = outcomes(cluster_client, values, apart)
     assert got == expected
+
+
+def _read_by_another(nodes, outputs):
+    """The outputs (indices into ``outputs``) that another output reads, directly or not."""
+    read, todo = set(), [d for o in outputs for d in _reads(nodes, o)]
+    while todo:
+        k = todo.pop()
+        if k not in read:
+            read.add(k)
+            todo.extend(_reads(nodes, k))
+    return {i for i, o in enumerate(outputs) if o in read}
+
+
+def _reads(nodes, k):
+    deps, _, _, alias = nodes[k]
+    return (deps[:1] or [k - 1]) if alias else deps
+
+
+SALTS = itertools.count()
+
+
+@given(programs(), st.booleans(), st.data())
+@settings(EXAMPLES, max_examples=40)
+def test_random_delayed_programs_with_outputs_cancelled_as_they_run_leave_the_others_exact_and_nothing_held(
+        cluster_client, fragments_made_on_the_scheduler, program, whole, data):
+    """Outputs computed apart at once, nodes taking some milliseconds, some outputs cancelled as they run
+    (those no other output reads: Dask's own cancel fails on a dependent no client wants): the others
+    exact; the program computed again (new keys) exact; and once the futures are let go the scheduler
+    holds no task of theirs."""
+    nodes, outputs, group, failing = program
+    naps = data.draw(st.lists(st.sampled_from([0, 0, 0.002, 0.01]), min_size=len(nodes), max_size=len(nodes)))
+    alone = sorted(set(range(len(outputs))) - _read_by_another(nodes, outputs))
+    cancel = data.draw(st.sets(st.sampled_from(alone)) if alone else st.just(set()))
+    delay = data.draw(st.sampled_from([0, 0.002, 0.01]))
+    expected = [outcome_alone(v) for v in build(nodes, outputs, group, marked=False, failing=failing)]
+    scheduler = cluster_client.cluster.scheduler
+    before = set(scheduler.tasks)
+    # the second time with new keys: Dask's report of the cancelled keys may reach the client after it
+    # computed the same keys again, and cancel those futures too
+    for salt, cancelled in ((next(SALTS), cancel), (next(SALTS), set())):
+        values = build(nodes, outputs, group, marked=not whole, failing=failing, naps=naps, salt=salt)
+        with dask_octopus.annotate(group=group) if whole else contextlib.nullcontext():
+            futures = [cluster_client.compute(v) for v in values]
+        time.sleep(delay)
+        cluster_client.cancel([futures[i] for i in cancelled])
+        wait([f for i, f in enumerate(futures) if i not in cancelled])
+        got = [("error", type(f.exception()).__name__) if f.status == "error" else f.result()
+               for i, f in enumerate(futures) if i not in cancelled]
+        assert got == [e for i, e in enumerate(expected) if i not in cancelled]
+        del futures, values
+    deadline = time.monotonic() + 10
+    while set(scheduler.tasks) - before:
+        assert time.monotonic() < deadline, (set(scheduler.tasks) - before)
+        time.sleep(0.02)
 
 
 def _overlap(b):
