@@ -127,7 +127,7 @@ def test_profile_watch_that_loses_its_scheduler_says_so(loop):
         with Client(s["address"], loop=loop) as c:
             dask_octopus.register(c, calibrate=False)
         watching = subprocess.Popen([sys.executable, "-m", "dask_octopus", "profile", "--scheduler-address",
-                                     s["address"], "--watch", "--interval", "0.2"], env=env,
+                                     s["address"], "--watch", "--interval", "0.2", "--timeout", "2s"], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for line in watching.stdout:  # a table, then the scheduler goes away
             if "weight compute" in line:
