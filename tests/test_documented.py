@@ -216,6 +216,8 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("map.learn-result-size", "yes", "octopus.map.learn-result-size must be true or false, got 'yes'"),
     ("fragments.max-bytes", "lots", "octopus.fragments.max-bytes must be auto or a size such as 2GiB, got 'lots'"),
     ("streams.capture-spare-bytes", "a few", "octopus.streams.capture-spare-bytes must be a size such as 32MiB, got "),
+    ("streams.switch-interval", "0s", "octopus.streams.switch-interval must be off or a duration such as 100us, got "),
+    ("streams.switch-interval", "on", "octopus.streams.switch-interval must be off or a duration such as 100us, got "),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
@@ -231,7 +233,8 @@ def test_readme_defaults():
                 "map.steal-min-seconds": "50ms", "map.learn-result-size": True, "max-plans": 1000,
                 "fragments.max-bytes": "auto",
                 "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,
-                "streams.capture-after": 1, "streams.max-graphs": 64, "streams.capture-spare-bytes": "32MiB"}
+                "streams.capture-after": 1, "streams.max-graphs": 64, "streams.capture-spare-bytes": "32MiB",
+                "streams.switch-interval": "100us"}
     assert {key: config.get(key) for key in expected} == expected
     assert set(config.CHECKS) == set(expected)  # every setting is in the README's table
 

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import operator
 import pickle
+import sys
 import threading
 import time
 
@@ -422,6 +423,76 @@ def test_an_eager_run_keeps_to_one_stream_where_more_would_hold_more_than_one_bl
     ran_on.clear()
     assert streams.run_fragment(frag, 1, 100) == (106, 14)  # sizes unknown (not device arrays)
     assert len(ran_on) > 1
+
+
+def _switch_interval_in_steps(frag):
+    """``frag`` with every step recording Python's switch interval as it runs, and those records."""
+    seen = []
+
+    def spy(func):
+        def run(*args):
+            seen.append(sys.getswitchinterval())
+            return func(*args)
+
+        return run
+
+    specs = tuple((head, spy(func), *rest) for head, func, *rest in frag.specs())
+    frag.specs = lambda: specs
+    return frag, seen
+
+
+@pytest.mark.parametrize("setting, during", [("100us", pytest.approx(1e-4, rel=0.02)), ("off", 5e-3), ("1s", 5e-3)])
+def test_a_gpu_worker_launches_with_a_short_switch_interval_and_gets_python_s_back_after(
+        fake_gpu, setting, during):  # noqa: F811
+    """Python's switch interval is at most ``octopus.streams.switch-interval`` while a fragment's and a map
+    batch's kernels are launched (``off``, or longer than Python's: as it was), and Python's again after,
+    also where a step raises; CPU workers' runs keep Python's."""
+    _, fresh_runtime = fake_gpu
+    assert sys.getswitchinterval() == 5e-3  # Python's default
+    with dask.config.set({"octopus.streams.switch-interval": setting, "octopus.streams.capture": False}):
+        fresh_runtime()
+        frag, seen = _switch_interval_in_steps(two_chains())
+        assert streams.run_fragment(frag, 1, 100) == (106, 14)
+        assert seen == [during] * len(frag.names) and sys.getswitchinterval() == 5e-3
+        batch = []
+        streams.run_group([lambda x: batch.append(sys.getswitchinterval())] * 3, [[1]] * 3, ["memory"] * 3,
+                          lambda: ["t"] * 3)
+        assert batch == [during] * 3 and sys.getswitchinterval() == 5e-3
+        frag, seen = _switch_interval_in_steps(two_chains())
+        with pytest.raises(ValueError, match="given 1"):
+            streams.run_fragment(frag, 1)
+        assert sys.getswitchinterval() == 5e-3
+        del sys.modules["cupy"]  # a CPU worker
+        frag, seen = _switch_interval_in_steps(two_chains())
+        assert streams.run_fragment(frag, 1, 100) == (106, 14)
+        assert seen == [5e-3] * len(frag.names)
+
+
+def test_python_s_switch_interval_comes_back_when_the_last_launching_thread_ends():
+    """Two threads launching at once: the interval stays short until both have ended (Python keeps it in
+    whole microseconds: 100us reads back as 99us)."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with streams.launching():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with streams.launching():
+            second_in.set()
+            first_out.wait(5)
+            seen["after the first ended"] = sys.getswitchinterval()
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after the first ended": pytest.approx(1e-4, rel=0.02)} and sys.getswitchinterval() == 5e-3
 
 
 def test_an_eager_run_estimates_the_memory_of_its_streams_once_per_shape_and_input_sizes(fake_gpu, monkeypatch):  # noqa: F811

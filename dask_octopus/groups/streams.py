@@ -14,13 +14,14 @@ function and input shapes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import dask.utils
@@ -225,6 +226,45 @@ class StreamRuntime:
 
 
 _process_runtime: StreamRuntime | None = None  # outside a worker (a local scheduler in this process)
+_switching = threading.Lock()
+_launching = 0  # threads of this process in :func:`launching`
+_saved_interval = 0.0  # the switch interval before the first of them
+
+
+@contextlib.contextmanager
+def launching() -> Iterator[None]:
+    """Python's thread switch interval at most ``octopus.streams.switch-interval`` while the kernels of a
+    fragment or ``map`` batch are launched (the process's setting: shortened when the first thread of the
+    process starts launching, restored when the last one ends; ``off`` leaves it as it is).
+
+    CuPy releases the GIL around each launch, and a thread that always wants it takes it then: Dask's
+    event loop on a UCX worker polls the comms' pending receives without sleeping (distributed-ucxx's
+    default progress mode), and the launching thread waits up to a switch interval (5 ms by default) to
+    get the GIL back, about ten thousand times per second of launches. At 0.1 ms a loop of launches in a
+    dask-cuda worker over UCX took 239 ms instead of 321 (``benchmarks/README.md``)."""
+    global _launching, _saved_interval
+    interval = _seconds(config.get("streams.switch-interval"))
+    if interval is None:
+        yield
+        return
+    with _switching:
+        if _launching == 0:
+            _saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, _saved_interval))
+        _launching += 1
+    try:
+        yield
+    finally:
+        with _switching:
+            _launching -= 1
+            if _launching == 0:
+                sys.setswitchinterval(_saved_interval)
+
+
+@functools.lru_cache(maxsize=16)
+def _seconds(value: str) -> float | None:
+    """``value`` (a duration, or ``off``: ``None``) in seconds, parsed once per value."""
+    return None if value == "off" else dask.utils.parse_timedelta(value)
 
 
 def runtime() -> StreamRuntime:
@@ -261,7 +301,14 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
         for i in order:
             results[i] = members[i](*inputs[i])
         return results
-    member_tokens = tokens()
+    with launching():
+        return _run_group_on_gpu(cp, rt, members, inputs, declared, tokens(), sizes)
+
+
+def _run_group_on_gpu(cp: Any, rt: StreamRuntime, members: Sequence[Callable[..., Any]],
+                      inputs: Sequence[Sequence[Any]], declared: Sequence[str], member_tokens: Sequence[Hashable],
+                      sizes: Sequence[float]) -> list[Any]:
+    """:func:`run_group` on a GPU worker: captured and replayed, or launched over the thread's streams."""
     known = [rt.resolve_class(d, t, x) for d, t, x in zip(declared, member_tokens, inputs, strict=True)]
     order = launch_order([c or "memory" for c in known], sizes)
     n = max(1, min(len(members), config.get("streams.max-streams")))
@@ -623,7 +670,8 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     cp = _cupy()
     if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
             config.get("streams.large-bytes"))):
-        return _run_on_gpu(cp, rt, fragment, values, inputs, task)
+        with launching():
+            return _run_on_gpu(cp, rt, fragment, values, inputs, task)
     walk(fragment, fragment.specs(), values, task)
     return tuple(values[s] for s in fragment.results)
 
