@@ -56,8 +56,9 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "streams.capture-after": ("an integer >= 0", _integer(0)),
     "streams.max-graphs": ("an integer >= 1", _integer(1)),
     "streams.capture-spare-bytes": ("a size such as 32MiB", _parses(parse_bytes)),
-    "streams.switch-interval": ("off or a duration such as 100us",
-                                lambda v: v == "off" or (_parses(parse_timedelta)(v) and parse_timedelta(v) > 0)),
+    "streams.switch-interval": ("off or a duration such as 100us",  # (off: False, as YAML reads it unquoted)
+                                lambda v: v is False or v == "off" or (_parses(parse_timedelta)(v)
+                                                                       and parse_timedelta(v) > 0)),
 }
 
 

@@ -218,6 +218,7 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.capture-spare-bytes", "a few", "octopus.streams.capture-spare-bytes must be a size such as 32MiB, got "),
     ("streams.switch-interval", "0s", "octopus.streams.switch-interval must be off or a duration such as 100us, got "),
     ("streams.switch-interval", "on", "octopus.streams.switch-interval must be off or a duration such as 100us, got "),
+    ("streams.switch-interval", 0, "octopus.streams.switch-interval must be off or a duration such as 100us, got 0"),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):

@@ -441,7 +441,8 @@ def _switch_interval_in_steps(frag):
     return frag, seen
 
 
-@pytest.mark.parametrize("setting, during", [("100us", pytest.approx(1e-4, rel=0.02)), ("off", 5e-3), ("1s", 5e-3)])
+@pytest.mark.parametrize("setting, during", [("100us", pytest.approx(1e-4, rel=0.02)), ("off", 5e-3), (False, 5e-3),
+                                             ("1s", 5e-3)])
 def test_a_gpu_worker_launches_with_a_short_switch_interval_and_gets_python_s_back_after(
         fake_gpu, setting, during):  # noqa: F811
     """Python's switch interval is at most ``octopus.streams.switch-interval`` while a fragment's and a map

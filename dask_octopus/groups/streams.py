@@ -261,10 +261,9 @@ def launching() -> Iterator[None]:
                 sys.setswitchinterval(_saved_interval)
 
 
-@functools.lru_cache(maxsize=16)
-def _seconds(value: str) -> float | None:
-    """``value`` (a duration, or ``off``: ``None``) in seconds, parsed once per value."""
-    return None if value == "off" else dask.utils.parse_timedelta(value)
+def _seconds(value: str | float | bool) -> float | None:
+    """``value`` (a duration, or ``off``: ``None``; YAML reads an unquoted ``off`` as false) in seconds."""
+    return None if value is False or value == "off" else dask.utils.parse_timedelta(value)
 
 
 def runtime() -> StreamRuntime:
