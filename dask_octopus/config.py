@@ -56,14 +56,14 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "streams.capture-after": ("an integer >= 0", _integer(0)),
     "streams.max-graphs": ("an integer >= 1", _integer(1)),
     "streams.capture-spare-bytes": ("a size such as 32MiB", _parses(parse_bytes)),
-    "streams.switch-interval": ("off or a duration such as 100us",  # (off: False, as YAML reads it unquoted)
+    "streams.switch-interval": ("off or a duration of 1us or more, such as 100us",  # (off: YAML reads it as false)
                                 lambda v: v is False or v == "off" or (_parses(parse_timedelta)(v)
-                                                                       and parse_timedelta(v) > 0)),
+                                                                       and parse_timedelta(v) >= 1e-6)),
 }
 
 
 _MISSING = object()
-_checked: set[tuple[str, Any]] = set()  # (key, value) pairs that passed their check
+_checked: set[tuple[str, type, Any]] = set()  # (key, type, value) of the values that passed their check
 
 
 def get(key: str, override: Any = None) -> Any:
@@ -77,7 +77,8 @@ def get(key: str, override: Any = None) -> Any:
         if value is _MISSING:
             value = dask.config.get(f"octopus.{key}", config=defaults)
     try:
-        if (key, value) in _checked:  # the hot paths read settings per call: check each value once
+        # the hot paths read settings per call: check each value once (by type too: False == 0, True == 1)
+        if (key, type(value), value) in _checked:
             return value
     except TypeError:  # not hashable: check it every time
         pass
@@ -85,5 +86,5 @@ def get(key: str, override: Any = None) -> Any:
     if not ok(value):
         raise ValueError(f"octopus.{key} must be {what}, got {value!r}")
     with contextlib.suppress(TypeError):
-        _checked.add((key, value))
+        _checked.add((key, type(value), value))
     return value

@@ -216,13 +216,27 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("map.learn-result-size", "yes", "octopus.map.learn-result-size must be true or false, got 'yes'"),
     ("fragments.max-bytes", "lots", "octopus.fragments.max-bytes must be auto or a size such as 2GiB, got 'lots'"),
     ("streams.capture-spare-bytes", "a few", "octopus.streams.capture-spare-bytes must be a size such as 32MiB, got "),
-    ("streams.switch-interval", "0s", "octopus.streams.switch-interval must be off or a duration such as 100us, got "),
-    ("streams.switch-interval", "on", "octopus.streams.switch-interval must be off or a duration such as 100us, got "),
-    ("streams.switch-interval", 0, "octopus.streams.switch-interval must be off or a duration such as 100us, got 0"),
+    ("streams.switch-interval", "0s", "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
+    ("streams.switch-interval", "1ns", "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
+    ("streams.switch-interval", "on", "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
+    ("streams.switch-interval", 0, "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
         config.get(key)
+
+
+def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():
+    """Settings are checked once per value: ``False`` passing does not let ``0`` (equal to it) pass, nor
+    ``True`` passing ``1``."""
+    with dask.config.set({"octopus.streams.switch-interval": False}):
+        assert config.get("streams.switch-interval") is False
+    with dask.config.set({"octopus.streams.switch-interval": 0}), pytest.raises(ValueError, match=r"got 0$"):
+        config.get("streams.switch-interval")
+    with dask.config.set({"octopus.streams.capture": True}):
+        assert config.get("streams.capture") is True
+    with dask.config.set({"octopus.streams.capture": 1}), pytest.raises(ValueError, match=r"true or false, got 1$"):
+        config.get("streams.capture")
 
 
 @pytest.mark.package_defaults

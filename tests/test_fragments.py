@@ -441,59 +441,74 @@ def _switch_interval_in_steps(frag):
     return frag, seen
 
 
-@pytest.mark.parametrize("setting, during", [("100us", pytest.approx(1e-4, rel=0.02)), ("off", 5e-3), (False, 5e-3),
-                                             ("1s", 5e-3)])
+@pytest.mark.parametrize("setting, short", [("100us", True), ("off", False), (False, False), ("1s", False)])
 def test_a_gpu_worker_launches_with_a_short_switch_interval_and_gets_python_s_back_after(
-        fake_gpu, setting, during):  # noqa: F811
+        fake_gpu, setting, short):  # noqa: F811
     """Python's switch interval is at most ``octopus.streams.switch-interval`` while a fragment's and a map
     batch's kernels are launched (``off``, or longer than Python's: as it was), and Python's again after,
-    also where a step raises; CPU workers' runs keep Python's."""
+    also where a batch's member raises; CPU workers' runs keep Python's."""
     _, fresh_runtime = fake_gpu
-    assert sys.getswitchinterval() == 5e-3  # Python's default
+    python_s = sys.getswitchinterval()
+    during = pytest.approx(1e-4, rel=0.02) if short else python_s  # (kept in whole microseconds: 99us)
     with dask.config.set({"octopus.streams.switch-interval": setting, "octopus.streams.capture": False}):
         fresh_runtime()
         frag, seen = _switch_interval_in_steps(two_chains())
         assert streams.run_fragment(frag, 1, 100) == (106, 14)
-        assert seen == [during] * len(frag.names) and sys.getswitchinterval() == 5e-3
+        assert seen == [during] * len(frag.names) and sys.getswitchinterval() == python_s
         batch = []
         streams.run_group([lambda x: batch.append(sys.getswitchinterval())] * 3, [[1]] * 3, ["memory"] * 3,
                           lambda: ["t"] * 3)
-        assert batch == [during] * 3 and sys.getswitchinterval() == 5e-3
-        frag, seen = _switch_interval_in_steps(two_chains())
-        with pytest.raises(ValueError, match="given 1"):
-            streams.run_fragment(frag, 1)
-        assert sys.getswitchinterval() == 5e-3
+        assert batch == [during] * 3 and sys.getswitchinterval() == python_s
+
+        def fails(x):
+            batch.append(sys.getswitchinterval())
+            raise ZeroDivisionError(x)
+
+        batch.clear()
+        with pytest.raises(ZeroDivisionError):
+            streams.run_group([fails], [[1]], ["memory"], lambda: ["t"])
+        assert batch == [during] and sys.getswitchinterval() == python_s
         del sys.modules["cupy"]  # a CPU worker
         frag, seen = _switch_interval_in_steps(two_chains())
         assert streams.run_fragment(frag, 1, 100) == (106, 14)
-        assert seen == [5e-3] * len(frag.names)
+        assert seen == [python_s] * len(frag.names)
 
 
 def test_python_s_switch_interval_comes_back_when_the_last_launching_thread_ends():
     """Two threads launching at once: the interval stays short until both have ended (Python keeps it in
-    whole microseconds: 100us reads back as 99us)."""
+    whole microseconds: 100us reads back as 99us); one changed meanwhile by someone else is left as it is."""
+    python_s = sys.getswitchinterval()
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
     seen = {}
 
     def first():
         with streams.launching():
             first_in.set()
-            second_in.wait(5)
+            seen["second came in"] = second_in.wait(5)
         first_out.set()
 
     def second():
-        first_in.wait(5)
+        seen["first came in"] = first_in.wait(5)
         with streams.launching():
             second_in.set()
-            first_out.wait(5)
-            seen["after the first ended"] = sys.getswitchinterval()
+            seen["first went out"] = first_out.wait(5)
+            seen["interval then"] = sys.getswitchinterval()
 
     threads = [threading.Thread(target=f) for f in (first, second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
-    assert seen == {"after the first ended": pytest.approx(1e-4, rel=0.02)} and sys.getswitchinterval() == 5e-3
+    assert not any(t.is_alive() for t in threads)
+    assert seen == {"first came in": True, "second came in": True, "first went out": True,
+                    "interval then": pytest.approx(1e-4, rel=0.02)}
+    assert sys.getswitchinterval() == python_s
+    try:
+        with streams.launching():
+            sys.setswitchinterval(0.02)  # someone else's setting, made while launching
+        assert sys.getswitchinterval() == pytest.approx(0.02)
+    finally:
+        sys.setswitchinterval(python_s)
 
 
 def test_an_eager_run_estimates_the_memory_of_its_streams_once_per_shape_and_input_sizes(fake_gpu, monkeypatch):  # noqa: F811

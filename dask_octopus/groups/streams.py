@@ -229,20 +229,23 @@ _process_runtime: StreamRuntime | None = None  # outside a worker (a local sched
 _switching = threading.Lock()
 _launching = 0  # threads of this process in :func:`launching`
 _saved_interval = 0.0  # the switch interval before the first of them
+_set_interval = 0.0  # the one they set (as Python reads it back)
 
 
 @contextlib.contextmanager
 def launching() -> Iterator[None]:
     """Python's thread switch interval at most ``octopus.streams.switch-interval`` while the kernels of a
     fragment or ``map`` batch are launched (the process's setting: shortened when the first thread of the
-    process starts launching, restored when the last one ends; ``off`` leaves it as it is).
+    process starts launching, restored when the last one ends unless something else changed it meanwhile;
+    ``off`` leaves it as it is).
 
     CuPy releases the GIL around each launch, and a thread that always wants it takes it then: Dask's
     event loop on a UCX worker polls the comms' pending receives without sleeping (distributed-ucxx's
     default progress mode), and the launching thread waits up to a switch interval (5 ms by default) to
     get the GIL back, about ten thousand times per second of launches. At 0.1 ms a loop of launches in a
-    dask-cuda worker over UCX took 239 ms instead of 321 (``benchmarks/README.md``)."""
-    global _launching, _saved_interval
+    dask-cuda worker over UCX took 239 ms instead of 321
+    (``benchmarks/results/2026-12-01-h200-ucx-progress/README.md``)."""
+    global _launching, _saved_interval, _set_interval
     interval = _seconds(config.get("streams.switch-interval"))
     if interval is None:
         yield
@@ -250,15 +253,17 @@ def launching() -> Iterator[None]:
     with _switching:
         if _launching == 0:
             _saved_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(interval, _saved_interval))
+            # (Python keeps whole microseconds: one set under 1us reads back as 0, which it refuses)
+            sys.setswitchinterval(max(1e-6, min(interval, _saved_interval)))
+            _set_interval = sys.getswitchinterval()
         _launching += 1
     try:
         yield
     finally:
         with _switching:
             _launching -= 1
-            if _launching == 0:
-                sys.setswitchinterval(_saved_interval)
+            if _launching == 0 and sys.getswitchinterval() == _set_interval:
+                sys.setswitchinterval(max(1e-6, _saved_interval))
 
 
 def _seconds(value: str | float | bool) -> float | None:
@@ -300,8 +305,9 @@ def run_group(members: Sequence[Callable[..., Any]], inputs: Sequence[Sequence[A
         for i in order:
             results[i] = members[i](*inputs[i])
         return results
+    member_tokens = tokens()
     with launching():
-        return _run_group_on_gpu(cp, rt, members, inputs, declared, tokens(), sizes)
+        return _run_group_on_gpu(cp, rt, members, inputs, declared, member_tokens, sizes)
 
 
 def _run_group_on_gpu(cp: Any, rt: StreamRuntime, members: Sequence[Callable[..., Any]],
@@ -659,7 +665,8 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
     step's key in its notes), which the tasks that read it from the fragment raise. A run whose task
     Dask releases meanwhile (a cancel, a restart) stops within a step or a retry of one
-    (:class:`RunningTask`; a replayed graph, one launch, runs to its end)."""
+    (:class:`RunningTask`; a replayed graph, one launch, runs to its end). On a GPU worker Python's
+    thread switch interval is shortened while it runs (:func:`launching`)."""
     if len(inputs) != len(fragment.inputs):
         raise ValueError(f"a fragment of {len(fragment.inputs)} inputs was given {len(inputs)}")
     values = dict(enumerate(inputs))
@@ -667,12 +674,14 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     rt = runtime()
     rt.count(len(fragment.names))
     cp = _cupy()
-    if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
-            config.get("streams.large-bytes"))):
-        with launching():
+    if cp is None:
+        walk(fragment, fragment.specs(), values, task)
+        return tuple(values[s] for s in fragment.results)
+    with launching():
+        if not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(config.get("streams.large-bytes"))):
             return _run_on_gpu(cp, rt, fragment, values, inputs, task)
-    walk(fragment, fragment.specs(), values, task)
-    return tuple(values[s] for s in fragment.results)
+        walk(fragment, fragment.specs(), values, task)  # on the task's own stream
+        return tuple(values[s] for s in fragment.results)
 
 
 def _ready_streams(rt: StreamRuntime, cp: Any, n: int, ready: Any) -> list[Any]:
