@@ -674,13 +674,11 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     rt = runtime()
     rt.count(len(fragment.names))
     cp = _cupy()
-    if cp is None:
-        walk(fragment, fragment.specs(), values, task)
-        return tuple(values[s] for s in fragment.results)
-    with launching():
-        if not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(config.get("streams.large-bytes"))):
+    with launching() if cp is not None else contextlib.nullcontext():
+        if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
+                config.get("streams.large-bytes"))):
             return _run_on_gpu(cp, rt, fragment, values, inputs, task)
-        walk(fragment, fragment.specs(), values, task)  # on the task's own stream
+        walk(fragment, fragment.specs(), values, task)  # (large inputs on a GPU: on the task's own stream)
         return tuple(values[s] for s in fragment.results)
 
 
