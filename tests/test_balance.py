@@ -649,9 +649,12 @@ async def test_blocks_a_survivor_holds_stay_with_it_when_a_worker_joins(c, s, a,
 
 
 async def gated_plan(c, s, a, b, gate):
-    """Blocks of ones (400 x 8, 8 blocks) that wait for a task on ``a`` until ``gate`` is set, balanced
-    two per worker: the gate's future, the balanced array, its plan and the indices of ``b``'s blocks."""
+    """Blocks of ones (400 x 8, 8 blocks) that wait for a task on ``a`` until ``gate`` is set (running
+    when this returns), balanced two per worker: the gate's future, the balanced array, its plan and
+    the indices of ``b``'s blocks."""
     g = c.submit(wait_for_event, gate.name, workers=[a.address], pure=False)
+    # (the submit travels on the client's batched stream: the scheduler may not have it yet)
+    await async_poll_for(lambda: g.key in s.tasks and s.tasks[g.key].state == "processing", timeout=10)
     x = da.ones((400, 8), chunks=(50, 8)).map_blocks(add_gate, g, dtype=float)
     y = await run_balance(c, x, per_worker=2)
     plan = s.plugins["octopus"].placement.plans[y.name]
@@ -666,7 +669,7 @@ async def test_a_worker_that_joins_before_moved_blocks_started_takes_its_share_b
     gate = Event()
     g, y, plan, on_b = await gated_plan(c, s, a, b, gate)
     fut = c.compute(y.sum(axis=1))
-    await async_poll_for(lambda: s.tasks[g.key].state == "processing", timeout=10)
+    await async_poll_for(lambda: fut.key in s.tasks, timeout=10)  # the compute's tasks are there, none started
     await b.close()  # as a nanny restarting it: its blocks move to a, none of them started
     await async_poll_for(lambda: b.address not in s.workers, timeout=10)
     assert plan.workers == [a.address] * 4
