@@ -469,6 +469,23 @@ async def test_dataframe_cuts_move_to_value_boundaries_and_keep_divisions(c, s, 
     pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
 
 
+@pytest.mark.parametrize("cap, lengths", [(None, [3800, 1200]), (3790, [3700, 1300])])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, worker_kwargs={"memory_limit": 2**32})
+async def test_dataframe_cut_moves_to_the_farther_end_where_the_nearer_is_over_a_cap(c, s, a, b, cap, lengths):
+    await setup(c, s, [3770.0, 1230.0])
+    pdf = pd.DataFrame({"a": np.arange(5000), "b": np.arange(5000) * 0.5}, index=np.repeat(np.arange(50), 100))
+    df = c.persist(dd.from_pandas(pdf, npartitions=4), workers=[min(s.workers)])
+    await wait(df)
+    row_bytes = pdf.memory_usage(deep=True).sum() / len(pdf)  # 24: the caps are whole rows of this size
+    fraction = (cap + 0.5) * row_bytes / 2**32 if cap else 0.6
+    with dask.config.set({"octopus.balance.memory-fraction": fraction}):
+        bdf = await run_balance(c, df, per_worker=1)  # planned 3770 | 1230: the cut is 30 rows from the run's end
+    parts = await c.gather(c.compute(bdf.to_delayed()))
+    assert [len(p) for p in parts] == lengths  # with a cap of 3790 rows each, the fast worker takes 3700
+    assert bdf.known_divisions and list(bdf.divisions) == [0, lengths[0] // 100, 49]
+    pd.testing.assert_frame_equal(await c.compute(bdf), pdf)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_dataframe_cuts_that_cannot_move_leave_divisions_unknown(c, s, a, b):
     await setup(c, s, [3.0, 1.0])

@@ -200,6 +200,55 @@ def test_snap_cuts_moves_each_cut_to_the_nearer_end_of_its_run(runs, weights):
         assert abs(moved - cut) <= min(cut - left, right - cut)
 
 
+@given(runs=st.lists(st.integers(1, 30), min_size=1, max_size=40), weights=weights_st,
+       per_worker=st.integers(1, 3), slack=st.lists(st.one_of(st.none(), st.integers(0, 40)), min_size=8, max_size=8))
+def test_snap_cuts_keeps_every_worker_within_its_cap(runs, weights, per_worker, slack):
+    total = sum(runs)
+    assume(total >= len(weights) * per_worker)
+    sizes = proportional_split(total, [w / per_worker for w in weights for _ in range(per_worker)], minimum=1)
+    owners = [i // per_worker for i in range(len(sizes))]
+    shares = [sum(sizes[i * per_worker:(i + 1) * per_worker]) for i in range(len(weights))]
+    caps = {i: None if extra is None else share + extra for i, (share, extra) in enumerate(zip(shares, slack))}
+    bounds = [0, *accumulate(runs)]
+    cuts = list(accumulate(sizes[:-1]))
+    around = [(bounds[bisect_right(bounds, c) - 1], bounds[bisect_left(bounds, c)]) for c in cuts]
+    new = snap_cuts(sizes, around, owners, caps)
+    free = snap_cuts(sizes, around)
+    if all(cap is None for cap in caps.values()):
+        assert new == free
+    if new is None:
+        return
+    assert sum(new) == total and all(n > 0 for n in new)
+    for w, cap in caps.items():
+        assert cap is None or sum(n for n, o in zip(new, owners) if o == w) <= cap
+    moves = list(zip(accumulate(new[:-1]), accumulate((free or new)[:-1]), around))
+    for moved, _, (left, right) in moves:
+        assert moved in (left, right)  # on a value boundary: the nearer end, or the farther one for a cap
+    differ = [j for j, (moved, near, _) in enumerate(moves) if moved != near]
+    if free is not None and differ:  # the first cut moved otherwise moved so for the cap of the worker before it
+        assert caps[owners[differ[0]]] is not None
+
+
+def test_snap_cuts_under_caps():
+    # the nearer end (60) keeps worker a within 60 rows; within 55 the cut goes to the farther end (30)
+    assert snap_cuts([50, 50], [(30, 60)], ["a", "b"], {"a": 60, "b": None}) == [60, 40]
+    assert snap_cuts([50, 50], [(30, 60)], ["a", "b"], {"a": 55, "b": None}) == [30, 70]
+    assert snap_cuts([50, 50], [(30, 60)], ["a", "b"], {"a": 55, "b": 65}) is None  # b then holds 70
+    assert snap_cuts([50, 50], [(30, 60)], ["a", "b"], {"b": 55}) == [60, 40]  # a worker missing: no cap
+    # a worker's rows count, not its blocks': a's first block grows by 4; at a's last cut, the nearer end
+    # (62) would give it 62 rows of 60
+    assert snap_cuts([30, 30, 40], [(20, 34), (55, 62)]) == [34, 28, 38]
+    assert snap_cuts([30, 30, 40], [(20, 34), (55, 62)], ["a", "a", "b"], {"a": 60, "b": None}) == [34, 21, 45]
+    # a plan already over a cap (50 of 45) is not made worse, and not refused
+    assert snap_cuts([50, 50], [(40, 70)], ["a", "b"], {"a": 45, "b": None}) == [40, 60]
+    assert snap_cuts([50, 50], [(45, 52)], ["a", "b"], {"a": 45, "b": None}) == [45, 55]
+    with pytest.raises(PlanningError, match=r"owners and caps go together, one owner per block \(2 blocks\), "
+                                            r"got 1 owners and caps \{\}"):
+        snap_cuts([10, 10], [(10, 10)], ["a"], {})
+    with pytest.raises(PlanningError, match="got None owners and caps"):
+        snap_cuts([10, 10], [(10, 10)], None, {"a": 3})
+
+
 def test_snap_cuts_ties_and_failures():
     assert snap_cuts([50, 50], [(40, 60)]) == [40, 60]  # a tie with nothing before it: the left end
     assert snap_cuts([50, 50], [(50, 50)]) == [50, 50]  # already on a boundary

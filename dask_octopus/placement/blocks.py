@@ -78,8 +78,9 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
           current: list[int], source: str, holders: list[str | None],
-          axis: int = 0) -> tuple[list[int], list[str], float]:
-    """Flat block sizes, the worker of each block and the bytes of a row; the ``current`` sizes, each
+          axis: int = 0) -> tuple[list[int], list[str], float, dict[str, int | None]]:
+    """Flat block sizes, the worker of each block, the bytes of a row and the rows each worker may hold
+    (``None``: no cap known); the ``current`` sizes, each
     block on the worker that holds it (``holders``, None where not known; unless every block's holder
     is a profiled worker, the workers' sorted order is used instead), when moving data to the
     planned ones would not shorten the predicted makespan by ``octopus.balance.min-gain`` or, where a
@@ -130,8 +131,9 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
         if fits and not worth_moving(kept, reference, weights, config.get("balance.min-gain"), speed=speed,
                                      move_seconds=move):
             owner = {b: workers[i] for i, g in enumerate(groups) for b in g}
-            return list(current), [owner[b] for b in range(len(current))], row_bytes
-    return [s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks], row_bytes
+            return list(current), [owner[b] for b in range(len(current))], row_bytes, dict(zip(workers, caps))
+    return ([s for blocks in plan for s in blocks], [w for w, blocks in zip(workers, plan) for _ in blocks], row_bytes,
+            dict(zip(workers, caps)))
 
 
 class WorkingSetWarning(UserWarning):
@@ -250,8 +252,8 @@ def _balance_array(x: da.Array, client: Client, axis: int, per_worker: int | Non
             if isinstance(f, Future) and isinstance(f.key, tuple) and f.key[0] == x.name:
                 slabs[f.key[1 + axis]].append(f)
     holders, held = _holders(client, slabs)
-    sizes, workers, row_bytes = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
-                                      list(x.chunks[axis]), source, holders, axis)
+    sizes, workers, row_bytes, _ = _plan(client, x.shape[axis], x.nbytes, resource, per_worker, align,
+                                         list(x.chunks[axis]), source, holders, axis)
     chunks = list(x.chunks)
     chunks[axis] = tuple(sizes)
     pieces = None
@@ -366,8 +368,9 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     divisions, each cut between new partitions moves to the nearer end of the run of equal index
     values it falls in, so that the divisions stay known: a partition then differs from the plan by
     less than the runs at its two cuts (the plan's balance is kept to within one run of equal
-    values). Divisions become unknown only when moving a cut would
-    empty a partition or pass another cut."""
+    values); where the nearer end would put the worker before the cut over its memory cap, the cut
+    moves to the farther end. Divisions become unknown only when moving a cut would empty a partition,
+    pass another cut or leave a worker over its cap."""
     import dask.dataframe as dd
     from dask import delayed
 
@@ -381,11 +384,11 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     lengths = [n for n, _ in shapes]
     source = key_split(df._name)
     holders, held = _holders(client, [[p] for p in parts])
-    sizes, workers, row_bytes = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource, per_worker,
-                                      align, lengths, source, holders)
+    sizes, workers, row_bytes, caps = _plan(client, sum(lengths), float(sum(b for _, b in shapes)), resource,
+                                            per_worker, align, lengths, source, holders)
     divisions = None
     if df.known_divisions:
-        sizes, divisions = _snapped(client, df, parts, lengths, sizes)
+        sizes, divisions = _snapped(client, df, parts, lengths, sizes, workers, caps)
     segments = row_segments(lengths, sizes)
     token = tokenize(df, sizes, workers, held)  # where the partitions are decides which blocks read slices
     name, pieces = "octopus-rows-" + token, "octopus-slice-" + token
@@ -409,10 +412,11 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
 
 
-def _snapped(client: Client, df: Any, parts: list, lengths: list[int],
-             sizes: list[int]) -> tuple[list[int], list | None]:
+def _snapped(client: Client, df: Any, parts: list, lengths: list[int], sizes: list[int], workers: list[str],
+             caps: dict[str, int | None]) -> tuple[list[int], list | None]:
     """Sizes whose cuts sit on index value boundaries and the divisions they give; the planned sizes
-    and None when a cut cannot move (see :func:`snap_cuts`) or a partition's index is not sorted.
+    and None when a cut cannot move (see :func:`snap_cuts`: nor put a worker of ``workers``, one per
+    block, over its ``caps``) or a partition's index is not sorted.
 
     Old partition edges are boundaries already (a value never spans two partitions of known
     divisions); for the other cuts, one small task per cut on the partition holding it, all
@@ -441,7 +445,7 @@ def _snapped(client: Client, df: Any, parts: list, lengths: list[int],
         start, stop, value, after = next(found)
         runs.append((starts[i] + start, starts[i] + stop))
         firsts.append({starts[i] + start: value, starts[i] + stop: df.divisions[i + 1] if after is None else after})
-    new = snap_cuts(sizes, runs)
+    new = snap_cuts(sizes, runs, workers, caps)
     if new is None:
         return sizes, None
     cuts = accumulate(new[:-1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from itertools import pairwise
 
 from dask_octopus._checks import check_finite, is_finite
@@ -206,31 +206,57 @@ def row_segments(old: Sequence[int], new: Sequence[int]) -> list[list[tuple[int,
     return out
 
 
-def snap_cuts(sizes: Sequence[int], runs: Sequence[tuple[int, int]]) -> list[int] | None:
+def snap_cuts(sizes: Sequence[int], runs: Sequence[tuple[int, int]], owners: Sequence[Hashable] | None = None,
+              caps: Mapping[Hashable, int | None] | None = None) -> list[int] | None:
     """``sizes`` with every cut moved to the nearer end of the run of equal values around it.
 
     Cut ``j`` is the row position after block ``j`` (``sum(sizes[:j + 1])``); ``runs[j]`` are the
     global positions ``(left, right)`` where the run of equal values around it starts and ends
     (``left == right``, the cut itself, when it already sits on a value boundary). Ties go to the
     end that keeps the block before the cut (whose start is settled) closer to its planned size,
-    then to the left end. Each cut moves by at most half its run. Returns the new sizes, or None
-    when a moved cut would empty a planned block or pass another cut.
+    then to the left end. Each cut moves by at most half its run, unless ``caps`` say otherwise:
+    with ``owners[j]``, the worker of block ``j``, and ``caps[w]``, the most rows worker ``w`` may
+    hold (``None`` or missing: no cap), a cut moves to the farther end where the nearer one would
+    give the worker before it more rows than its cap (or than its planned rows, if more).
+    Returns the new sizes, or None when a moved cut would empty a planned block or pass another
+    cut, or leave a worker over its cap.
     """
     if len(runs) != max(len(sizes) - 1, 0):
         raise PlanningError(f"{len(sizes)} blocks have {len(sizes) - 1} cuts, got {len(runs)} runs")
+    if (owners is None) != (caps is None) or (owners is not None and len(owners) != len(sizes)):
+        raise PlanningError(f"owners and caps go together, one owner per block ({len(sizes)} blocks), got "
+                            f"{None if owners is None else len(owners)} owners and caps {caps!r}")
+    limit: dict[Hashable, float] = {}
+    for w, size in zip(owners or (), sizes):
+        limit[w] = limit.get(w, 0) + size
+    for w in limit:  # (a plan over a cap, if one were made, is not made worse)
+        cap = caps.get(w) if caps is not None else None
+        limit[w] = math.inf if cap is None else max(cap, limit[w])
+    held: dict[Hashable, int] = {}  # rows of each worker's blocks before the cut
     cuts, position, shift = [], 0, 0  # shift: how far the previous cut moved
-    for size, (left, right) in zip(sizes, runs):
+    for j, (size, (left, right)) in enumerate(zip(sizes, runs)):
         position += size
         if not left <= position <= right:
             raise PlanningError(f"the run {(left, right)} does not hold the cut at row {position}")
         # the block before the cut deviates from its planned size by (end - position) - shift
-        choice = min((left, right), key=lambda end: (abs(end - position), abs(end - position - shift), end))
-        shift = choice - position
-        cuts.append(choice)
+        ends = sorted((left, right), key=lambda end: (abs(end - position), abs(end - position - shift), end))
+        start = position - size + shift
+        if owners is not None:
+            before = held.get(owners[j], 0)
+            ends = [e for e in ends if before + e - start <= limit[owners[j]]] or ends[:1]
+            held[owners[j]] = before + ends[0] - start
+        shift = ends[0] - position
+        cuts.append(ends[0])
     edges = [0, *cuts, sum(sizes)]
     new = [b - a for a, b in pairwise(edges)]
     if any(n < 0 or n == 0 < s for n, s in zip(new, sizes)):
         return None
+    if owners is not None:
+        rows: Counter = Counter()
+        for w, n in zip(owners, new):
+            rows[w] += n
+        if any(n > limit[w] for w, n in rows.items()):
+            return None
     return new
 
 
