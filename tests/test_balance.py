@@ -684,7 +684,7 @@ async def gated_plan(c, s, a, b, gate):
 async def test_a_worker_that_joins_before_moved_blocks_started_takes_its_share_back(c, s, a, b):
     rec = await setup(c, s, [1.0, 1.0])
     gate = Event()
-    g, y, plan, on_b = await gated_plan(c, s, a, b, gate)
+    _g, y, plan, on_b = await gated_plan(c, s, a, b, gate)
     fut = c.compute(y.sum(axis=1))
     await async_poll_for(lambda: fut.key in s.tasks, timeout=10)  # the compute's tasks are there, none started
     await b.close()  # as a nanny restarting it: its blocks move to a, none of them started
