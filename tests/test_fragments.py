@@ -1010,6 +1010,38 @@ async def test_values_read_through_new_aliases_are_sized_when_the_optimizer_cuts
         assert not {k for k in rec.worker if key_split(k).startswith("new-alias")}, rec.worker  # read through
 
 
+@pytest.mark.parametrize("made", [False, True])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_value_read_through_two_aliases_counts_once_against_the_budget(c, s, a, made):
+    """Values each read through two new aliases (two collections over the same blocks): the fragment
+    task receives each value once, and it counts once against the budget, when the fragments are cut
+    (values persisted: sized then) and before they run (values the graph makes, and reads elsewhere
+    too: sized once they exist). Estimated: 16 blocks received, 16 sums (as large as what they read)
+    held to the end and 3 at a time in the making: 35 blocks, 51 counting each value twice, in a budget
+    of 40 make one fragment, none split; exact."""
+    rec = await setup(c, s, [1.0])
+    blocks = [dask.delayed(np.full, pure=True)((100, 8), float(i)) for i in range(16)]
+    if not made:
+        blocks = c.persist(blocks)
+        await wait(blocks)
+    block = 100 * 8 * 8
+    expected = float(sum(2 * chain(np.full((100, 8), float(i))).sum() for i in range(16)))
+    left = [alias_of(b, f"left-alias-{made}-{i}") for i, b in enumerate(blocks)]
+    right = [alias_of(b, f"right-alias-{made}-{i}") for i, b in enumerate(blocks)]
+    with dask_octopus.annotate():
+        sums = [dask.delayed(np.sum)(dask.delayed(chain)(p) + dask.delayed(chain)(q))
+                for p, q in zip(left, right, strict=True)]
+    z = dask.delayed(total)(*sums)
+    if made:  # the blocks, read by a task outside the fragments too, stay tasks of their own
+        z, expected = z + dask.delayed(total)(*map(dask.delayed(np.sum), blocks)), expected + 800 * 120
+    with dask.config.set({"octopus.fragments.max-bytes": 40 * block}), \
+            captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+        assert await c.compute(z) == pytest.approx(expected, rel=1e-12)
+    whole = [k for k in rec.worker if key_split(k) == FRAGMENT_PREFIX]
+    parts = [k for k in rec.worker if FRAGMENT_PREFIX in str(k) and key_split(k) != FRAGMENT_PREFIX]
+    assert len(whole) == 1 and not parts and "runs as" not in log.getvalue(), (whole, parts, log.getvalue())
+
+
 class Doubled(Task):
     """A task kind that calls itself differently from Dask's ``Task``: a step keeps it as it is."""
 

@@ -315,23 +315,29 @@ class Fragment:
             held.append(max(made.get(name, 0.0), max((held[s] for s in r), default=0)))
         return held[first:], [[s - first for s in d if s >= first] for d in self.drop]
 
-    def peak_bytes(self, sizes: Mapping[Key, float]) -> float:
-        """The estimated peak of the bytes the fragment task holds while its steps run in their order on
-        one stream: its inputs (``sizes``; it receives them all before it starts and holds them to its
-        end, where Dask's tasks would hold only those of the running task, the others may spill) and the
-        intermediate results alive at once, outputs held to the end (:meth:`estimate`, :func:`live_peak`)."""
-        return sum(self._input_bytes(sizes)) + live_peak(*self.estimate(sizes))
+    def _received_bytes(self, sizes: Mapping[Key, float], same: Mapping[Key, Key]) -> float:
+        """The bytes of the values the fragment task receives (:meth:`_input_bytes`), each once: ``same``
+        maps inputs to the key of the value they are (an alias read through, its target), where two
+        inputs may be one value."""
+        return sum({same.get(name, name): b for name, b in zip(self.inputs, self._input_bytes(sizes))}.values())
 
-    def exceeds(self, sizes: Mapping[Key, float], budget: float | None) -> bool:
+    def peak_bytes(self, sizes: Mapping[Key, float], same: Mapping[Key, Key] | None = None) -> float:
+        """The estimated peak of the bytes the fragment task holds while its steps run in their order on
+        one stream: its inputs (``sizes``; each value once, ``same``: see :meth:`_received_bytes`; it
+        receives them all before it starts and holds them to its end, where Dask's tasks would hold only
+        those of the running task, the others may spill) and the intermediate results alive at once,
+        outputs held to the end (:meth:`estimate`, :func:`live_peak`)."""
+        return self._received_bytes(sizes, same or {}) + live_peak(*self.estimate(sizes))
+
+    def exceeds(self, sizes: Mapping[Key, float], budget: float | None, same: Mapping[Key, Key] | None = None) -> bool:
         """Whether :meth:`peak_bytes` exceeds ``budget`` (``None``: no budget); not estimated where the
         inputs and every step holding a result as large as the largest input or known result fit."""
         if budget is None:
             return False
-        inputs = self._input_bytes(sizes)
-        largest = max(max(inputs, default=0), max(self.made.values(), default=0))
-        if sum(inputs) + len(self.names) * largest <= budget:
+        largest = max(max(self._input_bytes(sizes), default=0), max(self.made.values(), default=0))
+        if self._received_bytes(sizes, same or {}) + len(self.names) * largest <= budget:
             return False
-        return self.peak_bytes(sizes) > budget
+        return self.peak_bytes(sizes, same) > budget
 
     def structure(self) -> str:
         """What the fragment computes, whatever its keys: a hash of its steps' specs (functions and

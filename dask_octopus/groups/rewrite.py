@@ -158,6 +158,19 @@ def _pull_downstream(steps: Sequence[Key], specs: Mapping[Key, Mapping[str, Any]
     return out
 
 
+def _targets(steps: Sequence[Key], dsk: Mapping[Key, GraphNode], read_through: Collection[Key],
+             special: Collection[Key], skip: Collection[Key] = ()) -> dict[Key, Key]:
+    """The task each alias of ``read_through`` (but ``skip``) names, through aliases of aliases, where
+    that is not a ``special`` task; ``steps`` are the graph's keys, each after its dependencies."""
+    through: dict[Key, Key] = {}
+    for k in steps:
+        if type(dsk[k]) is Alias and k in read_through and k not in skip:
+            target = through.get(dsk[k].target, dsk[k].target)  # (never a member: an alias reads it)
+            if target not in special:
+                through[k] = target
+    return through
+
+
 def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
            dependents: Mapping[Key, set[Key]], members: list[Key], retries: Mapping[Key, int] | None,
            made_bytes: Mapping[Key, float] | None) -> Fragment:
@@ -230,6 +243,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
+    same = _targets(steps, dsk, read_through, special)  # inputs that are one value, counted once
     while True:
         planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                  parts, min(caps) if caps else None, labels)
@@ -245,7 +259,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
             made[place] = made.get(place, 0) + 1
             inside = set(marked)
             sources = sum(not dependencies[m] & inside for m in marked)
-            if sources > 1 and fragment.exceeds(sizes, (budgets or {}).get(place)):
+            if sources > 1 and fragment.exceeds(sizes, (budgets or {}).get(place), same):
                 over.add(place)
         if not over:
             break
@@ -284,12 +298,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
 
     # fragments and guards read an alias's target (a task of their own: a persisted partition of a dask-expr
     # dataframe, which Dask reads through one alias task per partition), and the aliases only they read go
-    through: dict[Key, Key] = {}
-    for k in steps:  # dependencies first: an alias of an alias reads the first one's target
-        if type(dsk[k]) is Alias and k in read_through and k not in guards:
-            target = through.get(dsk[k].target, dsk[k].target)  # (never a member: an alias reads it)
-            if target not in special:
-                through[k] = target
+    through = _targets(steps, dsk, read_through, special, guards)
     gone: set[Key] = set()  # aliases read through by all that read them: fragments, guards and other such aliases
     for k in reversed(steps):
         if k in unread and k in through and all(r in inside or r in guards or r in gone for r in dependents[k]):

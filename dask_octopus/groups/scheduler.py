@@ -579,7 +579,8 @@ def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
     if budget is None:
         return None
     sizes = _input_sizes(ts, fragment)
-    return (_hold(ts), fragment.peak_bytes(sizes), budget) if fragment.exceeds(sizes, budget) else None
+    same = {name: arg.key for name, arg in zip(fragment.inputs, ts.run_spec.args[1:]) if isinstance(arg, TaskRef)}
+    return (_hold(ts), fragment.peak_bytes(sizes, same), budget) if fragment.exceeds(sizes, budget, same) else None
 
 
 def _input_sizes(ts: TaskState, fragment: Fragment) -> dict[Key, float]:
