@@ -9,6 +9,9 @@ When a new release moves one of these, this is the only module to change.
   (:class:`AnnotatedLLGExpr` adds per-key annotations, such as the priorities of its tasks).
 - ``Scheduler._instances``: the schedulers running in this process (the optimizer asks whether
   all of them group marked tasks).
+- ``distributed.utils._offload_executor``: the thread in which a scheduler materializes (and
+  optimizes) the graph of ``update_graph`` (``in_offload_thread``: the optimizer reads the scheduler's
+  state there only, not where a client builds or a local scheduler runs a graph).
 - ``Scheduler._get_prefix_duration``: the duration Dask expects of a task (its prefix's average),
   which ``map``'s stealing weighs against the time to fetch a task's inputs.
 - ``distributed.dashboard.scheduler.template_variables``: the variables of the dashboard's page
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,6 +62,7 @@ __all__ = [
     "dashboard_menu",
     "execute_subgraph",
     "expected_duration",
+    "in_offload_thread",
     "parse_input",
     "resolve_aliases",
     "run_spec_collision",
@@ -89,6 +94,14 @@ def running_schedulers() -> list[Any] | None:
         return None
     done = (Status.closing, Status.closed, Status.failed)
     return [s for s in list(instances) if s.status not in done]
+
+
+def in_offload_thread() -> bool:
+    """Whether this runs in distributed's offload thread, where a scheduler materializes and optimizes
+    the graphs that clients send it (``Scheduler.update_graph``)."""
+    from distributed.utils import _offload_executor
+
+    return threading.current_thread().name.startswith(_offload_executor._thread_name_prefix)
 
 
 def dashboard_menu(scheduler: Any) -> list[dict[str, str]] | None:

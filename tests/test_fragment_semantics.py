@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import dask
 import dask.array as da
@@ -109,6 +110,52 @@ async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a,
         parts = [dask.delayed(inc)(b) for b in loaded[4:]]
     assert await c.gather(c.compute([dask.delayed(inc)(p) for p in parts])) == [6, 7, 8, 9]
     assert LOADED == []
+
+
+@pytest.mark.parametrize("through", [0, 1])  # the part reads the failed task, or a task built outside annotate
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_failed_task_a_client_holds_fails_only_what_reads_it(c, s, a, grouped_by, through):
+    """A failed task that a client holds, read by one of eight parts (directly, or through a task built
+    outside ``annotate``, which the fragment would pull in): Dask fails its readers as it gets them, the
+    other parts run in fragments, as without fragments (their fragment failed whole)."""
+    rec = await setup(c, s, [1.0])
+    bad = dask.delayed(load_unless, pure=True)(3, 3)
+    held = c.compute(bad)
+    await wait(held)
+    read = dask.delayed(inc)(bad) if through else bad
+    with dask_octopus.annotate():
+        parts = [dask.delayed(add)(read, i) if i == 3 else dask.delayed(inc)(i) for i in range(8)]
+    futures = c.compute([dask.delayed(inc)(p) for p in parts])
+    await wait(futures)
+    assert [f.status for f in futures] == ["finished"] * 3 + ["error"] + ["finished"] * 4
+    assert await c.gather(futures[:3] + futures[4:]) == [i + 2 for i in (0, 1, 2, 4, 5, 6, 7)]
+    assert repr(await futures[3].exception()) == "OSError('cannot read part 3')"
+    assert any(key_split(k) == FRAGMENT_PREFIX for k in rec.worker)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_graphs_optimized_beside_the_cluster_of_this_process_do_not_read_its_state(c, s, a):
+    """The optimizer reads the scheduler's state only where the scheduler optimizes the graphs it gets:
+    an annotated collection whose keys the cluster holds (its results picked from fragments), computed
+    with a local scheduler of this process, and a delayed object built over its blocks (``to_delayed``
+    optimizes where it is called) and computed once the cluster let the keys go, are exact (they read
+    fragment tasks that only the cluster had: Missing dependency, and cancelled for lost dependencies)."""
+    await setup(c, s, [1.0])
+    xn = np.arange(64 * 64.0).reshape(64, 64) % 13
+    with dask_octopus.annotate():
+        z = ((da.from_array(xn, chunks=8) + 1) * 2).sum(axis=0)
+    expected = ((xn + 1) * 2).sum(axis=0)
+    held = c.persist(z)
+    await wait(held)
+    assert any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks)
+    np.testing.assert_array_equal(z.compute(scheduler="sync"), expected)
+    with ThreadPoolExecutor(2) as pool:  # (Dask's own pool would outlive the test)
+        np.testing.assert_array_equal(z.compute(scheduler="threads", pool=pool), expected)
+    with dask_octopus.annotate():
+        blocks = dask.delayed(np.concatenate)(z.to_delayed().ravel().tolist())
+    del held
+    await async_poll_for(lambda: not s.tasks, timeout=5)
+    np.testing.assert_array_equal(await c.compute(blocks), expected)
 
 
 def add(x, y):

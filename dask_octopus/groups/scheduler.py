@@ -51,6 +51,7 @@ from dask_octopus._compat import (
     annotated_restrictions,
     cull,
     fused_name_of,
+    in_offload_thread,
     run_spec_collision,
     running_schedulers,
 )
@@ -285,6 +286,20 @@ def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState]
     return {k: node for k, node in merged.items() if k in needed}  # in the graph's order, which fragments follow
 
 
+def _failing(had: Mapping[Key, TaskState], dependents: Mapping[Key, Collection[Key]], new: Collection[Key],
+             ) -> set[Key]:
+    """The keys of ``new`` that read a task of ``had`` that failed (as :func:`_groupable` tells them in
+    ``update_graph``), directly or through other keys of ``new``."""
+    stack = [k for k, ts in had.items() if ts.exception_blame is not None]
+    found: set[Key] = set()
+    while stack:
+        for r in dependents.get(stack.pop(), ()):
+            if r in new and r not in found:
+                found.add(r)
+                stack.append(r)
+    return found
+
+
 def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
                   dependents: Mapping[Key, set[Key]], annotations: Mapping[Key, Mapping[str, Any]] | None = None,
                   ) -> dict[Key, GraphNode] | None:
@@ -296,11 +311,14 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     their other Dask annotations (``annotations``, by key: tasks group only with tasks of equal such
     annotations, :func:`shared_annotations`; each step keeps its ``retries``). Tasks the scheduler has
     already (held, running, or wanted by a client: Dask reuses them) are not grouped, and read what they
-    read there (:func:`_as_reused`). ``None`` when
-    not exactly one such scheduler runs here, or when the scheduler's state changed while being read
+    read there (:func:`_as_reused`), and new tasks that read a task that failed (held by a client), directly
+    or through other new tasks, are not grouped: Dask fails them as it gets them (:func:`_failing`).
+    ``None`` when not exactly one such scheduler runs here, when this does not run where that
+    scheduler materializes the graphs it gets (distributed's offload thread: not a client building a
+    graph, nor a local scheduler running one) or when the scheduler's state changed while being read
     (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
     plugins = _hosts()
-    if len(plugins) != 1 or len(running_schedulers() or ()) != 1:
+    if len(plugins) != 1 or len(running_schedulers() or ()) != 1 or not in_offload_thread():
         return None
     plugin = plugins[0]
     scheduler, placement = plugin.scheduler, plugin.placement
@@ -317,6 +335,10 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         # where it is in memory, the home of the marked tasks that read it
         had = {d: ts for k in new for d in graph[k].dependencies
                if d not in new and (ts := scheduler.tasks.get(d)) is not None}
+        failing = _failing(had, dependents, new)
+        if failing:
+            new -= failing
+            marks = {k: m for k, m in marks.items() if k not in failing}
         sizes = _sizes(had.values())
         coerce = functools.lru_cache(maxsize=None)(scheduler.coerce_address)  # (it may look a host name up)
         for k in marks:
