@@ -81,7 +81,7 @@ class GroupingOptimizer:
         if here is not None:  # on the scheduler, knowing where the tasks run
             graph = here
             marks = _unmade(marks, graph)
-        elif grouping:  # on one of several schedulers with the plugin: the plugin groups them
+        elif grouping:  # on one of several schedulers with the plugin, or beside one (a client thread): it groups them
             # the graph's order (the order the user built it) travels with the marks: fragments then
             # form the same way each time the same work comes again, so they can be replayed
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
