@@ -91,6 +91,33 @@ async def test_imap_stopped_early_releases_the_tasks_not_finished(c, s, a, b):
     await async_poll_for(lambda: not [k for k in s.tasks if "quick_first" in str(k)], timeout=3)
 
 
+def zero_fails_first(x):
+    if x == 0:
+        time.sleep(0.1)
+        raise ZeroDivisionError("item 0")
+    time.sleep(1.0)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config={"octopus.map.steal-fraction": 0})
+async def test_imap_raising_an_item_s_error_releases_the_tasks_not_finished_while_the_error_is_kept(c, s, a, b):
+    """The error an item raises (``errors="raise"``) ends the iteration: the tasks not finished are
+    released at once, also while the caller keeps the exception (its traceback holds the iterator's
+    frames: a REPL's last exception, an ``except ... as`` kept)."""
+    await setup(c, s, [1.0, 1.0])
+
+    def raised():
+        try:
+            for _ in dask_octopus.imap(zero_fails_first, range(8), client=c, cost=[1] * 8):  # one item a task
+                pass
+        except ZeroDivisionError as e:
+            return e
+
+    kept = await in_thread(raised)
+    assert repr(kept) == "ZeroDivisionError('item 0')"
+    await async_poll_for(lambda: not [k for k in s.tasks if "zero_fails_first" in str(k)], timeout=3)
+
+
 @gen_cluster(client=False, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_an_asynchronous_client_awaits_gathered_results_and_iterates_imap(s, a, b):
     async with Client(s.address, asynchronous=True) as c:

@@ -10,7 +10,7 @@ import functools
 import inspect
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -555,7 +555,16 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
         return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)
     if not items:
         return iter(())
-    return _checked(_as_finished(_Batches(client, func, items, cost, group, resource, to_host, kwargs)), errors)
+    return _closing(_as_finished(_Batches(client, func, items, cost, group, resource, to_host, kwargs)), errors)
+
+
+def _closing(run: Generator[tuple[int, Any], None, None], errors: str) -> Iterator[tuple[int, Any]]:
+    """:func:`_checked` over ``run``, closed as this ends, so that its tasks not finished are released also
+    when an item's error is raised (its traceback, which a caller may keep, would keep ``run`` open)."""
+    try:
+        yield from _checked(run, errors)
+    finally:
+        run.close()
 
 
 class _Batches:
