@@ -179,6 +179,35 @@ def test_no_improvement_is_sought_within_close_enough_of_the_lower_bound():
     assert pack(few, [1.0, 1.0], rounds=0).makespan == 7 and pack(few, [1.0, 1.0]).makespan == 6
 
 
+def test_the_lower_bound_counts_each_item_s_least_penalty():
+    # six items of 1 with a penalty of 1 everywhere: 12 units of work on two workers of speed 1
+    packed = pack([1.0] * 6, [1.0, 1.0], penalty=[[1.0, 1.0]] * 6)
+    assert lower_bound([1.0] * 6, [1.0, 1.0], [[1.0, 1.0]] * 6) == 6.0 == packed.floor == packed.makespan
+    # a penalty counts as work times the speed of the worker where it is least: 2 x 1, not 2 x 2
+    assert lower_bound([4.0, 2.0], [2.0, 1.0], [[1.0, 1.0], [1.0, 1.0]]) == pytest.approx(3.0)  # item 0 alone: 4/2+1
+    assert lower_bound([0.0] * 4, [2.0, 1.0], [[1.0, 1.0]] * 4) == pytest.approx(4 / 3)  # 4 x 1 units over 3
+    assert lower_bound([], [1.0], []) == 0.0
+
+
+@given(costs=costs_st, speeds=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=3), data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_the_lower_bound_with_penalties_is_never_above_the_optimum(costs, speeds, data):
+    penalty = [[data.draw(st.floats(0.0, 50.0)) for _ in speeds] for _ in costs]
+    assert lower_bound(costs, speeds, penalty) <= optimum_with_penalty(costs, speeds, penalty) * (1 + 1e-9) + 1e-12
+    assert lower_bound(costs, speeds, penalty) >= lower_bound(costs, speeds)
+
+
+def test_swaps_are_sought_among_at_most_swap_pairs(monkeypatch):
+    from dask_octopus.placement import packing
+
+    few = [3.0, 3.0, 2.0, 2.0, 2.0]  # LPT ends at 7 (3+2+2 against 3+2): one swap of 3 for 2 makes 6
+    assert pack(few, [1.0, 1.0]).makespan == 6
+    monkeypatch.setattr(packing, "SWAP_PAIRS", 5)  # the last worker's 3 items and the other's 2: 6 pairs
+    assert pack(few, [1.0, 1.0]).makespan == 7
+    monkeypatch.setattr(packing, "SWAP_PAIRS", 6)
+    assert pack(few, [1.0, 1.0]).makespan == 6
+
+
 def test_on_a_tie_the_item_goes_to_the_faster_worker():
     # the second item of 4 ends at 4 on either worker: the faster one takes it
     assert pack([4.0, 4.0], [2.0, 1.0]).assignment == [0, 0]

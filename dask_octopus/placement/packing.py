@@ -7,7 +7,10 @@ item first, to the worker where it would finish earliest) and then improves the 
 moving or swapping items off the worker that finishes last, until no move or swap helps or the
 packing is within :data:`CLOSE_ENOUGH` of the lower bound: with many items LPT ends there at once
 (2,000 items of random costs on 4 workers: within 0.013%), where the swaps' search, quadratic in the
-items, took seconds to gain the rest.
+items, took seconds to gain the rest. Penalties can keep the best packing further from the bound
+than that (a fixed time per item weighs more on a faster worker, which the bound cannot tell): swaps
+are then sought only while the last worker's items and the others' make at most :data:`SWAP_PAIRS`
+pairs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from dask_octopus._checks import check_finite, is_finite
 
 CLOSE_ENOUGH = 1e-3  # relative to the lower bound: no local improvement is sought within it (costs are estimates)
+SWAP_PAIRS = 50_000  # pairs the search for a swap may try (a failed search tries all; ~30 ms)
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,17 @@ def _check(costs: Sequence[float], speeds: Sequence[float], penalty: Sequence[Se
             raise ValueError(f"penalties of item {i} must be finite numbers >= 0, got {list(row)!r}")
 
 
-def lower_bound(costs: Sequence[float], speeds: Sequence[float]) -> float:
-    """No packing finishes before all work on all speeds, nor before the largest item on the fastest."""
-    return max(sum(costs) / sum(speeds), max(costs, default=0.0) / max(speeds))
+def lower_bound(costs: Sequence[float], speeds: Sequence[float],
+                penalty: Sequence[Sequence[float]] | None = None) -> float:
+    """No packing finishes before all work on all speeds, nor before the largest item on the fastest;
+    with ``penalty`` (as :func:`pack`), each item's work counts its least penalty (in work: seconds
+    times the worker's speed), and no item ends before its own least time."""
+    if penalty is None:
+        return max(sum(costs) / sum(speeds), max(costs, default=0.0) / max(speeds))
+    extra = sum(min(p * s for p, s in zip(row, speeds, strict=True)) for row in penalty)
+    alone = max((min(c / s + p for p, s in zip(row, speeds, strict=True)) for c, row in zip(costs, penalty)),
+                default=0.0)
+    return max((sum(costs) + extra) / sum(speeds), alone)
 
 
 def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[Sequence[float]] | None = None,
@@ -79,7 +91,7 @@ def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[S
         j = min(range(n), key=lambda j: (finish[j] + time(i, j), -speeds[j], j))
         assignment[i] = j
         finish[j] += time(i, j)
-    floor = lower_bound(costs, speeds)
+    floor = lower_bound(costs, speeds, penalty)
     for _ in range(rounds):
         if max(finish) <= floor * (1 + CLOSE_ENOUGH) or not _improve(time, assignment, finish):
             break
@@ -87,7 +99,8 @@ def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[S
 
 
 def _improve(time: Callable[[int, int], float], assignment: list[int], finish: list[float]) -> bool:
-    """One move or swap that lowers the later finish of the last worker and a partner; False if none."""
+    """One move or swap that lowers the later finish of the last worker and a partner; False if none
+    (swaps sought among at most :data:`SWAP_PAIRS` pairs)."""
     n = len(finish)
     last = max(range(n), key=lambda j: finish[j])
     worst = finish[last] - 1e-12 * max(1.0, finish[last])
@@ -99,6 +112,8 @@ def _improve(time: Callable[[int, int], float], assignment: list[int], finish: l
                 finish[last] -= time(i, last)
                 finish[j] += time(i, j)
                 return True
+    if len(mine) * (len(assignment) - len(mine)) > SWAP_PAIRS:
+        return False
     for i in mine:
         for k, j in enumerate(assignment):
             if j == last:
