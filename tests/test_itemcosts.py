@@ -100,6 +100,16 @@ def test_batches_of_zero_cost_or_zero_seconds_are_accepted():
     assert list(fit.points) == [(0.0, 1 / 3), (10.0, 0.0)]
 
 
+def test_a_batch_of_cost_zero_measures_the_fixed_part():
+    fit = ItemCostFit()
+    batches(fit, ItemCost(0.01, 1e-4), [(1, 100.0), (1, 200.0), (2, 0.0)])  # two empty items: 0.01 s each
+    got = fit.fit()
+    assert got.fixed == pytest.approx(0.01) and got.per_unit == pytest.approx(1e-4)
+    alone = ItemCostFit()
+    batches(alone, ItemCost(0.01, 1e-4), [(1, 0.0), (3, 0.0), (2, 0.0)])  # nothing tells the slope
+    assert alone.fit() is None
+
+
 def test_the_window_keeps_exactly_its_number_of_batches():
     fit = ItemCostFit(window=3)
     batches(fit, ItemCost(0.001, 1e-5), [(1, 100.0), (1, 400.0), (1, 1000.0)])

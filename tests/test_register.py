@@ -314,6 +314,15 @@ async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
     rates = plugin(s).model.table()
     assert rates["octopus-map-f"][b.address][0] == pytest.approx(10.0)  # cost 20 in 2 s
     assert rates["other"][b.address][0] == pytest.approx(499.5)  # not planned: bytes
+    # costs of any scale (megapixels, seconds): 0.05 in 0.5 s is 0.1 a second, not 1 unit in 0.5 s; a
+    # batch of cost 0 has no rate (its items still count for the fits)
+    await c.scheduler.octopus_add_plan(name="octopus-map-g-abc", workers=[a.address, b.address], costs=[0.05, 0.0],
+                                       counts=[1, 2])
+    s.log_event(TOPIC, {"worker": a.address, "timings": [(["octopus-map-g-abc", 0], "octopus-map-g", 999, 0.5)]})
+    s.log_event(TOPIC, {"worker": b.address, "timings": [(["octopus-map-g-abc", 1], "octopus-map-g", 999, 0.5)]})
+    rates = plugin(s).model.table()
+    assert rates["octopus-map-g"] == {a.address: (pytest.approx(0.1), 0.5, 1)}
+    assert list(plugin(s).item_costs["octopus-map-g"][b.address].points) == [(0.0, 0.25)]
 
 
 @gen_cluster(client=True, config=FAST)

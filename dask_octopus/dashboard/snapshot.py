@@ -115,6 +115,7 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
             pinned[w] += n
             active.setdefault(w, set()).add(block[0])
     rows = []
+    samples = plugin.model.samples()
     for addr in sorted(workers):
         ws = workers[addr]
         profile = plugin.profiles.get(addr, {})
@@ -123,7 +124,7 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
             address=addr, name=str(ws.name), device=profile.get("device") or "?", model=profile.get("name") or "",
             compute=profile.get("compute"), memory=profile.get("memory"),
             weight_compute=weights["compute"][addr], weight_memory=weights["memory"][addr],
-            samples=plugin.model.samples(addr), pinned=pinned[addr], plans=len(active.get(addr, ())),
+            samples=samples.get(addr, 0), pinned=pinned[addr], plans=len(active.get(addr, ())),
             groups=_count(counters.get("groups")), members=_count(counters.get("members")),
             graphs=_count(counters.get("graphs")), replays=_count(counters.get("replays")),
             error=profile.get("error") or (None if profile else "not calibrated yet"),

@@ -389,13 +389,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         and the working set per byte of block learned for the balanced input ``source`` (a key prefix)."""
         weights = self.speeds(resource)
         working_set = self.working_sets.ratio(source) if source is not None else None
+        samples = self.model.samples()
         out = {}
         for addr, ws in self.scheduler.workers.items():
             profile = Profile(**self.profiles.get(addr, {"error": "not calibrated"}))
             if profile.get("device") != "gpu" and ws.memory_limit:
                 profile["memory_total"] = profile["memory_free"] = ws.memory_limit
             profile.update(name_on_scheduler=str(ws.name), weight=weights[addr],
-                           samples=self.model.samples(addr), threads=ws.nthreads, working_set=working_set)
+                           samples=samples.get(addr, 0), threads=ws.nthreads, working_set=working_set)
             out[addr] = profile
         return out
 
@@ -584,7 +585,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                     self.working_sets.add(block[0], key_split(key), block[1], peak)
 
     def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float) -> None:
-        """Feed one task timing to the model; a planned task's cost replaces its bytes as work units."""
+        """Feed one task timing to the model; a planned task's cost (in the user's units, whatever their
+        scale) replaces its bytes as work units."""
         if not is_finite(seconds, positive=True):
             if worker not in self.bad_timings:
                 self.bad_timings.add(worker)
@@ -594,7 +596,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if seconds >= self.min_duration:
             planned = self.placement.cost_of(key)
             cost, count = planned if planned is not None else (None, None)
-            self.model.observe(worker, prefix, max(units if cost is None else cost, 1), seconds)
+            if cost is None:  # bytes (at least one: a task reading and writing nothing)
+                self.model.observe(worker, prefix, max(units, 1), seconds)
+            elif cost > 0:  # the user's cost units, any scale (a batch of cost 0 has no rate)
+                self.model.observe(worker, prefix, cost, seconds)
             if count is not None:
                 self.item_costs[prefix][worker].add(count, cost, seconds)
 

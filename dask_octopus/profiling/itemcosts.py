@@ -60,13 +60,14 @@ class ItemCostFit:
 
     def fit(self) -> ItemCost | None:
         """The weighted least-squares line with both terms >= 0, or ``None`` while the batches cannot tell
-        the terms apart (fewer than three, or too alike in mean cost per item) or the
+        the terms apart (fewer than three, or too alike in mean cost per item; a batch of cost 0 is
+        as unlike any other as can be) or the
         proportional term comes out zero (then costs would not matter)."""
         if len(self.points) < 3:
             return None
         xs = [x for x, _ in self.points]
         ys = [y for _, y in self.points]
-        if min(xs) <= 0 or max(xs) < self.spread * min(xs):
+        if max(xs) <= 0 or max(xs) < self.spread * min(xs):  # (a batch of cost 0 measures the fixed part)
             return None
         ws = [(1 - self.alpha) ** age for age in range(len(xs) - 1, -1, -1)]  # newest last, weight 1
         total = sum(ws)

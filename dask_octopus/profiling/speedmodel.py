@@ -155,9 +155,10 @@ class SpeedModel:
         """Observed ``(units per second, seconds per task, count)`` per prefix and worker."""
         return {p: {w: (r.value, r.seconds, r.count) for w, r in per.items()} for p, per in self.rates.items()}
 
-    def samples(self, worker: str) -> int:
-        """Number of task timings of ``worker`` that count (prefixes seen often enough on two workers or more)."""
-        return self._observed(list({w for r in self.rates.values() for w in r}))[1].get(worker, 0)
+    def samples(self) -> dict[str, int]:
+        """Number of task timings of each worker that count (prefixes seen often enough on two workers or
+        more); workers with none left out."""
+        return self._observed(list({w for r in self.rates.values() for w in r}))[1]
 
     def weights(self, workers: Iterable[str], resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
         """Relative weights of ``workers`` for ``resource``, summing to 1. With ``prefix``, and when
