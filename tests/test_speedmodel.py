@@ -40,6 +40,29 @@ def test_a_worker_that_slows_down_loses_weight_within_a_few_tasks():
     assert m.samples() == {"a": 7, "b": 7}
 
 
+def test_a_finished_computation_s_prefixes_give_way_to_the_work_running_now():
+    """Long tasks ran equally on both workers; then ``a`` is three times slower on new, shorter tasks.
+    The old prefix's weight halves every HALF_LIFE timings since it last ran: the new prefix decides."""
+    from dask_octopus.profiling.speedmodel import HALF_LIFE
+
+    m = SpeedModel()
+    for _ in range(20):
+        m.observe("a", "matmul", 1e8, 0.3)
+        m.observe("b", "matmul", 1e8, 0.3)
+    for _ in range(3):  # the new prefix counts: its duration-weighted say is 0.04 s against 0.3 s
+        m.observe("a", "add", 1e6, 0.06)
+        m.observe("b", "add", 1e6, 0.02)
+    young = m.weights(["a", "b"])["a"]
+    # log speed of a on add: -ln(3)/2 against b; matmul says 0: weights 3 x 0.04 and 3 x 0.3 x 2^(-6/HALF_LIFE)
+    old = 0.9 * 0.5 ** (6 / HALF_LIFE)
+    assert young == pytest.approx(1 / (1 + 3 ** (0.12 / (0.12 + old))))
+    for _ in range(5 * HALF_LIFE):
+        m.observe("a", "add", 1e6, 0.06)
+        m.observe("b", "add", 1e6, 0.02)
+    assert m.weights(["a", "b"])["a"] == pytest.approx(0.25, abs=0.005)  # a third of b's speed
+    assert m.weights(["a", "b"], prefix="matmul") == pytest.approx({"a": 0.5, "b": 0.5})  # its own speeds kept
+
+
 def test_units_normalise_block_size():
     m = SpeedModel(confidence_samples=1)
     m.observe("a", "mul", 300, 3.0)  # three times the rows in three times the time: same speed
@@ -197,7 +220,11 @@ def test_a_prefix_counts_by_the_duration_of_its_tasks_not_by_how_many_workers_ra
     m.observe("b", "gemm", 100, 1.0)
     for w in "abc":  # on sum, as long per task, the three are equal
         m.observe(w, "sum", 100, 1.0)
-    raw = {"a": 2 ** 0.25, "b": 2 ** -0.25, "c": 1.0}  # a and b: the mean of their two prefixes
+    from dask_octopus.profiling.speedmodel import HALF_LIFE
+
+    gemm = 0.5 ** (3 / HALF_LIFE)  # three timings ago: its weight against sum's
+    share = 0.5 * gemm / (1 + gemm)  # a and b: the weighted mean of their two prefixes (equal: 0.25)
+    raw = {"a": 2 ** share, "b": 2 ** -share, "c": 1.0}
     assert m.weights(["a", "b", "c"]) == pytest.approx({w: s / sum(raw.values()) for w, s in raw.items()})
 
 

@@ -6,7 +6,10 @@ prefix): an exponentially weighted average of the task's rate (work units per se
 the bytes it read and wrote). For a prefix seen on several workers, each worker's rate relative to
 the geometric mean of the others is its observed relative speed. Prefixes count in proportion to
 the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial
-results, which latency dominates). A prefix counts only on workers that ran it
+results, which latency dominates), and that weight halves with every :data:`HALF_LIFE` timings
+taken since the prefix last ran: a finished computation's prefixes give way to the work running now
+(a worker that slows down on new, shorter tasks loses weight even after long tasks of other
+prefixes ran equally everywhere). A prefix counts only on workers that ran it
 ``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
 steady work. The observed speed then replaces the prior, so a worker that slows down mid-run
 loses weight within a few tasks of each prefix. Asked for one prefix, the model answers with that
@@ -35,6 +38,7 @@ def check_resource(resource: str) -> str:
 
 
 NOISE_WINDOW = 8  # recent timings of a (prefix, worker) from which the noise of its rate is estimated
+HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
 
 
 @dataclass
@@ -75,6 +79,8 @@ class SpeedModel:
     significance: float = 2.5
     priors: dict[str, dict[str, float]] = field(default_factory=dict)
     rates: defaultdict[str, dict[str, _Rate]] = field(default_factory=lambda: defaultdict(dict))
+    clock: int = 0  # timings observed
+    last_seen: dict[str, int] = field(default_factory=dict)  # the clock at each prefix's latest timing
 
     def set_prior(self, worker: str, speeds: dict[str, float]) -> None:
         """Record the calibrated speeds of ``worker``; non-finite or non-positive ones are refused."""
@@ -93,6 +99,8 @@ class SpeedModel:
         """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
         check_finite(seconds, "task duration")
         check_finite(units, "task work units")
+        self.clock += 1
+        self.last_seen[prefix] = self.clock
         rate = units / seconds
         current = self.rates[prefix].get(worker)
         if current is None:
@@ -106,13 +114,15 @@ class SpeedModel:
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
         """Observed relative speed (geometric mean 1 per prefix) and sample count per worker, over
-        ``prefixes`` (default: all). ``prior``: each worker's log prior speed; a prefix whose recent
-        timings agree with the prior's differences keeps them."""
+        ``prefixes`` (default: all), each prefix weighing less by the timings taken since it last ran
+        (:data:`HALF_LIFE`). ``prior``: each worker's log prior speed; a prefix whose recent timings
+        agree with the prior's differences keeps them."""
         logsum: dict[str, float] = defaultdict(float)
         wsum: dict[str, float] = defaultdict(float)
         samples: dict[str, int] = defaultdict(int)
-        chosen = self.rates.values() if prefixes is None else [self.rates[p] for p in prefixes if p in self.rates]
-        for per_worker in chosen:
+        chosen = self.rates if prefixes is None else [p for p in prefixes if p in self.rates]
+        for prefix in chosen:
+            per_worker = self.rates[prefix]
             seen = {w: r for w, r in per_worker.items() if w in workers and r.count >= self.confidence_samples}
             if len(seen) < 2:
                 continue
@@ -123,8 +133,9 @@ class SpeedModel:
             expected_mean = sum(expected.values()) / n
             expected = {w: e - expected_mean for w, e in expected.items()}
             difference = self._difference(seen, expected)
+            age = 0.5 ** ((self.clock - self.last_seen.get(prefix, self.clock)) / HALF_LIFE)
             for w, r in seen.items():
-                weight = min(r.count, self.confidence_samples) * duration
+                weight = min(r.count, self.confidence_samples) * duration * age
                 logsum[w] += weight * (math.log(r.value) - mean if difference is None else difference[w])
                 wsum[w] += weight
                 samples[w] += r.count
