@@ -755,6 +755,28 @@ async def test_moved_blocks_that_a_started_fragment_runs_stay_with_it_when_a_wor
         assert not any(w == newcomer.address for w in rec.worker.values())
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_tasks_pinned_under_a_replaced_plan_of_the_same_name_move_when_their_worker_leaves(c, s, a, b):
+    """Two balance calls of one input that give the same chunks on other workers share Dask's key names
+    (the rechunk's name is the input's and the chunks'): the second plan replaces the first. Tasks
+    pinned under the first to a worker that then leaves move to a live one, and the compute ends."""
+    await setup(c, s, [1.0, 1.0])
+    first, second = sorted(s.workers)
+    x = da.arange(400.0, chunks=100)
+    held = c.persist(x, workers=[second], allow_other_workers=True)  # the second worker takes the first block
+    await wait(held)
+    y = await run_balance(c, held, per_worker=1)
+    assert s.plugins["octopus"].placement.plans[y.name].workers == [second, first]
+    go = Event()
+    fut = c.compute(y.map_blocks(wait_then_double, go.name, dtype=float).sum())
+    await async_poll_for(lambda: any(ts.state == "processing" for ts in s.tasks.values()), timeout=10)
+    z = await run_balance(c, x, per_worker=1)  # a graph: the workers in their sorted order
+    assert z.name == y.name and s.plugins["octopus"].placement.plans[y.name].workers == [first, second]
+    await s.remove_worker(address=second, stimulus_id="test", close=True)
+    await go.set()
+    assert await asyncio.wait_for(fut, 10) == 2 * np.arange(400.0).sum()
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
              config={"distributed.worker.memory.pause": False})  # the worker's memory monitor would unpause it
 async def test_blocks_of_a_paused_worker_run_elsewhere_until_it_runs_again(c, s, a, b):

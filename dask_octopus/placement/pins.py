@@ -313,8 +313,9 @@ class Placement:
         survivors took its blocks, and a worker that joins before they ran (its nanny restarted it)
         takes its share back; a survivor that took them all would hold all the results, as Dask
         alone spreads the recomputed tasks over the workers that are there when they are ready.
-        Updates the restrictions of the pinned tasks of moved blocks (unpins those of plans dropped
-        since, pinned to no live worker) and reschedules those stuck in ``no-worker``. Returns the
+        Updates the restrictions of the pinned tasks of moved blocks, and of those pinned to workers
+        that left under an earlier plan of the same name (unpins those of plans dropped since, pinned
+        to no live worker), and reschedules those stuck in ``no-worker``. Returns the
         number of tasks re-pinned or unpinned.
         """
         if not weights:
@@ -347,7 +348,9 @@ class Placement:
                     self._index(key, None)
                 else:
                     continue
-            elif block in moved:
+            elif block in moved or (ts.worker_restrictions and not ts.worker_restrictions & weights.keys()):
+                # moved now, or pinned to a worker that left under an earlier plan of the same name (two
+                # balance calls of one input that give the same chunks elsewhere share Dask's key names)
                 worker = self.worker_of(block)
                 ts.worker_restrictions = {worker}
                 ts.loose_restrictions = self._loose(block, worker)
