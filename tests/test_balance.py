@@ -240,6 +240,7 @@ async def test_bad_input(c, s, a, b):
         (df, {"per_worker": 0}, ValueError, "per_worker must be an integer >= 1"),
         (x, {"resource": "disk"}, ValueError, "unknown resource 'disk'"),
         (dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2), {"axis": 1}, ValueError, "axis must be 0"),
+        (df.index, {}, TypeError, "not a dask Index: balance the dataframe or series it indexes"),  # never computed
     ]
     for coll, kwargs, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -248,6 +249,24 @@ async def test_bad_input(c, s, a, b):
     with dask.config.set({"octopus.balance.memory-fraction": 1e-12}), \
             pytest.raises(PlanningError, match="does not fit in the workers' memory"):
         await call(c, x)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_kept_empty_partition_and_a_whole_float_align_give_the_same_rows(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    first, second = sorted(s.workers)
+    pdf = pd.DataFrame({"v": np.arange(30.0)}, index=np.arange(30))
+    parts = [pdf.iloc[0:10], pdf.iloc[0:0], pdf.iloc[20:25], pdf.iloc[25:30]]  # 10 | 0 | 5 | 5: kept as they are
+    futures = [await c.scatter(p, workers=[w]) for p, w in zip(parts, [first, first, second, second])]
+    df = dd.from_delayed(futures, meta=pdf.iloc[:0], verify_meta=False)
+    kept = await run_balance(c, df)
+    assert list(await c.compute(kept.map_partitions(len))) == [10, 0, 5, 5]
+    pd.testing.assert_frame_equal(await c.compute(kept), pd.concat(parts))
+    frame = dd.from_pandas(pd.DataFrame({"v": np.arange(400.0)}), npartitions=4)
+    aligned_ = await run_balance(c, frame, align=4.0, per_worker=3)  # 4.0 is the integer 4
+    lengths = list(await c.compute(aligned_.map_partitions(len)))
+    assert sum(lengths) == 400 and all(n % 4 == 0 for n in lengths)
+    pd.testing.assert_frame_equal(await c.compute(aligned_), frame.compute(scheduler="sync"))
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

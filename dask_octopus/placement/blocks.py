@@ -222,10 +222,14 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
         raise ValueError(f"per_worker must be an integer >= 1 or None, got {per_worker!r}")
     per_worker = None if per_worker is None else int(per_worker)
     check_align(align)
+    align = int(align)  # (4.0 passes the check: block sizes must be integers)
     if isinstance(collection, da.Array):
         return _balance_array(collection, client, axis, per_worker, resource, align)
     import dask.dataframe as dd
 
+    if isinstance(collection, dd.Index):  # (a dask Index is a Series too: refused before any work)
+        raise TypeError("balance supports dask arrays, dataframes and series, not a dask Index: "
+                        "balance the dataframe or series it indexes")
     if isinstance(collection, (dd.DataFrame, dd.Series)):
         if axis != 0:
             raise ValueError(f"dataframes are balanced by rows: axis must be 0, got {axis!r}")
@@ -406,6 +410,8 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
                 rows.append((delayed(_take_rows)([(parts[i], a, b)], dask_key_name=(pieces, j, i)), 0, b - a))
             else:
                 rows.append((parts[i], a, b))
+        # a kept empty partition: no rows, its columns
+        rows = rows or [(parts[min(j, len(parts) - 1)], 0, 0)]
         blocks.append(delayed(_take_rows)(rows, dask_key_name=(name, j)))
     call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource,
                    source=source, nbytes=[n * row_bytes for n in sizes], pieces=pieces)
