@@ -297,6 +297,22 @@ def test_blocks_within_the_largest_block_under_a_memory_cap():
     assert block_sizes_within(100, [1, 1], 50, caps=[20, None]) == [[20], [40, 40]]
 
 
+def test_blocks_within_the_largest_block_leave_the_slow_workers_their_one_block():
+    # 5 one-row items over speeds 10:1:1: the fast worker's real-valued share (4.2) would take 4 blocks
+    # and leave too few rows for the others' one block each
+    assert block_sizes_within(5, [10, 1, 1], 1) == [[1, 1, 1], [1], [1]]
+    # a worker capped at 75 rows makes blocks of its 75, not of its uncapped 1000
+    plan = block_sizes_within(2000, [1, 1], 10, caps=[75, None])
+    assert sum(plan[0]) == 75 and max(plan[0]) <= 10 and len(plan[0]) == 8 and sum(plan[1]) == 1925
+
+
+def test_the_align_remainder_fits_under_the_last_worker_s_cap():
+    # 746 rows in units of 10: the 6 left ride on the last block, whose worker may hold 375
+    assert block_sizes(746, [1, 1], align=10, caps=[750, 375]) == [[380], [366]]
+    with pytest.raises(PlanningError, match="the last 6 rows do not fit under the memory cap of the last worker"):
+        block_sizes(746, [1, 1], align=10, caps=[750, 5])
+
+
 def test_blocks_within_a_largest_block_per_worker():
     # worker 0 may process 10 rows at once, worker 1 the collection's largest block (50)
     assert block_sizes_within(100, [1, 1], [10, 50]) == [[10, 10, 10, 10, 10], [50]]
@@ -350,7 +366,8 @@ def test_block_sizes_under_memory_caps():
 
 def test_block_sizes_errors_in_full():
     with pytest.raises(PlanningError, match=r"^the last 5 rows do not fit under the memory cap of the last worker$"):
-        block_sizes(155, [1, 1, 1], align=10, caps=[None, None, 50])  # 50 + the 5 rows of remainder
+        block_sizes(155, [1, 1, 1], align=10, caps=[None, None, 14])  # under one unit and the 5 rows of remainder
+    assert block_sizes(155, [1, 1, 1], align=10, caps=[None, None, 50]) == [[60], [50], [45]]  # 40 + the 5
     with pytest.raises(PlanningError, match=r"^align=10 is larger than the smallest block's share \(1\.0 of 100\); "
                                             r"use a smaller align or per_worker$"):
         block_sizes(100, [1, 99], align=10)

@@ -120,15 +120,24 @@ def block_sizes(
             f"align={align} is larger than the smallest block's share ({share:.1f} of {total}); "
             "use a smaller align or per_worker"
         )
-    unit_caps = None
-    if caps is not None:
-        unit_caps = [None if c is None else c // align for c in caps]
+    unit_caps = _unit_caps(caps, align, rest)
+    if unit_caps is not None and unit_caps[-1] is not None and unit_caps[-1] < counts[-1]:
+        raise PlanningError(f"the last {rest} rows do not fit under the memory cap of the last worker")
     shares = proportional_split(units, w, minimum=counts, caps=unit_caps)
     plan = [[s * align for s in proportional_split(u, [1.0] * k, minimum=1)] for u, k in zip(shares, counts)]
     plan[-1][-1] += rest
-    if caps is not None and caps[-1] is not None and sum(plan[-1]) > caps[-1]:
-        raise PlanningError(f"the last {rest} rows do not fit under the memory cap of the last worker")
     return plan
+
+
+def _unit_caps(caps: Sequence[int | None] | None, align: int, rest: int) -> list[int | None] | None:
+    """``caps`` in whole ``align`` units, the last worker's leaving room for the ``rest`` rows its last
+    block takes."""
+    if caps is None:
+        return None
+    out = [None if c is None else c // align for c in caps]
+    if caps[-1] is not None:
+        out[-1] = max(0, caps[-1] - rest) // align
+    return out
 
 
 def check_align(align: int) -> None:
@@ -149,9 +158,13 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
     if len(bounds) != len(w) or any(b < 1 for b in bounds):
         raise PlanningError(f"largest must be >= 1, for all or for each of the {len(w)} workers, got {largest!r}")
     bounds = [max(b, align) for b in bounds]
-    body = total - total % align
-    # from below (the rounded shares can undercut the real-valued ones), one block more where one is over
-    counts = [max(1, math.floor(body * wi / sum(w) / b)) for wi, b in zip(w, bounds)]
+    units, rest = divmod(total, align)
+    # from below (the rounded shares can undercut the real-valued ones), one block more where one is over;
+    # the shares as block_sizes makes them, within the caps and one unit each at least (a slow worker's
+    # one block is not taken from the rows the fast ones would need for theirs)
+    shares = ([1] * len(w) if units < len(w)  # (too few rows: block_sizes says so)
+              else proportional_split(units, w, minimum=1, caps=_unit_caps(caps, align, rest)))
+    counts = [max(1, math.floor(s * align / b)) for s, b in zip(shares, bounds)]
     while True:
         plan = block_sizes(total, w, per_worker=counts, align=align, caps=caps)
         over = [i for i, blocks in enumerate(plan)
