@@ -202,9 +202,9 @@ def test_swaps_are_sought_among_at_most_swap_pairs(monkeypatch):
 
     few = [3.0, 3.0, 2.0, 2.0, 2.0]  # LPT ends at 7 (3+2+2 against 3+2): one swap of 3 for 2 makes 6
     assert pack(few, [1.0, 1.0]).makespan == 6
-    monkeypatch.setattr(packing, "SWAP_PAIRS", 5)  # the last worker's 3 items and the other's 2: 6 pairs
+    monkeypatch.setattr(packing, "SWAP_PAIRS", 1)  # the first pair (3 for 3) gains nothing, the second does
     assert pack(few, [1.0, 1.0]).makespan == 7
-    monkeypatch.setattr(packing, "SWAP_PAIRS", 6)
+    monkeypatch.setattr(packing, "SWAP_PAIRS", 2)
     assert pack(few, [1.0, 1.0]).makespan == 6
 
 

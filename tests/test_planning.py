@@ -309,8 +309,10 @@ def test_blocks_within_the_largest_block_leave_the_slow_workers_their_one_block(
 def test_the_align_remainder_fits_under_the_last_worker_s_cap():
     # 746 rows in units of 10: the 6 left ride on the last block, whose worker may hold 375
     assert block_sizes(746, [1, 1], align=10, caps=[750, 375]) == [[380], [366]]
+    with pytest.raises(PlanningError, match="a cap is below its minimum"):  # no remainder: the cap is the problem
+        block_sizes(100, [1, 1], align=10, caps=[None, 5])
     with pytest.raises(PlanningError, match="the last 6 rows do not fit under the memory cap of the last worker"):
-        block_sizes(746, [1, 1], align=10, caps=[750, 5])
+        block_sizes(746, [1, 1], align=10, caps=[750, 12])  # one unit of 10 fits, not with the 6
 
 
 def test_blocks_within_a_largest_block_per_worker():

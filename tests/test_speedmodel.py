@@ -63,6 +63,21 @@ def test_a_finished_computation_s_prefixes_give_way_to_the_work_running_now():
     assert m.weights(["a", "b"], prefix="matmul") == pytest.approx({"a": 0.5, "b": 0.5})  # its own speeds kept
 
 
+def test_a_prefix_whose_weight_underflows_counts_no_more_but_keeps_its_own_speeds(monkeypatch):
+    from dask_octopus.profiling import speedmodel
+
+    monkeypatch.setattr(speedmodel, "HALF_LIFE", 1e-3)  # 0.5 ** (timings / 1e-3): 0.0 after one timing
+    m = SpeedModel()
+    for _ in range(3):
+        m.observe("a", "f", 200, 1.0)  # a twice as fast on f
+        m.observe("b", "f", 100, 1.0)
+    m.observe("a", "other", 100, 1.0)
+    m.observe("b", "other", 100, 1.0)
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 0.5, "b": 0.5})  # f counts no more; other is too new
+    assert m.samples() == {}
+    assert m.weights(["a", "b"], prefix="f") == pytest.approx({"a": 2 / 3, "b": 1 / 3})  # its own, not aged
+
+
 def test_units_normalise_block_size():
     m = SpeedModel(confidence_samples=1)
     m.observe("a", "mul", 300, 3.0)  # three times the rows in three times the time: same speed

@@ -8,9 +8,8 @@ moving or swapping items off the worker that finishes last, until no move or swa
 packing is within :data:`CLOSE_ENOUGH` of the lower bound: with many items LPT ends there at once
 (2,000 items of random costs on 4 workers: within 0.013%), where the swaps' search, quadratic in the
 items, took seconds to gain the rest. Penalties can keep the best packing further from the bound
-than that (a fixed time per item weighs more on a faster worker, which the bound cannot tell): swaps
-are then sought only while the last worker's items and the others' make at most :data:`SWAP_PAIRS`
-pairs.
+than that (a fixed time per item weighs more on a faster worker, which the bound cannot tell): a
+search for a swap tries at most :data:`SWAP_PAIRS` pairs.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from dask_octopus._checks import check_finite, is_finite
 
 CLOSE_ENOUGH = 1e-3  # relative to the lower bound: no local improvement is sought within it (costs are estimates)
-SWAP_PAIRS = 50_000  # pairs the search for a swap may try (a failed search tries all; ~30 ms)
+SWAP_PAIRS = 50_000  # pairs one search for a swap may try (~30 ms)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[S
 
 def _improve(time: Callable[[int, int], float], assignment: list[int], finish: list[float]) -> bool:
     """One move or swap that lowers the later finish of the last worker and a partner; False if none
-    (swaps sought among at most :data:`SWAP_PAIRS` pairs)."""
+    (a swap sought among the first :data:`SWAP_PAIRS` pairs)."""
     n = len(finish)
     last = max(range(n), key=lambda j: finish[j])
     worst = finish[last] - 1e-12 * max(1.0, finish[last])
@@ -112,12 +111,14 @@ def _improve(time: Callable[[int, int], float], assignment: list[int], finish: l
                 finish[last] -= time(i, last)
                 finish[j] += time(i, j)
                 return True
-    if len(mine) * (len(assignment) - len(mine)) > SWAP_PAIRS:
-        return False
+    tried = 0
     for i in mine:
         for k, j in enumerate(assignment):
             if j == last:
                 continue
+            tried += 1
+            if tried > SWAP_PAIRS:
+                return False
             new_last = finish[last] - time(i, last) + time(k, last)
             new_j = finish[j] - time(k, j) + time(i, j)
             if max(new_last, new_j) < worst:

@@ -121,7 +121,7 @@ def block_sizes(
             "use a smaller align or per_worker"
         )
     unit_caps = _unit_caps(caps, align, rest)
-    if unit_caps is not None and unit_caps[-1] is not None and unit_caps[-1] < counts[-1]:
+    if rest and unit_caps is not None and unit_caps[-1] is not None and unit_caps[-1] < counts[-1] <= caps[-1] // align:
         raise PlanningError(f"the last {rest} rows do not fit under the memory cap of the last worker")
     shares = proportional_split(units, w, minimum=counts, caps=unit_caps)
     plan = [[s * align for s in proportional_split(u, [1.0] * k, minimum=1)] for u, k in zip(shares, counts)]

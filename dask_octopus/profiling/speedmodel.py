@@ -114,8 +114,8 @@ class SpeedModel:
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
         """Observed relative speed (geometric mean 1 per prefix) and sample count per worker, over
-        ``prefixes`` (default: all), each prefix weighing less by the timings taken since it last ran
-        (:data:`HALF_LIFE`). ``prior``: each worker's log prior speed; a prefix whose recent timings
+        ``prefixes`` (default: all, each weighing less by the timings taken since it last ran,
+        :data:`HALF_LIFE`). ``prior``: each worker's log prior speed; a prefix whose recent timings
         agree with the prior's differences keeps them."""
         logsum: dict[str, float] = defaultdict(float)
         wsum: dict[str, float] = defaultdict(float)
@@ -133,7 +133,10 @@ class SpeedModel:
             expected_mean = sum(expected.values()) / n
             expected = {w: e - expected_mean for w, e in expected.items()}
             difference = self._difference(seen, expected)
-            age = 0.5 ** ((self.clock - self.last_seen.get(prefix, self.clock)) / HALF_LIFE)
+            # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
+            age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
+            if age == 0.0:  # (underflow: ~34,000 timings since it ran) it counts no more
+                continue
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration * age
                 logsum[w] += weight * (math.log(r.value) - mean if difference is None else difference[w])
