@@ -315,11 +315,11 @@ class Fragment:
             held.append(max(made.get(name, 0.0), max((held[s] for s in r), default=0)))
         return held[first:], [[s - first for s in d if s >= first] for d in self.drop]
 
-    def _received_bytes(self, sizes: Mapping[Key, float], same: Mapping[Key, Key]) -> float:
-        """The bytes of the values the fragment task receives (:meth:`_input_bytes`), each once: ``same``
-        maps inputs to the key of the value they are (an alias read through, its target), where two
-        inputs may be one value."""
-        return sum({same.get(name, name): b for name, b in zip(self.inputs, self._input_bytes(sizes))}.values())
+    def _received_bytes(self, inputs: Sequence[float], same: Mapping[Key, Key]) -> float:
+        """The bytes of the values the fragment task receives (``inputs``: :meth:`_input_bytes`), each
+        once: ``same`` maps inputs to the key of the value they are (an alias read through, its target),
+        where two inputs may be one value."""
+        return sum({same.get(name, name): b for name, b in zip(self.inputs, inputs)}.values())
 
     def peak_bytes(self, sizes: Mapping[Key, float], same: Mapping[Key, Key] | None = None) -> float:
         """The estimated peak of the bytes the fragment task holds while its steps run in their order on
@@ -327,15 +327,16 @@ class Fragment:
         receives them all before it starts and holds them to its end, where Dask's tasks would hold only
         those of the running task, the others may spill) and the intermediate results alive at once,
         outputs held to the end (:meth:`estimate`, :func:`live_peak`)."""
-        return self._received_bytes(sizes, same or {}) + live_peak(*self.estimate(sizes))
+        return self._received_bytes(self._input_bytes(sizes), same or {}) + live_peak(*self.estimate(sizes))
 
     def exceeds(self, sizes: Mapping[Key, float], budget: float | None, same: Mapping[Key, Key] | None = None) -> bool:
         """Whether :meth:`peak_bytes` exceeds ``budget`` (``None``: no budget); not estimated where the
         inputs and every step holding a result as large as the largest input or known result fit."""
         if budget is None:
             return False
-        largest = max(max(self._input_bytes(sizes), default=0), max(self.made.values(), default=0))
-        if self._received_bytes(sizes, same or {}) + len(self.names) * largest <= budget:
+        inputs = self._input_bytes(sizes)
+        largest = max(max(inputs, default=0), max(self.made.values(), default=0))
+        if self._received_bytes(inputs, same or {}) + len(self.names) * largest <= budget:
             return False
         return self.peak_bytes(sizes, same) > budget
 
