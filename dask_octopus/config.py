@@ -43,6 +43,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "refine.confidence-samples": ("an integer >= 1", _integer(1)),
     "refine.min-duration": ("a duration such as 2ms", _parses(parse_timedelta)),
     "refine.significance": ("a number >= 0", is_finite),
+    "refine.max-prefixes": ("an integer >= 1", _integer(1)),
     "balance.memory-fraction": _FRACTION,
     "balance.min-gain": ("a number >= 0", is_finite),
     "map.steal-fraction": ("a number in [0, 1]", lambda v: is_finite(v) and v <= 1),

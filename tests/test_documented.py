@@ -155,6 +155,14 @@ async def test_refine_significance_from_dask_config_asks_for_more_evidence(c, s,
     assert (await dask_octopus.speeds(c))[a.address] == pytest.approx(2 / 3)
 
 
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.max-prefixes": 2})
+async def test_refine_max_prefixes_from_dask_config_keeps_the_prefixes_that_ran_last(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    for prefix in ["job_1", "job_2", "job_1", "job_3"]:
+        timing(s, a.address, prefix, 100, 0.1)
+    assert set(plugin(s).model.table()) == {"job_1", "job_3"}
+
+
 @gen_cluster(client=True, nthreads=TWO, worker_kwargs={"memory_limit": MEMORY_LIMIT})
 async def test_balance_memory_fraction_caps_each_worker_s_share_of_its_memory(c, s, a, b):
     await setup(c, s, [3.0, 1.0])
@@ -211,6 +219,7 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.max-streams", 2.5, "octopus.streams.max-streams must be an integer >= 1, got 2.5"),
     ("streams.capture-after", -1, "octopus.streams.capture-after must be an integer >= 0, got -1"),
     ("streams.max-graphs", 0, "octopus.streams.max-graphs must be an integer >= 1, got 0"),
+    ("refine.max-prefixes", 0, "octopus.refine.max-prefixes must be an integer >= 1, got 0"),
     ("map.steal-fraction", 1.5, r"octopus.map.steal-fraction must be a number in \[0, 1\], got 1.5"),
     ("map.steal-min-seconds", "soon", "octopus.map.steal-min-seconds must be a duration such as 50ms, got 'soon'"),
     ("map.learn-result-size", "yes", "octopus.map.learn-result-size must be true or false, got 'yes'"),
@@ -243,7 +252,7 @@ def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():
 def test_readme_defaults():
     expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "calibration.wait": "30s",
                 "refine.alpha": 0.5, "refine.confidence-samples": 3, "refine.min-duration": "2ms",
-                "refine.significance": 2.5,
+                "refine.significance": 2.5, "refine.max-prefixes": 1000,
                 "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "map.steal-fraction": 0.25,
                 "map.steal-min-seconds": "50ms", "map.learn-result-size": True, "max-plans": 1000,
                 "fragments.max-bytes": "auto",

@@ -121,6 +121,35 @@ def test_remove_forgets_a_worker():
     assert "a" not in m.priors and "a" not in m.rates["p"]
 
 
+def test_the_prefixes_that_ran_last_are_kept_and_the_least_recent_dropped():
+    """Tasks under keys of their own make a prefix each: the model keeps ``max_prefixes`` of them, those
+    that ran last (a prefix running again moves to the front), with their speeds."""
+    m = SpeedModel(confidence_samples=1, max_prefixes=2)
+    m.observe("a", "gemm", 300, 1.0)
+    m.observe("b", "gemm", 100, 1.0)
+    m.observe("a", "job_1", 1, 1.0)
+    m.observe("a", "gemm", 300, 1.0)  # gemm ran after job_1
+    m.observe("b", "job_2", 1, 1.0)  # job_1 dropped
+    assert set(m.table()) == {"gemm", "job_2"} and set(m.last_seen) == {"gemm", "job_2"}
+    assert m.weights(["a", "b"], prefix="gemm") == pytest.approx({"a": 0.75, "b": 0.25})
+    for i in range(10_000):
+        m.observe("a", f"job_{i}", 1, 1.0)
+    assert len(m.rates) == len(m.last_seen) == 2
+    assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}  # gemm's timings dropped too
+
+
+def test_a_prefix_no_worker_ran_any_more_is_forgotten():
+    m = SpeedModel(confidence_samples=1, max_prefixes=2)
+    m.observe("a", "only-a", 1, 1.0)
+    m.observe("b", "both", 1, 1.0)
+    m.observe("a", "both", 1, 1.0)
+    m.remove("a")
+    assert set(m.rates) == set(m.last_seen) == {"both"}
+    m.observe("b", "new", 1, 1.0)
+    m.observe("b", "newer", 1, 1.0)  # the room the forgotten prefix left is taken: both dropped
+    assert set(m.rates) == {"new", "newer"}
+
+
 @pytest.mark.parametrize("seconds", [0.0, -1.0, math.nan, math.inf])
 def test_bad_durations_are_refused(seconds):
     with pytest.raises(ValueError, match="duration"):

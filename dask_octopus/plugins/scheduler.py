@@ -144,7 +144,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
         self.model = SpeedModel(alpha=config.get("refine.alpha", alpha),
                                 confidence_samples=config.get("refine.confidence-samples", confidence_samples),
-                                significance=config.get("refine.significance"))
+                                significance=config.get("refine.significance"),
+                                max_prefixes=config.get("refine.max-prefixes"))
         self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
         plans = config.get("max-plans", max_plans)
         self.working_sets = WorkingSets(max_sources=plans)

@@ -11,7 +11,10 @@ taken since the prefix last ran: a finished computation's prefixes give way to t
 (a worker that slows down on new, shorter tasks loses weight even after long tasks of other
 prefixes ran equally everywhere). A prefix counts only on workers that ran it
 ``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
-steady work. The observed speed then replaces the prior, so a worker that slows down mid-run
+steady work. The model keeps the timings of the ``max_prefixes`` prefixes that ran last (tasks
+submitted under keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one
+had been unseen for that many timings at least, so its weight had halved ``max_prefixes / HALF_LIFE``
+times. The observed speed then replaces the prior, so a worker that slows down mid-run
 loses weight within a few tasks of each prefix. Asked for one prefix, the model answers with that
 prefix's speeds alone once every worker has them (``map`` plans a function by its own speeds).
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -71,16 +74,19 @@ class SpeedModel:
     observations on both. A prefix shows the workers' differences only on evidence: when the mean of
     some worker's recent log rates is more than ``significance`` standard errors away from the mean
     over the workers (errors from the noise of each worker's timings); otherwise its workers count as
-    equal (identical workers keep equal weights, however noisy their short tasks).
+    equal (identical workers keep equal weights, however noisy their short tasks). ``max_prefixes``:
+    the prefixes kept, those that ran last.
     """
 
     alpha: float = 0.5
     confidence_samples: int = 3
     significance: float = 2.5
+    max_prefixes: int = 1000
     priors: dict[str, dict[str, float]] = field(default_factory=dict)
     rates: defaultdict[str, dict[str, _Rate]] = field(default_factory=lambda: defaultdict(dict))
     clock: int = 0  # timings observed
-    last_seen: dict[str, int] = field(default_factory=dict)  # the clock at each prefix's latest timing
+    # the clock at each prefix's latest timing, the least recent first
+    last_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
 
     def set_prior(self, worker: str, speeds: dict[str, float]) -> None:
         """Record the calibrated speeds of ``worker``; non-finite or non-positive ones are refused."""
@@ -92,14 +98,20 @@ class SpeedModel:
     def remove(self, worker: str) -> None:
         """Forget everything about ``worker``."""
         self.priors.pop(worker, None)
-        for per_worker in self.rates.values():
+        for prefix, per_worker in list(self.rates.items()):
             per_worker.pop(worker, None)
+            if not per_worker:
+                del self.rates[prefix], self.last_seen[prefix]
 
     def observe(self, worker: str, prefix: str, units: float, seconds: float) -> None:
         """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
         check_finite(seconds, "task duration")
         check_finite(units, "task work units")
         self.clock += 1
+        if prefix in self.last_seen:
+            self.last_seen.move_to_end(prefix)
+        elif len(self.last_seen) >= self.max_prefixes:
+            del self.rates[self.last_seen.popitem(last=False)[0]]
         self.last_seen[prefix] = self.clock
         rate = units / seconds
         current = self.rates[prefix].get(worker)
