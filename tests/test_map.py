@@ -183,6 +183,36 @@ async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b,
     assert how == "map" or [i for i, _ in got] == list(range(32))
 
 
+@pytest.mark.parametrize("how", ["map", "imap"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)] * 2, Worker=Nanny, timeout=120)
+async def test_local_items_scattered_to_a_worker_lost_before_their_batches_were_submitted_are_sent_again(
+        c, s, a, b, how, monkeypatch):
+    """The scheduler refuses a graph that reads a key it lost (every batch of it cancelled for "lost
+    dependencies"): the batches are submitted again, their items scattered again."""
+    await setup(c, s, [1.0, 1.0])
+    scattered, go = threading.Event(), threading.Event()
+    scatter = dask_octopus.placement.items._scatter_to_plan
+
+    def then_wait(*args, **kwargs):
+        scatter(*args, **kwargs)
+        scattered.set()
+        go.wait(60)
+
+    monkeypatch.setattr("dask_octopus.placement.items._scatter_to_plan", then_wait)
+    items = [np.full(2**14, float(i)) for i in range(32)]  # 4 MiB in all: scattered to their planned workers
+    if how == "map":
+        run = call(c, slow_total, items, cost=[1] * 32, group=2, delay=0.01, gather=True)
+    else:
+        run = asyncio.get_running_loop().run_in_executor(None, lambda: sorted(dask_octopus.imap(
+            slow_total, items, client=c, cost=[1] * 32, group=2, delay=0.01)))
+    assert await asyncio.get_running_loop().run_in_executor(None, scattered.wait, 60)
+    await a.kill()
+    await async_poll_for(lambda: len(s.workers) == 1, timeout=30)
+    go.set()
+    got = await run
+    assert (got if how == "map" else [r for _, r in got]) == [float(x.sum()) for x in items]
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_a_restart_mid_map_cancels_it_rather_than_sending_the_items_again(c, s, a, b):
     await setup(c, s, [1.0, 1.0])

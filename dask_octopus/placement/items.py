@@ -620,13 +620,16 @@ class _Batches:
     def again(self, future: Future, result: Any) -> list[Future] | None:
         """The batch tasks that now run the items of the batch task ``future`` (with ``result``, its
         result or exception), where the scheduler cancelled it because a worker left with items scattered
-        to it, or where it failed because an item given as a future failed; ``None`` for any other outcome."""
+        to it (once it ran, or before: the scheduler then refused the whole submission, every batch of it
+        cancelled for "lost dependencies"), or where it failed because an item given as a future failed;
+        ``None`` for any other outcome."""
         idx = self.where[future.key]
         if future.status == "error":  # again where an item failed since it was submitted (then it fails alone)
             if not any(i not in self._failed and i in self._sent and self._sent[i].status == "error" for i in idx):
                 return None
-        elif (isinstance(result, FutureCancelledError) and result.reason == "already forgotten"
-              and self._scattered & set(idx) and all(self._resent[i] < LOST_ROUNDS for i in idx)):
+        elif (isinstance(result, FutureCancelledError) and all(self._resent[i] < LOST_ROUNDS for i in idx)
+              and (result.reason == "lost dependencies"
+                   or (result.reason == "already forgotten" and self._scattered & set(idx)))):
             self._resent.update(idx)
         else:
             return None
