@@ -231,12 +231,28 @@ def test_removing_a_worker_the_model_does_not_know_is_harmless():
     assert m.priors == {} and m.table() == {"p": {"b": (1.0, 1.0, 1)}}
 
 
+def test_one_timing_moves_the_rate_at_most_4x_in_log_space():
+    """One fluke timing (a task 100x faster than its prefix's others) moves a worker's rate as a timing 4x
+    faster would: its weight rises to 2/3 for a task, not to 0.98 (the rates' own moving average)."""
+    m = SpeedModel()
+    for _ in range(10):
+        m.observe("a", "p", 100, 1.0)
+        m.observe("b", "p", 100, 1.0)
+    m.observe("a", "p", 100, 0.01)
+    assert m.table()["p"]["a"][0] == pytest.approx(200)
+    assert m.weights(["a", "b"])["a"] == pytest.approx(2 / 3)
+    m.observe("a", "p", 100, 1e4)  # 10,000x slower: 4x
+    assert m.table()["p"]["a"][0] == pytest.approx(100)
+    m.observe("a", "p", 100, 3.0)  # 3x slower: in full
+    assert m.table()["p"]["a"][0] == pytest.approx(100 / 3**0.5)
+
+
 def test_the_table_holds_moving_averages_of_rate_and_duration():
     m = SpeedModel(alpha=0.25)
     m.observe("a", "p", 100, 2.0)  # 50 units/s
     m.observe("a", "p", 100, 4.0)  # 25 units/s
     rate, seconds, count = m.table()["p"]["a"]
-    assert rate == pytest.approx(0.25 * 25 + 0.75 * 50)
+    assert rate == pytest.approx(25**0.25 * 50**0.75)  # of the log rates
     assert seconds == pytest.approx(0.25 * 4.0 + 0.75 * 2.0)
     assert count == 2
 
@@ -275,7 +291,7 @@ def test_a_prefix_counts_by_the_duration_of_its_tasks_not_by_how_many_workers_ra
 @pytest.mark.parametrize("factor, counts", [(1.02, False), (0.98, True)])
 def test_a_difference_counts_beyond_significance_standard_errors_of_the_recent_timings(factor, counts):
     m = SpeedModel(alpha=0.5, confidence_samples=3)
-    for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, moving average 87.5
+    for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, moving average 100**0.75 * 50**0.25
         m.observe("a", "mul", 100, seconds)
     for _ in range(3):  # b: a steady 40 units/s, no noise
         m.observe("b", "mul", 100, 2.5)
@@ -285,16 +301,16 @@ def test_a_difference_counts_beyond_significance_standard_errors_of_the_recent_t
     m.significance = factor * gap / standard_error  # just above, or just below, the gap
     w = m.weights(["a", "b"])
     if counts:  # the moving averages decide
-        assert w["a"] / w["b"] == pytest.approx(87.5 / 40.0)
+        assert w["a"] / w["b"] == pytest.approx(100**0.75 * 50**0.25 / 40.0)
     else:  # within the noise: no evidence of a difference
         assert w == pytest.approx({"a": 0.5, "b": 0.5})
 
 
 def test_the_same_recent_timings_in_another_order_are_no_evidence_of_a_difference():
     m = SpeedModel(alpha=0.25, confidence_samples=2)
-    for seconds in (1.0, 2.0):  # a: 100 then 50 units/s, moving average 87.5
+    for seconds in (1.0, 2.0):  # a: 100 then 50 units/s, moving average 100**0.75 * 50**0.25
         m.observe("a", "mul", 100, seconds)
-    for seconds in (2.0, 1.0):  # b: 50 then 100 units/s, moving average 62.5
+    for seconds in (2.0, 1.0):  # b: 50 then 100 units/s, moving average 50**0.75 * 100**0.25
         m.observe("b", "mul", 100, seconds)
     assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}
 
@@ -313,9 +329,9 @@ def test_with_three_workers_one_significant_difference_keeps_the_others_differen
 @pytest.mark.parametrize("factor, counts", [(1.02, False), (0.98, True)])
 def test_the_gap_between_two_noisy_workers_counts_beyond_significance_standard_errors_of_the_gap(factor, counts):
     m = SpeedModel(alpha=0.5, confidence_samples=3)
-    for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, moving average 87.5
+    for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, moving average 100**0.75 * 50**0.25
         m.observe("a", "mul", 100, seconds)
-    for seconds in (2.5, 3.75, 2.5):  # b: 40, 26.7, 40 units/s, moving average 36.7
+    for seconds in (2.5, 3.75, 2.5):  # b: 40, 26.7, 40 units/s, moving average 40**0.75 * 26.7**0.25
         m.observe("b", "mul", 100, seconds)
     gap = (2 * math.log(100) + math.log(50)) / 3 - (2 * math.log(40) + math.log(40 / 1.5)) / 3
     se_a = math.log(2) / 0.954 / math.sqrt(3)  # each: the noise of one timing over the root of three timings
@@ -323,7 +339,7 @@ def test_the_gap_between_two_noisy_workers_counts_beyond_significance_standard_e
     m.significance = factor * gap / math.sqrt(se_a**2 + se_b**2)  # just above, or just below, the gap
     w = m.weights(["a", "b"])
     if counts:
-        assert w["a"] / w["b"] == pytest.approx(87.5 / (0.5 * 40 + 0.25 * 40 / 1.5 + 0.25 * 40))
+        assert w["a"] / w["b"] == pytest.approx(100**0.75 * 50**0.25 / (40**0.75 * (40 / 1.5)**0.25))
     else:
         assert w == pytest.approx({"a": 0.5, "b": 0.5})
 

@@ -2,8 +2,10 @@
 
 No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
-prefix): an exponentially weighted average of the task's rate (work units per second, units being
-the bytes it read and wrote). For a prefix seen on several workers, each worker's rate relative to
+prefix): an exponentially weighted average of the log of the task's rate (work units per second,
+units being the bytes it read and wrote), each timing counting at most 4x faster or slower than the
+average (:data:`MAX_STEP`): one fluke timing 100x faster than its prefix's others moved the rates'
+own average 50x. For a prefix seen on several workers, each worker's rate relative to
 the geometric mean of the others is its observed relative speed. Prefixes count in proportion to
 the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial
 results, which latency dominates), and that weight halves with every :data:`HALF_LIFE` timings
@@ -41,12 +43,13 @@ def check_resource(resource: str) -> str:
 
 
 NOISE_WINDOW = 8  # recent timings of a (prefix, worker) from which the noise of its rate is estimated
+MAX_STEP = math.log(4)  # one timing counts at most 4x faster or slower than the moving average
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
 
 
 @dataclass
 class _Rate:
-    value: float  # moving average of units per second
+    value: float  # moving average of units per second (of their logs, each timing's step at most MAX_STEP)
     seconds: float  # moving average of one task's duration
     count: int = 1
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=NOISE_WINDOW))  # log rates
@@ -118,7 +121,8 @@ class SpeedModel:
         if current is None:
             current = self.rates[prefix][worker] = _Rate(rate, seconds)
         else:
-            current.value = self.alpha * rate + (1 - self.alpha) * current.value
+            change = max(-MAX_STEP, min(MAX_STEP, math.log(rate / current.value)))
+            current.value *= math.exp(self.alpha * change)
             current.seconds = self.alpha * seconds + (1 - self.alpha) * current.seconds
             current.count += 1
         current.recent.append(math.log(rate))
