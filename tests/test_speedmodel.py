@@ -112,6 +112,23 @@ def test_a_prefix_is_weighed_by_its_own_speeds_once_every_worker_ran_it():
     assert m.weights(["a", "b", "c"], prefix="launch") == m.weights(["a", "b", "c"])
 
 
+@pytest.mark.parametrize("b_seconds, expected", [
+    (1.0, [0.4, 0.4, 0.1, 0.1]),  # a and b 4x c and d, as calibrated; a and b equal, as calibrated
+    (4.0, [4 / 7, 1 / 7, 1 / 7, 1 / 7]),  # a 4x the others; b, c and d equal: b's timings confirm it
+])
+def test_a_prefix_run_on_some_workers_moves_them_against_each_other_only(b_seconds, expected):
+    """Timings that agree with the calibration leave the weights as calibrated, although only two of the
+    four workers ran the prefix (it moved them to the others' scale: a and b 0.33 each, then b below c)."""
+    m = SpeedModel()
+    priors = dict(zip("abcd", [4.0, 4.0, 1.0, 1.0] if b_seconds == 1.0 else [4.0, 1.0, 1.0, 1.0]))
+    for w, speed in priors.items():
+        m.set_prior(w, {"compute": speed, "memory": speed})
+    for _ in range(5):
+        m.observe("a", "p", 100, 1.0)
+        m.observe("b", "p", 100, b_seconds)
+    assert m.weights("abcd") == pytest.approx(dict(zip("abcd", expected)))
+
+
 def test_remove_forgets_a_worker():
     m = SpeedModel(confidence_samples=1)
     m.set_prior("a", {"compute": 1.0, "memory": 1.0})

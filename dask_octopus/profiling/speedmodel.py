@@ -129,10 +129,12 @@ class SpeedModel:
 
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
-        """Observed relative speed (geometric mean 1 per prefix) and sample count per worker, over
+        """Observed relative speed and sample count per worker, over
         ``prefixes`` (default: all, each weighing less by the timings taken since it last ran,
         :data:`HALF_LIFE`). ``prior``: each worker's log prior speed; a prefix whose recent timings
-        agree with the prior's differences keeps them."""
+        agree with the prior's differences keeps them, and the workers that ran a prefix keep the geometric
+        mean of their priors (without ``prior``: 1), so a prefix run on some of the workers moves them
+        against each other only, not against the others."""
         logsum: dict[str, float] = defaultdict(float)
         wsum: dict[str, float] = defaultdict(float)
         samples: dict[str, int] = defaultdict(int)
@@ -155,7 +157,9 @@ class SpeedModel:
                 continue
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration * age
-                logsum[w] += weight * (math.log(r.value) - mean if difference is None else difference[w])
+                # on the prior's scale: the workers that ran the prefix keep their prior mean
+                logsum[w] += weight * (expected_mean + (math.log(r.value) - mean if difference is None
+                                                        else difference[w]))
                 wsum[w] += weight
                 samples[w] += r.count
         return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
