@@ -1,4 +1,4 @@
-"""Every private Dask and distributed name that dask_octopus uses, imported in one place.
+"""Every private Dask, distributed and CuPy name that dask_octopus uses, imported in one place.
 
 Tested with dask and distributed 2026.7.1 (the GPU machine, with dask-cuda 26.10) and 2026.8.0 (CI).
 When a new release moves one of these, this is the only module to change.
@@ -23,14 +23,20 @@ When a new release moves one of these, this is the only module to change.
 - The text of the scheduler's warning that a key came with another run spec than the one it has
   (``run_spec_collision``: the warning is dropped where the only difference is our grouping), and
   the names low-level fusion gives the tasks it fuses (``fused_name_of``).
+- CuPy's ``cupy.fft._fft._exec_fft`` and ``_exec_fftn``, through which every FFT of ``cupy.fft`` and
+  ``cupyx.scipy.fft`` runs (``counting_ffts``: a CUDA graph that captured one reads a cuFFT plan that
+  CuPy's plan cache may free).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
+import logging
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dask._expr import LLGExpr, _AnnotationsTombstone
@@ -58,6 +64,7 @@ __all__ = [
     "Task",
     "TaskRef",
     "convert_legacy_graph",
+    "counting_ffts",
     "cull",
     "dashboard_menu",
     "execute_subgraph",
@@ -81,6 +88,57 @@ class AnnotatedLLGExpr(LLGExpr):
 
     def __dask_annotations__(self) -> dict[str, dict[Any, Any]]:
         return self.operand("annotations")
+
+
+logger = logging.getLogger(__name__)
+
+FFT_EXECUTORS = ("_exec_fft", "_exec_fftn")  #: the functions of ``cupy.fft._fft`` that run each FFT
+_ffts = threading.local()  # .counter: the list counting this thread's FFTs, while counting_ffts runs
+_ffts_missing: set[str] = set()  # the names of the modules without them (warned once)
+_ffts_lock = threading.Lock()
+
+
+def count_ffts_of(module: Any) -> bool:
+    """Make the FFT executors of ``module`` (``cupy.fft._fft``) count the FFTs each thread runs within
+    :func:`counting_ffts` (once: other calls go on as before); ``False`` where it has none."""
+    with _ffts_lock:
+        found = [name for name in FFT_EXECUTORS if callable(getattr(module, name, None))]
+        for name in found:
+            run = getattr(module, name)
+            if getattr(run, "counts_ffts", False):
+                continue
+
+            @functools.wraps(run)
+            def counted(*args: Any, _run: Callable[..., Any] = run, **kwargs: Any) -> Any:
+                counter = getattr(_ffts, "counter", None)
+                if counter is not None:
+                    counter[0] += 1
+                return _run(*args, **kwargs)
+
+            counted.counts_ffts = True  # type: ignore[attr-defined]
+            setattr(module, name, counted)
+        return bool(found)
+
+
+@contextlib.contextmanager
+def counting_ffts() -> Iterator[list[int]]:
+    """``[n]``: the FFTs this thread runs through CuPy meanwhile (``cupy.fft``, ``cupyx.scipy.fft``);
+    a warning, once, where CuPy's FFT executors are not found (they are then not counted)."""
+    try:
+        import cupy.fft._fft as module
+    except ImportError:
+        module = None
+    if module is not None and not count_ffts_of(module) and module.__name__ not in _ffts_missing:
+        _ffts_missing.add(module.__name__)
+        logger.warning("dask_octopus: CuPy's FFT executors (%s) not found: groups that run FFTs may be captured "
+                       "as CUDA graphs, which do not hold the cuFFT plans they read", ", ".join(FFT_EXECUTORS))
+    counter = [0]
+    previous = getattr(_ffts, "counter", None)
+    _ffts.counter = counter
+    try:
+        yield counter
+    finally:
+        _ffts.counter = previous
 
 
 def running_schedulers() -> list[Any] | None:

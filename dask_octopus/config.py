@@ -54,8 +54,9 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "streams.max-streams": ("an integer >= 1", _integer(1)),
     "streams.large-bytes": ("a size such as 128MiB", _parses(parse_bytes)),
     "streams.capture": ("true or false", lambda v: isinstance(v, bool)),
-    "streams.capture-after": ("an integer >= 0", _integer(0)),
+    "streams.capture-after": ("an integer >= 1", _integer(1)),
     "streams.max-graphs": ("an integer >= 1", _integer(1)),
+    "streams.max-graph-bytes": ("a size such as 4GiB", _parses(parse_bytes)),
     "streams.capture-spare-bytes": ("a size such as 32MiB", _parses(parse_bytes)),
     "streams.switch-interval": ("off or a duration of 1us or more, such as 100us",  # (off: YAML reads it as false)
                                 lambda v: v is False or v == "off" or (_parses(parse_timedelta)(v)

@@ -218,7 +218,8 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("balance.min-gain", "some", "octopus.balance.min-gain must be a number >= 0, got 'some'"),
     ("streams.max-streams", 0, "octopus.streams.max-streams must be an integer >= 1, got 0"),
     ("streams.max-streams", 2.5, "octopus.streams.max-streams must be an integer >= 1, got 2.5"),
-    ("streams.capture-after", -1, "octopus.streams.capture-after must be an integer >= 0, got -1"),
+    ("streams.capture-after", 0, "octopus.streams.capture-after must be an integer >= 1, got 0"),
+    ("streams.max-graph-bytes", "big", "octopus.streams.max-graph-bytes must be a size such as 4GiB, got 'big'"),
     ("streams.max-graphs", 0, "octopus.streams.max-graphs must be an integer >= 1, got 0"),
     ("refine.max-prefixes", 0, "octopus.refine.max-prefixes must be an integer >= 1, got 0"),
     ("map.steal-fraction", 1.5, r"octopus.map.steal-fraction must be a number in \[0, 1\], got 1.5"),
@@ -258,7 +259,8 @@ def test_readme_defaults():
                 "map.steal-min-seconds": "50ms", "map.learn-result-size": True, "max-plans": 1000,
                 "fragments.max-bytes": "auto",
                 "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,
-                "streams.capture-after": 1, "streams.max-graphs": 64, "streams.capture-spare-bytes": "32MiB",
+                "streams.capture-after": 1, "streams.max-graphs": 64, "streams.max-graph-bytes": "4GiB",
+                "streams.capture-spare-bytes": "32MiB",
                 "streams.switch-interval": "100us"}
     assert {key: config.get(key) for key in expected} == expected
     assert set(config.CHECKS) == set(expected)  # every setting is in the README's table
@@ -362,7 +364,6 @@ def test_large_bytes_members_run_on_the_task_s_own_stream(fake_gpu):
 @pytest.mark.parametrize("settings, refused_on_run", [
     ({}, 2),  # capture-after 1: one eager run, then captured (here: refused)
     ({"octopus.streams.capture-after": 2}, 3),
-    ({"octopus.streams.capture-after": 0}, 1),
     ({"octopus.streams.capture": False}, None),  # never captured
 ])
 def test_capture_settings_decide_when_a_group_is_captured(fake_gpu, settings, refused_on_run):
@@ -424,7 +425,7 @@ def test_a_group_is_captured_in_place_only_on_buffers_that_came_before(after, bu
 
     def make(in_place):
         calls.append(in_place)
-        return None if refuse else ("in place" if in_place else "copies")
+        return None if refuse else Graph("in place" if in_place else "copies")
 
     assert [streams._cached_graph(cache, "shapes", (b,), make) for b in buffers] == got
     assert calls == made
@@ -439,6 +440,47 @@ def test_graph_cache_drops_the_least_recently_used_graph_beyond_its_size():
     assert list(cache.graphs) == ["a", "c"] and cache.get("b") is None
     cache.add("d", "graph d")
     assert list(cache.graphs) == ["c", "d"]
+
+
+class Graph(str):
+    """A captured graph, as the graph cache sees it: its name and the bytes it holds."""
+
+    nbytes = 0
+
+    def held_bytes(self):
+        return self.nbytes
+
+
+def test_graph_cache_drops_the_least_recently_used_graphs_beyond_max_graph_bytes():
+    cache = GraphCache(size=10, after=1, max_bytes=100)
+    cache.add("a", "graph a", 40)
+    cache.add("b", "graph b", 40)
+    assert cache.get("a") == "graph a"  # a is now the most recently used
+    cache.add("c", "graph c", 40)  # 120 bytes: b goes
+    assert list(cache.graphs) == ["a", "c"] and cache.bytes == 80
+    cache.add("d", "graph d", 100)  # alone within the bytes: the others go
+    assert list(cache.graphs) == ["d"] and cache.bytes == 100
+    assert cache.fits(100) and not cache.fits(101) and GraphCache().fits(2**60)
+
+
+def test_a_graph_larger_than_max_graph_bytes_is_replayed_once_then_its_shapes_run_eagerly():
+    cache = GraphCache(after=1, max_bytes=100)
+    kept = Graph("kept")
+    kept.nbytes = 60
+    large = Graph("large")
+    large.nbytes = 101
+    made = iter([kept, large])
+    small = [streams._cached_graph(cache, "small", ("a",), lambda in_place: next(made)) for _ in range(2)]
+    assert small == [None, kept]
+    got = [streams._cached_graph(cache, "large", ("b",), lambda in_place: next(made)) for _ in range(4)]
+    assert got == [None, large, None, None] and "large" in cache.refused
+    assert list(cache.graphs.values()) == [kept] and cache.bytes == 60
+
+
+def test_the_graph_cache_reads_max_graph_bytes_from_dask_config():
+    assert streams.StreamRuntime().graph_cache().max_bytes == 4 * 2**30
+    with dask.config.set({"octopus.streams.max-graph-bytes": "1 MiB"}):
+        assert streams.StreamRuntime().graph_cache().max_bytes == 2**20
 
 
 def test_graph_cache_never_captures_a_refused_signature():

@@ -486,6 +486,91 @@ def test_a_captured_graph_holds_no_more_than_one_stream_would_plus_a_block(cuda_
     assert st["graphs_on_streams"] == 1  # the 128 kB blocks' graph forks over the streams, the other does not
 
 
+def fft_magnitude(block):
+    import cupy
+
+    return cupy.abs(cupy.fft.fft(block, axis=1)).astype(cupy.float32) + 1
+
+
+def other_ffts(n):
+    """FFTs of ``n`` other shapes on this worker thread (CuPy's plan cache keeps 16 plans), then the memory
+    their plans held filled with other data."""
+    import cupy
+
+    for k in range(n):
+        cupy.fft.fft(cupy.ones((3, 100 + k), cupy.complex64), axis=1)
+    filler = [cupy.full((1 << 20,), -7.0, cupy.float32) for _ in range(64)]
+    cupy.cuda.Device().synchronize()
+    return len(filler)
+
+
+def test_fragments_that_run_ffts_stay_eager_and_exact_after_their_plans_leave_the_cache(cuda_one):
+    """A graph that captured an FFT reads its cuFFT plan, which CuPy's plan cache frees once 16 other
+    plans came: the next replay crashed the worker (an illegal memory access). Such fragments refuse
+    capture and stay eager."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    x = cuda_one.persist(da.from_array(cupy.arange(8 * 64 * 256, dtype=cupy.float32).reshape(8 * 64, 256) % 7,
+                                       chunks=(64, 256)))
+    expected = cuda_one.compute(x.map_blocks(fft_magnitude, name="fft-ref").sum(axis=0)).result()
+    for run in range(6):
+        if run == 3:
+            assert cuda_one.submit(other_ffts, 40, pure=False).result() == 64
+        with dask_octopus.annotate():
+            got = cuda_one.compute(x.map_blocks(fft_magnitude, name=f"fft-{run}").sum(axis=0)).result()
+        cupy.testing.assert_allclose(got, expected, rtol=1e-5)
+    (st,) = cuda_one.run(capture_stats).values()
+    assert st["refused"] >= 1 and st["graphs"] == 0 and "cuFFT" in st["last_refusal"], st
+
+
+def fresh_stream_runtime(dask_worker, max_graph_bytes):
+    """A new stream runtime on the worker (no graphs), reading ``octopus.streams.max-graph-bytes`` as given."""
+    import dask
+
+    from dask_octopus.groups import streams
+
+    dask.config.set({"octopus.streams.max-graph-bytes": max_graph_bytes})
+    dask_worker.extensions[streams.EXTENSION] = streams.StreamRuntime()
+
+
+def test_graphs_beyond_max_graph_bytes_are_dropped_and_larger_ones_run_eagerly(cuda_one):
+    """The fragments of three persisted arrays of different shapes, each captured reading its blocks in
+    place: with room for two and a half of their graphs a worker thread keeps no more than that; with
+    room for half of one, none (each is replayed once, then its shapes run eagerly). Every compute is
+    exact."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    widths = [512, 640, 768]
+    xs = [cuda_one.persist(da.from_array(cupy.full((8 * 512, w), float(i + 1), cupy.float32), chunks=(512, w)))
+          for i, w in enumerate(widths)]
+
+    def computes():
+        for _ in range(3):  # eager, captured, replayed
+            for i, x in enumerate(xs):
+                with dask_octopus.annotate():
+                    got = cuda_one.compute((x * 2 + 1).sum(axis=0)).result()
+                cupy.testing.assert_array_equal(got, cupy.full(widths[i], (2 * (i + 1) + 1) * 8 * 512, cupy.float32))
+        (st,) = cuda_one.run(capture_stats).values()
+        return st
+
+    st = computes()  # the default: room for all three
+    assert st["graphs"] == 3 and st["graphs_in_place"] == 3, st
+    one = st["graph_bytes"] / 3
+    print(f"each graph holds {one:.0f} bytes")
+    cuda_one.run(fresh_stream_runtime, int(2.5 * one))
+    st = computes()
+    assert 1 <= st["graphs"] < 3 and st["graph_bytes"] <= 2.5 * one and st["refused"] == 0, st
+    cuda_one.run(fresh_stream_runtime, int(0.5 * one))
+    st = computes()
+    assert st["graphs"] == 0 and st["refused"] >= 1, st
+
+
 def scaled_pair(block, k):
     """Two CuPy results of one item, one of them not contiguous."""
     return {"scaled": block * k, "transposed": (block + k).T}

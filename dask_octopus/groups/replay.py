@@ -7,8 +7,10 @@ on the very input buffers it is given again (persisted blocks or items) reads th
 copy new inputs into the graph's own input buffers; the graph is launched and its outputs are copied out.
 Allocations made while capturing come from a memory pool private to the graph, so the addresses
 baked into it are never handed to anything else. Capture refused (cuBLAS, cuRAND, a host
-synchronisation, outputs that are not CuPy arrays) is remembered per group signature, and that
-group keeps running eagerly.
+synchronisation, outputs that are not CuPy arrays, an FFT: the graph would read a cuFFT plan that
+CuPy's plan cache frees when it holds 16 others, and a replay then crashes the worker; no device
+memory left for the copies of the inputs) is remembered per group signature, and that group keeps
+running eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
+
+from dask_octopus._compat import counting_ffts
 
 
 class CaptureRefused(RuntimeError):
@@ -65,7 +69,7 @@ def _capture(cp: Any, streams: Sequence[Any], launch: Callable[[], Any]) -> tupl
     origin = streams[0]
     pool = cp.cuda.MemoryPool()
     try:
-        with cp.cuda.using_allocator(pool.malloc), origin:
+        with cp.cuda.using_allocator(pool.malloc), origin, counting_ffts() as ffts:
             origin.begin_capture()
             try:
                 fork = origin.record()
@@ -78,7 +82,17 @@ def _capture(cp: Any, streams: Sequence[Any], launch: Callable[[], Any]) -> tupl
                 graph = origin.end_capture()
     except Exception as e:
         raise CaptureRefused(f"{type(e).__name__}: {e}") from e
+    if ffts[0]:
+        raise CaptureRefused(f"{ffts[0]} FFTs: a CUDA graph does not hold the cuFFT plans it reads")
     return graph, pool, launched
+
+
+def _copies(xs: Any) -> list[Any]:
+    """Copies of the arrays ``xs`` for a graph to read; :class:`CaptureRefused` where they do not fit."""
+    try:
+        return [x.copy() for x in xs]
+    except Exception as e:  # (CuPy's OutOfMemoryError): the group runs eagerly, as it did
+        raise CaptureRefused(f"copying the inputs: {type(e).__name__}: {e}") from e
 
 
 def _check_outputs(cp: Any, outputs: Sequence[Any]) -> None:
@@ -95,7 +109,7 @@ def capture(cp: Any, members: Sequence[Callable[..., Any]], inputs: Sequence[Seq
     if not all(_is_device_array(cp, x) for xs in inputs for x in xs):
         raise CaptureRefused("an input is not a CuPy array")
     with streams[0]:
-        static = [list(xs) if in_place else [x.copy() for x in xs] for xs in inputs]
+        static = [list(xs) if in_place else _copies(xs) for xs in inputs]
     outputs: list[Any] = [None] * len(members)
 
     def launch() -> None:
@@ -117,7 +131,8 @@ def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], valu
     in place or from copies, the results being those at ``outputs``; raises :class:`CaptureRefused`
     when CUDA or CuPy refuses. The streams must already wait for the inputs."""
     with streams[0]:
-        static = {k: values[k] if in_place else values[k].copy() for k in inputs}
+        static = dict(zip(inputs, [values[k] for k in inputs] if in_place else _copies([values[k] for k in inputs]),
+                          strict=True))
     captured = dict(static)
     # what launch holds for other streams is dropped after the capture: the private pool is never
     # allocated from again, so what it holds stays the graph's
@@ -131,12 +146,16 @@ def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], valu
 class GraphCache:
     """Cache of one worker thread's captured groups by signature, with the signatures that refused capture.
     A group is captured the ``after``-th time its signature is seen (the first runs are eager, to
-    warm up and classify its members); at most ``size`` graphs are kept (least recently used go)."""
+    warm up and classify its members); at most ``size`` graphs holding at most ``max_bytes`` in all
+    (``None``: any) are kept, the least recently used going first."""
 
-    def __init__(self, size: int = 64, after: int = 1):
+    def __init__(self, size: int = 64, after: int = 1, max_bytes: float | None = None):
         self.size = size
         self.after = after
+        self.max_bytes = max_bytes
         self.graphs: OrderedDict[Hashable, CapturedGroup] = OrderedDict()
+        self.nbytes: dict[Hashable, int] = {}  # what each graph holds
+        self.bytes = 0  # what they hold in all
         self.refused: OrderedDict[Hashable, None] = OrderedDict()
         self.seen: OrderedDict[Hashable, int] = OrderedDict()
         self.replays = 0
@@ -156,7 +175,13 @@ class GraphCache:
             self.seen.popitem(last=False)
         return n > self.after
 
-    def add(self, signature: Hashable, graph: CapturedGroup | None) -> None:
+    def fits(self, nbytes: int) -> bool:
+        """Whether a graph holding ``nbytes`` may be kept (alone, if need be)."""
+        return self.max_bytes is None or nbytes <= self.max_bytes
+
+    def add(self, signature: Hashable, graph: CapturedGroup | None, nbytes: int = 0) -> None:
+        """Keep ``graph`` (holding ``nbytes``: :meth:`CapturedGroup.held_bytes`) for ``signature``, dropping
+        the least recently used graphs beyond ``size`` or ``max_bytes``; ``None``: the capture was refused."""
         self.seen.pop(signature, None)
         if graph is None:
             self.refused[signature] = None
@@ -164,5 +189,7 @@ class GraphCache:
                 self.refused.popitem(last=False)
             return
         self.graphs[signature] = graph
-        while len(self.graphs) > self.size:
-            self.graphs.popitem(last=False)
+        self.nbytes[signature] = nbytes
+        self.bytes += nbytes
+        while len(self.graphs) > self.size or (len(self.graphs) > 1 and not self.fits(self.bytes)):
+            self.bytes -= self.nbytes.pop(self.graphs.popitem(last=False)[0])

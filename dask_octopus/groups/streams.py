@@ -78,6 +78,8 @@ class StreamRuntime:
     max_graphs: int
     #: eager runs of a group before it is captured
     capture_after: int
+    #: bytes the captured groups of a thread may hold (least recently used dropped)
+    max_graph_bytes: float
     #: remembered member classes, least recently used dropped
     max_classes: int
     #: member signature -> ``"compute"`` or ``"memory"``
@@ -92,6 +94,7 @@ class StreamRuntime:
                  max_classes: int = 4096, bandwidth: float = 100e9):
         self.max_graphs = config.get("streams.max-graphs", max_graphs)
         self.capture_after = config.get("streams.capture-after", capture_after)
+        self.max_graph_bytes = _bytes(config.get("streams.max-graph-bytes"))
         self.max_classes = max_classes
         self.bandwidth = bandwidth
         self.classes = OrderedDict()
@@ -162,7 +165,7 @@ class StreamRuntime:
         """This thread's captured groups."""
         cache = getattr(self._local, "graphs", None)
         if cache is None:
-            cache = self._local.graphs = GraphCache(self.max_graphs, self.capture_after)
+            cache = self._local.graphs = GraphCache(self.max_graphs, self.capture_after, self.max_graph_bytes)
             with self._lock:
                 self._caches.append(cache)
         return cache
@@ -364,7 +367,12 @@ def _cached_graph(cache: GraphCache, shapes: Hashable, pointers: tuple | None,
     if not in_place and not cache.should_capture(shapes):
         return None
     graph = make(in_place)
-    cache.add(placed if in_place and graph is not None else shapes, graph)
+    nbytes = graph.held_bytes() if graph is not None else 0
+    if not cache.fits(nbytes):  # replayed this once, then the shapes run eagerly
+        logger.debug("dask_octopus: a graph of %d bytes is not kept (octopus.streams.max-graph-bytes)", nbytes)
+        cache.add(shapes, None)
+        return graph
+    cache.add(placed if in_place and graph is not None else shapes, graph, nbytes)
     return graph
 
 
