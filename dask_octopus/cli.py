@@ -14,6 +14,8 @@ from rich.table import Table
 from dask_octopus.bench.protocol import protocol_option
 from dask_octopus.profiling.probes import gpu_count
 
+POSITIVE = click.IntRange(min=1)  #: counts and sizes of the demo
+
 
 def console() -> Console:
     """A console that keeps tables readable in logs (160 columns when not on a terminal)."""
@@ -32,16 +34,19 @@ def main() -> None:
               help="auto: GPUs where CuPy sees them (balance needs two); cpu: CPU workers; gpu: GPU workers only")
 @click.option("--part", type=click.Choice(["all", "balance", "tasks"]), default="all", show_default=True,
               help="balance: two workers, one slowed down; tasks: many small tasks on one worker")
-@click.option("--rows", type=int, default=None, help="balance: rows of the array [default: 400000 cpu, 1000000 gpu]")
-@click.option("--cols", type=int, default=None, help="balance: columns [default: 256 cpu, 2048 gpu]")
-@click.option("--width", type=int, default=None, help="balance: subspace width [default: 128 cpu, 2048 gpu]")
-@click.option("--passes", type=int, default=3, show_default=True, help="balance: timed passes per variant")
+@click.option("--rows", type=POSITIVE, default=None,
+              help="balance: rows of the array [default: 400000 cpu, 1000000 gpu]")
+@click.option("--cols", type=POSITIVE, default=None, help="balance: columns [default: 256 cpu, 2048 gpu]")
+@click.option("--width", type=POSITIVE, default=None, help="balance: subspace width [default: 128 cpu, 2048 gpu]")
+@click.option("--passes", type=POSITIVE, default=3, show_default=True, help="balance: timed passes per variant")
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="balance: slow one worker down")
-@click.option("--blocks", type=int, default=None, help="tasks: number of small blocks [default: 512 cpu, 1024 gpu]")
-@click.option("--runs", type=int, default=3, show_default=True, help="tasks: timed runs per variant")
-@click.option("--group", type=int, default=None,
+@click.option("--blocks", type=POSITIVE, default=None,
+              help="tasks: number of small blocks [default: 512 cpu, 1024 gpu]")
+@click.option("--runs", type=POSITIVE, default=3, show_default=True, help="tasks: timed runs per variant")
+@click.option("--group", type=POSITIVE, default=None,
               help="tasks: most blocks per fragment [default: one fragment per worker thread]")
-@click.option("--out", default="octopus-demo", show_default=True, help="folder for the PNGs")
+@click.option("--out", type=click.Path(file_okay=False), default="octopus-demo", show_default=True,
+              help="folder for the PNGs")
 @protocol_option
 def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
          blocks: int | None, runs: int, group: int | None, out: str, protocol: str) -> None:

@@ -71,6 +71,24 @@ def test_demo_refuses_what_the_machine_cannot_run(tmp_path):
         assert result.exit_code == 2 and "--type gpu: CuPy sees no GPU on this machine" in result.output
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--runs", "0"], "Invalid value for '--runs': 0 is not in the range x>=1"),
+    (["--passes", "0"], "Invalid value for '--passes': 0 is not in the range x>=1"),
+    (["--blocks", "-4"], "Invalid value for '--blocks': -4 is not in the range x>=1"),
+    (["--rows", "0"], "Invalid value for '--rows': 0 is not in the range x>=1"),
+    (["--group", "0"], "Invalid value for '--group': 0 is not in the range x>=1"),
+])
+def test_demo_refuses_counts_below_one_before_it_starts(args, message):
+    result = CliRunner().invoke(main, ["demo", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_demo_refuses_an_out_folder_that_is_a_file(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "a-file")])
+    assert result.exit_code == 2 and "is a file" in result.output, result.output
+
+
 @pytest.mark.parametrize("kind, gpus, part, asked, ucx, used", [
     ("auto", 2, "all", "auto", True, "ucx"),  # two GPUs and distributed-ucxx: UCX
     ("auto", 2, "all", "auto", False, "tcp"),  # no distributed-ucxx
