@@ -12,7 +12,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
-from distributed import wait
+from distributed import Client, wait
 from distributed.utils_test import captured_logger, gen_cluster
 from test_balance import run_balance, setup
 
@@ -504,6 +504,24 @@ async def test_not_registered_error_names_register_and_the_preload(c, s, a, b):
             await call()
         message = str(info.value)
         assert "dask_octopus.register(client)" in message and "--preload dask_octopus" in message, name
+
+
+@gen_cluster(client=True, nthreads=TWO)
+async def test_a_closed_client_or_something_else_than_a_client_is_refused_by_name(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    async with Client(s.address, asynchronous=True) as closed:
+        pass
+    calls = {"register": lambda cl: dask_octopus.register(cl), "speeds": lambda cl: dask_octopus.speeds(cl),
+             "profiles": lambda cl: dask_octopus.profiles(cl),
+             "balance": lambda cl: dask_octopus.balance(da.ones((10, 2), chunks=5), client=cl),
+             "map": lambda cl: dask_octopus.map(abs, [1], client=cl),
+             "imap": lambda cl: dask_octopus.imap(abs, [1], client=cl)}
+    for call in calls.values():
+        with pytest.raises(RuntimeError, match=r"^the client is closed: <Client"):
+            call(closed)
+        with pytest.raises(TypeError, match=r"^client must be a distributed\.Client, got str 'tcp://x:1'"):
+            call("tcp://x:1")
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
 
 
 @gen_cluster(client=True, nthreads=TWO)

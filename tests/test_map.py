@@ -251,6 +251,9 @@ async def test_bad_input(c, s, a, b):
         (items, dict(resource="disk"), ValueError, "unknown resource"),
         ([Sized(8), Sized("big")], {}, ValueError, r"^item 1 has nbytes 'big', not a number, .* pass cost="),
         ([Sized(8), Sized(-1)], {}, ValueError, "cost of item 1 must be"),
+        (items, dict(cost="big"), TypeError, "cost must be a callable, one number per item or None, got str 'big'"),
+        (items, dict(cost=3), TypeError, "cost must be a callable, one number per item or None, got int 3"),
+        (items, dict(to_host="no"), TypeError, "to_host must be True or False, got 'no'"),
     ]
     ways = {"futures": lambda *a, **k: c.gather(dask_octopus.map(*a, client=c, **k)),
             "gathered": lambda *a, **k: dask_octopus.map(*a, client=c, gather=True, **k),
@@ -260,6 +263,8 @@ async def test_bad_input(c, s, a, b):
         for values, kwargs, exc, match in cases:
             with pytest.raises(exc, match=match):
                 await loop.run_in_executor(None, functools.partial(run, len, values, **kwargs))
+        with pytest.raises(TypeError, match="func must be callable, got int 5"):
+            await loop.run_in_executor(None, functools.partial(run, 5, items))
         # any iterable of costs, one per item, in every way
         costs = (1 for _ in items)
         assert await loop.run_in_executor(None, functools.partial(run, str, items, cost=costs)) == ["0", "1", "2"]
@@ -272,6 +277,8 @@ async def test_bad_input(c, s, a, b):
         assert await c.submit(int, 0, pure=False) == 0  # (after any graph the calls sent: one client's in order)
         assert graphs.count == 1  # that one: the costs were checked before the delayed items were computed
         s.remove_plugin(graphs.name)
+    with pytest.raises(TypeError, match="gather must be True or False, got 'yes'"):
+        await call(c, len, items, gather="yes")
     with captured_logger("distributed", level=logging.ERROR) as log, \
             pytest.raises(TypeError, match="cannot be pickled"):
         await call(c, lambda x: lock, [1])

@@ -207,6 +207,9 @@ def test_speeds_before_register_and_unknown_resource(loop):
             dask_octopus.speeds(c, "gpu")
         with pytest.raises(TypeError, match="unknown register options"):
             dask_octopus.register(c, calibrate_seconds=1)
+        with pytest.raises(TypeError, match="calibrate must be True or False, got 'no'"):
+            dask_octopus.register(c, calibrate="no")
+        assert not c.run_on_scheduler(lambda dask_scheduler: "octopus" in dask_scheduler.plugins)
 
 
 @gen_cluster(client=True, config=FAST)

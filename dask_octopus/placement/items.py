@@ -19,7 +19,7 @@ import dask
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split, parse_timedelta
-from distributed import Client, Future, as_completed, default_client
+from distributed import Client, Future, as_completed
 from distributed.client import FutureCancelledError
 
 from dask_octopus import config
@@ -29,7 +29,7 @@ from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
 from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_bytes, split_tail
 from dask_octopus.placement.transfers import item_seconds
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, client_of
 from dask_octopus.plugins.messages import WorkerInfo
 from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
@@ -127,6 +127,8 @@ def _wait(client: Client, futures: list[Future]) -> None:
 def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
     a cost that is not a finite number >= 0."""
+    if isinstance(cost, str | bytes) or not isinstance(cost, Iterable):
+        raise TypeError(f"cost must be a callable, one number per item or None, got {type(cost).__name__} {cost!r}")
     out = list(cost)
     if len(out) != n:
         raise ValueError(f"cost has {len(out)} entries for {n} items")
@@ -280,8 +282,14 @@ def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
 
-def _check_call(func: Callable, group: int | None, resource: str, errors: str) -> int | None:
-    """``group`` as a Python integer, once the arguments of :func:`map` or :func:`imap` are checked."""
+def _check_call(func: Callable, group: int | None, resource: str, errors: str, **flags: Any) -> int | None:
+    """``group`` as a Python integer, once the arguments of :func:`map` or :func:`imap` are checked
+    (``flags``: those that are true or false, by name)."""
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__} {func!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     check_resource(resource)
     checked = check_group_spec(resource, group)
     if errors not in ERRORS:
@@ -494,7 +502,10 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     Raises
     ------
     TypeError
-        When ``func`` cannot be pickled.
+        When ``func`` is not callable or cannot be pickled, ``cost`` is neither a callable nor numbers,
+        ``gather`` or ``to_host`` is not True or False, or ``client`` is not a Client.
+    RuntimeError
+        When ``client`` is closed.
     ValueError
         For costs of the wrong length, negative or NaN (without ``cost``: an item's ``nbytes`` that
         is not a number), a ``cost`` callable that raises (the original error chained), an unknown
@@ -508,7 +519,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     >>> results = client.gather(futures)  # doctest: +SKIP
     >>> results = dask_octopus.map(pipeline, images, group=8, gather=True, to_host=True)  # doctest: +SKIP
     """
-    group = _check_call(func, group, resource, errors)
+    group = _check_call(func, group, resource, errors, to_host=to_host, gather=gather)
     if errors != "raise" and not gather:
         raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
     items, cost = _listed(items, cost)
@@ -548,8 +559,8 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     >>> for i, frame in dask_octopus.imap(decode, videos, group=8, to_host=True):  # doctest: +SKIP
     ...     writer.write(i, frame)
     """
-    client = client or default_client()
-    group = _check_call(func, group, resource, errors)
+    client = client_of(client)
+    group = _check_call(func, group, resource, errors, to_host=to_host)
     items, cost = _listed(items, cost)
     if client.asynchronous:
         return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)

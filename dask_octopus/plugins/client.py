@@ -26,6 +26,17 @@ class NotRegisteredError(RuntimeError):
     """The scheduler has no dask_octopus plugin."""
 
 
+def client_of(client: Client | None) -> Client:
+    """``client``, or the default client where ``None``; ``TypeError`` for what is not a
+    :class:`~distributed.Client`, ``RuntimeError`` for a client that is closed."""
+    client = default_client() if client is None else client
+    if not isinstance(client, Client):
+        raise TypeError(f"client must be a distributed.Client, got {type(client).__name__} {client!r}")
+    if client.status in ("closing", "closed"):
+        raise RuntimeError(f"the client is {client.status}: {client!r}")
+    return client
+
+
 def awaitable_on_async_clients(func: F) -> F:
     """Make ``func`` (which takes a ``client`` argument, default: the default client) return an
     awaitable when its client is asynchronous and called from its event loop, as distributed's own
@@ -35,8 +46,7 @@ def awaitable_on_async_clients(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        client = bound.arguments.get("client") or default_client()
-        bound.arguments["client"] = client
+        client = bound.arguments["client"] = client_of(bound.arguments.get("client"))
         if client.asynchronous:
             return asyncio.to_thread(func, *bound.args, **bound.kwargs)
         return func(*bound.args, **bound.kwargs)
@@ -79,7 +89,10 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     Raises
     ------
     TypeError
-        For an unknown option.
+        For an unknown option, a ``calibrate`` that is not True or False, or a ``client`` that is not a
+        Client.
+    RuntimeError
+        When ``client`` is closed.
 
     Examples
     --------
@@ -90,6 +103,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     unknown = set(options) - {"calibration_seconds", "device"}
     if unknown:
         raise TypeError(f"unknown register options: {sorted(unknown)}")
+    if not isinstance(calibrate, bool):
+        raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
     plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)
     client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
@@ -107,7 +122,7 @@ def _has_plugin(dask_scheduler: Any) -> bool:
 
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
-    client = client or default_client()
+    client = client_of(client)
     if not client.run_on_scheduler(_has_plugin):
         raise NotRegisteredError(
             "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
