@@ -25,15 +25,32 @@ __all__ = ["NotRegisteredError", "PlanningError", "WorkingSetWarning", "annotate
 logger = logging.getLogger(__name__)
 
 
+def _log_as_distributed() -> None:
+    """Send this package's log records where distributed's go, at its level (INFO by default), unless
+    logging was configured for ``dask_octopus`` (a handler or a level, e.g. Dask's ``logging`` setting):
+    the ``dask scheduler`` and ``dask worker`` commands set up distributed's loggers only, and the
+    records of others reach Python's last resort, warnings and above, without time or name."""
+    ours, theirs = logging.getLogger(__name__), logging.getLogger("distributed")
+    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def dask_setup(service: Any) -> None:
-    """Preload hook: ``dask scheduler --preload dask_octopus`` installs the scheduler plugin;
-    ``dask worker --preload dask_octopus`` only checks that the package imports on the worker
-    (the scheduler plugin sends the worker plugin itself)."""
+    """Preload hook: ``dask scheduler --preload dask_octopus`` installs the scheduler plugin (once,
+    however many times the module is preloaded); ``dask worker --preload dask_octopus`` only checks that
+    the package imports on the worker (the scheduler plugin sends the worker plugin itself). Both log
+    as distributed does (:func:`_log_as_distributed`)."""
     from distributed import Scheduler
 
+    _log_as_distributed()
     if isinstance(service, Scheduler):
         from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
-        service.add_plugin(OctopusSchedulerPlugin())
+        if OctopusSchedulerPlugin.name not in service.plugins:
+            service.add_plugin(OctopusSchedulerPlugin())
     else:
         logger.info("dask_octopus %s available on %s", __version__, getattr(service, "address", service))

@@ -20,21 +20,29 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname
 
 
 @contextlib.contextmanager
-def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler_args=(), worker_env=None):
+def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler_args=(), worker_env=None,
+                preloads=1):
     """``dask scheduler`` (with ``scheduler_args``, e.g. ``--protocol ucx``) and ``worker_processes``
-    worker commands (with ``worker_env`` added to their environment), all with ``--preload dask_octopus``."""
+    worker commands (with ``worker_env`` added to their environment), all with ``--preload dask_octopus``
+    (``preloads`` times); their logs in ``tmp_path``: ``scheduler.log``, ``worker-0.log``, ..."""
     sched_file = str(tmp_path / "scheduler.json")
-    preload = ["--preload", "dask_octopus", "--no-dashboard"]
-    procs = [subprocess.Popen([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0",
-                               "--host", "127.0.0.1", *scheduler_args, *preload], env=ENV)]
+    preload = ["--preload", "dask_octopus"] * preloads + ["--no-dashboard"]
+    logs = []
+
+    def started(command, name, env):
+        logs.append(open(tmp_path / f"{name}.log", "w"))  # noqa: SIM115 (closed with the processes)
+        return subprocess.Popen(command, env=env, stderr=logs[-1])
+
+    procs = [started([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0", "--host", "127.0.0.1",
+                      *scheduler_args, *preload], "scheduler", ENV)]
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "scheduler.json").exists():
             assert time.monotonic() < deadline, "scheduler did not start"
             time.sleep(0.1)
-        for _ in range(worker_processes):
-            procs.append(subprocess.Popen([*DASK, *worker_command, "--scheduler-file", sched_file, *preload],
-                                          env={**ENV, **(worker_env or {})}))
+        for i in range(worker_processes):
+            procs.append(started([*DASK, *worker_command, "--scheduler-file", sched_file, *preload], f"worker-{i}",
+                                 {**ENV, **(worker_env or {})}))
         with Client(scheduler_file=sched_file, timeout="30s") as client:
             client.wait_for_workers(n_workers, timeout=60)
             deadline = time.monotonic() + 60  # no register(): the preload did it; workers calibrate on arrival
@@ -51,6 +59,21 @@ def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for log in logs:
+            log.close()
+
+
+def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(tmp_path):
+    """``--preload dask_octopus`` given twice installs one plugin without Dask's warning about overwriting
+    it, and the package's INFO lines appear in the processes' logs, formatted as distributed's."""
+    worker = ["worker", "--nthreads", "1", "--no-nanny", "--host", "127.0.0.1"]
+    with cli_cluster(tmp_path, worker, n_workers=1, worker_processes=1, preloads=2) as c:
+        assert c.run_on_scheduler(lambda dask_scheduler: [n for n in dask_scheduler.plugins if "octopus" in n]) == [
+            "octopus"]
+        assert len(dask_octopus.speeds(c)) == 1
+    scheduler, worker = (tmp_path / "scheduler.log").read_text(), (tmp_path / "worker-0.log").read_text()
+    assert "already contains a plugin" not in scheduler, scheduler
+    assert " - dask_octopus - INFO - dask_octopus " in worker, worker  # "... available on tcp://..."
 
 
 def check_balanced_and_pinned(c, x):
