@@ -22,6 +22,8 @@ dask.config.update_defaults(defaults)
 
 def _parses(parse: Callable[[Any], Any]) -> Callable[[Any], bool]:
     def ok(value: Any) -> bool:
+        if isinstance(value, bool):  # (Dask's parsers take True for 1)
+            return False
         try:
             return is_finite(parse(value))
         except (TypeError, ValueError, KeyError):
