@@ -29,15 +29,28 @@ from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
 
 
+def names_of(choices: Any) -> Any:
+    """A click callback: a comma-separated list of some of ``choices``, as given."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        unknown = [v for v in value.split(",") if v not in choices]
+        if unknown:
+            raise click.BadParameter(f"unknown {', '.join(unknown)}: choose among {', '.join(choices)}")
+        return value
+
+    return check
+
+
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--scenarios", default=",".join(SCENARIOS), show_default=True)
-@click.option("--scale", type=float, default=1.0, show_default=True, help="image side scale (CPU: 0.05)")
-@click.option("--repeat", type=int, default=1, show_default=True, help="repeat each mix")
-@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--scenarios", default=",".join(SCENARIOS), show_default=True, callback=names_of(SCENARIOS))
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="image side scale (CPU: 0.05)")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="repeat each mix")
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--devs", default=None)
 @click.option("--cotenant", default="", help="GPUs (gpu) or CPU cores (cpu) that get a co-tenant")
-@click.option("--variants", default=",".join(VARIANTS), show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True, callback=names_of(VARIANTS))
 @click.option("--json-out", default=None, help="write every timing here")
 def main(kind: str, scenarios: str, scale: float, repeat: int, runs: int, devs: str | None, cotenant: str,
          variants: str, json_out: str | None) -> None:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from scripts import load_script
 
@@ -36,3 +37,14 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     # (off by up to hundreds of ms on 2 cores busy with a test suite: work_end_seconds is as good as that)
     spans = {v: (video["work_span_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
     assert all(0 < span < total for span, total in spans.values()), spans
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scenarios", "web,foo"], "Invalid value for '--scenarios': unknown foo: choose among web"),
+    (["--variants", "fast"], "Invalid value for '--variants': unknown fast: choose among"),
+    (["--runs", "0"], "Invalid value for '--runs': 0 is not in the range x>=1"),
+    (["--scale", "0"], "Invalid value for '--scale': 0.0 is not in the range x>0"),
+])
+def test_images_example_refuses_bad_arguments_before_it_starts(args, message):
+    result = CliRunner().invoke(images.main, args)
+    assert result.exit_code == 2 and message in result.output, result.output
