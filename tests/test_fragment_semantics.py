@@ -380,6 +380,22 @@ async def test_computes_that_guard_a_task_differently_do_not_share_its_guard(c, 
     assert "Detected different `run_spec`" not in log.getvalue()
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.fragments.max-bytes": "1KiB"})
+async def test_a_split_fragment_s_keys_computed_again_unannotated_are_not_taken_for_other_work(c, s, a, b):
+    """Fragments over the memory budget run split, their members under their own keys as Dask's fusion
+    made them (our graph resolved the aliases Dask gives them); the same collection computed right
+    after without annotations names those keys as aliases of the fused tasks: the same work, no
+    warning that a key came with another run spec."""
+    await setup(c, s, [1.0, 1.0])
+    with captured_logger("distributed.scheduler") as log:
+        for i in range(3):
+            x = da.random.default_rng(i).random((4000, 32), chunks=(250, 32))
+            with dask_octopus.annotate():
+                z = (x + 1) * 2
+            assert await c.compute(z.sum()) == await c.compute(((x + 1) * 2).sum())
+    assert "Detected different `run_spec`" not in log.getvalue()
+
+
 DOUBLED = []
 
 

@@ -481,17 +481,15 @@ def _read_before(ts: TaskState) -> frozenset[Key] | None:
 
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
     """Whether the task ``ts``, rewritten by the grouping, is the task of a run spec reading ``dependencies``
-    as grouped since: they are what it read before (:func:`_read_before`), or, for a member kept
-    as a task, the one key that Dask's fusion names a chain of tasks ending at the member's key (the
-    member's own work under the alias that Dask's graph gives it; our graph resolved that alias:
-    :func:`~dask_octopus._compat.fused_name_of`)."""
-    before = _read_before(ts)
+    as grouped since: they are what it read before (:func:`_read_before`), or the one key that Dask's
+    fusion names a chain of tasks ending at the task's key (its own work under the alias that Dask's
+    graph gives it; our graph resolved that alias, for a member kept as a task or run whole when its
+    fragment was split: :func:`~dask_octopus._compat.fused_name_of`)."""
     new = set(dependencies)
-    if before is None:
-        return False
-    if new == before:
+    if len(new) == 1 and fused_name_of(ts.key, next(iter(new))):  # (a member kept as a task, or run whole)
         return True
-    return picks_a_result(ts.run_spec) and len(new) == 1 and fused_name_of(ts.key, next(iter(new)))
+    before = _read_before(ts)
+    return before is not None and new == before
 
 
 class RegroupedRunSpecs(logging.Filter):
