@@ -19,7 +19,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
-from distributed import Client, Nanny, get_worker, wait
+from distributed import Client, Nanny, Reschedule, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
@@ -110,6 +110,31 @@ async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a,
         parts = [dask.delayed(inc)(b) for b in loaded[4:]]
     assert await c.gather(c.compute([dask.delayed(inc)(p) for p in parts])) == [6, 7, 8, 9]
     assert LOADED == []
+
+
+CALLS = []  # the parts load_or_reschedule was called for
+
+
+def load_or_reschedule(i):
+    """Part ``i``; part 3 asks, the first time, to be scheduled again (``distributed.Reschedule``)."""
+    CALLS.append(i)
+    if i == 3 and CALLS.count(3) == 1:
+        raise Reschedule("not here yet")
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_a_member_that_asks_to_be_rescheduled_reschedules_its_fragment(c, s, a, grouped_by):
+    """A member raising ``Reschedule`` (stop, and schedule this task again) ends its fragment, which the
+    worker schedules again, as it would the member's own task; kept as the member's failure, it was
+    raised by each task reading it, rescheduled without end while the scheduler spun."""
+    await setup(c, s, [1.0])
+    CALLS.clear()
+    with dask_octopus.annotate():
+        outs = [dask.delayed(inc)(dask.delayed(load_or_reschedule)(i)) for i in range(8)]
+    total = c.compute(dask.delayed(sum)(outs))
+    assert await asyncio.wait_for(total, 30) == sum(range(1, 9))
+    assert CALLS.count(3) == 2 and set(CALLS) == set(range(8))
 
 
 @pytest.mark.parametrize("through", [0, 1])  # the part reads the failed task, or a task built outside annotate

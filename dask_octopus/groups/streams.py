@@ -27,6 +27,7 @@ from typing import Any
 import dask.utils
 import tblib
 from dask.sizeof import sizeof
+from distributed import Reschedule
 from distributed.protocol.pickle import dumps, loads
 
 from dask_octopus import config
@@ -506,15 +507,17 @@ def attempt(func: Callable[..., Any], args: Sequence[Any], retries: int, name: A
     """``(True, func(*args))``, or ``(False, the exception)`` once it raised ``retries + 1`` times (each
     retry logged under ``name``): as a Dask worker runs a task, any exception is caught but
     ``SystemExit`` and ``KeyboardInterrupt`` (``asyncio.CancelledError`` among those caught), and the
-    task runs again as often as its ``retries`` allow. ``check`` (:meth:`RunningTask.check`) is called
-    before each retry: it raises once Dask released the task, which ends the retries. The exception's
-    traceback starts in ``func``'s callees, the user's code, as without fragments or batches (past
-    Dask's ``Task.__call__`` where ``func`` is a task)."""
+    task runs again as often as its ``retries`` allow. ``distributed.Reschedule`` ends the fragment or
+    batch, which the worker then reschedules as a whole, as it would the member's own task (kept as a
+    failure, it failed every task reading it, rescheduled again and again without end). ``check``
+    (:meth:`RunningTask.check`) is called before each retry: it raises once Dask released the task,
+    which ends the retries. The exception's traceback starts in ``func``'s callees, the user's code,
+    as without fragments or batches (past Dask's ``Task.__call__`` where ``func`` is a task)."""
     tries = 0
     while True:
         try:
             return True, func(*args)
-        except (SystemExit, KeyboardInterrupt):
+        except (SystemExit, KeyboardInterrupt, Reschedule):
             raise
         except BaseException as e:
             if tries == retries:
@@ -583,8 +586,6 @@ class RunningTask:
         self._next = time.perf_counter() + self.every
         ts = self._worker.state.tasks.get(self._key)
         if ts is None or ts.state == "cancelled":
-            from distributed import Reschedule
-
             raise Reschedule(f"task {self._key!r} was released while its fragment ran")
 
 
