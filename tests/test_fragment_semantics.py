@@ -27,6 +27,7 @@ from test_balance import WhereRan, run_balance, setup
 import dask_octopus
 from dask_octopus._compat import fused_name_of, run_spec_collision
 from dask_octopus.groups import marks
+from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, GUARD_PREFIX, inner_keys, replaced_keys
 from dask_octopus.groups.streams import StepFailed, pick
 
@@ -110,6 +111,29 @@ async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a,
         parts = [dask.delayed(inc)(b) for b in loaded[4:]]
     assert await c.gather(c.compute([dask.delayed(inc)(p) for p in parts])) == [6, 7, 8, 9]
     assert LOADED == []
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60)
+async def test_another_client_s_graph_naming_a_member_before_it_is_forgotten_runs_it_with_its_inputs(
+        c, s, a, monkeypatch):
+    """Grouped by the plugin's ``update_graph``, the members stay tasks (read by none) until a callback
+    forgets them; another client's graph that names one of them meanwhile gets its own task, reading its
+    inputs (it kept the member's spec without its inputs: Dask took the new spec for a collision, and
+    the task failed with "missing keys")."""
+    await setup(c, s, [1.0])
+    monkeypatch.setattr(marks, "fragment_here", lambda *args: None)  # grouped by update_graph
+    forget = scheduler_groups.forget_unread
+    monkeypatch.setattr(scheduler_groups, "forget_unread",  # (the window made long)
+                        lambda *args: asyncio.get_running_loop().call_later(2, forget, *args))
+    parts = [dask.delayed(inc)(i, dask_key_name=f"part-{i}") for i in range(40)]
+    outs = [dask.delayed(inc)(p, dask_key_name=f"out-{i}") for i, p in enumerate(parts)]
+    with dask_octopus.annotate():
+        first = c.compute(dask.delayed(sum)(outs))
+    await async_poll_for(lambda: any(str(k[0]).startswith(FRAGMENT_PREFIX) for k in s.tasks if type(k) is tuple), 5)
+    assert s.tasks["part-5"].state == "released"  # a member, forgotten later
+    async with Client(s.address, asynchronous=True) as other:
+        assert await other.compute(outs[5]) == 7
+    assert await first == sum(range(2, 42))
 
 
 CALLS = []  # the parts load_or_reschedule was called for

@@ -459,8 +459,10 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
         if k in new and node is not dsk[k]:  # reads a member: now from its group task
             new[k].run_spec = node
             _relink(new[k], node.dependencies, tasks)
-    for m in members:
+    for m in members:  # their work is the fragments' now: no spec until forgotten, so that another client's
+        # graph that names one meanwhile gives it its own spec and inputs (Dask fills in a missing spec)
         _relink(tasks[m], set(), tasks)
+        tasks[m].run_spec = None
     spans = scheduler.extensions.get("spans")
     if spans is not None:
         spans.observe_tasks([tasks[g] for g in made], code=(), span_metadata={})
