@@ -526,7 +526,7 @@ def test_fragments_that_run_ffts_stay_eager_and_exact_after_their_plans_leave_th
     assert st["refused"] >= 1 and st["graphs"] == 0 and "cuFFT" in st["last_refusal"], st
 
 
-def fresh_stream_runtime(dask_worker, max_graph_bytes):
+def fresh_stream_runtime(max_graph_bytes, dask_worker=None):
     """A new stream runtime on the worker (no graphs), reading ``octopus.streams.max-graph-bytes`` as given."""
     import dask
 
