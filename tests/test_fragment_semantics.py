@@ -921,6 +921,22 @@ async def test_a_plain_key_brought_again_for_other_work_is_still_warned_about(c,
     assert "Detected different `run_spec` for key 'out'" in log.getvalue()
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_plain_key_brought_again_reading_a_key_named_like_its_fused_chain_is_still_warned_about(c, s, a):
+    """Dask's fusion names a chain ending at ``out`` ``...-out``: a plain task ``out`` brought again for
+    other work that reads a key so named (``grand-out``) is not taken for a member run under its alias."""
+    await dask_octopus.register(c, calibrate=False)
+    seen = GraphsSeen()
+    s.add_plugin(seen)
+    first = c.get({"src-a": 1, "out": (inc, "src-a")}, "out", sync=False)
+    await wait(first)
+    with captured_logger("distributed.scheduler") as log:
+        second = c.get({"grand-out": 10, "out": (inc, "grand-out")}, "out", sync=False)
+        assert await second == await first == 2  # Dask keeps the task it has
+        await async_poll_for(lambda: seen.count == 2, timeout=5)
+    assert "Detected different `run_spec` for key 'out'" in log.getvalue()
+
+
 @pytest.mark.parametrize("reads", ["nothing", "one member"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_a_grouped_key_brought_again_for_other_work_is_still_warned_about(c, s, a, b, reads):

@@ -62,6 +62,7 @@ from dask_octopus.groups.rewrite import (
     dependents_of,
     fragment_graph,
     fragment_of,
+    inner_keys,
     is_guard,
     of_fragments,
     picks_a_result,
@@ -483,12 +484,14 @@ def _read_before(ts: TaskState) -> frozenset[Key] | None:
 
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
     """Whether the task ``ts``, rewritten by the grouping, is the task of a run spec reading ``dependencies``
-    as grouped since: they are what it read before (:func:`_read_before`), or the one key that Dask's
-    fusion names a chain of tasks ending at the task's key (its own work under the alias that Dask's
-    graph gives it; our graph resolved that alias, for a member kept as a task or run whole when its
-    fragment was split: :func:`~dask_octopus._compat.fused_name_of`)."""
+    as grouped since: they are what it read before (:func:`_read_before`), or, for a member kept as a
+    task or a fused task run whole when its fragment was split, the one key that Dask's fusion names a
+    chain of tasks ending at the task's key (its own work under the alias that Dask's graph gives it;
+    our graph resolved that alias: :func:`~dask_octopus._compat.fused_name_of`). A plain task of one
+    key is never taken for grouped, whatever its new dependency's name."""
     new = set(dependencies)
-    if len(new) == 1 and fused_name_of(ts.key, next(iter(new))):  # (a member kept as a task, or run whole)
+    if (len(new) == 1 and fused_name_of(ts.key, next(iter(new)))  # a member kept as a task, or run whole
+            and (picks_a_result(ts.run_spec) or len(inner_keys(ts.key, ts.run_spec)) > 1)):
         return True
     before = _read_before(ts)
     return before is not None and new == before
