@@ -26,12 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 def _log_as_distributed() -> None:
-    """Send this package's log records where distributed's go, at its level (INFO by default), unless
-    logging was configured for ``dask_octopus`` (a handler or a level, e.g. Dask's ``logging`` setting):
-    the ``dask scheduler`` and ``dask worker`` commands set up distributed's loggers only, and the
-    records of others reach Python's last resort, warnings and above, without time or name."""
+    """Send this package's log records where distributed's go, at its level (INFO by default), where
+    nothing else would show them: the ``dask scheduler`` and ``dask worker`` commands set up
+    distributed's loggers only, and the records of others reach Python's last resort, warnings and
+    above, without time or name. Left as they are where logging was configured for ``dask_octopus``
+    (a handler or a level, e.g. Dask's ``logging`` setting) or for the process (handlers on the root
+    logger: a preload in the user's own process, whose logging is the user's)."""
     ours, theirs = logging.getLogger(__name__), logging.getLogger("distributed")
-    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
+    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers or logging.getLogger().handlers:
         return
     for handler in theirs.handlers:
         ours.addHandler(handler)

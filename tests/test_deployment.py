@@ -1,6 +1,8 @@
 """A multi-node style deployment from the CLI: dask scheduler / dask worker with --preload dask_octopus."""
 
 import contextlib
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -8,7 +10,8 @@ import time
 
 import dask.array as da
 import numpy as np
-from distributed import Client, wait
+from distributed import Client, Scheduler, wait
+from distributed.utils_test import gen_test
 
 import dask_octopus
 
@@ -74,6 +77,28 @@ def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(
     scheduler, worker = (tmp_path / "scheduler.log").read_text(), (tmp_path / "worker-0.log").read_text()
     assert "already contains a plugin" not in scheduler, scheduler
     assert " - dask_octopus - INFO - dask_octopus " in worker, worker  # "... available on tcp://..."
+
+
+@gen_test(timeout=30)
+async def test_a_preload_in_the_user_s_process_leaves_its_logging_alone():
+    """In a process whose logging is configured (handlers on the root logger: ``basicConfig``, pytest),
+    an in-process preload leaves the ``dask_octopus`` logger as it is: its records still reach the
+    user's handlers."""
+    ours, root = logging.getLogger("dask_octopus"), logging.getLogger()
+    before = (list(ours.handlers), ours.level, ours.propagate)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root.addHandler(handler)
+    try:
+        async with Scheduler(dashboard_address=":0", preload=["dask_octopus"]) as s:
+            assert "octopus" in s.plugins
+            assert (list(ours.handlers), ours.level, ours.propagate) == before
+            ours.warning("to the user's handler")
+        assert "to the user's handler" in stream.getvalue()
+    finally:
+        root.removeHandler(handler)
+        ours.handlers[:], ours.propagate = before[0], before[2]
+        ours.setLevel(before[1])
 
 
 def check_balanced_and_pinned(c, x):
