@@ -463,6 +463,9 @@ def test_graph_cache_drops_the_least_recently_used_graphs_beyond_max_graph_bytes
     assert list(cache.graphs) == ["a", "c"] and cache.bytes == 80
     cache.add("d", "graph d", 100)  # alone within the bytes: the others go
     assert list(cache.graphs) == ["d"] and cache.bytes == 100
+    cache.drop_graphs()
+    cache.add("e", "graph e", 100)  # the dropped graphs hold nothing any more
+    assert list(cache.graphs) == ["e"] and cache.bytes == 100 and cache.nbytes == {"e": 100}
     assert cache.fits(100) and not cache.fits(101) and GraphCache().fits(2**60)
 
 

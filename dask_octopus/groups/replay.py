@@ -175,6 +175,12 @@ class GraphCache:
             self.seen.popitem(last=False)
         return n > self.after
 
+    def drop_graphs(self) -> None:
+        """Drop every graph kept (their memory goes with the last reference to each)."""
+        self.graphs.clear()
+        self.nbytes.clear()
+        self.bytes = 0
+
     def fits(self, nbytes: int) -> bool:
         """Whether a graph holding ``nbytes`` may be kept (alone, if need be)."""
         return self.max_bytes is None or nbytes <= self.max_bytes

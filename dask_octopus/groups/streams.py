@@ -221,7 +221,7 @@ class StreamRuntime:
         counting groups and refusals)."""
         with self._lock:
             for cache in self._caches:
-                cache.graphs.clear()
+                cache.drop_graphs()
             self._caches.clear()
             self.layouts.clear()
             self.spreads.clear()
