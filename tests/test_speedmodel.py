@@ -76,6 +76,11 @@ def test_a_prefix_whose_weight_underflows_counts_no_more_but_keeps_its_own_speed
     assert m.weights(["a", "b"]) == pytest.approx({"a": 0.5, "b": 0.5})  # f counts no more; other is too new
     assert m.samples() == {}
     assert m.weights(["a", "b"], prefix="f") == pytest.approx({"a": 2 / 3, "b": 1 / 3})  # its own, not aged
+    for _ in range(3):  # b twice as fast on other: f, first among the prefixes, does not hide it
+        m.observe("a", "other", 100, 1.0)
+        m.observe("b", "other", 200, 1.0)
+    weights = m.weights(["a", "b"])
+    assert weights["b"] / weights["a"] == pytest.approx(2**0.875)  # 100, then three of 200: averaged as logs
 
 
 def test_units_normalise_block_size():
@@ -127,6 +132,18 @@ def test_a_prefix_run_on_some_workers_moves_them_against_each_other_only(b_secon
         m.observe("a", "p", 100, 1.0)
         m.observe("b", "p", 100, b_seconds)
     assert m.weights("abcd") == pytest.approx(dict(zip("abcd", expected)))
+
+
+def test_noisy_timings_that_agree_with_the_calibration_on_some_workers_leave_it_in_place():
+    """Two of four workers ran a prefix, a about 4x b as calibrated (within the noise): the calibrated
+    weights stand, the differences as the calibration has them, centred on the two workers' own."""
+    m = SpeedModel()
+    for w, speed in zip("abcd", [4.0, 1.0, 1.0, 1.0]):
+        m.set_prior(w, {"compute": speed, "memory": speed})
+    for noise in [1.0, 1.2, 0.85, 1.1, 0.9]:
+        m.observe("a", "p", 100, noise)
+        m.observe("b", "p", 100, 4.0 / noise)
+    assert m.weights("abcd") == pytest.approx(dict(zip("abcd", [4 / 7, 1 / 7, 1 / 7, 1 / 7])))
 
 
 def test_remove_forgets_a_worker():
