@@ -19,6 +19,13 @@ def is_count(value: Any, minimum: int = 1) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
+def check_flag(value: Any, what: str) -> bool:
+    """Return ``value``, or raise ``TypeError`` saying that ``what`` must be True or False."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
 def check_finite(value: Any, what: str, *, positive: bool = True,
                  error: type[Exception] = ValueError) -> float:
     """Return ``value`` as a float, or raise ``error`` saying that ``what`` must be finite and

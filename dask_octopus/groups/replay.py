@@ -130,9 +130,9 @@ def capture_fragment(cp: Any, launch: Callable[[dict, Sequence[Any]], Any], valu
     besides its inputs: the steps' specs) reading the input values of ``values`` at the keys ``inputs``
     in place or from copies, the results being those at ``outputs``; raises :class:`CaptureRefused`
     when CUDA or CuPy refuses. The streams must already wait for the inputs."""
+    given = [values[k] for k in inputs]
     with streams[0]:
-        static = dict(zip(inputs, [values[k] for k in inputs] if in_place else _copies([values[k] for k in inputs]),
-                          strict=True))
+        static = dict(zip(inputs, given if in_place else _copies(given), strict=True))
     captured = dict(static)
     # what launch holds for other streams is dropped after the capture: the private pool is never
     # allocated from again, so what it holds stays the graph's

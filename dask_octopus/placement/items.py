@@ -23,6 +23,7 @@ from distributed import Client, Future, as_completed
 from distributed.client import FutureCancelledError
 
 from dask_octopus import config
+from dask_octopus._checks import check_flag
 from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
@@ -288,8 +289,7 @@ def _check_call(func: Callable, group: int | None, resource: str, errors: str, *
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__} {func!r}")
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+        check_flag(value, name)
     check_resource(resource)
     checked = check_group_spec(resource, group)
     if errors not in ERRORS:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from distributed import Client, default_client
 
+from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin
 from dask_octopus.profiling.speedmodel import check_resource
@@ -103,8 +104,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     unknown = set(options) - {"calibration_seconds", "device"}
     if unknown:
         raise TypeError(f"unknown register options: {sorted(unknown)}")
-    if not isinstance(calibrate, bool):
-        raise TypeError(f"calibrate must be True or False, got {calibrate!r}")
+    check_flag(calibrate, "calibrate")
     plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)
     client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
