@@ -20,6 +20,7 @@ import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError, config
 from dask_octopus.groups import streams
 from dask_octopus.groups.replay import GraphCache
+from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling import probes
 from dask_octopus.profiling.gpu_timing import TOPIC
 
@@ -83,8 +84,9 @@ async def test_calibration_device_cpu_forces_numpy_probes_where_a_gpu_is_seen(c,
     for p in profiles.values():
         if probed == "cpu":
             assert p["error"] is None and p["device"] == "cpu" and p["name"] == "CPU" and p["compute"] > 0
-        else:
-            assert p["error"] == "RuntimeError: the CuPy probe ran"
+        else:  # a GPU worker whose probes failed stays a GPU worker: not planned on host memory
+            assert p["error"] == "RuntimeError: the CuPy probe ran" and p["device"] == "gpu"
+            assert "memory_total" not in p and plannable_memory(p, 2**30) is None
 
 
 @gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25})

@@ -389,6 +389,18 @@ async def test_an_asynchronous_client_awaits_every_call(c, s, a, b):
     assert y.name in plugin(s).placement.plans
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("cupy") is not None, reason="a machine without CuPy")
+@gen_cluster(client=True, config={**FAST, "octopus.calibration.wait": "20s"})
+async def test_uncalibrated_gpu_workers_without_cupy_report_at_once_as_gpu_workers(c, s, a, b):
+    with captured_logger("distributed.worker", level=logging.ERROR) as log:
+        await dask_octopus.register(c, calibrate=False, device="gpu")
+        profiles = await asyncio.wait_for(dask_octopus.profiles(c), 5)  # not waiting for a failed set-up
+    assert "failed to setup" not in log.getvalue()
+    for p in profiles.values():
+        assert p["device"] == "gpu" and p["error"] is None and p["calibrated"] is False
+        assert p["event_timing"] is False  # no CUDA events to time tasks with
+
+
 @gen_cluster(client=True, config=FAST)
 async def test_registering_again_with_other_options_says_it_changes_nothing(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)

@@ -14,7 +14,7 @@ from dask_octopus import config
 from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY, StreamRuntime
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.profiling.gpu_timing import GpuTaskTimer
-from dask_octopus.profiling.probes import gpu_available, run_probes
+from dask_octopus.profiling.probes import gpu_available, probed_device, run_probes
 from dask_octopus.profiling.working_set import CupyPeak, RssPeak, WorkingSetMeter
 
 if TYPE_CHECKING:
@@ -73,23 +73,23 @@ class OctopusWorkerPlugin(WorkerPlugin):
         # iterating over the old one, suspended at an awaitable metric, and a changed dict would close the worker
         worker.metrics = {**worker.metrics, HEARTBEAT_KEY: lambda w: runtime.stats()}
         profile: Profile
+        device = probed_device(self.device)  # a GPU worker whose probes fail stays one (its memory is the GPU's)
         if not self.calibrate:
-            gpu = self.device == "gpu" or (self.device == "auto" and gpu_available())
-            profile = {"calibrated": False, "device": "gpu" if gpu else "cpu", "error": None}
+            profile = {"calibrated": False, "device": device, "error": None}
         else:
             try:
-                profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, self.device)
+                profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, device)
                 profile["error"] = None
             except Exception as e:  # reported to the scheduler; the worker keeps working
                 logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
-                profile = {"error": f"{type(e).__name__}: {e}"}
-        if profile.get("device") == "gpu" and worker.state.nthreads == 1:
+                profile = {"device": device, "error": f"{type(e).__name__}: {e}"}
+        gpu = device == "gpu" and gpu_available()  # (device="gpu" forced where CuPy is missing: neither)
+        if gpu and worker.state.nthreads == 1:
             self.timer = GpuTaskTimer(worker)
         profile["event_timing"] = self.timer is not None
-        if profile.get("device") == "gpu":
-            if gpu_available():  # (calibrate=False with device="gpu" does not check it)
-                self.meter = WorkingSetMeter(worker, CupyPeak.shared())
-        elif RssPeak.available():
+        if gpu:
+            self.meter = WorkingSetMeter(worker, CupyPeak.shared())
+        elif device == "cpu" and RssPeak.available():
             self.meter = WorkingSetMeter(worker, RssPeak())
         if profile.get("memory"):
             runtime.bandwidth = profile["memory"]

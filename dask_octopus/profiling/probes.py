@@ -97,14 +97,24 @@ def _probe_gpu(seconds: float) -> dict[str, Any]:
             "compute": compute, "memory": memory, "memory_total": int(total), "memory_free": int(free)}
 
 
-def run_probes(seconds: float = 0.6, device: str = "auto") -> dict[str, Any]:
-    """Calibrate this process's device; returns figures (FLOP/s, bytes/s, memory) and timing.
+def probed_device(device: str = "auto") -> str:
+    """The device this process calibrates and computes on, ``"gpu"`` or ``"cpu"``, for the setting
+    ``device``: ``"auto"`` (GPU when CuPy sees one), ``"gpu"`` or ``"cpu"``.
 
-    ``device`` is ``"auto"`` (GPU when CuPy sees one), ``"gpu"`` or ``"cpu"``.
+    Raises
+    ------
+    ValueError
+        For any other ``device``.
     """
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"unknown calibration device {device!r}: expected auto, cpu or gpu")
-    use_gpu = device == "gpu" or (device == "auto" and gpu_available())
+    return "gpu" if device == "gpu" or (device == "auto" and gpu_available()) else "cpu"
+
+
+def run_probes(seconds: float = 0.6, device: str = "auto") -> dict[str, Any]:
+    """Calibrate this process's device (:func:`probed_device` of ``device``); returns figures
+    (FLOP/s, bytes/s, memory) and timing."""
+    use_gpu = probed_device(device) == "gpu"
     start = time.perf_counter()
     result = _probe_gpu(seconds) if use_gpu else _probe_cpu(seconds)
     result["probe_seconds"] = time.perf_counter() - start
