@@ -10,10 +10,12 @@ import time
 
 import dask.array as da
 import numpy as np
+import pytest
 from distributed import Client, Scheduler, wait
 from distributed.utils_test import gen_test
 
 import dask_octopus
+from dask_octopus import NotRegisteredError
 
 DASK = [sys.executable, "-m", "dask"]
 # the processes share the test process's environment, as a deployment's must: functions of the test
@@ -77,6 +79,30 @@ def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(
     scheduler, worker = (tmp_path / "scheduler.log").read_text(), (tmp_path / "worker-0.log").read_text()
     assert "already contains a plugin" not in scheduler, scheduler
     assert " - dask_octopus - INFO - dask_octopus " in worker, worker  # "... available on tcp://..."
+
+
+def test_a_scheduler_without_the_package_says_to_install_it(tmp_path):
+    """A scheduler whose environment lacks dask_octopus: ``speeds`` raises ``NotRegisteredError`` saying
+    so, and ``dask-octopus profile`` prints it in one line, not a traceback."""
+    sched_file = tmp_path / "scheduler.json"
+    hidden = "import sys; sys.modules['dask_octopus'] = None; from distributed.cli.dask_scheduler import main; main()"
+    proc = subprocess.Popen([sys.executable, "-c", hidden, "--scheduler-file", str(sched_file), "--port", "0",
+                             "--host", "127.0.0.1", "--no-dashboard"], env=ENV, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sched_file.exists():
+            assert time.monotonic() < deadline, "scheduler did not start"
+            time.sleep(0.1)
+        with Client(scheduler_file=str(sched_file), timeout="30s") as c:
+            with pytest.raises(NotRegisteredError, match="not installed where the scheduler runs"):
+                dask_octopus.speeds(c)
+            out = subprocess.run([sys.executable, "-m", "dask_octopus", "profile", "--scheduler-address",
+                                  c.scheduler.address], env=ENV, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+        assert "not installed where the scheduler runs" in out.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @gen_test(timeout=30)

@@ -123,7 +123,16 @@ def _has_plugin(dask_scheduler: Any) -> bool:
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
     client = client_of(client)
-    if not client.run_on_scheduler(_has_plugin):
+    try:
+        registered = client.run_on_scheduler(_has_plugin)
+    except ModuleNotFoundError as e:  # (the check itself imports dask_octopus there)
+        if not (e.name or "").startswith("dask_octopus"):
+            raise
+        raise NotRegisteredError(
+            "dask_octopus is not installed where the scheduler runs: install it in the scheduler's and "
+            "the workers' environments, then start the scheduler with --preload dask_octopus"
+        ) from e
+    if not registered:
         raise NotRegisteredError(
             "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
             "or start the scheduler with --preload dask_octopus"
