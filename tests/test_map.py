@@ -77,8 +77,9 @@ async def test_groups_run_one_task_per_worker_thread_and_keep_one_future_per_ite
     assert [rec.worker[k] for k in batches] == plan.workers
     assert sorted(plan.workers) == sorted([a.address, a.address, b.address])  # a task per thread
     per_worker = [rec.worker[f.key] for f in futs]  # each item's future is computed next to its batch
-    assert sorted(per_worker.count(w) for w in s.workers) == [10, 10]
-    assert sorted(groups) == [1, 1, 2, 4, 4, 4, 4]  # 5 + 5 on a's threads (4 + 1 each), 10 on b (4 + 4 + 2)
+    # equal weights per thread: a's two threads take 7 items each, b's one thread 6 (finish at 7 and 6)
+    assert [per_worker.count(w) for w in (a.address, b.address)] == [14, 6]
+    assert sorted(groups) == [2, 3, 3, 4, 4, 4]  # 7 + 7 on a's threads (4 + 3 each), 6 on b (4 + 2)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
@@ -339,6 +340,22 @@ async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(
     # by weights (equal) each would take one big item (10 s on crunches); by their seconds per
     # item both big ones go to launches (2 x 2 s) and the ten small ones to crunches (0.1 s)
     assert sorted(zip(plan.workers, plan.costs, plan.counts)) == sorted([(launches, 2000, 2), (crunches, 10, 10)])
+
+
+@pytest.mark.parametrize("truth, cost", [(ItemCost(0.0, 0.01), 100),  # 1 s per item, all proportional
+                                         (ItemCost(1.0, 0.001), 1)])  # 1.001 s per item, nearly all fixed
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 3), ("127.0.0.1", 1)], config=NO_STEALING)
+async def test_a_worker_s_fitted_seconds_per_item_count_once_per_thread(c, s, a, b, truth, cost):
+    await setup(c, s, [1.0, 1.0])
+    fits = s.plugins["octopus"].item_costs["sum-octopus-map"]
+    for w in s.workers:  # the same seconds per item on one thread of either worker
+        for n, cost in [(1, 10.0), (2, 1000.0), (1, 5000.0)]:
+            fits[w].add(n, cost, n * truth.fixed + cost * truth.per_unit)
+    futs = await call(c, np.sum, [np.ones(2)] * 12, cost=[cost] * 12)
+    assert await c.gather(futs) == [2.0] * 12
+    _, plan = plan_of(s)
+    per_worker = {w: sum(n for x, n in zip(plan.workers, plan.counts) if x == w) for w in (a.address, b.address)}
+    assert list(per_worker.values()) == [9, 3]  # a's three threads run three items at once: 3 s each
 
 
 def fails_on_seven(x):

@@ -214,6 +214,12 @@ def test_on_a_tie_the_item_goes_to_the_faster_worker():
     assert pack([4.0, 4.0], [1.0, 2.0]).assignment == [1, 1]
 
 
+def test_items_of_no_cost_are_spread_by_speed_not_piled_on_one_worker():
+    # every worker finishes at 0 whatever it gets: the items go where they make the fewest per speed
+    assignment = pack([0.0] * 8, [3.0, 1.0]).assignment
+    assert [assignment.count(j) for j in (0, 1)] == [6, 2]
+
+
 def test_no_workers_says_so():
     with pytest.raises(ValueError, match=r"^no workers to pack onto$"):
         pack([1.0], [])

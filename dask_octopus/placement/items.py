@@ -188,19 +188,22 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     (``None`` while unknown). Once every worker has a fitted per-item cost of the function
     (:mod:`dask_octopus.profiling.itemcosts`), items are packed by their predicted seconds there, fixed part
     included; until then by the workers' weights (the function's own observed speeds once every
-    worker has them), in units of cost over weight."""
+    worker has them), in units of cost over weight. Both are one thread's: a worker runs its items on
+    all its threads at once, so its speed counts once per thread, and so do its items' fixed parts
+    (not the transfers of its items)."""
     info = {w: WorkerInfo.of(v) for w, v in call_scheduler(client, "octopus_workers", resource=resource,
                                                            prefix=prefix).items()}
     workers = sorted(info)
+    threads = [max(1, info[w].threads) for w in workers]
     moves = item_seconds(client, items, nbytes, workers)  # moving items that are futures, at measured bandwidths
     fits = [info[w].fit for w in workers]
     if all(fit is not None for fit in fits):
-        speeds = [1 / per_unit for _, per_unit in fits]
-        penalty = [[fixed + (moves[i][j] if moves else 0.0) for j, (fixed, _) in enumerate(fits)]
+        speeds = [n / per_unit for n, (_, per_unit) in zip(threads, fits)]
+        penalty = [[fixed / threads[j] + (moves[i][j] if moves else 0.0) for j, (fixed, _) in enumerate(fits)]
                    for i in range(len(costs))]
         scale = 1.0
     else:
-        speeds = [info[w].weight for w in workers]
+        speeds = [info[w].weight * n for w, n in zip(workers, threads)]
         rates = [info[w].rate for w in workers]
         rate = sum(rates) if None not in rates else None  # the function's units per second, all workers
         scale = 1 / rate if rate else None  # a worker of weight w runs w * rate units per second

@@ -85,10 +85,13 @@ def pack(costs: Sequence[float], speeds: Sequence[float], *, penalty: Sequence[S
         return costs[i] / speeds[j] + (penalty[i][j] if penalty is not None else 0.0)
 
     finish = [0.0] * n
+    count = [0] * n
     assignment = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        j = min(range(n), key=lambda j: (finish[j] + time(i, j), -speeds[j], j))
+        # ties (items of no cost) go where they make the fewest items per speed: spread, not piled on one
+        j = min(range(n), key=lambda j: (finish[j] + time(i, j), (count[j] + 1) / speeds[j], -speeds[j], j))
         assignment[i] = j
+        count[j] += 1
         finish[j] += time(i, j)
     floor = lower_bound(costs, speeds, penalty)
     for _ in range(rounds):
