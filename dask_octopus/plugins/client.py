@@ -153,7 +153,8 @@ def speeds(client: Client | None = None, resource: str = "compute") -> dict[str,
     client
         The client of the cluster (default: the default client).
     resource
-        ``"compute"`` (GEMM FLOP/s, refined by task timings) or ``"memory"`` (streaming bytes/s).
+        ``"compute"`` (from the GEMM FLOP/s) or ``"memory"`` (from the streaming bytes/s): the
+        calibration the weights start from; the same task timings refine both.
 
     Returns
     -------
