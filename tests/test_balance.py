@@ -304,17 +304,24 @@ def reversed_layout(s, n_blocks):
     return dask.annotate(workers=lambda k: [last] if k[1] < n_blocks // 2 else [first])
 
 
+def slowly(block):
+    time.sleep(0.2)
+    return block
+
+
+@pytest.mark.parametrize("waited", [True, False])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_kept_blocks_stay_on_the_workers_that_hold_them(c, s, a, b):
+async def test_kept_blocks_stay_on_the_workers_that_hold_them(c, s, a, b, waited):
     await setup(c, s, [1.0, 1.0])
     with reversed_layout(s, 4):
-        x = da.random.random((1000, 4), chunks=(250, 4))
+        x = da.random.random((1000, 4), chunks=(250, 4)).map_blocks(slowly, dtype=float)
     x = c.persist(x, optimize_graph=False)
-    await wait(x)
+    if waited:
+        await wait(x)
+    y = c.persist(await run_balance(c, x))  # not waited for: balance waits for the blocks to know where they are
+    await wait(y)
     held = {k: ws for k, ws in (await c.who_has(x)).items()}
     assert held[(x.name, 0, 0)] == (max(s.workers),)  # the layout is the reverse of the sorted workers
-    y = c.persist(await run_balance(c, x))
-    await wait(y)
     assert y.chunks == x.chunks
     planned = s.plugins["octopus"].placement.plans[y.name].workers
     assert planned == [held[(x.name, i, 0)][0] for i in range(4)]

@@ -39,7 +39,7 @@ from dask_octopus.placement.planning import (
 )
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.placement.unfused import UnfusedTask
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, wait_for
 from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
@@ -317,8 +317,11 @@ def _pieces_cut_where_held(y: da.Array, axis: int, held: Mapping[Any, Collection
 
 def _holders(client: Client, slabs: list[list[Any]]) -> tuple[list[str | None], dict[Any, tuple[str, ...]]]:
     """For each slab of blocks (futures) along the axis, the worker holding most of them (None for a
-    slab with none in memory), and the workers holding each block in memory, by key."""
-    who = client.who_has([f for slab in slabs for f in slab]) if any(slabs) else {}
+    slab with none in memory), and the workers holding each block in memory, by key; blocks still
+    being computed (``balance(x.persist())``) are waited for: where they will be held is not known before."""
+    futures = [f for slab in slabs for f in slab]
+    wait_for(client, futures)
+    who = client.who_has(futures) if futures else {}
     out: list[str | None] = []
     for slab in slabs:
         counts = Counter(ws[0] for f in slab if (ws := who.get(f.key)))

@@ -30,7 +30,7 @@ from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
 from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_bytes, split_tail
 from dask_octopus.placement.transfers import item_seconds
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, client_of
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, client_of, wait_for
 from dask_octopus.plugins.messages import WorkerInfo
 from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
@@ -118,13 +118,6 @@ def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
     return {i: ItemError(it.exception()) for i, it in failed}
 
 
-def _wait(client: Client, futures: list[Future]) -> None:
-    """Wait until ``futures`` (of ``client``, which need not be the default client) finish or fail."""
-    pending = [f for f in futures if not f.done()]  # (as_completed costs 90 us a future, done or not)
-    for _ in as_completed(pending, loop=client.loop) if pending else ():
-        pass
-
-
 def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
     a cost that is not a finite number >= 0."""
@@ -167,7 +160,7 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
     else:
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
         costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
-        _wait(client, costed)
+        wait_for(client, costed)
         # an item that failed upstream fails on its own when it runs: costed as one, meanwhile
         found = {i: f.result() if f.status == "finished" else (True, 1.0) for i, f in zip(remote, costed)}
         out = []
@@ -260,7 +253,7 @@ def _item_bytes(client: Client, items: list[Any], wait: bool) -> list[float]:
     computed anyway); 0 for a future that failed, was cancelled or, not waited for, is not computed yet."""
     futures = [it for it in items if isinstance(it, Future)]
     if wait:
-        _wait(client, futures)
+        wait_for(client, futures)
     held = [f.key for f in futures if f.status == "finished"]  # (the scheduler knows no cancelled key)
     nbytes = client.nbytes(held, summary=False) if held else {}
     return [max(0.0, nbytes.get(it.key, 0)) if isinstance(it, Future) else float(sizeof(it)) for it in items]
@@ -407,7 +400,7 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
         first = min(candidates, key=costs.__getitem__)
         left.remove(first)
         (future,) = submit([first], probe=False)
-        _wait(client, [future])
+        wait_for(client, [future])
         if not _failed_alone(future, per_item):
             break
     if left:  # (after PROBES failed items, as large as the last one's error)

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from distributed import Client, default_client
+from distributed import Client, Future, as_completed, default_client
 
 from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
@@ -114,6 +114,21 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
             f"{plugin.options()} changes nothing. To change them, first call "
             "client.unregister_scheduler_plugin('octopus')",
             UserWarning, stacklevel=3)
+
+
+def wait_for(client: Client, futures: list[Future]) -> None:
+    """Wait until ``futures`` finish or fail.
+
+    Parameters
+    ----------
+    client
+        Their client, which need not be the default client.
+    futures
+        The futures to wait for; those done already cost nothing.
+    """
+    pending = [f for f in futures if not f.done()]  # (as_completed costs 90 us a future, done or not)
+    for _ in as_completed(pending, loop=client.loop) if pending else ():
+        pass
 
 
 def _has_plugin(dask_scheduler: Any) -> bool:
