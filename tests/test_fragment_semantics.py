@@ -161,17 +161,20 @@ async def test_a_member_that_asks_to_be_rescheduled_reschedules_its_fragment(c, 
     assert CALLS.count(3) == 2 and set(CALLS) == set(range(8))
 
 
-@pytest.mark.parametrize("through", [0, 1])  # the part reads the failed task, or a task built outside annotate
+@pytest.mark.parametrize("through", [0, 1, 2])  # the part reads the failed task, or through tasks built outside
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
 async def test_a_failed_task_a_client_holds_fails_only_what_reads_it(c, s, a, grouped_by, through):
-    """A failed task that a client holds, read by one of eight parts (directly, or through a task built
-    outside ``annotate``, which the fragment would pull in): Dask fails its readers as it gets them, the
-    other parts run in fragments, as without fragments (their fragment failed whole)."""
+    """A failed task that a client holds, read by one of eight parts (directly, or through one or two
+    tasks built outside ``annotate``, which the fragment would pull in; Dask blames only the direct
+    readers before plugins run): Dask fails its readers as it gets them, the other parts run in
+    fragments, as without fragments (their fragment failed whole, or waited for the failed task)."""
     rec = await setup(c, s, [1.0])
     bad = dask.delayed(load_unless, pure=True)(3, 3)
     held = c.compute(bad)
     await wait(held)
-    read = dask.delayed(inc)(bad) if through else bad
+    read = bad
+    for _ in range(through):
+        read = dask.delayed(inc)(read)
     with dask_octopus.annotate():
         parts = [dask.delayed(add)(read, i) if i == 3 else dask.delayed(inc)(i) for i in range(8)]
     futures = c.compute([dask.delayed(inc)(p) for p in parts])

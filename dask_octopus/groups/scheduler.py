@@ -289,7 +289,7 @@ def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState]
 
 def _failing(had: Mapping[Key, TaskState], dependents: Mapping[Key, Collection[Key]], new: Collection[Key],
              ) -> set[Key]:
-    """The keys of ``new`` that read a task of ``had`` that failed (as :func:`_groupable` tells them in
+    """The keys of ``new`` that read a task of ``had`` that failed (its ``exception_blame`` set by Dask in
     ``update_graph``), directly or through other keys of ``new``."""
     stack = [k for k, ts in had.items() if ts.exception_blame is not None]
     found: set[Key] = set()
@@ -371,8 +371,7 @@ def _groupable(ts: TaskState, new: Mapping[Key, TaskState], wanted: Collection[K
     """A new task (or alias: it may run as a guard) that only tasks of this graph read, that is not an
     output and not a group (or the pick of a group's result) already."""
     return (isinstance(ts.run_spec, (Task, Alias)) and not of_fragments(ts.run_spec) and ts.key not in wanted
-            and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents)
-            and not any(d.exception_blame for d in ts.dependencies))
+            and not ts.who_wants and not ts.actor and all(d.key in new for d in ts.dependents))
 
 
 Restrictions = tuple[Any, Any, Any, bool]  # a task's worker, host and resource restrictions, and whether loose
@@ -418,14 +417,18 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     tasks = scheduler.tasks
     new = {k: tasks[k] for k in keys if k in tasks and k not in unread and tasks[k].state == "released"
            and isinstance(tasks[k].run_spec, GraphNode)}
-    groupable = {k for k, ts in new.items() if _groupable(ts, new, wanted)}
+    dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
+    # Dask blames only the direct readers of a failed task before plugins run (it fails the rest as its
+    # transitions reach them): a fragment of their readers would wait for that task forever, or fail whole
+    had = {d.key: d for ts in new.values() for d in ts.dependencies if d.key not in new}
+    failing = _failing(had, {**dependents, **{k: {d.key for d in ts.dependents} for k, ts in had.items()}}, new)
+    groupable = {k for k, ts in new.items() if k not in failing and _groupable(ts, new, wanted)}
     specs = {k: m for k, m in marks.items() if k in groupable}
     if len(specs) < 2:
         return {}, []
     # in the order the marks carry (the graph's build order), else Dask's: the same work groups alike
     ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
     dsk = {k: new[k].run_spec for k in ranked}
-    dependents = {k: {d.key for d in ts.dependents} for k, ts in new.items()}
     places = {k: _place(new[k]) for k in specs}
     kinds = set(places.values()) | {None}
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
