@@ -373,7 +373,8 @@ def op_mixed(runs: int) -> dict[str, Any]:
 
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--operations", default="chain-sum,tiny,dataframe,frames,large,mixed", show_default=True)
+@click.option("--operations", default=None,
+              help="comma-separated [default: chain-sum,tiny,dataframe,frames,large, and mixed with --type gpu]")
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
 @click.option("--group", type=int, default=None, help="most blocks per fragment [default: one per worker thread]")
 @click.option("--blocks", type=int, default=512, show_default=True, help="tiny, dataframe: number of blocks")
@@ -390,6 +391,8 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
     """Run the operations and write one JSON file."""
     console = make_console()
     gpu = kind == "gpu"
+    if operations is None:
+        operations = "chain-sum,tiny,dataframe,frames,large" + (",mixed" if kind == "gpu" else "")
     ops = [o for o in operations.split(",") if o]
     unknown = set(ops) - {"chain-sum", "tiny", "dataframe", "frames", "large", "mixed"}
     if unknown:

@@ -126,8 +126,8 @@ def _duration(value: str) -> float:
               help="how long to try to reach the scheduler")
 def profile(scheduler_address: str, watching: bool, interval: float, timeout: float) -> None:
     """Print each worker's device, calibration figures, current weights and refining samples."""
-    from distributed import Client
-    from distributed.comm import resolve_address
+    from distributed import Client, Security
+    from distributed.comm import parse_address, resolve_address
 
     import dask_octopus
 
@@ -143,10 +143,14 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
 
     try:
         resolve_address(scheduler_address)  # before a Client: one given a bad address stays half made
+        if parse_address(scheduler_address)[0] == "tls" and not Security().get_connection_args("client").get(
+                "ssl_context"):  # (a Client would raise a TypeError, half made)
+            raise ValueError("TLS needs Dask's TLS settings (distributed.comm.tls.ca-file, .client.cert, "
+                             ".client.key: DASK_DISTRIBUTED__COMM__TLS__... variables)")
         client = Client(scheduler_address, timeout=timeout)
     except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
         raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None
-    except ValueError as e:  # not an address (no port, say): say so, exit 1
+    except ValueError as e:  # not an address (no port, say); tls:// without Dask's TLS settings
         raise click.ClickException(f"cannot connect to {scheduler_address!r}: {e}") from None
     with client:
         if watching:

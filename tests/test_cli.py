@@ -51,7 +51,6 @@ def test_demo_parts_run_one_at_a_time(tmp_path):
     ("gpu", 4, "all", "gpu", "gpu", ""),
     ("auto", 1, "all", "cpu", "gpu", "one GPU: balance needs two workers"),
     ("gpu", 1, "all", None, "gpu", "balance needs two workers or more and this machine has one GPU"),
-    ("gpu", 1, "balance", None, None, "balance needs two workers or more"),
     ("auto", 1, "tasks", None, "gpu", ""),
     ("auto", 2, "balance", "gpu", None, ""),
 ])
@@ -66,6 +65,8 @@ def test_demo_refuses_what_the_machine_cannot_run(tmp_path):
         place_parts("auto", 0, "fft")
     with pytest.raises(ValueError, match="CuPy sees no GPU"):
         place_parts("gpu", 0)
+    with pytest.raises(ValueError, match="balance needs two workers or more and this machine has one GPU"):
+        place_parts("gpu", 1, "balance")  # nothing left to run
     if gpu_count() == 0:
         result = CliRunner().invoke(main, ["demo", "--type", "gpu", "--out", str(tmp_path)])
         assert result.exit_code == 2 and "--type gpu: CuPy sees no GPU on this machine" in result.output
@@ -169,6 +170,9 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "localhost", "--timeout", "1s"])
     assert result.exit_code == 1 and "Traceback" not in result.output and len(result.output.splitlines()) <= 2
     assert result.output.startswith("Error: cannot connect to 'localhost': missing port number")
+    result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tls://127.0.0.1:1", "--timeout", "1s"])
+    assert result.exit_code == 1 and "Traceback" not in result.output and len(result.output.splitlines()) <= 2
+    assert result.output.startswith("Error: cannot connect to 'tls://127.0.0.1:1': TLS needs Dask's TLS settings")
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
     assert result.exit_code == 2 and "a duration such as 10s or 500ms, got 'soon'" in result.output
     # no half-made Client left: one given a bad address stays "connecting"; collected later, its __del__

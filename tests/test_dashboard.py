@@ -128,6 +128,25 @@ def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
             assert m[(name, ("worker", w))] == 0, name
 
 
+def test_a_refused_calibration_exports_no_figures(dashboard_cluster):
+    lc, client, port = dashboard_cluster
+    w = sorted(lc.scheduler.workers)[0]
+    before = {**lc.scheduler.plugins["octopus"].profiles[w]}
+    priors = {**lc.scheduler.plugins["octopus"].model.priors}
+
+    def report(profile, dask_scheduler=None):
+        dask_scheduler.plugins["octopus"].report(worker=w, profile=profile)
+
+    try:
+        client.run_on_scheduler(report, {"device": "cpu", "compute": float("nan"), "memory": float("inf")})
+        m = metrics(port)
+        assert ("dask_octopus_calibrated_flops", ("worker", w)) not in m
+        assert ("dask_octopus_calibrated_bytes_per_second", ("worker", w)) not in m
+    finally:  # as the other tests of this cluster expect it
+        lc.scheduler.plugins["octopus"].profiles[w] = before
+        lc.scheduler.plugins["octopus"].model.priors.update(priors)
+
+
 def test_a_balanced_compute_shows_its_plan_pins_groups_and_observed_finish(dashboard_cluster):
     lc, client, port = dashboard_cluster
     fast, slow = sorted(lc.scheduler.workers)

@@ -47,7 +47,8 @@ def place_parts(kind: str, gpus: int, part: str = "all", protocol: str = "auto")
     (:func:`~dask_octopus.bench.protocol.resolve_protocol` for the balance part's cluster when it runs,
     else for the small tasks' one). Balance needs two workers: with one GPU it runs on CPU workers
     (``auto``) or not at all (``gpu``, which says why). Raises ``ValueError`` where the machine cannot
-    run what was asked (``--protocol ucx`` is for GPU workers only)."""
+    run what was asked (``--protocol ucx`` is for GPU workers only; ``--type gpu --part balance`` needs
+    two GPUs)."""
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r}: expected one of {', '.join(PARTS)}")
     if kind == "gpu" and gpus == 0:
@@ -65,6 +66,8 @@ def place_parts(kind: str, gpus: int, part: str = "all", protocol: str = "auto")
         balance, tasks = "cpu", "gpu"
         note = "one GPU: balance needs two workers, so it runs on a 2-worker CPU cluster here"
     balance, tasks = balance if part in ("all", "balance") else None, tasks if part in ("all", "tasks") else None
+    if balance is None and tasks is None:  # --type gpu --part balance on one GPU: nothing to run
+        raise ValueError(note)
     # the protocol of the balance part's cluster (all GPUs or CPU workers), else of the one-worker part's
     try:
         used = resolve_protocol(protocol, (gpus if balance == "gpu" else 0) if balance else int(tasks == "gpu"))

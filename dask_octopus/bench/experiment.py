@@ -40,7 +40,8 @@ class Variant:
     name: str
     passes: list[PassRecord] = field(default_factory=list)
     persist_seconds: list[float] = field(default_factory=list)
-    rows: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)  # of the last run
+    row_passes: dict[str, int] = field(default_factory=dict)  # rows times timed passes, over all runs
     blocks: int = 0
     weights: list[dict[str, float]] = field(default_factory=list)  # dask_octopus weights after each run
 
@@ -62,7 +63,7 @@ class Variant:
         for rec in self.passes:
             for w, iv in rec.blocks.items():
                 busy[w] = busy.get(w, 0.0) + sum(b - a for a, b in iv)
-        return {w: self.rows[w] * len(self.passes) / busy[w] for w in self.rows if busy.get(w)}
+        return {w: n / busy[w] for w, n in self.row_passes.items() if busy.get(w)}
 
 
 @contextlib.contextmanager
@@ -169,6 +170,8 @@ def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, w
         out[v].rows, out[v].blocks = _rows_per_worker(client, x), len(x.chunks[0])
         records = op.passes(client, x, width, warmup + passes, gpu, parse_variant(v)[2])
         out[v].passes.extend(records[warmup:])
+        for w, n in out[v].rows.items():  # each run plans anew: its rows count for its own passes
+            out[v].row_passes[w] = out[v].row_passes.get(w, 0) + n * len(records[warmup:])
         out[v].weights.append(dask_octopus.speeds(client))
 
     interleave({v: partial(one_run, v) for v in variants}, runs, progress=progress)

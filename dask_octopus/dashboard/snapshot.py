@@ -122,7 +122,8 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
         counters = ws.metrics.get(HEARTBEAT_KEY) or {}
         rows.append(WorkerRow(
             address=addr, name=str(ws.name), device=profile.get("device") or "?", model=profile.get("name") or "",
-            compute=profile.get("compute"), memory=profile.get("memory"),
+            compute=None if profile.get("error") else profile.get("compute"),  # (a refused calibration's
+            memory=None if profile.get("error") else profile.get("memory"),  # figures are not shown)
             weight_compute=weights["compute"][addr], weight_memory=weights["memory"][addr],
             samples=samples.get(addr, 0), pinned=pinned[addr], plans=len(active.get(addr, ())),
             groups=_count(counters.get("groups")), members=_count(counters.get("members")),
