@@ -612,6 +612,19 @@ async def test_work_restricted_to_one_worker_is_cut_for_its_threads(c, s, a, b, 
     assert fragments == [a.address]  # its one thread's (not one per thread of the cluster, all run on a)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4)
+async def test_work_restricted_to_some_workers_is_cut_for_their_threads(c, s, *workers, grouped_by):
+    rec = await setup(c, s, [1.0] * 4)
+    two = sorted(s.workers)[:2]
+    xn = np.arange(256.0)
+    with dask.annotate(workers=two), dask_octopus.annotate():
+        y = (da.from_array(xn, chunks=4) * 2).map_blocks(inc, dtype=float)
+    with dask.config.set({"optimization.fuse.active": False}):
+        np.testing.assert_array_equal(await c.compute(y), xn * 2 + 1)  # (no unrestricted tasks to group)
+    fragments = [w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX]
+    assert sorted(fragments) == two  # one per thread of the two workers that may run them
+
+
 def test_annotated_restrictions_are_read_as_dask_sets_them():
     from dask_octopus._compat import annotated_restrictions
 

@@ -181,14 +181,25 @@ def _new(ts: TaskState | None) -> bool:
     return ts is None or _unread(ts)
 
 
-def _threads(scheduler: Scheduler, place: Hashable) -> int:
-    """The worker threads that can run tasks of ``place``: those of its one worker (a pin, or the
-    worker holding its inputs), else of all workers."""
+def _workers_of(scheduler: Scheduler, place: Hashable) -> dict[str, WorkerState]:
+    """The workers that can run tasks of ``place``: its one worker (a pin, or the worker holding its
+    inputs), else those its worker, host and resource restrictions allow, else (none there) all."""
     workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
     one = _worker_of(place)
     if one in workers:
-        return max(1, workers[one].nthreads)
-    return max(1, sum(ws.nthreads for ws in workers.values()))
+        return {one: workers[one]}
+    if place is None:
+        return workers
+    allowed, hosts, resources = place[0], place[1], place[2]
+    fit = {addr: ws for addr, ws in workers.items()
+           if (not allowed or addr in allowed) and (not hosts or ws.host in hosts)
+           and all(ws.resources.get(r, 0) >= need for r, need in resources)}
+    return fit or workers
+
+
+def _threads(scheduler: Scheduler, place: Hashable) -> int:
+    """The worker threads that can run tasks of ``place`` (:func:`_workers_of`)."""
+    return max(1, sum(ws.nthreads for ws in _workers_of(scheduler, place).values()))
 
 
 def _worker_of(place: Hashable) -> str | None:
@@ -247,12 +258,9 @@ def _headroom() -> float | None:
 
 
 def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], place: Hashable) -> float | None:
-    """:func:`thread_budget` for fragments of ``place``: of its worker, or of the smallest worker for
-    a place that is not one worker; ``None`` (no cap) where no worker's memory is known."""
-    workers = dict(scheduler.workers)  # a copy: the optimizer reads this off the event loop
-    one = _worker_of(place)
-    if one in workers:  # else (no one worker, or it left) the smallest of all, as _threads counts all
-        workers = {one: workers[one]}
+    """:func:`thread_budget` for fragments of ``place``: of the smallest worker that can run them
+    (:func:`_workers_of`); ``None`` (no cap) where no such worker's memory is known."""
+    workers = _workers_of(scheduler, place)
     budgets = [b for addr, ws in workers.items() if (b := thread_budget(ws, profiles.get(addr, {}))) is not None]
     return min(budgets) if budgets else None
 
