@@ -120,10 +120,10 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
         ws = workers[addr]
         profile = plugin.profiles.get(addr, {})
         counters = ws.metrics.get(HEARTBEAT_KEY) or {}
+        figures = {} if profile.get("error") else profile  # a refused calibration's figures are not shown
         rows.append(WorkerRow(
             address=addr, name=str(ws.name), device=profile.get("device") or "?", model=profile.get("name") or "",
-            compute=None if profile.get("error") else profile.get("compute"),  # (a refused calibration's
-            memory=None if profile.get("error") else profile.get("memory"),  # figures are not shown)
+            compute=figures.get("compute"), memory=figures.get("memory"),
             weight_compute=weights["compute"][addr], weight_memory=weights["memory"][addr],
             samples=samples.get(addr, 0), pinned=pinned[addr], plans=len(active.get(addr, ())),
             groups=_count(counters.get("groups")), members=_count(counters.get("members")),
