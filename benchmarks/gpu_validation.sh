@@ -89,7 +89,7 @@ compare=${COMPARE:-benchmarks/results/2026-11-30-h200x2-validation/suite-gpu-cot
 step 120 suite-compare python3 benchmarks/local_octopus.py --type gpu --devs "$devs" --operation matmul_iterate \
   --size 1000000 --cols 1024 --width 1024 --passes 3 --warmup-runs 1 --octopus all --runs 1 --cotenant 0 \
   --protocol tcp --tag compare --compare "$compare" --out "$run"
-step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --tasks 100000 --runs 2 --out "$run"
+step 240 scheduler-overhead python3 benchmarks/scheduler_overhead.py --blocks 50000 --runs 2 --out "$run"
 
 cp "$run/steps.txt" "$out/steps.txt"
 tail -n 40 "$run"/*.log | tail -c 11000

@@ -82,10 +82,12 @@ def test_stream_groups_benchmark_cpu_smoke(tmp_path):
 
 
 def test_scheduler_overhead_smoke(tmp_path):
-    result = CliRunner().invoke(scheduler_overhead.main, ["--tasks", "200", "--runs", "1", "--out", str(tmp_path)])
+    result = CliRunner().invoke(scheduler_overhead.main, ["--blocks", "200", "--runs", "1", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "scheduler-overhead.json").read_text())
     assert set(record["tasks_per_second"]) == {"dask", "registered", "plan-active"}
+    # the scheduler's count, after fusion: 200 fused ones+add tasks, 13 partial sums, 1 aggregate, 1 finalize
+    assert record["tasks_run"] == 215 and record["graph_keys"] > record["tasks_run"]
     assert record["protocol"] == "inproc"  # in-process clusters
 
 
