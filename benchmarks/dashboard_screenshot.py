@@ -83,10 +83,11 @@ def rounds(client: Client, stop: threading.Event, rows: int, cols: int, width: i
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
               help="cpu: two pinned CPU workers; gpu: LocalCUDACluster")
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster (default: all)")
-@click.option("--rows", type=int, default=None, help="rows of the matrix [default: 200000 cpu, 1000000 gpu]")
-@click.option("--cols", type=int, default=None, help="columns [default: 256 cpu, 2048 gpu]")
-@click.option("--width", type=int, default=None, help="subspace width [default: 128 cpu, 2048 gpu]")
-@click.option("--passes", type=int, default=3, show_default=True, help="passes per balanced round")
+@click.option("--rows", type=click.IntRange(min=1), default=None,
+              help="rows of the matrix [default: 200000 cpu, 1000000 gpu]")
+@click.option("--cols", type=click.IntRange(min=1), default=None, help="columns [default: 256 cpu, 2048 gpu]")
+@click.option("--width", type=click.IntRange(min=1), default=None, help="subspace width [default: 128 cpu, 2048 gpu]")
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="passes per balanced round")
 @click.option("--seconds", type=float, default=40.0, show_default=True,
               help="how long the rounds run before the screenshot")
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="slow the first worker down")

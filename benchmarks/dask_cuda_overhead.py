@@ -67,9 +67,9 @@ def run_local_cupy(address: str, protocol: str, operation: str, size: int, chunk
 @click.command()
 @click.option("--devs", default="0,1", show_default=True)
 @click.option("--operations", default="transpose_sum,dot", show_default=True)
-@click.option("--size", type=int, default=20000, show_default=True)
-@click.option("--chunk-size", type=int, default=5000, show_default=True)
-@click.option("--runs", type=int, default=3, show_default=True, help="local_cupy runs per call")
+@click.option("--size", type=click.IntRange(min=1), default=20000, show_default=True)
+@click.option("--chunk-size", type=click.IntRange(min=1), default=5000, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True, help="local_cupy runs per call")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="off/on alternations")
 @click.option("--rounds-per-cluster", type=click.IntRange(min=1), default=2, show_default=True,
               help="rounds on one cluster before a fresh one starts (many local_cupy calls on one shared GPU "

@@ -55,14 +55,16 @@ def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: 
 
 
 @click.command()
-@click.option("--rows", type=int, default=131072, show_default=True)
-@click.option("--cols", type=int, default=32768, show_default=True)
-@click.option("--chunk-rows", type=int, default=65536, show_default=True, help="the user's chunks (rows)")
-@click.option("--passes", type=int, default=3, show_default=True)
-@click.option("--runs", type=int, default=1, show_default=True)
+@click.option("--rows", type=click.IntRange(min=1), default=131072, show_default=True)
+@click.option("--cols", type=click.IntRange(min=1), default=32768, show_default=True)
+@click.option("--chunk-rows", type=click.IntRange(min=1), default=65536, show_default=True,
+              help="the user's chunks (rows)")
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--devs", default="0,1", show_default=True)
 @protocol_option
-@click.option("--cotenant-procs", type=int, default=2, show_default=True, help="co-tenants on the first worker's GPU")
+@click.option("--cotenant-procs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="co-tenants on the first worker's GPU")
 @click.option("--out", default="benchmark-results", show_default=True)
 def main(rows: int, cols: int, chunk_rows: int, passes: int, runs: int, devs: str, protocol: str,
          cotenant_procs: int, out: str) -> None:

@@ -2,7 +2,7 @@
 
 Two workloads of ``stream_groups.py``, each computed inside ``dask_octopus.annotate()`` on a
 one-worker, one-thread cluster, ``--runs`` times (the first eager, the later ones replayed as CUDA
-graphs on GPU): ``chain-sum`` (1024 persisted blocks, 256x384 float32 on GPU and 64x96 float64 on
+graphs on GPU): ``chain-sum`` (1024 persisted float32 blocks, 256x384 on GPU and 64x96 on
 CPU, the 8-kernel elementwise chain, then ``.sum()``) and ``frames`` (216 persisted frames, 256x256
 to 4K on GPU, a tenth of the side on CPU, through blur, Sobel, normalise and histogram, the
 histograms stacked on the host). Each compute is cut into phases by timestamps taken in
@@ -156,7 +156,7 @@ def phases(client: Client, build: Callable[[str], Any], runs: int) -> list[dict[
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
 @click.option("--workloads", default="chain-sum,frames", show_default=True, help="comma-separated: chain-sum, frames")
-@click.option("--runs", type=int, default=6, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--out", default="benchmark-results", show_default=True)
 @click.option("--tag", default="fragment-phases", show_default=True)
 @protocol_option

@@ -60,10 +60,13 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def array_table(op: str, results: dict[str, Variant], ideal: float, measured: float | None, work: float) -> Table:
+def array_table(op: str, results: dict[str, Variant], ideal: float | None, measured: float | None,
+                work: float) -> Table:
     unit, scale = UNITS[OPERATIONS[op].resource]
-    table = Table(title=f"{op}: per pass (median); ideal {ideal:.4f} s ({OPERATIONS[op].formula} over the "
-                        f"workers' calibrated speeds)" + (f", measured ideal {measured:.4f} s" if measured else ""))
+    table = Table(title=f"{op}: per pass (median); "
+                        + (f"ideal {ideal:.4f} s ({OPERATIONS[op].formula} over the workers' calibrated speeds)"
+                           if ideal else "no calibrated ideal (a worker has no calibration)")
+                        + (f", measured ideal {measured:.4f} s" if measured else ""))
     baselines = [b for b in BASELINES if b in results]
     for col in ["variant", "blocks", "s / pass", "spread", unit, "finish spread",
                 *[f"vs {b}" for b in baselines], "x ideal", "x measured ideal"]:
@@ -72,7 +75,7 @@ def array_table(op: str, results: dict[str, Variant], ideal: float, measured: fl
         s = v.seconds()
         table.add_row(v.name, str(v.blocks), f"{s:.4f}", f"{spread([r.seconds for r in v.passes]):.0%}",
                       f"{work / s / scale:.1f}", f"{v.median().spread():.0%}",
-                      *[f"{results[b].seconds() / s:.2f}x" for b in baselines], f"{s / ideal:.2f}",
+                      *[f"{results[b].seconds() / s:.2f}x" for b in baselines], f"{s / ideal:.2f}" if ideal else "-",
                       f"{s / measured:.2f}" if measured else "-")
     return table
 
@@ -191,25 +194,31 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
 @click.option("--operation", "operations", default="matmul_iterate", show_default=True,
               help=f"comma-separated: {', '.join([*OPERATIONS, 'images'])}")
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--size", type=int, default=400_000, show_default=True, help="rows of the array (square ones: side)")
-@click.option("--cols", type=int, default=256, show_default=True)
-@click.option("--square-size", type=int, default=None, help="side of the square operations' array (default: --size)")
-@click.option("--width", type=int, default=128, show_default=True, help="matmul_iterate: subspace width")
-@click.option("--chunk-size", type=int, default=None,
+@click.option("--size", type=click.IntRange(min=1), default=400_000, show_default=True,
+              help="rows of the array (square ones: side)")
+@click.option("--cols", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--square-size", type=click.IntRange(min=1), default=None,
+              help="side of the square operations' array (default: --size)")
+@click.option("--width", type=click.IntRange(min=1), default=128, show_default=True,
+              help="matmul_iterate: subspace width")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="rows per block of 'defaults' (default: one block per worker)")
-@click.option("--passes", type=int, default=3, show_default=True, help="timed passes per run")
-@click.option("--runs", type=int, default=2, show_default=True)
-@click.option("--warmup-runs", type=int, default=1, show_default=True, help="untimed passes per run")
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="timed passes per run")
+@click.option("--runs", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True, help="untimed passes per run")
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster (CUDA_VISIBLE_DEVICES form)")
-@click.option("--n-workers", type=int, default=2, show_default=True, help="CPU workers")
+@click.option("--n-workers", type=click.IntRange(min=1), default=2, show_default=True, help="CPU workers")
 @protocol_option
 @click.option("--scheduler-address", default=None, help="run against an existing cluster instead")
 @click.option("--octopus", "octopus", type=click.Choice(list(OCTOPUS)), default="balance", show_default=True)
 @click.option("--variants", default=None, help="explicit variant list (overrides --octopus)")
 @click.option("--cotenant", default="", help="GPUs (gpu) or CPU cores (cpu) that get a co-tenant, e.g. 0")
-@click.option("--cotenant-procs", type=int, default=1, show_default=True, help="co-tenant processes per target")
-@click.option("--image-scale", type=float, default=None, help="images: side scale (default 1 on GPU, 0.05 on CPU)")
-@click.option("--image-repeat", type=int, default=4, show_default=True, help="images: repeat each mix")
+@click.option("--cotenant-procs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="co-tenant processes per target")
+@click.option("--image-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="images: side scale (default 1 on GPU, 0.05 on CPU)")
+@click.option("--image-repeat", type=click.IntRange(min=1), default=4, show_default=True,
+              help="images: repeat each mix")
 @click.option("--compare", "compare_to", default=None, type=click.Path(exists=True, dir_okay=False),
               help="an earlier JSON of this suite: print the change")
 @click.option("--out", default="benchmark-results", show_default=True, help="folder for JSON and PNGs")
@@ -228,13 +237,15 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
         raise click.BadParameter(f"unknown operation(s) {unknown}", param_hint="--operation")
     names = variants.split(",") if variants else BASELINES + OCTOPUS[octopus]
     for name in names:
-        parse_variant(name)
+        try:
+            parse_variant(name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--variants") from None
     image_names = ["one-task-each", "equal-batches", "loop"] + (
         ["octopus", "octopus-gather", "octopus-gather-host"] if octopus != "off" else [])
+    load = CoTenant.from_option(cotenant, gpu, cotenant_procs)
     os.makedirs(out, exist_ok=True)
-    targets = [t for t in cotenant.split(",") if t]
-    load = CoTenant(gpus=targets, procs=cotenant_procs) if gpu else CoTenant(cores=[int(t) for t in targets],
-                                                                             procs=cotenant_procs)
+    targets = [target for _, target in load.targets]
     stem = os.path.join(out, f"{tag}-{kind}-{'cotenant' if targets else 'even'}")
     config = {"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,
               "width": width, "chunk_size": chunk_size, "passes": passes, "runs": runs, "warmup_runs": warmup_runs,

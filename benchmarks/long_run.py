@@ -67,7 +67,7 @@ def loop(client: Client, n: int, gpu: bool) -> list[dict[str, Any]]:
 
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--n", type=int, default=1000, show_default=True)
+@click.option("--n", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--devs", default=None)
 @click.option("--out", default="benchmark-results", show_default=True)
 @protocol_option

@@ -376,13 +376,17 @@ def op_mixed(runs: int) -> dict[str, Any]:
 @click.option("--operations", default=None,
               help="comma-separated [default: chain-sum,tiny,dataframe,frames,large, and mixed with --type gpu]")
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
-@click.option("--group", type=int, default=None, help="most blocks per fragment [default: one per worker thread]")
-@click.option("--blocks", type=int, default=512, show_default=True, help="tiny, dataframe: number of blocks")
-@click.option("--scale", type=float, default=1.0, show_default=True, help="frames: side scale (CPU: 0.1)")
-@click.option("--sets", type=int, default=10, show_default=True, help="frames: sets per run")
-@click.option("--side", type=int, default=8192, show_default=True, help="large: block side (CPU: 1024)")
-@click.option("--runs", type=int, default=5, show_default=True)
-@click.option("--warmup-runs", type=int, default=1, show_default=True)
+@click.option("--group", type=click.IntRange(min=1), default=None,
+              help="most blocks per fragment [default: one per worker thread]")
+@click.option("--blocks", type=click.IntRange(min=1), default=512, show_default=True,
+              help="tiny, dataframe: number of blocks")
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="frames: side scale (CPU: 0.1)")
+@click.option("--sets", type=click.IntRange(min=1), default=10, show_default=True, help="frames: sets per run")
+@click.option("--side", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="large: block side (CPU: 1024)")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--out", default="benchmark-results", show_default=True)
 @click.option("--tag", default="stream-groups", show_default=True)
 @protocol_option

@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import click
 from dask.utils import format_bytes, parse_timedelta
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from dask_octopus.bench.protocol import protocol_option
 from dask_octopus.profiling.probes import gpu_count
@@ -33,7 +34,7 @@ def main() -> None:
 @click.option("--type", "kind", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="auto: GPUs where CuPy sees them (balance needs two); cpu: CPU workers; gpu: GPU workers only")
 @click.option("--part", type=click.Choice(["all", "balance", "tasks"]), default="all", show_default=True,
-              help="balance: two workers, one slowed down; tasks: many small tasks on one worker")
+              help="balance: a worker per GPU (two on CPU), one slowed down; tasks: many small tasks on one worker")
 @click.option("--rows", type=POSITIVE, default=None,
               help="balance: rows of the array [default: 400000 cpu, 1000000 gpu]")
 @click.option("--cols", type=POSITIVE, default=None, help="balance: columns [default: 256 cpu, 2048 gpu]")
@@ -50,8 +51,9 @@ def main() -> None:
 @protocol_option
 def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
          blocks: int | None, runs: int, group: int | None, out: str, protocol: str) -> None:
-    """Both halves of dask_octopus on this machine: balance (two workers, one slowed by a co-tenant) and
-    small tasks (Dask's per-task cost against fragments and a plain loop), each with a table and a PNG."""
+    """Both halves of dask_octopus on this machine: balance (a worker per GPU, or two CPU workers, one slowed
+    by a co-tenant) and small tasks (Dask's per-task cost against fragments and a plain loop), each with a
+    table and a PNG."""
     from dask_octopus.bench.demo import place_parts, run_demo  # the harness: the "bench" extra (matplotlib)
 
     gpus = gpu_count()
@@ -93,7 +95,7 @@ def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], t
     return table
 
 
-def watch(make: Callable[[], Table], interval: float, out: Console) -> None:
+def watch(make: Callable[[], RenderableType], interval: float, out: Console) -> None:
     """Show ``make()`` every ``interval`` seconds until Ctrl-C: redrawn in place on a terminal, one
     table after the other elsewhere (a pipe, a log)."""
     try:
@@ -131,12 +133,17 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
 
     import dask_octopus
 
-    def make() -> Table:
+    def make() -> RenderableType:
         when = f", {time.strftime('%H:%M:%S')}, every {interval:g} s (Ctrl-C stops)" if watching else ""
+        title = f"dask_octopus profiles at {scheduler_address}{when}"
         try:
             return profile_table(dask_octopus.profiles(client, "compute"), dask_octopus.speeds(client, "memory"),
-                                 f"dask_octopus profiles at {scheduler_address}{when}")
-        except (dask_octopus.NotRegisteredError, ValueError) as e:  # no plugin, no workers: say so, exit 1
+                                 title)
+        except ValueError as e:  # no workers: say so, exit 1; --watch waits for workers to come (back)
+            if watching:
+                return Text(f"{title}: {e}")
+            raise click.ClickException(str(e)) from None
+        except dask_octopus.NotRegisteredError as e:  # no plugin: say so, exit 1
             raise click.ClickException(str(e)) from None
         except OSError as e:  # the scheduler went away (closed comms, a timeout): say so, exit 1
             raise click.ClickException(f"lost the scheduler at {scheduler_address}: {e!r}") from None

@@ -57,8 +57,8 @@ def main(kind: str, scenarios: str, scale: float, repeat: int, runs: int, devs: 
     """Time each variant on each size mix; check that all variants give the same histograms."""
     gpu = kind == "gpu"
     console = make_console()
-    targets = [t for t in cotenant.split(",") if t]
-    load = CoTenant(gpus=targets) if gpu else CoTenant(cores=[int(t) for t in targets])
+    load = CoTenant.from_option(cotenant, gpu)
+    targets = [target for _, target in load.targets]
     names = variants.split(",")
     record: dict[str, Any] = {"config": dict(type=kind, scale=scale, repeat=repeat, runs=runs, cotenant=targets)}
     with local_cluster(gpu, devs) as client, load:

@@ -56,12 +56,31 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
     assert "change against" in again.output and "over-16" in again.output
 
 
-def test_suite_rejects_unknown_variants_and_operations(tmp_path):
-    result = CliRunner().invoke(local_octopus.main, ["--size", "400", "--variants", "equal,fastest",
-                                                     "--out", str(tmp_path)])
-    assert result.exit_code != 0 and "unknown variant 'fastest'" in str(result.exception)
-    result = CliRunner().invoke(local_octopus.main, ["--operation", "fft", "--out", str(tmp_path)])
-    assert result.exit_code == 2 and "unknown operation(s) ['fft']" in result.output
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "equal,fastest"], "Invalid value for --variants: unknown variant 'fastest'"),
+    (["--operation", "fft"], "Invalid value for --operation: unknown operation(s) ['fft']"),
+    (["--passes", "0"], "Invalid value for '--passes': 0 is not in the range x>=1"),
+    (["--size", "-5"], "Invalid value for '--size': -5 is not in the range x>=1"),
+    (["--warmup-runs", "-1"], "Invalid value for '--warmup-runs': -1 is not in the range x>=0"),
+    (["--cotenant", "abc"], "Invalid value for --cotenant: CPU cores are numbers, got abc"),
+    (["--cotenant", "100000"], "Invalid value for --cotenant: cores [100000] are not available"),
+])
+def test_suite_refuses_bad_arguments_before_it_starts(tmp_path, args, message):
+    result = CliRunner().invoke(local_octopus.main, [*args, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not list(tmp_path.iterdir())  # refused before a cluster started or a file was written
+
+
+def test_the_calibrated_ideal_is_the_work_over_the_summed_speeds_or_none_without_a_calibration():
+    from dask_octopus.bench.operations import OPERATIONS, calibrated_ideal
+
+    op = OPERATIONS["matmul_iterate"]
+    work = op.work(1000, 64, 8)
+    calibrated = {"a": {"compute": 3e9}, "b": {"compute": 1e9}}
+    assert calibrated_ideal(op, 1000, 64, 8, calibrated) == pytest.approx(work / 4e9)
+    for b in ({"calibrated": False}, {"compute": None}):
+        missing = {"a": {"compute": 3e9}, "b": b}
+        assert calibrated_ideal(op, 1000, 64, 8, missing) is None  # was a KeyError (or a TypeError)
 
 
 def test_stream_groups_benchmark_cpu_smoke(tmp_path):

@@ -140,6 +140,26 @@ def test_profile_without_workers_says_so(loop):
     assert "Traceback" not in result.output
 
 
+def test_profile_watch_keeps_watching_a_cluster_without_workers(loop):
+    with cluster(nworkers=0) as (s, _):
+        with Client(s["address"], loop=loop) as c:
+            dask_octopus.register(c, calibrate=False)
+        watching = subprocess.Popen([sys.executable, "-m", "dask_octopus", "profile", "--scheduler-address",
+                                     s["address"], "--watch", "--interval", "0.2"],
+                                    env={**os.environ, "COLUMNS": "500"}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        try:
+            tables = 0
+            for line in watching.stdout:  # one table after the other (not a terminal), each saying why empty
+                tables += "the cluster has no workers" in line
+                if tables == 3:
+                    break
+            assert tables == 3 and watching.poll() is None  # still watching (it exited with 1 before)
+        finally:
+            watching.terminate()
+            watching.communicate(timeout=60)
+
+
 def test_profile_watch_that_loses_its_scheduler_says_so(loop):
     env = {**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"}
     with cluster(nworkers=1) as (s, _):

@@ -60,6 +60,22 @@ class CoTenant:
         self.max_seconds = max_seconds
         self.children: list[subprocess.Popen] = []
 
+    @classmethod
+    def from_option(cls, text: str, gpu: bool, procs: int = 1, option: str = "--cotenant") -> CoTenant:
+        """The co-tenants a command-line option asks for: ``text`` lists GPUs (``gpu``: CUDA device ids,
+        as ``CUDA_VISIBLE_DEVICES`` takes them) or CPU cores, comma-separated; a core that is not a
+        number or not available to this process is a :class:`click.BadParameter` naming ``option``."""
+        targets = [t.strip() for t in text.split(",") if t.strip()]
+        if gpu:
+            return cls(gpus=targets, procs=procs)
+        bad = [t for t in targets if not t.isdigit()]
+        if bad:
+            raise click.BadParameter(f"CPU cores are numbers, got {', '.join(bad)}", param_hint=option)
+        try:
+            return cls(cores=[int(t) for t in targets], procs=procs)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=option) from None
+
     def start(self) -> CoTenant:
         for kind, target in self.targets:
             env = dict(os.environ)

@@ -168,14 +168,16 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
     with its table and PNG under ``out``; returns their figures."""
     os.makedirs(out, exist_ok=True)
     console.print(describe_machine(gpus > 0, where.protocol))
-    console.print("parts: balance " + (f"on 2 {where.balance.upper()} workers" if where.balance else "not run")
+    balance_workers = gpus if where.balance == "gpu" else 2  # LocalCUDACluster: one worker per GPU
+    console.print("parts: balance " + (f"on {balance_workers} {where.balance.upper()} workers" if where.balance
+                                       else "not run")
                   + "; small tasks " + (f"on 1 {where.tasks.upper()} worker" if where.tasks else "not run"))
     if where.note:
         console.print(where.note)
     figures: dict[str, Any] = {"placement": where}
     if where.balance:
         gpu = where.balance == "gpu"
-        console.rule("Balance: two workers, one slowed by a co-tenant")
+        console.rule(f"Balance: {balance_workers} workers, one slowed by a co-tenant")
         figures["balance"] = run_balance(gpu=gpu, rows=rows or (1_000_000 if gpu else 400_000),
                                          cols=cols or (2048 if gpu else 256), width=width or (2048 if gpu else 128),
                                          passes=passes, out=out, console=console, cotenant=cotenant,

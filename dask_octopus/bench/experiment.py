@@ -46,7 +46,8 @@ class Variant:
     weights: list[dict[str, float]] = field(default_factory=list)  # dask_octopus weights after each run
 
     def median(self) -> PassRecord:
-        """The pass of median duration."""
+        """The pass of median duration (of an even number of passes, the slower of the middle two;
+        :meth:`seconds` is their mean)."""
         ordered = sorted(self.passes, key=lambda r: r.seconds)
         return ordered[len(ordered) // 2]
 

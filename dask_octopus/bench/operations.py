@@ -86,8 +86,12 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
 )}
 
 
-def calibrated_ideal(op: Operation, rows: int, cols: int, width: int, profiles: dict[str, dict]) -> float:
+def calibrated_ideal(op: Operation, rows: int, cols: int, width: int, profiles: dict[str, dict]) -> float | None:
     """Seconds per pass if every worker worked at its calibrated speed all the time: the pass's work
-    over the sum of the workers' FLOP/s (compute) or streaming bytes/s (memory)."""
+    over the sum of the workers' FLOP/s (compute) or streaming bytes/s (memory); None when a worker
+    has no such figure (registered without calibration, or its probes failed)."""
     cols = rows if op.square else cols
-    return op.work(rows, cols, width) / sum(p[op.resource] for p in profiles.values())
+    speeds = [p.get(op.resource) for p in profiles.values()]
+    if not speeds or not all(speeds):
+        return None
+    return op.work(rows, cols, width) / sum(speeds)
