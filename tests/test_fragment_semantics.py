@@ -625,6 +625,20 @@ async def test_work_restricted_to_some_workers_is_cut_for_their_threads(c, s, *w
     assert sorted(fragments) == two  # one per thread of the two workers that may run them
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"FPGA": 1}})] * 2 + [("127.0.0.1", 1)] * 2)
+async def test_work_needing_a_resource_is_cut_for_the_threads_of_the_workers_that_have_it(c, s, *workers,
+                                                                                         grouped_by):
+    rec = await setup(c, s, [1.0] * 4)
+    with_fpga = sorted(w.address for w in workers[:2])
+    xn = np.arange(256.0)
+    with dask.annotate(resources={"FPGA": 1}), dask_octopus.annotate():
+        y = (da.from_array(xn, chunks=4) * 2).map_blocks(inc, dtype=float)
+    with dask.config.set({"optimization.fuse.active": False}):
+        np.testing.assert_array_equal(await c.compute(y), xn * 2 + 1)
+    fragments = [w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX]
+    assert sorted(fragments) == with_fpga  # one per thread of the two workers that have the resource
+
+
 def test_annotated_restrictions_are_read_as_dask_sets_them():
     from dask_octopus._compat import annotated_restrictions
 
