@@ -167,6 +167,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._sampler: PeriodicCallback | None = None
         self._handlers: dict[str, Callable[..., Any]] = {}
         self.history_failed = False
+        self._sampled_state: tuple | None = None  # what the last sample's weights were worked out from
+        self._sampled: dict[str, tuple[float, float]] = {}
         self.scheduler = None
         self._log_filter: scheduler_groups.RegroupedRunSpecs | None = None
 
@@ -314,8 +316,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             return
         try:
             if self.scheduler.workers:
-                compute, memory = self.speeds("compute"), self.speeds("memory")
-                self.history.add(time.time(), {w: (compute[w], memory[w]) for w in compute})
+                state = (self.model.clock, sorted(self.scheduler.workers),
+                         sorted((w, sorted(p.items())) for w, p in self.model.priors.items()))
+                if state != self._sampled_state:  # (an idle cluster's weights are not worked out again)
+                    self._sampled_state = state
+                    compute, memory = self.speeds("compute"), self.speeds("memory")
+                    self._sampled = {w: (compute[w], memory[w]) for w in compute}
+                self.history.add(time.time(), self._sampled)
         except Exception:
             self.history_failed = True
             logger.exception("dask_octopus: sampling the weights failed; the dashboard's weight history stops")

@@ -2,21 +2,22 @@
 
 No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
-prefix): an exponentially weighted average of the log of the task's rate (work units per second,
-units being the bytes it read and wrote), each timing counting at most 4x faster or slower than the
-average (:data:`MAX_STEP`): one fluke timing 100x faster than its prefix's others moved the rates'
-own average 50x. For a prefix seen on several workers, each worker's rate relative to
-the geometric mean of the others is its observed relative speed. Prefixes count in proportion to
-the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial
-results, which latency dominates), and that weight halves with every :data:`HALF_LIFE` timings
-taken since the prefix last ran: a finished computation's prefixes give way to the work running now
-(a worker that slows down on new, shorter tasks loses weight even after long tasks of other
-prefixes ran equally everywhere). A prefix counts only on workers that ran it
-``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
+prefix): the median of the first ``confidence_samples`` timings' rates (work units per second, units
+being the bytes it read and wrote), so that a first task that also loads a library or plans an FFT
+does not set the start, then an exponentially weighted average of the log of the rate, each timing
+counting at most 4x faster or slower than the average (:data:`MAX_STEP`): one fluke timing 100x
+faster than its prefix's others moved the rates' own average 50x. For a prefix seen on several
+workers, each worker's rate relative to the geometric mean of the others is its observed relative
+speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about a
+worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with
+every :data:`HALF_LIFE` timings taken since the prefix last ran: a finished computation's prefixes
+give way to the work running now (a worker that slows down on new, shorter tasks loses weight even
+after long tasks of other prefixes ran equally everywhere). A prefix counts only on workers that ran
+it ``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
 steady work. The model keeps the timings of the ``max_prefixes`` prefixes that ran last (tasks
 submitted under keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one
-had been unseen for that many timings at least, so its weight had halved ``max_prefixes / HALF_LIFE``
-times. The observed speed then replaces the prior, so a worker that slows down mid-run
+had been unseen for that many timings at least, so its weight had halved ``max_prefixes /
+HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows down mid-run
 loses weight within a few tasks of each prefix. Asked for one prefix, the model answers with that
 prefix's speeds alone once every worker has them (``map`` plans a function by its own speeds).
 """
@@ -49,10 +50,34 @@ HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix no
 
 @dataclass
 class _Rate:
-    value: float  # moving average of units per second (of their logs, each timing's step at most MAX_STEP)
-    seconds: float  # moving average of one task's duration
-    count: int = 1
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=NOISE_WINDOW))  # log rates
+    # units per second: the median of the first timings (a warm-up timing, imports or a cuFFT plan, is
+    # one of them, not the start), then their moving average (of logs, each step at most MAX_STEP)
+    value: float = 0.0
+    seconds: float = 0.0  # one task's duration: the median of the first timings, then their moving average
+    count: int = 0
+    # log rates, each within MAX_STEP of the average they joined (the first ones: of their median)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=NOISE_WINDOW))
+    durations: list[float] = field(default_factory=list)  # the first timings' seconds
+    _recent_mean: tuple[float, float] | None = None  # recent_mean(), until the next timing
+
+    def add(self, log_rate: float, seconds: float, alpha: float, first: int) -> None:
+        """Add one timing: to the medians while fewer than ``first`` timings are known, then to the
+        moving averages, of weight ``alpha``."""
+        self._recent_mean = None
+        if self.count < first:
+            self.recent.append(log_rate)
+            self.durations.append(seconds)
+            centre = statistics.median(self.recent)
+            self.value, self.seconds = math.exp(centre), statistics.median(self.durations)
+            if self.count + 1 == first:  # the first timings count as far from the median as later ones may
+                for i, x in enumerate(self.recent):
+                    self.recent[i] = centre + max(-MAX_STEP, min(MAX_STEP, x - centre))
+        else:
+            change = max(-MAX_STEP, min(MAX_STEP, log_rate - math.log(self.value)))
+            self.recent.append(math.log(self.value) + change)
+            self.value *= math.exp(alpha * change)
+            self.seconds = alpha * seconds + (1 - alpha) * self.seconds
+        self.count += 1
 
     def noise(self) -> float:
         """Standard deviation of one timing's log rate, from the median change between successive
@@ -65,7 +90,9 @@ class _Rate:
 
     def recent_mean(self) -> tuple[float, float]:
         """Mean log rate of the recent timings and its standard error."""
-        return statistics.fmean(self.recent), self.noise() / math.sqrt(len(self.recent))
+        if self._recent_mean is None:
+            self._recent_mean = statistics.fmean(self.recent), self.noise() / math.sqrt(len(self.recent))
+        return self._recent_mean
 
 
 @dataclass
@@ -110,22 +137,15 @@ class SpeedModel:
         """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
         check_finite(seconds, "task duration")
         check_finite(units, "task work units")
+        rate = check_finite(units / seconds, f"task rate ({units!r} units in {seconds!r} s)")
         self.clock += 1
         if prefix in self.last_seen:
             self.last_seen.move_to_end(prefix)
         elif len(self.last_seen) >= self.max_prefixes:
             del self.rates[self.last_seen.popitem(last=False)[0]]
         self.last_seen[prefix] = self.clock
-        rate = units / seconds
-        current = self.rates[prefix].get(worker)
-        if current is None:
-            current = self.rates[prefix][worker] = _Rate(rate, seconds)
-        else:
-            change = max(-MAX_STEP, min(MAX_STEP, math.log(rate / current.value)))
-            current.value *= math.exp(self.alpha * change)
-            current.seconds = self.alpha * seconds + (1 - self.alpha) * current.seconds
-            current.count += 1
-        current.recent.append(math.log(rate))
+        current = self.rates[prefix].setdefault(worker, _Rate())
+        current.add(math.log(rate), seconds, self.alpha, self.confidence_samples)
 
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
@@ -139,9 +159,10 @@ class SpeedModel:
         wsum: dict[str, float] = defaultdict(float)
         samples: dict[str, int] = defaultdict(int)
         chosen = self.rates if prefixes is None else [p for p in prefixes if p in self.rates]
+        asked = set(workers)
         for prefix in chosen:
             per_worker = self.rates[prefix]
-            seen = {w: r for w, r in per_worker.items() if w in workers and r.count >= self.confidence_samples}
+            seen = {w: r for w, r in per_worker.items() if w in asked and r.count >= self.confidence_samples}
             if len(seen) < 2:
                 continue
             n = len(seen)
@@ -153,10 +174,10 @@ class SpeedModel:
             difference = self._difference(seen, expected)
             # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
             age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
-            if age == 0.0:  # (underflow: ~34,000 timings since it ran) it counts no more
-                continue
             for w, r in seen.items():
                 weight = min(r.count, self.confidence_samples) * duration * age
+                if not weight > 0:  # (underflow: ~34,000 timings since the prefix ran) it counts no more
+                    continue
                 # on the prior's scale: the workers that ran the prefix keep their prior mean
                 logsum[w] += weight * (expected_mean + (math.log(r.value) - mean if difference is None
                                                         else difference[w]))
