@@ -89,8 +89,8 @@ async def test_calibration_device_cpu_forces_numpy_probes_where_a_gpu_is_seen(c,
             assert "memory_total" not in p and plannable_memory(p, 2**30) is None
 
 
-@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25})
-async def test_refine_alpha_from_dask_config_weighs_each_new_timing(c, s, a, b):
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25, "octopus.refine.confidence-samples": 1})
+async def test_refine_alpha_from_dask_config_weighs_each_new_timing(c, s, a, b):  # (after the first timing)
     await dask_octopus.register(c, calibrate=False)
     p = plugin(s)
     assert p.model.alpha == 0.25

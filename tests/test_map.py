@@ -329,7 +329,7 @@ async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(
     await setup(c, s, [1.0, 1.0])
     launches, crunches = sorted(s.workers)  # slow to start an item, fast on big ones / the reverse
     truth = {launches: ItemCost(1.0, 0.001), crunches: ItemCost(0.0, 0.01)}
-    fits = s.plugins["octopus"].item_costs["sum-octopus-map"]
+    fits = s.plugins["octopus"].item_costs.use("sum-octopus-map")
     for w, t in truth.items():
         for n, cost in [(1, 10.0), (2, 1000.0), (1, 5000.0)]:
             fits[w].add(n, cost, n * t.fixed + cost * t.per_unit)
@@ -347,7 +347,7 @@ async def test_items_are_packed_by_each_worker_s_fixed_and_proportional_seconds(
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 3), ("127.0.0.1", 1)], config=NO_STEALING)
 async def test_a_worker_s_fitted_seconds_per_item_count_once_per_thread(c, s, a, b, truth, cost):
     await setup(c, s, [1.0, 1.0])
-    fits = s.plugins["octopus"].item_costs["sum-octopus-map"]
+    fits = s.plugins["octopus"].item_costs.use("sum-octopus-map")
     for w in s.workers:  # the same seconds per item on one thread of either worker
         for n, cost in [(1, 10.0), (2, 1000.0), (1, 5000.0)]:
             fits[w].add(n, cost, n * truth.fixed + cost * truth.per_unit)

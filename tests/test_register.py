@@ -353,7 +353,21 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
     assert plugin(s).placement.plans["y"].workers[1] == b.address
     assert set(plugin(s).placement.plans["y"].workers) <= {a.address, b.address}
     await c.scheduler.retire_workers(workers=[b.address])
-    assert b.address not in plugin(s).item_costs["octopus-map-f"]
+    assert "octopus-map-f" not in plugin(s).item_costs  # b's fits gone, and the prefix that had only them
+
+
+def test_per_prefix_item_figures_keep_the_prefixes_that_ran_last():
+    import dask
+
+    from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+
+    with dask.config.set({"octopus.refine.max-prefixes": 2}):
+        plugin = OctopusSchedulerPlugin(calibrate=False)
+    for prefix in ("f", "g", "f", "h"):  # job names of their own: a prefix each, without end
+        plugin.item_costs.use(prefix)["w"].add(1, 1.0, 0.1)
+        plugin.result_sizes.use(prefix).append(1.0)
+    assert list(plugin.item_costs) == list(plugin.result_sizes) == ["f", "h"]  # g, used least recently, dropped
+    assert len(plugin.item_costs["f"]["w"].points) == 2
 
 
 def test_settings_fall_back_to_the_package_defaults_when_the_config_lacks_them(monkeypatch):

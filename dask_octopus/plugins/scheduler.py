@@ -37,6 +37,7 @@ from dask_octopus.plugins.messages import Profile, WorkerInfo
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
+from dask_octopus.profiling.recent import RecentlyUsed
 from dask_octopus.profiling.speedmodel import SpeedModel, check_resource
 from dask_octopus.profiling.working_set import TOPIC as WORKING_SETS
 from dask_octopus.profiling.working_set import WorkingSets
@@ -112,10 +113,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     min_duration: float
     #: balance and map plans, and the pins of their tasks
     placement: Placement
-    #: per task prefix and worker: the per-item cost fit of ``map`` batches
-    item_costs: defaultdict[str, defaultdict[str, ItemCostFit]]
-    #: per task prefix: the bytes of result per byte of items of its recent ``map`` batches
-    result_sizes: defaultdict[str, deque[float]]
+    #: per task prefix and worker: the per-item cost fit of ``map`` batches (the ``refine.max-prefixes``
+    #: prefixes that ran last)
+    item_costs: RecentlyUsed[defaultdict[str, ItemCostFit]]
+    #: per task prefix: the bytes of result per byte of items of its recent ``map`` batches (as many prefixes)
+    result_sizes: RecentlyUsed[deque[float]]
     #: each live worker's calibration, as its worker plugin reported it
     profiles: dict[str, Profile]
     #: how long planning waits for a worker's calibration report (seconds, ``octopus.calibration.wait``)
@@ -150,8 +152,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         plans = config.get("max-plans", max_plans)
         self.working_sets = WorkingSets(max_sources=plans)
         self.placement = Placement(plans, measure=self.working_sets.wants)
-        self.item_costs = defaultdict(lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
-        self.result_sizes = defaultdict(lambda: deque(maxlen=RESULT_SIZES))
+        self.item_costs = RecentlyUsed(self.model.max_prefixes,
+                                       lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
+        self.result_sizes = RecentlyUsed(self.model.max_prefixes, lambda: deque(maxlen=RESULT_SIZES))
         self.profiles = {}
         self.calibration_wait = parse_timedelta(config.get("calibration.wait"))
         self.unreported = set()
@@ -553,7 +556,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Keep the bytes of result per byte of items of a finished ``map`` task ``key``."""
         items = self.placement.items_bytes_of(key)
         if items and isinstance(nbytes, int) and nbytes > 0:
-            self.result_sizes[key_split(key)].append(nbytes / items)
+            self.result_sizes.use(key_split(key)).append(nbytes / items)
 
     @_guarded
     def _steal_for(self, worker: str) -> None:
@@ -609,7 +612,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             elif cost > 0:  # the user's cost units, any scale (a batch of cost 0 has no rate)
                 self.model.observe(worker, prefix, cost, seconds)
             if count is not None:
-                self.item_costs[prefix][worker].add(count, cost, seconds)
+                self.item_costs.use(prefix)[worker].add(count, cost, seconds)
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
@@ -626,8 +629,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.unreported.discard(worker)
         self.joined.pop(worker, None)
         self.model.remove(worker)
-        for fits in self.item_costs.values():
+        for prefix, fits in list(self.item_costs.items()):
             fits.pop(worker, None)
+            if not fits:
+                del self.item_costs[prefix]
         self.bad_timings.discard(worker)
         self._rehome(stimulus_id)
 
