@@ -4,6 +4,7 @@ pickle, and module globals with local schedulers. Each test compares with the un
 
 import asyncio
 import contextlib
+import operator
 import os
 import pickle
 import re
@@ -1266,6 +1267,37 @@ def test_a_failed_step_s_traceback_starts_in_the_user_s_code():
 
 def raise_at(x):
     raise ValueError(f"boom at {x}")
+
+
+async def awaited_inc(x):
+    await asyncio.sleep(0)
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_coroutine_function_s_task_is_awaited_as_dask_awaits_it(c, s, a):
+    await dask_octopus.register(c, calibrate=False)
+    with dask_octopus.annotate():
+        total = dask.delayed(sum)([dask.delayed(inc)(dask.delayed(awaited_inc)(i)) for i in range(4)])
+    assert await c.compute(total) == 14  # was a TypeError: a coroutine, never awaited, plus 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_failed_member_read_on_another_worker_raises_with_the_member_s_frames(c, s, a, b):
+    import traceback
+
+    await dask_octopus.register(c, calibrate=False)
+    with dask_octopus.annotate():
+        with dask.annotate(workers=[a.address]):
+            failed = dask.delayed(raise_at)(dask.delayed(inc)(1))
+        with dask.annotate(workers=[b.address]):
+            other = dask.delayed(inc)(dask.delayed(inc)(2))
+    with dask.annotate(workers=[b.address]):
+        top = dask.delayed(operator.add)(failed, other)  # reads a's fragment output on b: it travels pickled
+    future = c.compute(top)
+    with pytest.raises(ValueError, match="boom at 2"):
+        await future
+    assert [fr.name for fr in traceback.extract_tb(await future.traceback())] == ["pick", "raise_at"]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

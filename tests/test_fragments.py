@@ -1214,6 +1214,58 @@ def test_a_failed_step_guard_or_map_item_holds_its_error_from_the_user_s_code_an
     assert "dask_octopus: raised by task 'd', read by fragments" in out.error.__notes__
 
 
+def parses(block):
+    try:
+        return {}[type(block).__name__]
+    except KeyError as e:
+        raise ValueError("cannot parse") from e  # a chained error: its cause's frame holds the block too
+
+
+def test_a_chained_error_holds_none_of_the_inputs_and_keeps_its_cause():
+    import gc
+    import weakref
+
+    block = Held()
+    alive = weakref.ref(block)
+    frag = Fragment({"s": Task("s", parses, TaskRef("x"))}, ["s"], {"s": "memory"})
+    (failed,) = streams.run_fragment(frag, block)
+    del block
+    gc.collect()
+    assert alive() is None  # the cause's traceback (its frame's locals, and the fragment's up the stack) is gone
+    with pytest.raises(ValueError, match="cannot parse") as raised:
+        streams.pick((failed,), 0)
+    assert type(raised.value.__cause__) is KeyError and raised.value.__cause__.__traceback__ is None
+
+
+SHARED_FAILURE = RuntimeError("service unavailable")  # a cached failure, raised again by every call
+
+
+def raise_shared(x):
+    raise SHARED_FAILURE
+
+
+def test_one_exception_object_raised_by_several_steps_carries_each_its_own_note():
+    frag = Fragment({k: Task(k, raise_shared, TaskRef("x")) for k in ("f-0", "f-1")}, ["f-0", "f-1"],
+                    {"f-0": "memory", "f-1": "memory"})
+    for _ in range(2):
+        outputs = streams.run_fragment(frag, 1)
+        for i, key in enumerate(("f-0", "f-1")):
+            with pytest.raises(RuntimeError, match="service unavailable") as raised:
+                streams.pick(outputs, i)
+            assert raised.value.__notes__ == [f"dask_octopus: raised by task {key!r} of a fragment"]
+    assert not hasattr(SHARED_FAILURE, "__notes__")  # the user's object is left as it was (8 notes before)
+
+
+def test_a_failed_step_keeps_its_traceback_when_it_travels():
+    import traceback
+
+    frag = Fragment({"s": Task("s", fails_on, TaskRef("x"))}, ["s"], {"s": "memory"})
+    (failed,) = pickle.loads(pickle.dumps(streams.run_fragment(frag, "abc")))  # to another worker, or the spill
+    with pytest.raises(ValueError, match="cannot use str") as raised:
+        streams.pick((failed,), 0)
+    assert [f.name for f in traceback.extract_tb(raised.value.__traceback__)][1:] == ["pick", "fails_on"]
+
+
 @pytest.mark.parametrize("memory, fraction, budget", [
     ({"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}, 0.6, 0.2 * 1000 / 2),  # Dask's defaults
     ({"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}, 0.1, 0.1 * 1000 / 2),  # a smaller fraction

@@ -238,7 +238,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     movable = {k for k in dsk if k not in wanted and (pullable is None or k in pullable)
                and not dependencies[k] & special}
-    plain = {k for k in movable if type(dsk[k]) is Task and not of_fragments(dsk[k])}
+    # (a coroutine function's task stays a task: the worker awaits it, a fragment would not)
+    plain = {k for k in movable if type(dsk[k]) is Task and not dsk[k].is_coro and not of_fragments(dsk[k])}
     eligible = {k for k in plain if all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]

@@ -15,6 +15,7 @@ function and input shapes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import sys
@@ -443,22 +444,58 @@ class HeldError:
 
     __slots__ = ("_sent", "error", "traceback")
 
-    def __init__(self, error: BaseException):
+    def __init__(self, error: BaseException, note: str | None = None):
         tb = error.__traceback__
-        self.error = error.with_traceback(None)
+        self.error = detached(error)
+        if note is not None:
+            self.error.add_note(note)
         self.traceback = tblib.Traceback(tb) if tb is not None else None
         self._sent: BaseException | None = None  # the error as it travels (found at the first send)
 
     def __reduce__(self) -> tuple:
-        # so that the other results beside it still reach other workers, and the spill
+        # so that the other results beside it still reach other workers, and the spill; with the copy
+        # of the traceback (a reader on another worker raises it with the failed call's frames)
         if self._sent is None:
             self._sent = sendable(self.error)
-        return (type(self), (self._sent,))
+        return _held, (type(self), self._sent, self.traceback)
 
     def exception(self) -> BaseException:
         """``error`` with a traceback made from the copy, for a reader to raise (each its own: raising
         the one traceback again would stack every reader's frames onto it)."""
         return self.error.with_traceback(self.traceback.as_traceback() if self.traceback is not None else None)
+
+
+def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback | None) -> HeldError:
+    """A :class:`HeldError` as it arrives (:meth:`HeldError.__reduce__`)."""
+    held = cls(error)
+    held.traceback = traceback
+    return held
+
+
+def detached(error: BaseException, _copies: dict[int, BaseException] | None = None) -> BaseException:
+    """A copy of ``error`` without frames: no traceback, and its cause and context (``raise ... from``,
+    a raise inside ``except``) copied likewise, as their frames would keep the failed call's locals
+    and its callers' (a fragment's inputs) alive. The caller's object is left as it is (one exception
+    object raised by several members, a cached failure raised again, gathers no notes of theirs).
+    An exception that cannot be copied is stripped of its frames itself."""
+    copies = {} if _copies is None else _copies  # (a chain that loops back copies each link once)
+    if id(error) in copies:
+        return copies[id(error)]
+    try:
+        copied = copy.copy(error)
+    except Exception:
+        copied = error
+    copies[id(error)] = copied
+    copied.__traceback__ = None
+    if copied is not error:  # (copy.copy can hand the copy the original's __dict__ itself)
+        copied.__dict__ = dict(error.__dict__)
+        if hasattr(error, "__notes__"):
+            copied.__notes__ = list(error.__notes__)
+    for attr in ("__cause__", "__context__"):
+        link = getattr(error, attr)
+        setattr(copied, attr, None if link is None else detached(link, copies))
+    copied.__suppress_context__ = error.__suppress_context__
+    return copied
 
 
 class StepFailed(HeldError):
@@ -551,9 +588,8 @@ def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int
     ok, value = attempt(func, args, retries, key, check)
     if ok:
         return value
-    value.add_note(f"dask_octopus: raised by task {key!r}{where}"
-                   + (f" (and on {retries} retries)" if retries else ""))
-    return StepFailed(value)
+    return StepFailed(value, f"dask_octopus: raised by task {key!r}{where}"
+                             + (f" (and on {retries} retries)" if retries else ""))
 
 
 class RunningTask:
