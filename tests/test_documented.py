@@ -291,7 +291,7 @@ class FakeStream:
         self.cp.current.pop()
 
     def record(self):
-        return object()
+        return types.SimpleNamespace(synchronize=lambda: None)  # an event
 
     def wait_event(self, event):
         pass

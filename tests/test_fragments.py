@@ -598,25 +598,51 @@ def test_structure_tells_constants_and_partials_apart():
     assert streams.run_fragment(locked, 2) == (2,) and locked.structure()
 
 
-def test_replay_in_place_copies_nothing_and_returns_copies_of_the_outputs():
-    import contextlib
+def test_replay_in_place_copies_nothing_and_returns_copies_of_the_outputs_made_on_the_task_s_stream():
+    from test_documented import FakeCupy, FakeStream
 
     from dask_octopus.groups.replay import CapturedGroup
 
-    launched, out = [], np.arange(3.0)
+    cp, launched, copied_on = FakeCupy(), [], []
 
     class Graph:
         def launch(self, stream):
             launched.append(stream)
 
-    class Cupy:
-        @staticmethod
-        def copyto(dst, src):
-            raise AssertionError("an input read in place was copied")
+    class Output:
+        def copy(self):
+            copied_on.append(cp.current[-1].name)  # the stream current while it is copied
+            return "copy"
 
-    stream = contextlib.nullcontext()
-    got = CapturedGroup(Graph(), None, [out], None).replay(Cupy, [np.ones(3), np.ones(4)], stream)
-    assert launched == [stream] and np.array_equal(got[0], out) and got[0] is not out
+    def copyto(dst, src):
+        raise AssertionError("an input read in place was copied")
+
+    cp.copyto = copyto
+    pool, task = FakeStream(cp, "pool 1"), cp.current[-1]
+    got = CapturedGroup(Graph(), None, [Output()], None).replay(cp, [np.ones(3), np.ones(4)], pool, task)
+    assert launched == [pool] and got == ["copy"]
+    assert copied_on == ["task's own"]  # its readers free it into the task stream's part of the pool
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_results_of_the_pool_s_streams_are_handed_over_on_the_task_s_stream_where_other_threads_read(
+        monkeypatch, threads):
+    from test_documented import FakeCupy
+
+    cp, copied_on = FakeCupy(), []
+
+    class Block(cp.ndarray):
+        def copy(self):
+            copied_on.append(cp.current[-1].name)
+            return "copy"
+
+    monkeypatch.setattr(streams, "_several_threads", lambda: threads > 1)
+    block = Block()
+    got = streams.handed_over(cp, [block, 7, None])
+    if threads > 1:  # a reader on another thread frees it into the task stream's part of the pool
+        assert got == ["copy", 7, None] and copied_on == ["task's own"]
+    else:  # this thread's next run waits for the task's stream as it starts: no copy needed
+        assert got[0] is block and got[1:] == [7, None] and copied_on == []
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -47,15 +47,21 @@ class CapturedGroup:
         buffers its inputs are copied into."""
         return int(self.pool.total_bytes()) + sum(x.nbytes for x in self.inputs or ())
 
-    def replay(self, cp: Any, inputs: Sequence[Any], stream: Any) -> list[Any]:
-        """Copy ``inputs`` in (unless read in place), launch, and return copies of the outputs (all on
-        ``stream``)."""
+    def replay(self, cp: Any, inputs: Sequence[Any], stream: Any, into: Any) -> list[Any]:
+        """Copy ``inputs`` in (unless read in place) and launch on ``stream``; return copies of the
+        outputs made on ``into`` (the task's stream: the memory of a copy that its readers free goes
+        back to that stream's part of CuPy's pool, where later work is ordered after theirs), once
+        they are there."""
         with stream:
             if self.inputs is not None:  # None: the graph reads the inputs in place
                 for dst, src in zip(self.inputs, inputs, strict=True):
                     cp.copyto(dst, src)
             self.graph.launch(stream)
-            return [out.copy() for out in self.outputs]
+        into.wait_event(stream.record())
+        with into:
+            outputs = [out.copy() for out in self.outputs]
+        into.record().synchronize()
+        return outputs
 
 
 def _is_device_array(cp: Any, obj: Any) -> bool:

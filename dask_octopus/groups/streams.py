@@ -337,11 +337,9 @@ def _run_group_on_gpu(cp: Any, rt: StreamRuntime, members: Sequence[Callable[...
         if graph is not None:
             cache.replays += 1
             stream = _ready_streams(rt, cp, 1, ready)[0]
-            results = graph.replay(cp, flat, stream)
-            stream.synchronize()
-            return results
+            return graph.replay(cp, flat, stream, cp.cuda.get_current_stream())
     streams = _ready_streams(rt, cp, n, ready)  # (fresh ones where a capture was refused)
-    return run_on_streams(cp, rt, members, member_tokens, inputs, known, order, streams, sizes)
+    return handed_over(cp, run_on_streams(cp, rt, members, member_tokens, inputs, known, order, streams, sizes))
 
 
 def _pointers(cp: Any, inputs: Sequence[Any]) -> tuple | None:
@@ -727,6 +725,37 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
         return tuple(values[s] for s in fragment.results)
 
 
+def handed_over(cp: Any, results: list[Any]) -> list[Any]:
+    """``results`` of a group or fragment run on this thread's pool streams, for its readers. Memory
+    that a reader frees goes back to the part of CuPy's pool of the stream it was made on, and later
+    work there is not ordered after the reader's (on the task's stream): this thread's next run waits
+    for the task's stream as it starts, so with one worker thread a reader's kernels are done before
+    the memory is used again; on a worker of several threads, a reader on another thread could still
+    be reading when this thread's run uses it. There, each device array is copied on the task's stream
+    (one at a time: the copies hold one result more than the results), whose part of the pool orders
+    its reuse after the reader's work."""
+    if not _several_threads():
+        return results
+    current = cp.cuda.get_current_stream()
+    for i, value in enumerate(results):
+        if isinstance(value, cp.ndarray):
+            with current:
+                results[i] = value.copy()
+            del value  # (its memory goes back to its stream's part: the next run there waits for the copy)
+    current.record().synchronize()
+    return results
+
+
+def _several_threads() -> bool:
+    """Whether this task runs on a worker of more than one thread (False outside a worker)."""
+    from distributed import get_worker
+
+    try:
+        return get_worker().state.nthreads > 1
+    except ValueError:
+        return False
+
+
 def _ready_streams(rt: StreamRuntime, cp: Any, n: int, ready: Any) -> list[Any]:
     """The first ``n`` streams of this thread's pool, waiting for ``ready`` (the inputs)."""
     streams = rt.streams(cp, n)
@@ -801,9 +830,7 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
         if graph is not None:
             cache.replays += 1
             stream = _ready_streams(rt, cp, 1, ready)[0]
-            out = graph.replay(cp, inputs, stream)
-            stream.synchronize()
-            return tuple(out)
+            return tuple(graph.replay(cp, inputs, stream, current))
     specs = fragment.specs()  # their constants (device arrays among them) live until the streams are done
     held: list[Any] = []  # and so do the values other streams read
     layout = rt.eager_layout(cp, fragment, inputs)
@@ -818,4 +845,6 @@ def _run_on_gpu(cp: Any, rt: StreamRuntime, fragment: Fragment, values: dict[int
         for s in streams:
             s.synchronize()
     del held, specs
-    return tuple(values[s] for s in fragment.results)
+    results = [values[s] for s in fragment.results]
+    values.clear()  # (the results alone hold them: handed over one at a time)
+    return tuple(handed_over(cp, results))
