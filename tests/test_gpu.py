@@ -774,6 +774,31 @@ def test_fragments_exact_eager_then_replayed_reading_persisted_blocks_in_place(c
     assert s["graphs_in_place"] >= 1 and s["replays"] >= 2 and s["refused"] == 0
 
 
+def test_fragments_on_a_worker_of_two_threads_hand_their_results_over_exactly():
+    """Two threads: each thread's fragments make block results that tasks on the other thread read
+    (GEMMs launched on the task's stream, returned at launch) while this thread's next fragments run."""
+    import cupy
+    import dask.array as da
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    import dask_octopus
+    from dask_octopus.bench.workloads import elementwise_chain, gemm_repeat
+
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", threads_per_worker=2, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c, calibrate=False)
+        rng = da.random.default_rng(cupy.random.default_rng(12))
+        x = c.persist(rng.random((32 * 512, 512), chunks=(512, 512), dtype=np.float32))
+        chained = x.map_blocks(elementwise_chain, name="two-threads-ref")
+        expected = c.compute(chained.map_blocks(gemm_repeat, 5, False).sum(axis=0)).result()
+        for run in range(6):  # eager, then replayed
+            with dask_octopus.annotate():
+                y = x.map_blocks(elementwise_chain, name=f"two-threads-{run}")
+            got = c.compute(y.map_blocks(gemm_repeat, 5, False, name=f"read-{run}").sum(axis=0)).result()
+            cupy.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
 def scale_by(b, w):
     return b * w + 1
 
