@@ -23,7 +23,7 @@
 #   workers), suite-compare re-runs matmul_iterate with a co-tenant over tcp and prints the
 #   change against $COMPARE (a committed suite JSON, measured over tcp): the check that a change left the
 #   figures and the JSON fields as they were; scheduler-overhead (CPU only: the scheduler's throughput
-#   at 100,000 tasks, minutes per run).
+#   at 50,000 blocks mapped and summed, minutes per run).
 set -u
 out=${1:?usage: gpu_validation.sh OUTDIR}
 run="$out/run"
