@@ -307,6 +307,23 @@ async def test_gpu_event_timings_replace_launch_timings(c, s, a, b):
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_a_worker_s_task_timings_count_once_it_reported_its_calibration(c, s, a, b):
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    p = plugin(s)
+    profile = p.profiles.pop(a.address)  # a GPU worker still calibrating: its CuPy tasks end at launch
+    futures = [c.submit(sum, [1, 2], key=f"launched-{k}", workers=[a.address]) for k in range(3)]
+    await c.gather(futures)  # (held: the scheduler keeps their tasks)
+    for k in range(3):
+        p.transition(f"launched-{k}", "processing", "memory", worker=a.address, stimulus_id="x",
+                     startstops=[{"action": "compute", "start": 0.0, "stop": 0.01}])
+    assert a.address not in p.model.table().get("launched", {})
+    p.profiles[a.address] = profile  # reported (without CUDA-event timings): its tasks' wall times count
+    p.transition("launched-0", "processing", "memory", worker=a.address, stimulus_id="x",
+                 startstops=[{"action": "compute", "start": 0.0, "stop": 1.0}])
+    assert p.model.table()["launched"][a.address][2] == 1
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
     from dask_octopus.profiling.gpu_timing import TOPIC
 
