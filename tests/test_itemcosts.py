@@ -19,7 +19,7 @@ def batches(fit: ItemCostFit, truth: ItemCost, shapes: list[tuple[int, float]]) 
        shapes=st.lists(st.tuples(st.integers(1, 200), st.floats(1, 1e7)), min_size=3, max_size=8))
 def test_exact_batches_give_back_the_terms(fixed, per_unit, shapes):
     fit = ItemCostFit()
-    means = [c / n for n, c in shapes]
+    means = [c / n for n, c in shapes][1 if len(shapes) > 3 else 0:]  # (the first, a warm-up, left out)
     batches(fit, ItemCost(fixed, per_unit), shapes)
     got = fit.fit()
     if max(means) < fit.spread * min(means):
@@ -141,3 +141,15 @@ def test_all_weight_on_the_newest_batch_abstains():
     fit = ItemCostFit(alpha=1.0)  # older batches weigh 0: one point cannot give a slope
     batches(fit, ItemCost(0.002, 1e-6), [(1, 100.0), (1, 1000.0), (1, 10_000.0)])
     assert fit.fit() is None
+
+
+def test_the_first_batch_with_its_warm_up_is_left_out_once_three_more_can_fit():
+    truth = ItemCost(0.001, 0.01)
+    fit = ItemCostFit()
+    fit.add(1, 0.1, truth.seconds(0.1) + 0.5)  # map's probe: one item, and 0.5 s of imports and planning
+    batches(fit, truth, [(1, 0.1), (1, 10.0)])
+    assert fit.fit() is None  # three batches: the first counts while no three others can fit (a falling line)
+    batches(fit, truth, [(2, 10.0)])
+    got = fit.fit()
+    assert got.fixed == pytest.approx(0.001) and got.per_unit == pytest.approx(0.01)  # was 16 ms and 5 ms
+

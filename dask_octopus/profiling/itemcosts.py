@@ -10,7 +10,9 @@ tiny and huge items. Fitted per worker from its recent batches as a line through
 ``1 - alpha`` times the next one: the line follows the latest batches (a worker that slows down
 gets less within a few batches, as with the speed model's moving average), while older batches of
 other sizes still set its slope. The fit is used only when the batches differ enough in mean cost
-per item to tell the two terms apart.
+per item to tell the two terms apart. A worker's first batch of a function also imports, compiles
+or plans what the function needs (``map`` runs one item alone first: its warm-up would count as
+that item's fixed time): it is left out once three later batches can make the fit.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ItemCostFit:
     alpha: float = 0.5
     spread: float = SPREAD
     points: deque[tuple[float, float]] = field(default_factory=deque)
+    first: tuple[float, float] | None = None  # the first batch, while it is one of ``points``
 
     def add(self, items: int, cost: float, seconds: float) -> None:
         """Add one batch of ``items`` items of total ``cost`` that took ``seconds``."""
@@ -54,19 +57,26 @@ class ItemCostFit:
             raise ValueError(f"a batch has at least one item, got {items!r}")
         check_finite(cost, "batch cost", positive=False)
         check_finite(seconds, "batch seconds", positive=False)
-        self.points.append((cost / items, seconds / items))
+        point = (cost / items, seconds / items)
+        if self.first is None and not self.points:
+            self.first = point
+        self.points.append(point)
         while len(self.points) > self.window:
             self.points.popleft()
+            self.first = None
 
     def fit(self) -> ItemCost | None:
         """The weighted least-squares line with both terms >= 0, or ``None`` while the batches cannot tell
         the terms apart (fewer than three, or too alike in mean cost per item; a batch of cost 0 is
         as unlike any other as can be) or the
         proportional term comes out zero (then costs would not matter)."""
-        if len(self.points) < 3:
+        points = list(self.points)
+        if self.first is not None and len(points) > 3:  # the first batch, with its warm-up, left out
+            points = points[1:]
+        if len(points) < 3:
             return None
-        xs = [x for x, _ in self.points]
-        ys = [y for _, y in self.points]
+        xs = [x for x, _ in points]
+        ys = [y for _, y in points]
         if max(xs) <= 0 or max(xs) < self.spread * min(xs):  # (a batch of cost 0 measures the fixed part)
             return None
         ws = [(1 - self.alpha) ** age for age in range(len(xs) - 1, -1, -1)]  # newest last, weight 1
