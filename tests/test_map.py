@@ -284,6 +284,12 @@ async def test_bad_input(c, s, a, b):
             pytest.raises(TypeError, match="cannot be pickled"):
         await call(c, lambda x: lock, [1])
     assert log.getvalue() == ""  # our TypeError alone, no serialisation traceback before it
+    with pytest.raises(TypeError, match="'awaited_inc' is a coroutine function: map runs items in batches"):
+        await call(c, awaited_inc, [1])  # (its results were coroutines, never awaited)
+
+
+async def awaited_inc(x):
+    return x + 1
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")

@@ -284,6 +284,9 @@ def _check_call(func: Callable, group: int | None, resource: str, errors: str, *
     (``flags``: those that are true or false, by name)."""
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__} {func!r}")
+    if inspect.iscoroutinefunction(func):  # a batch calls it in the worker's thread: nothing would await it
+        raise TypeError(f"func {getattr(func, '__name__', func)!r} is a coroutine function: map runs items in "
+                        "batches, which do not await; use client.map, or a function that runs the coroutine")
     for name, value in flags.items():
         check_flag(value, name)
     check_resource(resource)
@@ -498,8 +501,9 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     Raises
     ------
     TypeError
-        When ``func`` is not callable or cannot be pickled, ``cost`` is neither a callable nor numbers,
-        ``gather`` or ``to_host`` is not True or False, or ``client`` is not a Client.
+        When ``func`` is not callable, is a coroutine function or cannot be pickled, ``cost`` is neither
+        a callable nor numbers, ``gather`` or ``to_host`` is not True or False, or ``client`` is not a
+        Client.
     RuntimeError
         When ``client`` is closed.
     ValueError
