@@ -48,7 +48,6 @@ from dask._task_spec import (
     TaskRef,
     _execute_subgraph,
     convert_legacy_graph,
-    cull,
     parse_input,
     resolve_aliases,
 )
@@ -65,7 +64,6 @@ __all__ = [
     "TaskRef",
     "convert_legacy_graph",
     "counting_ffts",
-    "cull",
     "dashboard_menu",
     "execute_subgraph",
     "expected_duration",

@@ -480,6 +480,40 @@ async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a,
     assert "Detected different `run_spec`" not in log.getvalue()
 
 
+def doubled(v):
+    return v * 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_held_result_released_while_its_recompute_is_prepared_is_computed_again(c, s, a, monkeypatch):
+    """A second client holds an annotated sum (its task reads the first compute's fragments); this client
+    computes the same sum, and the second client releases its result while the scheduler prepares this
+    graph (made slow here: a large graph takes its time). The graph keeps its own spec of the sum and the
+    tasks that it reads, ungrouped: they compute it again (the graph had taken the held task's spec, read
+    fragments that were gone by then, and failed with 'lost dependencies')."""
+    await setup(c, s, [1.0])
+    with dask_octopus.annotate():
+        parts = [dask.delayed(doubled)(i, dask_key_name=("doubled", i)) for i in range(400)]
+    total = dask.delayed(sum)(parts, dask_key_name="total")
+    async with Client(s.address, asynchronous=True) as other:
+        held = other.compute(total)
+        assert await held == 400 * 399
+        prepared, prepare = threading.Event(), marks.fragment_here
+
+        def slowly(*args, **kwargs):  # (in the scheduler's offload thread: its event loop goes on)
+            out = prepare(*args, **kwargs)
+            prepared.set()
+            time.sleep(1.0)
+            return out
+
+        monkeypatch.setattr(marks, "fragment_here", slowly)
+        again = c.compute(total)
+        while not prepared.is_set():
+            await asyncio.sleep(0.01)
+        held.release()
+        assert await again == 400 * 399
+
+
 def exit_on_block_0_5(b, block_info=None):
     """The block, but block (0, 5) takes its worker process down (after a while: the other thread of
     the worker meanwhile runs what waits there)."""

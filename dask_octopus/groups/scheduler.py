@@ -49,7 +49,6 @@ from dask_octopus._compat import (
     Task,
     TaskRef,
     annotated_restrictions,
-    cull,
     fused_name_of,
     in_offload_thread,
     run_spec_collision,
@@ -59,7 +58,6 @@ from dask_octopus.groups.blocksizes import block_bytes
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
-    dependents_of,
     fragment_graph,
     fragment_of,
     inner_keys,
@@ -277,22 +275,29 @@ def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
     return out
 
 
-def _as_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState], keep: Collection[Key],
-               ) -> dict[Key, GraphNode] | None:
-    """``graph`` as Dask will run it beside the tasks ``reusable`` of the scheduler that it reuses
-    (:func:`_new`), or ``None`` where it is that already: such a task that reads other keys there than
-    in ``graph`` keeps its run spec there (the same collection computed twice at once: the first
-    compute's fragments run the tasks the graph's spec reads, and picks the task's value from one), and
-    the tasks that only such specs read, which Dask would make and never run, go."""
-    reused = {}
-    for k, ts in reusable.items():
-        if isinstance(ts.run_spec, GraphNode) and {d.key for d in ts.dependencies} != graph[k].dependencies:
-            reused[k] = ts.run_spec  # (as Dask compares them)
-    if not reused:
-        return None
-    merged = {**graph, **reused}
-    needed = cull(merged, list(keep))
-    return {k: node for k, node in merged.items() if k in needed}  # in the graph's order, which fragments follow
+def _behind_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState], keep: Collection[Key],
+                   ) -> set[Key]:
+    """The tasks of ``graph`` that only tasks of the scheduler that it reuses (``reusable``, :func:`_new`)
+    read, where such a task reads other keys there than in ``graph`` (the same collection computed twice
+    at once, or again while its first result is held: that task reads the first compute's fragments).
+    Dask keeps the scheduler's task and would make these and never run them: they stay out of the
+    fragments, as tasks, which :func:`unread_tasks` finds after ``update_graph``. Kept in the graph, with
+    the graph's own spec of the reused task, they still compute it where the scheduler let the task go
+    before the graph arrived (its client released it while the graph was being prepared)."""
+    differing = {k for k, ts in reusable.items()
+                 if isinstance(ts.run_spec, GraphNode) and {d.key for d in ts.dependencies} != graph[k].dependencies}
+    if not differing:
+        return set()
+    reached: set[Key] = set()
+    stack = [k for k in keep if k in graph]
+    while stack:  # what the graph needs besides what only the differing tasks read
+        k = stack.pop()
+        if k in reached:
+            continue
+        reached.add(k)
+        if k not in differing:
+            stack.extend(d for d in graph[k].dependencies if d in graph)
+    return set(graph) - reached
 
 
 def _failing(had: Mapping[Key, TaskState], dependents: Mapping[Key, Collection[Key]], new: Collection[Key],
@@ -312,20 +317,21 @@ def _failing(had: Mapping[Key, TaskState], dependents: Mapping[Key, Collection[K
 def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
                   dependents: Mapping[Key, set[Key]], annotations: Mapping[Key, Mapping[str, Any]] | None = None,
                   ) -> dict[Key, GraphNode] | None:
-    """Fragments of an optimized graph made where the optimizer runs, on the one scheduler of this
-    process (which has the plugin): the places of its marked tasks are their plans' workers or the
-    restrictions of their Dask annotations (``workers``, ``resources``) and the worker holding their
-    inputs, as :func:`group_new_tasks` finds them later, but before Dask makes
-    a task state for each of the graph's tasks (most of the cost of a graph of small tasks), and
-    their other Dask annotations (``annotations``, by key: tasks group only with tasks of equal such
-    annotations, :func:`shared_annotations`; each step keeps its ``retries``). Tasks the scheduler has
-    already (held, running, or wanted by a client: Dask reuses them) are not grouped, and read what they
-    read there (:func:`_as_reused`), and new tasks that read a task that failed (held by a client), directly
-    or through other new tasks, are not grouped: Dask fails them as it gets them (:func:`_failing`).
-    ``None`` when not exactly one such scheduler runs here, when this does not run where that
-    scheduler materializes the graphs it gets (distributed's offload thread: not a client building a
-    graph, nor a local scheduler running one) or when the scheduler's state changed while being read
-    (Dask runs the optimizer in its offload thread): then the marks travel to ``update_graph``."""
+    """Fragments of an optimized graph made where the optimizer runs, on the one scheduler of this process
+    (which has the plugin): the places of its marked tasks are their plans' workers or the restrictions
+    of their Dask annotations (``workers``, ``resources``) and the worker holding their inputs, as
+    :func:`group_new_tasks` finds them later, but before Dask makes a task state for each of the graph's
+    tasks (most of the cost of a graph of small tasks), and their other Dask annotations
+    (``annotations``, by key: tasks group only with tasks of equal such annotations,
+    :func:`shared_annotations`; each step keeps its ``retries``). Tasks the scheduler has already (held,
+    running, or wanted by a client: Dask reuses them) are not grouped, nor the tasks that only such
+    tasks read where they read other keys there (:func:`_behind_reused`), and new tasks that read a task
+    that failed (held by a client), directly or through other new tasks, are not grouped: Dask fails
+    them as it gets them (:func:`_failing`). ``None`` when not exactly one such scheduler runs here,
+    when this does not run where that scheduler materializes the graphs it gets (distributed's offload
+    thread: not a client building a graph, nor a local scheduler running one) or when the scheduler's
+    state changed while being read (Dask runs the optimizer in its offload thread): then the marks
+    travel to ``update_graph``."""
     plugins = _hosts()
     if len(plugins) != 1 or len(running_schedulers() or ()) != 1 or not in_offload_thread():
         return None
@@ -334,10 +340,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     try:  # Dask runs the optimizer in its offload thread, beside the event loop that changes this state
         annotations = annotations or {}
         reusable = {k: ts for k in graph if not _new(ts := scheduler.tasks.get(k))}  # Dask reuses these
-        reused = _as_reused(graph, reusable, keep)
-        if reused is not None:
-            graph, dependents = reused, dependents_of(reused)
-        new = {k for k in graph if k not in reusable}
+        behind = _behind_reused(graph, reusable, keep)
+        new = {k for k in graph if k not in reusable and k not in behind}
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
         # what the new tasks read that the scheduler has: sized (also through the aliases read through), and
