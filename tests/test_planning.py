@@ -281,6 +281,25 @@ def test_blocks_within_the_largest_block(total, weights, largest, align):
         assert len(blocks) <= math.ceil(sum(blocks) / within) + 1
 
 
+@settings(deadline=None)
+@given(weights=st.lists(st.floats(0.05, 20), min_size=1, max_size=6), align=st.integers(2, 32),
+       extra=st.integers(0, 2_000))
+def test_blocks_of_the_user_s_align_sized_chunks_are_planned_where_every_worker_s_share_holds_a_unit(
+        weights, align, extra):
+    total = math.ceil(align * sum(weights) / min(weights)) + extra  # the slowest worker's share: align rows or more
+    plan = block_sizes_within(total, weights, align, align=align)  # the user's chunks: align rows each
+    assert sum(map(sum, plan)) == total
+    assert all(b == align for blocks in plan for b in blocks[:-1]) and all(blocks[-1] >= align for blocks in plan)
+
+
+def test_align_sized_chunks_of_a_fast_and_a_slow_worker():
+    assert [len(b) for b in block_sizes_within(400, [1, 3], 8, align=8)] == [12, 38]  # was: align larger
+    assert [sum(b) for b in block_sizes_within(40, [1, 3], 4, align=4)] == [8, 32]  # than a block's share
+    with pytest.raises(PlanningError, match=r"^align=16 is larger than the smallest worker's share \(9\.9 of 100\); "
+                                            r"use a smaller align$"):
+        block_sizes_within(100, [1, 9.1], 16, align=16)  # the slow worker's whole share is under one unit
+
+
 # Added for mutation testing (tools/mutation.sh, docs/testing.md): behaviours the tests above left open.
 
 

@@ -395,7 +395,11 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
                                             per_worker, align, lengths, source, holders)
     divisions = None
     if df.known_divisions:
-        sizes, divisions = _snapped(client, df, parts, lengths, sizes, workers, caps)
+        snapped, divisions = _snapped(client, df, parts, lengths, sizes, workers, caps)
+        if all(n % align == 0 for n in snapped[:-1]):
+            sizes = snapped
+        else:  # a cut on an index boundary would break align: the planned sizes, divisions unknown
+            divisions = None
     segments = row_segments(lengths, sizes)
     token = tokenize(df, sizes, workers, held)  # where the partitions are decides which blocks read slices
     name, pieces = "octopus-rows-" + token, "octopus-slice-" + token

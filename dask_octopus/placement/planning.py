@@ -95,13 +95,16 @@ def block_sizes(
     per_worker: int | Sequence[int] = 1,
     align: int = 1,
     caps: Sequence[int | None] | None = None,
+    fair: bool = True,
 ) -> list[list[int]]:
     """Sizes of ``per_worker`` blocks for each worker (one count for all, or one per worker),
     proportional to ``weights``.
 
     Every size is a multiple of ``align`` except the last block, which also takes
     ``total % align``. ``caps`` bound each worker's whole share (e.g. from its memory).
-    Returns one list of block sizes per worker, in the order of ``weights``.
+    Returns one list of block sizes per worker, in the order of ``weights``. ``fair``: refuse counts
+    that give some block a share of the rows under ``align`` (it would take a whole ``align`` unit,
+    more than its share); the counts of :func:`block_sizes_within`, made from whole units, may.
     """
     w = _check_weights(weights)
     counts = [per_worker] * len(w) if isinstance(per_worker, int) else list(per_worker)
@@ -115,7 +118,7 @@ def block_sizes(
         )
     units, rest = divmod(total, align)
     share = min(total * wi / sum(w) / k for wi, k in zip(w, counts))
-    if units < nblocks or (align > 1 and align > share):  # (at align 1 a share under a row takes its one row)
+    if units < nblocks or (fair and align > 1 and align > share):  # (at align 1 a share under a row: one row)
         raise PlanningError(
             f"align={align} is larger than the smallest block's share ({share:.1f} of {total}); "
             "use a smaller align or per_worker"
@@ -158,6 +161,10 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
     if len(bounds) != len(w) or any(b < 1 for b in bounds):
         raise PlanningError(f"largest must be >= 1, for all or for each of the {len(w)} workers, got {largest!r}")
     bounds = [max(b, align) for b in bounds]
+    smallest = min(total * wi / sum(w) for wi in w)
+    if align > 1 and align > smallest:  # (its one block would be a whole align unit, more than its share)
+        raise PlanningError(f"align={align} is larger than the smallest worker's share ({smallest:.1f} of {total}); "
+                            "use a smaller align")
     units, rest = divmod(total, align)
     # from below (the rounded shares can undercut the real-valued ones), one block more where one is over;
     # the shares as block_sizes makes them, within the caps and one unit each at least (a slow worker's
@@ -166,7 +173,7 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
               else proportional_split(units, w, minimum=1, caps=_unit_caps(caps, align, rest)))
     counts = [max(1, math.floor(s * align / b)) for s, b in zip(shares, bounds)]
     while True:
-        plan = block_sizes(total, w, per_worker=counts, align=align, caps=caps)
+        plan = block_sizes(total, w, per_worker=counts, align=align, caps=caps, fair=False)
         over = [i for i, blocks in enumerate(plan)
                 if max([*blocks[:-1], blocks[-1] - (total % align if i == len(plan) - 1 else 0)]) > bounds[i]]
         if not over:
