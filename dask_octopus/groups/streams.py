@@ -464,9 +464,10 @@ class HeldError:
 
 
 def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback | None) -> HeldError:
-    """A :class:`HeldError` as it arrives (:meth:`HeldError.__reduce__`)."""
-    held = cls(error)
-    held.traceback = traceback
+    """A :class:`HeldError` as it arrives (:meth:`HeldError.__reduce__`): ``error`` came through pickle,
+    so it has no frames and travels as it is again."""
+    held = cls.__new__(cls)
+    held.error, held.traceback, held._sent = error, traceback, error
     return held
 
 

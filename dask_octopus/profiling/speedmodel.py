@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from dask_octopus._checks import check_finite
+from dask_octopus._checks import check_finite, is_finite
 
 RESOURCES = ("compute", "memory")
 
@@ -137,14 +137,17 @@ class SpeedModel:
         """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
         check_finite(seconds, "task duration")
         check_finite(units, "task work units")
-        rate = check_finite(units / seconds, f"task rate ({units!r} units in {seconds!r} s)")
+        rate = units / seconds
+        if not is_finite(rate, positive=True):  # (the message is made only then: this runs for every task)
+            check_finite(rate, f"task rate ({units!r} units in {seconds!r} s)")
         self.clock += 1
         if prefix in self.last_seen:
             self.last_seen.move_to_end(prefix)
         elif len(self.last_seen) >= self.max_prefixes:
             del self.rates[self.last_seen.popitem(last=False)[0]]
         self.last_seen[prefix] = self.clock
-        current = self.rates[prefix].setdefault(worker, _Rate())
+        per_worker = self.rates[prefix]
+        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate())
         current.add(math.log(rate), seconds, self.alpha, self.confidence_samples)
 
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
