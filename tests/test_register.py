@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import time
 import warnings
 
 import pytest
@@ -575,6 +576,28 @@ async def test_a_failing_weight_sample_stops_the_history_not_the_watch_for_unreg
         await c.unregister_scheduler_plugin("octopus")
         await async_poll_for(lambda: "octopus_speeds" not in s.handlers, 5)  # still noticed
     assert log.getvalue().count("weight history stops") == 1
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_weights_that_take_long_to_work_out_are_sampled_less_often(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    sampler = plugin(s)
+    asked = []
+
+    def slow_speeds(resource):  # as 64 workers x 1000 prefixes take: 0.05 s each
+        asked.append(resource)
+        time.sleep(0.05)
+        return dict.fromkeys(s.workers, 0.5)
+
+    sampler.speeds, sampler._resample_at = slow_speeds, 0.0
+    for _ in range(5):  # the work goes on: new timings every second
+        sampler.model.clock += 1
+        sampler._sample_weights()
+    assert asked == ["compute", "memory"]  # then not again for 100x the 0.1 s (2% of the scheduler's time)
+    sampler._resample_at = 0.0
+    sampler.model.clock += 1
+    sampler._sample_weights()
+    assert asked == ["compute", "memory"] * 2
 
 
 @gen_cluster(client=True, config=FAST)

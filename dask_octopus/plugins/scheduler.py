@@ -69,6 +69,9 @@ def _guarded(func: F) -> F:
 
 RESULT_SIZES = 8  #: map tasks per task prefix whose bytes of result per byte of items are kept
 HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the dashboard's history
+#: the share of the scheduler's time that working out the weights for the history may take: where it takes
+#: longer (64 workers that ran 1000 task prefixes each: 0.1 s), they are worked out less often than every sample
+HISTORY_SHARE = 0.02
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
@@ -172,6 +175,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.history_failed = False
         self._sampled_state: tuple | None = None  # what the last sample's weights were worked out from
         self._sampled: dict[str, tuple[float, float]] = {}
+        self._resample_at = 0.0  # (time.monotonic()) not before, to stay within HISTORY_SHARE
         self.scheduler = None
         self._log_filter: scheduler_groups.RegroupedRunSpecs | None = None
 
@@ -309,8 +313,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._sampler = None
 
     def _sample_weights(self) -> None:
-        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds), and once
-        the plugin is no longer registered, retire it and let its pinned tasks run anywhere."""
+        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds, worked out
+        again no more often than :data:`HISTORY_SHARE` allows), and once the plugin is no longer registered,
+        retire it and let its pinned tasks run anywhere."""
         if not self.registered():
             self._retire()
             self.placement.loosen(self.scheduler, "octopus-unregistered")
@@ -321,10 +326,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if self.scheduler.workers:
                 state = (self.model.clock, sorted(self.scheduler.workers),
                          sorted((w, sorted(p.items())) for w, p in self.model.priors.items()))
-                if state != self._sampled_state:  # (an idle cluster's weights are not worked out again)
-                    self._sampled_state = state
+                # (an idle cluster's weights are not worked out again)
+                if state != self._sampled_state and time.monotonic() >= self._resample_at:
+                    start = time.monotonic()
                     compute, memory = self.speeds("compute"), self.speeds("memory")
-                    self._sampled = {w: (compute[w], memory[w]) for w in compute}
+                    self._sampled_state, self._sampled = state, {w: (compute[w], memory[w]) for w in compute}
+                    self._resample_at = start + (time.monotonic() - start) / HISTORY_SHARE
                 self.history.add(time.time(), self._sampled)
         except Exception:
             self.history_failed = True
