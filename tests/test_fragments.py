@@ -99,6 +99,29 @@ async def test_a_worker_s_threads_each_run_a_fragment(c, s, a, blocks):
     assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 2
 
 
+class Ran(SchedulerPlugin):
+    """The task prefix and worker of each task that finished."""
+
+    def __init__(self):
+        self.ran = []
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if start == "processing" and finish == "memory":
+            self.ran.append((key_split(key), kwargs.get("worker")))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, config={"num_workers": 1})
+async def test_without_the_plugin_the_scheduler_makes_a_fragment_per_thread_of_its_cluster(c, s, a, b, w, blocks):
+    ran = Ran()
+    s.add_plugin(ran)
+    with dask_octopus.annotate():  # not registered: the optimizer makes the fragments on the scheduler
+        y = (blocks + 0).map_blocks(chain)
+    assert await c.compute(y.sum()) == pytest.approx(float(chain(blocks.compute(scheduler="sync")).sum()), rel=1e-12)
+    fragments = [worker for prefix, worker in ran.ran if prefix == FRAGMENT_PREFIX]
+    assert len(fragments) == 3  # the cluster's threads, not the scheduler's cores (num_workers of a local scheduler)
+    assert set(fragments) == {a.address, b.address, w.address}
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_failing_member_fails_only_its_own_outputs(c, s, a, blocks):
     rec = await setup(c, s, [1.0])

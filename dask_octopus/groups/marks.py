@@ -42,7 +42,13 @@ from dask_octopus.groups import blocksizes
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
 from dask_octopus.groups.rewrite import dependents_of, fragment_graph, inner_keys, picks_a_result, replaced_keys
-from dask_octopus.groups.scheduler import annotated_retries, annotation_labels, fragment_here, grouping_here
+from dask_octopus.groups.scheduler import (
+    annotated_retries,
+    annotation_labels,
+    cluster_threads,
+    fragment_here,
+    grouping_here,
+)
 
 
 class GroupingOptimizer:
@@ -86,7 +92,8 @@ class GroupingOptimizer:
             # form the same way each time the same work comes again, so they can be replayed
             marks = {k: {**m, "order": i} for i, (k, m) in enumerate(marks.items())}
         else:
-            threads = dask.config.get("num_workers", None) or CPU_COUNT
+            # a fragment per thread of the cluster (on its scheduler, without the plugin), else of the local scheduler
+            threads = cluster_threads() or dask.config.get("num_workers", None) or CPU_COUNT
             graph = fragment_graph(graph, marks, keep, dependents, {}, {None: threads},
                                    retries=annotated_retries(annotations), labels=annotation_labels(annotations))
             # Marked tasks not grouped now (outputs here) keep their marks: Dask optimizes a collection

@@ -104,6 +104,15 @@ def grouping_here() -> bool:
     return bool(running) and running <= ours
 
 
+def cluster_threads() -> int | None:
+    """The threads of the workers of this process's only scheduler, when called in the thread where
+    it optimizes the graphs it gets (they run there); ``None`` elsewhere, or without workers."""
+    schedulers = running_schedulers() or []
+    if len(schedulers) != 1 or not in_offload_thread():
+        return None
+    return sum(ws.nthreads for ws in list(schedulers[0].workers.values())) or None
+
+
 def _inputs(ts: TaskState) -> list[TaskState]:
     """The tasks whose results ``ts`` reads, looking through aliases (dask-expr reads a persisted
     collection through one alias task per partition)."""
