@@ -92,3 +92,10 @@ def get(key: str, override: Any = None) -> Any:
     with contextlib.suppress(TypeError):
         _checked.add((key, type(value), value))
     return value
+
+
+def check_all() -> None:
+    """Check every ``octopus`` setting now (each is checked again only when its value changes): raises
+    ``ValueError`` naming the first key whose value is not what the key takes."""
+    for key in CHECKS:
+        get(key)

@@ -1,6 +1,7 @@
 """dask_octopus.annotate: grouped results equal ungrouped ones, with fewer tasks, fusion on; faults; bad input."""
 
 import asyncio
+import warnings
 
 import dask
 import dask.array as da
@@ -212,6 +213,25 @@ async def test_a_group_larger_than_any_graph_caps_nothing(c, s, a, b, registered
         futures = await asyncio.get_running_loop().run_in_executor(
             None, lambda: dask_octopus.map(f, [1.0, 2.0], group=10**30, client=c))
         assert await c.gather(futures) == [f(1.0), f(2.0)]
+
+
+def test_annotate_keeps_a_choice_of_no_array_optimization(x):
+    y = (x + 1) * 2
+    with dask.config.set(array_optimize=False):  # Dask's way to say: do not optimize array graphs
+        plain = len(dask.optimize(y)[0].__dask_graph__())
+        with dask_octopus.annotate():
+            z = y.map_blocks(f)
+        assert len(dask.optimize(y)[0].__dask_graph__()) == plain  # not fused by Dask's optimizer since
+        assert z.compute(scheduler="sync").tolist() == f((x + 1) * 2).compute(scheduler="sync").tolist()
+    assert plain > len(dask.optimize(y)[0].__dask_graph__())  # (fused where optimizing)
+
+
+def test_annotate_leaves_the_warning_filters_set_inside_it_alone():
+    with warnings.catch_warnings():
+        with dask_octopus.annotate():
+            warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises(DeprecationWarning):
+            warnings.warn("still an error", DeprecationWarning, stacklevel=1)
 
 
 def test_unannotated_graphs_pass_through_unchanged(x):

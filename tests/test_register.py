@@ -609,6 +609,19 @@ async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
     assert set(await dask_octopus.profiles(c)) == {a.address, b.address}  # still answers
 
 
+def test_register_and_annotate_check_every_setting_when_called():
+    """A setting read later elsewhere (fragments.max-bytes: on the scheduler, where a dataframe's
+    fragments are made, which logged the error and made none) fails the call that sets the work up."""
+    import dask
+
+    with dask.config.set({"octopus.fragments.max-bytes": "lots"}):
+        with pytest.raises(ValueError, match=r"octopus\.fragments\.max-bytes must be auto or a size"):
+            OctopusSchedulerPlugin(calibrate=False)  # what register and the --preload make
+        with pytest.raises(ValueError, match=r"octopus\.fragments\.max-bytes must be auto or a size"), \
+                dask_octopus.annotate():
+            pass
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("balance.memory-fraction", "half", r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 'half'"),
     ("balance.memory-fraction", 2, r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 2"),

@@ -37,6 +37,7 @@ from dask.system import CPU_COUNT
 from dask.typing import Key
 from dask.utils import ensure_dict
 
+from dask_octopus import config
 from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, resolve_aliases
 from dask_octopus.groups import blocksizes
 from dask_octopus.groups.collector import collector_paused
@@ -197,14 +198,18 @@ def inner_marks(graph: Mapping[Key, Any], specs: Mapping[Key, Mapping[str, Any]]
 
 
 def install() -> None:
-    """Wrap the array and delayed optimizers (idempotent; keeps an optimizer the user set)."""
+    """Wrap the array and delayed optimizers (idempotent; keeps an optimizer the user set, and for arrays
+    the choice of none: ``array_optimize`` set to ``False``)."""
     from dask.array.optimization import optimize as array_optimize
+    from dask.base import dont_optimize
     from dask.delayed import optimize as delayed_optimize
 
-    for key, default in (("array_optimize", array_optimize), ("delayed_optimize", delayed_optimize)):
-        current = dask.config.get(key, None)
-        if not isinstance(current, GroupingOptimizer):
-            dask.config.set({key: GroupingOptimizer(current or default)})
+    for key, default, falsy in (("array_optimize", array_optimize, dont_optimize),
+                                ("delayed_optimize", delayed_optimize, delayed_optimize)):
+        # as Dask reads it (dask.context.GlobalMethod)
+        base = dask.config.config[key] or falsy if key in dask.config.config else default
+        if not isinstance(base, GroupingOptimizer):
+            dask.config.set({key: GroupingOptimizer(base)})
 
 
 @contextmanager
@@ -230,7 +235,8 @@ def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]
     Raises
     ------
     ValueError
-        For an unknown ``resource`` or a ``group`` that is neither ``None`` nor an integer >= 1.
+        For an unknown ``resource``, a ``group`` that is neither ``None`` nor an integer >= 1, or a
+        setting under ``octopus`` in ``dask.config`` that is not what its key takes (naming the key).
 
     Examples
     --------
@@ -239,8 +245,10 @@ def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]
     >>> total = z.sum().compute()  # doctest: +SKIP
     """
     group = check_group_spec(resource, group)
+    config.check_all()
     install()
-    with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}), warnings.catch_warnings():
-        # dask-expr warns that it ignores annotations; the scheduler plugin applies this one
-        warnings.filterwarnings("ignore", r"Dask annotations \{'octopus': \{[^{}]*\}\} detected", UserWarning)
+    # dask-expr warns that it ignores annotations; the scheduler plugin applies this one (a filter for good:
+    # catch_warnings would undo the filters set inside the block, and it is not local to a thread or task)
+    warnings.filterwarnings("ignore", r"Dask annotations \{'octopus': \{[^{}]*\}\} detected", UserWarning)
+    with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}):
         yield

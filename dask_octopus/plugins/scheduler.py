@@ -146,6 +146,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
                  device: str | None = None, *, alpha: float | None = None, confidence_samples: int | None = None,
                  min_duration: str | float | None = None, max_plans: int | None = None):
+        config.check_all()  # (the settings read later too: a bad one fails here, naming its key)
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
         self.model = SpeedModel(alpha=config.get("refine.alpha", alpha),
                                 confidence_samples=config.get("refine.confidence-samples", confidence_samples),
