@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import threading
 import time
 import warnings
 
@@ -607,6 +608,29 @@ async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
         await c.scheduler.octopus_report(worker=a.address, profile=None)
     assert "not a mapping" in log.getvalue()
     assert set(await dask_octopus.profiles(c)) == {a.address, b.address}  # still answers
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_worker_plugin_replaced_while_calibrating_reports_nothing_and_keeps_nothing(c, s, a, monkeypatch):
+    from dask_octopus.plugins import worker as worker_plugin
+
+    await dask_octopus.register(c, calibrate=False)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_probes(seconds, device):
+        started.set()
+        release.wait(10)
+        return {"compute": 1e9, "memory": 1e9, "device": "cpu"}
+
+    monkeypatch.setattr(worker_plugin, "run_probes", slow_probes)
+    old, new = worker_plugin.OctopusWorkerPlugin(calibrate=True), worker_plugin.OctopusWorkerPlugin(calibrate=False)
+    calibrating = asyncio.ensure_future(a.plugin_add(old, name=old.name))
+    await async_poll_for(started.is_set, 5)
+    await a.plugin_add(new, name=new.name)  # tears the old one down (a register with other options does)
+    release.set()
+    await calibrating
+    assert old.meter is None and old.timer is None  # (a meter nothing would close)
+    assert plugin(s).profiles[a.address]["calibrated"] is False  # the new plugin's report stays
 
 
 def test_register_and_annotate_check_every_setting_when_called():

@@ -65,6 +65,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self.meter = None
         self.worker = None
         self.profile = {}
+        self._torn_down = False
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
@@ -83,6 +84,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
             except Exception as e:  # reported to the scheduler; the worker keeps working
                 logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
                 profile = {"device": device, "error": f"{type(e).__name__}: {e}"}
+            if self._torn_down:  # replaced while calibrating (a new register): the new plugin reports
+                return
         gpu = device == "gpu" and gpu_available()  # (device="gpu" forced where CuPy is missing: neither)
         if gpu and worker.state.nthreads == 1:
             self.timer = GpuTaskTimer(worker)
@@ -125,6 +128,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         wrapped.data = pickle.dumps(exc)
 
     def teardown(self, worker: Worker) -> None:
+        self._torn_down = True
         if self.timer is not None:
             self.timer.stop()
             self.timer = None
