@@ -479,6 +479,23 @@ async def test_out_of_memory_on_a_planned_block_names_worker_size_and_remedy(c, 
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_out_of_memory_in_a_fragment_names_the_step_and_the_fragment_remedy(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    data = da.arange(128_000.0, chunks=64_000).reshape(1000, 128)
+    x = c.persist(await run_balance(c, data, per_worker=4))
+    await wait(x)
+    with dask_octopus.annotate():
+        y = x.map_blocks(run_out_of_memory, dtype=float)
+    with pytest.raises(MemoryError) as info:
+        await c.compute(y.sum())  # the step failed in its fragment; the task that read it raised it
+    notes = getattr(info.value, "__notes__", [])
+    assert notes[0].startswith("dask_octopus: raised by task ('sum-") and "of a fragment" in notes[0], notes  # fused
+    assert ("the task named above ran out of memory in a fragment" in notes[1]
+            and "octopus.fragments.max-bytes (now auto)" in notes[1] and "per_worker=2" in notes[1]), notes
+    assert not any("whose inputs hold" in n for n in notes), notes  # (the reader's, not the step's)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_dataframe_cuts_move_to_value_boundaries_and_keep_divisions(c, s, a, b):
     await setup(c, s, [3.0, 1.0])
     pdf = pd.DataFrame({"a": np.arange(5000), "b": np.arange(5000) * 0.5}, index=np.repeat(np.arange(50), 100))

@@ -580,6 +580,9 @@ def _step(name: Any, spec: Any, reads: Sequence[int], values: dict[int, Any], re
                             task.check if task is not None else None)
 
 
+RAISED_BY = "dask_octopus: raised by task "  #: the note on the error of a step of a fragment, naming its task
+
+
 def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int, key: Any, where: str,
                      check: Callable[[], None] | None) -> Any:
     """``func(*args)`` (:func:`attempt`), or a :class:`StepFailed` holding its exception, noted as
@@ -587,7 +590,7 @@ def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int
     ok, value = attempt(func, args, retries, key, check)
     if ok:
         return value
-    return StepFailed(value, f"dask_octopus: raised by task {key!r}{where}"
+    return StepFailed(value, f"{RAISED_BY}{key!r}{where}"
                              + (f" (and on {retries} retries)" if retries else ""))
 
 

@@ -11,7 +11,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
 from dask_octopus import config
-from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY, StreamRuntime
+from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY, RAISED_BY, StreamRuntime
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.profiling.gpu_timing import GpuTaskTimer
 from dask_octopus.profiling.probes import gpu_available, probed_device, run_probes
@@ -118,13 +118,19 @@ class OctopusWorkerPlugin(WorkerPlugin):
             return
         if not (isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__):
             return
-        nbytes = sum(d.nbytes or 0 for d in ts.dependencies)
         fraction = config.get("balance.memory-fraction")
-        exc.add_note(
-            f"dask_octopus: worker {self.worker.address} ran out of memory on task {key!r}, whose inputs "
-            f"hold {nbytes / 2**20:.1f} MiB. If dask_octopus.balance planned this block, make blocks "
-            f"smaller with per_worker=2 or more, or lower octopus.balance.memory-fraction (now {fraction})."
-        )
+        advice = (f"make blocks smaller with per_worker=2 or more, or lower octopus.balance.memory-fraction "
+                  f"(now {fraction})")
+        if any(note.startswith(RAISED_BY) for note in getattr(exc, "__notes__", ())):
+            # a step of a fragment ran out, maybe on another worker: this task only read its error
+            exc.add_note(f"dask_octopus: the task named above ran out of memory in a fragment. Lower "
+                         f"octopus.fragments.max-bytes (now {config.get('fragments.max-bytes')}) for smaller "
+                         f"fragments; if dask_octopus.balance planned its block, {advice}.")
+        else:
+            nbytes = sum(d.nbytes or 0 for d in ts.dependencies)
+            exc.add_note(f"dask_octopus: worker {self.worker.address} ran out of memory on task {key!r}, whose "
+                         f"inputs hold {nbytes / 2**20:.1f} MiB. If dask_octopus.balance planned this block, "
+                         f"{advice}.")
         wrapped.data = pickle.dumps(exc)
 
     def teardown(self, worker: Worker) -> None:
