@@ -94,6 +94,9 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         Client.
     RuntimeError
         When ``client`` is closed.
+    ValueError
+        For a ``calibration_seconds`` or ``device`` that the setting of the same name does not take,
+        or a setting under ``octopus`` in ``dask.config`` that is not what its key takes (naming the key).
 
     Examples
     --------
