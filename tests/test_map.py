@@ -12,6 +12,7 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, Nanny, wait
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import setup
@@ -122,6 +123,31 @@ async def test_workers_explore_large_and_small_items_apart_until_their_item_seco
     fits = await c.scheduler.octopus_workers(prefix="sleep_cost-octopus-map")  # its own, despite the _
     # each item sleeps cost * 2 ms: the fitted part per cost unit is about 2 ms on both workers
     assert all(fit is not None and 0.0012 < fit[1] < 0.004 for _, _, fit, *_ in fits.values()), (fits, points)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config=NO_STEALING)
+async def test_exploring_workers_keep_all_their_threads_busy(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    costs = [1, 2, 3, 4, 10, 20, 30, 40] * 2
+    futs = await call(c, sleep_cost, costs, cost=costs, group=8, unit=0.0001)
+    assert await c.gather(futs) == costs
+    _, plan = plan_of(s)
+    for w in s.workers:  # no fit yet: its larger and its smaller items apart, each half over two threads
+        assert len([n for worker, n in zip(plan.workers, plan.counts) if worker == w]) == 4, plan
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60,
+             config={"distributed.worker.memory.pause": False})  # the worker's memory monitor would unpause it
+async def test_a_paused_worker_gets_no_items_not_even_scattered_ones(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    b.status = Status.paused  # its memory is full: Dask sends it no task, and its scatter refuses it
+    await async_poll_for(lambda: s.workers[b.address].status == Status.paused, timeout=5)
+    items = [np.full(2**15, float(i)) for i in range(16)]  # 4 MiB in all: scattered to their planned workers
+    start = time.monotonic()
+    assert await call(c, np.sum, items, gather=True) == [x.sum() for x in items]
+    assert time.monotonic() - start < 20  # (was: "No valid workers found" after 30 s)
+    _, plan = plan_of(s)
+    assert set(plan.workers) == {a.address}
 
 
 def slow_identity(x, delay):

@@ -209,18 +209,18 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
 def _batches(costs: list[float], packing: Packing, threads: list[int], batched: bool, explore: list[bool],
              steal: float, scale: float | None, held: list[float],
              budgets: Sequence[float | None]) -> list[tuple[int, list[int], bool]]:
-    """``(worker index, item indices, stealable)`` of each task, the tasks each worker runs first
-    before the stealable ones. Not ``batched``: one task per item. ``batched``: one per thread of
-    the worker, its items split between its threads by cost; largest items first. A worker with
-    ``explore`` set (no per-item seconds fitted yet) runs its larger and its smaller items as two
-    tasks when their mean costs differ enough, so that its timings tell the fixed part of an item
-    from the part proportional to its cost. The last items of each list, a ``steal`` fraction of
-    its cost at most, are split off as :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`), unless
-    each would be predicted (``scale``: seconds per unit of the packing's finish times) to take less
-    than ``octopus.map.steal-min-seconds``: too short to pay for its own task. Not ``batched``, the
-    tail's items are stealable whatever their length (they are tasks anyway). ``batched``, each part
-    is cut further so that one task holds at most its worker's ``budgets`` bytes (:func:`split_by_bytes`),
-    ``held`` per item (its bytes and its result's): the task holds them all until it ends."""
+    """``(worker index, item indices, stealable)`` of each task, the tasks each worker runs first before the
+    stealable ones. Not ``batched``: one task per item. ``batched``: one per thread of the worker, its items
+    split between its threads by cost; largest items first. A worker with ``explore`` set (no per-item seconds
+    fitted yet) runs its larger and its smaller items apart, each split between half its threads, when their
+    mean costs differ enough, so that its timings tell the fixed part of an item from the part proportional to
+    its cost. The last items of each list, a ``steal`` fraction of its cost at most, are split off as
+    :data:`TAIL_TASKS` stealable tasks (:func:`split_tail`), unless each would be predicted (``scale``: seconds
+    per unit of the packing's finish times) to take less than ``octopus.map.steal-min-seconds``: too short to
+    pay for its own task. Not ``batched``, the tail's items are stealable whatever their length (they are tasks
+    anyway). ``batched``, each part is cut further so that one task holds at most its worker's ``budgets`` bytes
+    (:func:`split_by_bytes`), ``held`` per item (its bytes and its result's): the task holds them all until it
+    ends."""
     out = []
     floor = parse_timedelta(config.get("map.steal-min-seconds"))
     for j, n in enumerate(threads):
@@ -229,10 +229,10 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
         if not batched or not mine:
             lists = [mine]
         elif explore[j] and large and _mean(costs, small) > 0 and _mean(costs, large) >= SPREAD * _mean(costs, small):
-            lists = [large, small]
+            # (half the threads each, all of them busy)
+            lists = [*_spread(large, costs, max(1, n // 2)), *_spread(small, costs, max(1, n - n // 2))]
         else:
-            split = pack([costs[i] for i in mine], [1.0] * max(1, n)).assignment
-            lists = [idx for t in range(max(1, n)) if (idx := [i for i, x in zip(mine, split) if x == t])]
+            lists = _spread(mine, costs, n)
         # one task per item: stealable tasks cost nothing more. Batches: the lists run side by side on the
         # worker's threads, each for about the worker's finish time, and the tail adds TAIL_TASKS tasks
         worth = not batched or scale is None or steal * packing.finish[j] * scale / TAIL_TASKS >= floor
@@ -245,6 +245,12 @@ def _batches(costs: list[float], packing: Packing, threads: list[int], batched: 
                 else:
                     out += [(j, [i], stealable) for i in idx[start:stop]]
     return sorted(out, key=lambda batch: batch[2])  # stable: every worker's own tasks first
+
+
+def _spread(idx: list[int], costs: list[float], threads: int) -> list[list[int]]:
+    """The items ``idx`` split between ``threads`` (at least one) by cost, the empty lists left out."""
+    split = pack([costs[i] for i in idx], [1.0] * max(1, threads)).assignment
+    return [part for t in range(max(1, threads)) if (part := [i for i, x in zip(idx, split) if x == t])]
 
 
 def _item_bytes(client: Client, items: list[Any], wait: bool) -> list[float]:

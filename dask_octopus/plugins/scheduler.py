@@ -385,7 +385,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return self.model.weights(self.scheduler.workers, resource, prefix)
 
     def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
-        """Per live worker: its weight, as :meth:`speeds` gives it, its number of threads, the
+        """Per live worker that takes tasks (not paused nor retiring, unless all are): its weight, as
+        :meth:`speeds` gives it, its number of threads, the
         ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
         (:mod:`dask_octopus.profiling.itemcosts`), the units per second observed of ``prefix``, the
         bytes one of its tasks may hold (:func:`~dask_octopus.groups.scheduler.thread_budget`), and the
@@ -396,7 +397,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         sizes = self.result_sizes.get(prefix) if prefix is not None else None
         result_size = max(sizes) if sizes else None
         out = {}
-        for addr, ws in self.scheduler.workers.items():
+        # (Dask sends a held worker no task, and its scatter refuses it: items planned there would wait)
+        running = {a: ws for a, ws in self.scheduler.workers.items() if ws.status not in HELD}
+        for addr, ws in (running or self.scheduler.workers).items():
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
             out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
