@@ -3,6 +3,7 @@ a worker lost mid-map, and stealing of a slowed worker's tail (the pure split of
 tests/test_packing.py)."""
 
 import asyncio
+import os
 import threading
 import time
 import traceback
@@ -10,7 +11,7 @@ import traceback
 import dask
 import numpy as np
 import pytest
-from distributed import Client, Event, LocalCluster, Nanny, get_worker, wait
+from distributed import Client, Event, KilledWorker, LocalCluster, Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster
 from test_balance import setup
@@ -151,6 +152,30 @@ async def test_a_worker_lost_mid_map_loses_no_gathered_result(c, s, a, b):
     await async_poll_for(lambda: len(started_on_a()) >= 2, timeout=30)  # a is into its items
     await a.kill()
     assert await gathered == list(range(16))
+
+
+def ends_its_process_on_seven(x):
+    if x == 7:
+        os._exit(1)  # as a worker killed for its memory
+    return x
+
+
+@pytest.mark.parametrize("how", ["map", "imap"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
+             config={"distributed.scheduler.allowed-failures": 0, "octopus.map.learn-result-size": False,
+                     # one task at a time on a worker's thread: Dask fails only the item that ran where it died
+                     "distributed.scheduler.worker-saturation": 1.0})
+async def test_an_item_that_kills_its_worker_fails_alone_and_the_others_keep_their_results(c, s, a, b, how):
+    await setup(c, s, [1.0, 1.0])
+    if how == "map":
+        got = await in_thread(dask_octopus.map, ends_its_process_on_seven, range(16), client=c, group=4,
+                              gather=True, errors="skip")
+    else:
+        got = [r for _, r in await in_thread(lambda: list(dask_octopus.imap(ends_its_process_on_seven, range(16),
+                                                                             client=c, group=4, errors="skip")))]
+    assert sorted(got) == [i for i in range(16) if i != 7]  # (was: KilledWorker for the whole call)
+    with pytest.raises(KilledWorker):  # raised as that item's error
+        await in_thread(dask_octopus.map, ends_its_process_on_seven, [5, 7, 9], client=c, group=4, gather=True)
 
 
 def fails_when_computed_again(event):

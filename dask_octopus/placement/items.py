@@ -19,7 +19,7 @@ import dask
 from dask.base import is_dask_collection, tokenize
 from dask.sizeof import sizeof
 from dask.utils import funcname, key_split, parse_timedelta
-from distributed import Client, Future, as_completed
+from distributed import Client, Future, KilledWorker, as_completed
 from distributed.client import FutureCancelledError
 
 from dask_octopus import config
@@ -611,6 +611,7 @@ class _Batches:
         self._scattered: set[int] = set()
         self._failed: set[int] = set()  # futures failed when submitted: ItemErrors in their batches
         self._resent: Counter[int] = Counter()  # times each item was sent again after workers left with it
+        self._alone: set[Any] = set()  # the keys of the tasks of one item each, not pinned (_each_alone)
         self._futures = self._submit(list(range(len(items))))
 
     def take(self) -> list[Future]:
@@ -638,9 +639,13 @@ class _Batches:
         """The batch tasks that now run the items of the batch task ``future`` (with ``result``, its
         result or exception), where the scheduler cancelled it because a worker left with items scattered
         to it (once it ran, or before: the scheduler then refused the whole submission, every batch of it
-        cancelled for "lost dependencies"), or where it failed because an item given as a future failed;
-        ``None`` for any other outcome."""
+        cancelled for "lost dependencies"), or where it failed because an item given as a future failed,
+        or because it killed the workers that ran it (``KilledWorker``: an item that ends its worker's
+        process, out of memory, and the tasks pinned beside it; then each item runs alone, and only that
+        one fails: :meth:`_each_alone`); ``None`` for any other outcome."""
         idx = self.where[future.key]
+        if future.status == "error" and isinstance(result, KilledWorker) and future.key not in self._alone:
+            return self._each_alone(self._forget(future))
         if future.status == "error":  # again where an item failed since it was submitted (then it fails alone)
             if not any(i not in self._failed and i in self._sent and self._sent[i].status == "error" for i in idx):
                 return None
@@ -652,7 +657,25 @@ class _Batches:
             return None
         return self._submit(self._forget(future))
 
+    def _each_alone(self, indices: list[int]) -> list[Future]:
+        """Each item of ``indices`` in a task of its own, not pinned: Dask places them, and queues them
+        on its workers, as ``client.map``'s, so that an item that kills the workers running it fails
+        alone (``KilledWorker``), not the items of the tasks pinned beside it."""
+        client, func, group, resource, to_host, kwargs = self._submit_args
+        futures = []
+        for i in indices:
+            item = self._items[i]
+            future = client.submit(run_batch, func, [item], kwargs, resource, group, to_host,
+                                   key=f"{funcname(func)}-octopus-alone-{uuid.uuid4().hex}")
+            if isinstance(item, Future):
+                self._sent[i] = item
+            self.where[future.key] = [i]
+            self._alone.add(future.key)
+            futures.append(future)
+        return futures
+
     def _forget(self, future: Future) -> list[int]:
+        self._alone.discard(future.key)
         idx = self.where.pop(future.key)
         for i in idx:
             self._sent.pop(i, None)
@@ -669,7 +692,8 @@ class _Batches:
 
 def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     """``(index, result or ItemError)`` of ``run``'s items as its batch tasks finish, those that ended for
-    want of an item submitted again (:meth:`_Batches.again`); a batch task that failed raises its error.
+    want of an item submitted again (:meth:`_Batches.again`); a batch task that failed raises its error,
+    but for the one of an item alone that killed the workers that ran it: its ``KilledWorker`` is its ItemError.
     Each batch's results are read when the caller gets to them, one batch at a time, as a loop over
     ``as_completed`` reading ``future.result()`` does: read as soon as they finish (``with_results``),
     several batches' results were sent at once, and a worker holding them spilled (96 results of 32
@@ -684,6 +708,11 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             again = run.again(future, result)
             if again is not None:
                 done.update(again)
+                continue
+            if future.status != "finished" and isinstance(result, KilledWorker):  # an item alone killed them
+                pairs = zip(run.finish(future), [ItemError(result)])
+                del future
+                yield from pairs
                 continue
             if future.status != "finished":
                 future.result()  # its exception, with its traceback, as Client.gather raises it
