@@ -90,6 +90,8 @@ class FakeState:
     def __init__(self):
         self.tasks = {}
         self.executing = set()
+        self.long_running = set()  # seceded tasks
+        self.in_flight_tasks = set()  # data arriving from other workers
 
 
 class FakeWorker:
@@ -187,6 +189,32 @@ def test_unmarked_small_failed_and_overlapping_tasks_are_not_reported(workers):
     assert a.events == [(working_set.TOPIC, {"worker": "tcp://a", "samples": [("v", 164 * MiB)]})]
 
 
+def test_tasks_beside_a_seceded_task_or_arriving_data_are_not_reported(workers):
+    """A seceded task (``secede()``, ``worker_client()``) and data arriving for a later task hold memory
+    of the process as a task does: a peak measured beside them is theirs too (a 300 MiB fetch read as
+    a 2 MiB task's working set made the next balance of its input cut blocks 150x smaller)."""
+    (a, ma), (b, mb) = workers
+    b.state.long_running.add(b.task("seceded", marked=False))
+    a.task("x", inputs=(2 * MiB,))
+    a.start(ma, "x")
+    a.finish(ma, "x", 2 * MiB)
+    b.state.long_running.clear()
+    a.state.in_flight_tasks.add(a.task("arriving", marked=False))
+    a.task("y", inputs=(2 * MiB,))
+    a.start(ma, "y")
+    a.finish(ma, "y", 2 * MiB)
+    a.state.in_flight_tasks.clear()
+    a.task("z", inputs=(2 * MiB,))
+    a.start(ma, "z")
+    mb.transition("arriving-on-b", "fetch", "flight")  # data for a task of the other worker of the process
+    a.finish(ma, "z", 2 * MiB)
+    assert a.events == [] and ma.peak.starts == 1  # z started, and was not reported
+    a.task("v", inputs=(2 * MiB,))
+    a.start(ma, "v")
+    a.finish(ma, "v", 2 * MiB)
+    assert a.events == [(working_set.TOPIC, {"worker": "tcp://a", "samples": [("v", 102 * MiB)]})]
+
+
 class FakeCupy(types.ModuleType):
     """The allocator API of CuPy that :class:`CupyPeak` uses, over host ``bytearray``s."""
 
@@ -236,6 +264,18 @@ def test_cupy_peak_counts_the_bytes_held_while_measuring_and_gives_the_allocator
     assert cp.cuda.get_allocator() is pool and CupyPeak.shared() is not peak
     CupyPeak.shared().close()
     del before, d, e
+
+
+def test_a_meter_closed_while_measuring_stops_the_shared_cupy_peak_measuring(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
+    a, b = FakeWorker("tcp://a"), FakeWorker("tcp://b")
+    ma, mb = WorkingSetMeter(a, CupyPeak.shared()), WorkingSetMeter(b, CupyPeak.shared())
+    a.task("x")
+    a.start(ma, "x")
+    assert ma.peak.measuring
+    ma.close()  # its worker closes mid-task; b's keeps the wrapper
+    assert not mb.peak.measuring  # (every allocation of the process was wrapped and counted since)
+    mb.close()
 
 
 def inflate(block):

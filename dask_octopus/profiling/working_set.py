@@ -183,6 +183,13 @@ class _Measurement:
 _meters: weakref.WeakSet[WorkingSetMeter] = weakref.WeakSet()  # the meters of this process's workers
 
 
+def _taint_all() -> None:
+    """Leave the measurements running in this process unreported: their peaks mix with another's."""
+    for meter in list(_meters):
+        if meter.current is not None:
+            meter.current.tainted = True
+
+
 class WorkingSetMeter:
     """Measures the marked tasks of one worker and reports them to the scheduler plugin.
 
@@ -201,10 +208,13 @@ class WorkingSetMeter:
         _meters.add(self)
 
     def transition(self, key: Any, start: str, finish: str) -> None:
-        """Start measuring a marked task that begins executing alone in this process; report it when
-        it finishes in memory without another task having run beside it."""
+        """Start measuring a marked task that begins executing alone in this process (no other task
+        running, seceded or not, nor data arriving); report it when it finishes in memory without
+        another task having run beside it or data having arrived meanwhile."""
         if finish == "executing":
             self._started(key)
+        elif finish == "flight":  # data arriving for a task to come: the peak would count it
+            _taint_all()
         elif start == "executing" and self.current is not None and self.current.key == key:
             m, self.current = self.current, None
             peak = m.inputs + self.peak.extra()
@@ -212,13 +222,14 @@ class WorkingSetMeter:
                 self.worker.log_event(TOPIC, {"worker": self.worker.address, "samples": [(key, peak)]})
 
     def _started(self, key: Any) -> None:
-        for meter in list(_meters):  # another task beside theirs: their peaks would mix
-            if meter.current is not None:
-                meter.current.tainted = True
+        _taint_all()  # another task beside theirs: their peaks would mix
         ts = self.worker.state.tasks.get(key)
         if ts is None or not (ts.annotations or {}).get(MEASURE):
             return
-        alone = all(t is ts for meter in list(_meters) for t in meter.worker.state.executing)
+        meters = list(_meters)
+        alone = (all(t is ts for meter in meters for t in meter.worker.state.executing)
+                 and not any(meter.worker.state.long_running or meter.worker.state.in_flight_tasks
+                             for meter in meters))
         if not alone:
             return
         try:
@@ -230,7 +241,9 @@ class WorkingSetMeter:
 
     def close(self) -> None:
         """Stop measuring (the worker plugin's teardown)."""
-        self.current = None
+        if self.current is not None:  # (a shared CupyPeak that other workers keep would go on measuring)
+            self.current = None
+            self.peak.extra()
         _meters.discard(self)
         if isinstance(self.peak, CupyPeak):
             self.peak.close()
