@@ -415,3 +415,22 @@ async def test_a_scrape_while_the_workers_calibrate_leaves_the_series_to_come(c,
     await registering
     families = {f.name: f for f in exporter.register(serve._exported).collect()}
     assert {sample.labels["worker"] for sample in families["dask_octopus_weight"].samples} == {a.address, b.address}
+
+
+def test_a_scrape_reads_the_plugins_of_its_own_event_loop_only():
+    """Two clusters of one process, each on its own thread's event loop: a scrape of one reads the
+    other's state no more while that loop changes it (a "dictionary changed size during iteration"
+    failed the whole scrape)."""
+    from dask_octopus.dashboard import metrics as exporter
+
+    async def scrape():
+        return {s.labels["worker"] for f in exporter.register(serve._exported).collect()
+                if f.name == "dask_octopus_weight" for s in f.samples}
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as one, Client(one) as a, \
+            LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as other, Client(other) as b:
+        assert a.loop.asyncio_loop is not b.loop.asyncio_loop
+        dask_octopus.register(a, calibrate=False)
+        dask_octopus.register(b, calibrate=False)
+        assert a.sync(scrape) == set(one.scheduler.workers)
+        assert b.sync(scrape) == set(other.scheduler.workers)

@@ -2,7 +2,8 @@
 
 A collector in ``prometheus_client``'s default registry, as distributed registers its own
 (``distributed/http/scheduler/prometheus/core.py``): each scrape reads a
-:func:`~dask_octopus.dashboard.snapshot.take` of every running scheduler plugin of this process and
+:func:`~dask_octopus.dashboard.snapshot.take` of every running scheduler plugin of this process whose
+scheduler runs on the scrape's event loop and
 yields one sample per worker (label ``worker``, its address). Names start with distributed's
 namespace (``distributed.dashboard.prometheus.namespace``, ``dask``) and ``octopus``. Needs
 ``prometheus_client``.
@@ -10,6 +11,7 @@ namespace (``distributed.dashboard.prometheus.namespace``, ``dask``) and ``octop
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -55,7 +57,7 @@ def name(series: str) -> str:
 
 
 class OctopusCollector:
-    """Yields :data:`SERIES` for the plugins in ``plugins`` whose scheduler runs.
+    """Yields :data:`SERIES` for the plugins in ``plugins`` whose scheduler runs on this event loop.
 
     Parameters
     ----------
@@ -81,7 +83,7 @@ class OctopusCollector:
             if not plugin.registered():  # unregistered (which does not close a plugin), or never started
                 self.plugins.remove(plugin)  # for good: its scheduler is not kept alive by this list
                 continue
-            if plugin.scheduler.status != Status.running:
+            if plugin.scheduler.status != Status.running or not _on_its_loop(plugin):
                 continue
             for row in snapshot.take(plugin, plans=0).workers:
                 for series, (_, _, values) in SERIES.items():
@@ -90,6 +92,17 @@ class OctopusCollector:
                         if v is not None:
                             families[series].add_metric([row.address, *extra], v)
         yield from (f for f in families.values() if f.samples)  # no worker, no series
+
+
+def _on_its_loop(plugin: OctopusSchedulerPlugin) -> bool:
+    """Whether this runs on the event loop of ``plugin``'s scheduler, the one thread that may read its
+    state (a scrape of another scheduler of the process, on its own thread's loop, would read it while
+    it changes: "dictionary changed size during iteration" failed the whole scrape)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:  # (not on an event loop: no scheduler's thread)
+        return False
+    return plugin.scheduler.loop.asyncio_loop is running
 
 
 _collector: OctopusCollector | None = None
