@@ -581,19 +581,22 @@ async def test_a_failing_weight_sample_stops_the_history_not_the_watch_for_unreg
 
 @gen_cluster(client=True, config=FAST)
 async def test_weights_that_take_long_to_work_out_are_sampled_less_often(c, s, a, b):
+    from dask_octopus.dashboard import snapshot
+
     await dask_octopus.register(c, calibrate=False)
     sampler = plugin(s)
     asked = []
 
-    def slow_speeds(resource):  # as 64 workers x 1000 prefixes take: 0.05 s each
+    def slow_speeds(resource="compute"):  # as 64 workers x 1000 prefixes take: 0.05 s each
         asked.append(resource)
         time.sleep(0.05)
         return dict.fromkeys(s.workers, 0.5)
 
     sampler.speeds, sampler._resample_at = slow_speeds, 0.0
-    for _ in range(5):  # the work goes on: new timings every second
+    for _ in range(5):  # the work goes on: new timings every second, the page polled, /metrics scraped
         sampler.model.clock += 1
         sampler._sample_weights()
+        assert snapshot.take(sampler).workers[0].weight_compute == 0.5
     assert asked == ["compute", "memory"]  # then not again for 100x the 0.1 s (2% of the scheduler's time)
     sampler._resample_at = 0.0
     sampler.model.clock += 1

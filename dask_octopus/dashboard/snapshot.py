@@ -102,7 +102,7 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
     """
     scheduler = plugin.scheduler
     workers = scheduler.workers
-    weights = {r: plugin.speeds(r) if workers else {} for r in ("compute", "memory")}
+    weights, samples = plugin.current_weights()
     placement = plugin.placement
     tasks = scheduler.tasks
     per_block = Counter(block for key, block in placement.pins.items()
@@ -115,7 +115,6 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
             pinned[w] += n
             active.setdefault(w, set()).add(block[0])
     rows = []
-    samples = plugin.model.samples()
     for addr in sorted(workers):
         ws = workers[addr]
         profile = plugin.profiles.get(addr, {})
@@ -124,7 +123,7 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
         rows.append(WorkerRow(
             address=addr, name=str(ws.name), device=profile.get("device") or "?", model=profile.get("name") or "",
             compute=figures.get("compute"), memory=figures.get("memory"),
-            weight_compute=weights["compute"][addr], weight_memory=weights["memory"][addr],
+            weight_compute=weights[addr][0], weight_memory=weights[addr][1],
             samples=samples.get(addr, 0), pinned=pinned[addr], plans=len(active.get(addr, ())),
             groups=_count(counters.get("groups")), members=_count(counters.get("members")),
             graphs=_count(counters.get("graphs")), replays=_count(counters.get("replays")),

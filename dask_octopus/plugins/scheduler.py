@@ -69,8 +69,8 @@ def _guarded(func: F) -> F:
 
 RESULT_SIZES = 8  #: map tasks per task prefix whose bytes of result per byte of items are kept
 HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the dashboard's history
-#: the share of the scheduler's time that working out the weights for the history may take: where it takes
-#: longer (64 workers that ran 1000 task prefixes each: 0.1 s), they are worked out less often than every sample
+#: the share of the scheduler's time that working out the weights for the dashboard may take: where it takes
+#: longer (64 workers that ran 1000 task prefixes each: 0.1 s), they are worked out less often than asked
 HISTORY_SHARE = 0.02
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
@@ -174,8 +174,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._sampler: PeriodicCallback | None = None
         self._handlers: dict[str, Callable[..., Any]] = {}
         self.history_failed = False
-        self._sampled_state: tuple | None = None  # what the last sample's weights were worked out from
-        self._sampled: dict[str, tuple[float, float]] = {}
+        self._sampled_for: tuple | None = None  # the workers and calibrations of the last working-out
+        self._sampled_clock = -1  # and the speed model's clock then
+        self._sampled: tuple[dict[str, tuple[float, float]], dict[str, int]] = ({}, {})
         self._resample_at = 0.0  # (time.monotonic()) not before, to stay within HISTORY_SHARE
         self.scheduler = None
         self._log_filter: scheduler_groups.RegroupedRunSpecs | None = None
@@ -314,9 +315,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._sampler = None
 
     def _sample_weights(self) -> None:
-        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds, worked out
-        again no more often than :data:`HISTORY_SHARE` allows), and once the plugin is no longer registered,
-        retire it and let its pinned tasks run anywhere."""
+        """Add the current weights to :attr:`history` (every :data:`HISTORY_INTERVAL` seconds, as
+        :meth:`current_weights` has them), and once the plugin is no longer registered, retire it and
+        let its pinned tasks run anywhere."""
         if not self.registered():
             self._retire()
             self.placement.loosen(self.scheduler, "octopus-unregistered")
@@ -325,18 +326,29 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             return
         try:
             if self.scheduler.workers:
-                state = (self.model.clock, sorted(self.scheduler.workers),
-                         sorted((w, sorted(p.items())) for w, p in self.model.priors.items()))
-                # (an idle cluster's weights are not worked out again)
-                if state != self._sampled_state and time.monotonic() >= self._resample_at:
-                    start = time.monotonic()
-                    compute, memory = self.speeds("compute"), self.speeds("memory")
-                    self._sampled_state, self._sampled = state, {w: (compute[w], memory[w]) for w in compute}
-                    self._resample_at = start + (time.monotonic() - start) / HISTORY_SHARE
-                self.history.add(time.time(), self._sampled)
+                self.history.add(time.time(), self.current_weights()[0])
         except Exception:
             self.history_failed = True
             logger.exception("dask_octopus: sampling the weights failed; the dashboard's weight history stops")
+
+    def current_weights(self) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
+        """The live workers' ``(compute, memory)`` weights and their task timings that count, for the
+        dashboard (its history, page and Prometheus series): worked out again when the workers or their
+        calibrations changed, and when new timings came in, these no more often than
+        :data:`HISTORY_SHARE` of the scheduler's time allows (an idle cluster's are not worked out
+        again)."""
+        workers = sorted(self.scheduler.workers)
+        if not workers:
+            return {}, {}
+        cluster = (workers, sorted((w, sorted(p.items())) for w, p in self.model.priors.items()))
+        if cluster != self._sampled_for or (self.model.clock != self._sampled_clock
+                                            and time.monotonic() >= self._resample_at):
+            start = time.monotonic()
+            compute, memory = self.speeds("compute"), self.speeds("memory")
+            self._sampled = {w: (compute[w], memory[w]) for w in compute}, self.model.samples()
+            self._sampled_for, self._sampled_clock = cluster, self.model.clock
+            self._resample_at = start + (time.monotonic() - start) / HISTORY_SHARE
+        return self._sampled
 
     # -- RPC handlers -------------------------------------------------------------------------
 
