@@ -273,6 +273,12 @@ def test_weight_history_keeps_changes_only_and_is_bounded():
     assert h.add(4.0, {"a": (0.6, 0.5)})  # a worker left
     assert h.add(5.0, {"a": (0.6, 0.5), "c": (0.4, 0.5)})  # another joined
     assert [t for t, _ in h.points] == [3.0, 4.0, 5.0]
+    wide = WeightHistory(max_weights=5)  # (each page poll sends them all)
+    for t in range(4):
+        wide.add(float(t), {"a": (t / 10, 0.5), "b": (1 - t / 10, 0.5)})
+    assert [t for t, _ in wide.points] == [2.0, 3.0]
+    wide.add(4.0, {w: (1 / 6, 1 / 6) for w in "abcdef"})
+    assert [t for t, _ in wide.points] == [4.0]  # the newest alone, whatever its size
 
 
 def test_plan_record_predicts_and_keeps_the_latest_complete_run():
