@@ -40,12 +40,26 @@ class WhereRan(SchedulerPlugin):
         self.restricted |= {k for k in tasks if scheduler.tasks[k].worker_restrictions}
 
 
+def record_plans(placement):
+    """Keep every plan ``placement`` is given, in order, as ``placement.made`` (``(name, plan)``): a
+    ``map`` plan goes from ``placement.plans`` once Dask forgot its tasks."""
+    placement.made = []
+    add = placement.add_plan
+
+    def add_plan(name, *args, **kwargs):
+        add(name, *args, **kwargs)
+        placement.made.append((name, placement.plans[name]))
+
+    placement.add_plan = add_plan
+
+
 async def setup(c, s, speeds):
     """Register without calibration or refinement and give the workers fixed, known speeds."""
     with dask.config.set({"octopus.refine.min-duration": "1h"}):  # no task is long enough to refine
         await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
     for w, v in zip(sorted(s.workers), speeds):
         s.plugins["octopus"].model.set_prior(w, {"compute": v, "memory": v})
+    record_plans(s.plugins["octopus"].placement)
     rec = WhereRan()
     s.add_plugin(rec)
     return rec

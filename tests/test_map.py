@@ -41,8 +41,8 @@ def call(c, *args, **kwargs):
 
 
 def plan_of(s):
-    (name, plan), = [(n, p) for n, p in s.plugins["octopus"].placement.plans.items() if "-octopus-map-" in n]
-    return name, plan
+    """The name and plan of the latest ``map`` (recorded by ``setup``: it goes with its tasks)."""
+    return [(n, p) for n, p in s.plugins["octopus"].placement.made if "-octopus-map-" in n][-1]
 
 
 NO_STEALING = {"octopus.map.steal-fraction": 0}  # for tests of the plan's shape: no stealable tails
@@ -148,6 +148,17 @@ async def test_a_paused_worker_gets_no_items_not_even_scattered_ones(c, s, a, b)
     assert time.monotonic() - start < 20  # (was: "No valid workers found" after 30 s)
     _, plan = plan_of(s)
     assert set(plan.workers) == {a.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_map_plan_goes_with_its_tasks(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    futs = await call(c, np.sum, [np.ones(n) for n in range(1, 40)], group=4)
+    assert await c.gather(futs) == [float(n) for n in range(1, 40)]
+    name, _ = plan_of(s)
+    del futs  # the user's futures released: Dask forgets the tasks
+    await async_poll_for(lambda: name not in s.plugins["octopus"].placement.plans, timeout=5)
+    assert not s.plugins["octopus"].placement._pins_of  # (each worker leaving or joining walked them all)
 
 
 def slow_identity(x, delay):

@@ -573,7 +573,7 @@ async def test_a_function_s_first_batches_count_results_as_large_as_its_first_it
         else:
             results = await c.gather(await in_thread(dask_octopus.map, render, list(range(24)), client=c, group=2))
         assert [(r.shape, r[0]) for r in results] == [((2**17,), float(i)) for i in range(24)]
-    counts = [list(p.counts) for p in s.plugins["octopus"].placement.plans.values()]
+    counts = [list(p.counts) for _, p in s.plugins["octopus"].placement.made]
     assert [sum(n) for n in counts] == [1, 23, 24] and counts[0] == [1], counts
     assert max(counts[1]) == max(counts[2]) == 3, counts
 
@@ -591,7 +591,7 @@ async def test_a_first_item_that_raises_teaches_nothing_the_next_cheapest_runs_a
     results = await in_thread(dask_octopus.map, render_but_the_first, list(range(24)), cost=range(1, 25), client=c,
                               gather=True, errors="skip")
     assert [r[0] for r in results] == [float(i) for i in range(1, 24)]  # item 0 left out
-    counts = [list(p.counts) for p in s.plugins["octopus"].placement.plans.values()]
+    counts = [list(p.counts) for _, p in s.plugins["octopus"].placement.made]
     assert counts[:2] == [[1], [1]] and sum(counts[2]) == 22 and max(counts[2]) == 3, counts
 
 

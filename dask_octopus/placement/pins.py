@@ -14,7 +14,7 @@ survivors.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -96,6 +96,7 @@ class Placement:
         self.measure = measure  # (input prefix, task prefix, block bytes) -> mark the task for measuring
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         self.pins: dict[Key, Block] = {}
+        self._pins_of: Counter[str] = Counter()  # pins per plan name
         self.stealable_keys: set[Key] = set()
         self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
         self._pinned: dict[str, set[Key]] = {}  # the pinned keys by the worker they are pinned to (for hold)
@@ -234,7 +235,7 @@ class Placement:
         worker = self.worker_of(block)
         if worker is None:
             return False
-        self.pins[ts.key] = block
+        self._set_pin(ts.key, block)
         ts.worker_restrictions = {worker}
         self._index(ts.key, worker)
         plan = self.plans[block[0]]
@@ -258,14 +259,31 @@ class Placement:
     def inherit(self, key: Key, member: Key) -> None:
         """Pin the new task ``key``, which does the work of ``member``, with ``member``'s block."""
         if member in self.pins:
-            self.pins[key] = self.pins[member]
+            self._set_pin(key, self.pins[member])
             self._index(key, self._pinned_on.get(member))
 
     def forget(self, key: Key) -> None:
-        """Drop the pin of a task that the scheduler forgot."""
-        self.pins.pop(key, None)
+        """Drop the pin of a task that the scheduler forgot; a ``map`` plan goes with its last pin (its
+        tasks run once: Dask forgot them all)."""
+        block = self.pins.pop(key, None)
         self._index(key, None)
         self.stealable_keys.discard(key)
+        if block is None:
+            return
+        name = block[0]
+        self._pins_of[name] -= 1
+        if self._pins_of[name] <= 0:
+            del self._pins_of[name]
+            plan = self.plans.get(name)
+            if plan is not None and plan.counts is not None:
+                del self.plans[name]
+
+    def _set_pin(self, key: Key, block: Block) -> None:
+        old = self.pins.get(key)
+        if old is not None:
+            self._pins_of[old[0]] -= 1
+        self.pins[key] = block
+        self._pins_of[block[0]] += 1
 
     def _index(self, key: Key, worker: str | None) -> None:
         """Note that ``key`` is pinned to ``worker`` (``None``: to none any more)."""
@@ -344,8 +362,7 @@ class Placement:
             if block[0] not in self.plans:  # its plan was dropped (octopus.max-plans): no one to move it to
                 if ts.worker_restrictions and not ts.worker_restrictions & weights.keys():
                     ts.worker_restrictions = None  # pinned to workers that left: Dask places it, as unplanned
-                    del self.pins[key]
-                    self._index(key, None)
+                    self.forget(key)
                 else:
                     continue
             elif block in moved or (ts.worker_restrictions and not ts.worker_restrictions & weights.keys()):
@@ -392,6 +409,7 @@ class Placement:
                 ts.loose_restrictions = True
                 changed.append(ts)
         self.pins.clear()
+        self._pins_of.clear()
         self._pinned.clear()
         self._pinned_on.clear()
         self.stealable_keys.clear()
