@@ -578,6 +578,20 @@ async def test_a_function_s_first_batches_count_results_as_large_as_its_first_it
     assert max(counts[1]) == max(counts[2]) == 3, counts
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={
+    "octopus.map.steal-fraction": 0, "octopus.fragments.max-bytes": "4 MiB", "octopus.map.learn-result-size": True})
+async def test_two_lambdas_learn_their_result_sizes_apart(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    assert await in_thread(dask_octopus.map, lambda x: x + 1, list(range(24)), client=c, gather=True) == [
+        i + 1 for i in range(24)]  # small results: learned for this lambda
+    results = await in_thread(dask_octopus.map, lambda i: np.full(2**17, float(i)), list(range(24)), client=c,
+                              gather=True)
+    assert [(r.shape, r[0]) for r in results] == [((2**17,), float(i)) for i in range(24)]
+    counts = [list(p.counts) for _, p in s.plugins["octopus"].placement.made]
+    # this one's first item alone first, then batches of 3 of its 1 MiB results in 4 MiB (was: 12 a batch)
+    assert counts[-2] == [1] and sum(counts[-1]) == 23 and max(counts[-1]) == 3, counts
+
+
 def render_but_the_first(i):
     if i == 0:
         raise ValueError("no frame 0")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import inspect
 import uuid
 from collections import Counter
@@ -101,6 +102,26 @@ async def _pick(batch: Sequence[Any], i: int) -> Any:
     if isinstance(result, ItemError):
         raise result.exception()
     return result
+
+
+def _label(func: Callable) -> str:
+    """The first words of the keys of ``map``'s tasks of ``func``: its name, as in Dask's own keys (the
+    scheduler's task prefix, ``key_split``, under which its speeds, seconds per item and result sizes
+    are learned, stops at the first word with a character that is not a letter), and for a lambda or
+    a function defined inside another, whose names tell them apart no more, a tag of letters for where
+    its code is (every ``lambda`` learned one result size: a lambda returning 1 MiB arrays was cut
+    into batches as if its results were the last lambda's integers)."""
+    inner = func
+    while isinstance(inner, partial):
+        inner = inner.func
+    qualname = getattr(inner, "__qualname__", "")
+    if "<" not in qualname:
+        return funcname(func)
+    code = getattr(inner, "__code__", None)
+    where = (getattr(inner, "__module__", None), qualname, getattr(code, "co_filename", None),
+             getattr(code, "co_firstlineno", None))
+    tag = "".join(chr(ord("g") + int(d, 16)) for d in hashlib.sha1(repr(where).encode()).hexdigest()[:6])
+    return f"{funcname(func)}-{tag}"  # (letters g to v: never taken for a hex token)
 
 
 def _cost_of(cost: Callable[[Any], float], item: Any) -> tuple[bool, Any]:
@@ -326,9 +347,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     batched = group is not None or not per_item
     nbytes = _item_bytes(client, items, wait=batched)  # (one task per item: it waits for its item itself)
     failed = _failed_inputs(items)
-    # the function's name first, as in Dask's own keys: key_split (hence the scheduler's task prefix,
-    # under which its speeds are kept) stops at the first word with a character that is not a letter
-    prefix = key_split(f"{funcname(func)}-octopus-map-{'0' * 32}")
+    label = _label(func)
+    prefix = key_split(f"{label}-octopus-map-{'0' * 32}")
     workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, nbytes, prefix)
     # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
     result_size = next((w.result_size for w in info if w.result_size is not None), None)
@@ -343,7 +363,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     run = None if per_item else uuid.uuid4().hex
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
     _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
-    name = f"{funcname(func)}-octopus-map-{token}"
+    name = f"{label}-octopus-map-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
                    counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches],
