@@ -99,6 +99,29 @@ async def test_a_worker_s_threads_each_run_a_fragment(c, s, a, blocks):
     assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 2
 
 
+@pytest.mark.parametrize("registered", [False, True])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_tasks_that_nothing_asked_for_needs_stay_out_of_fragments(c, s, a, monkeypatch, registered):
+    """``qr(x)[1]`` leaves each block's Q factor in the optimized graph, read by nothing: Dask never runs
+    those tasks, and a fragment must not either (it computed them and held them to its end)."""
+    if registered:
+        await dask_octopus.register(c, calibrate=False)
+    steps = []  # of the fragments made
+    lay_out = Fragment._lay_out
+
+    def recording_lay_out(self, names, *args, **kwargs):
+        steps.extend(str(name) for name in names)
+        return lay_out(self, names, *args, **kwargs)
+
+    monkeypatch.setattr(Fragment, "_lay_out", recording_lay_out)
+    x = da.from_array(np.random.default_rng(0).random((256, 64)), chunks=(16, 64))
+    expected = await c.compute(da.linalg.qr(x)[1])
+    with dask_octopus.annotate():
+        r = da.linalg.qr(x * 1.0)[1]  # (new keys: not the tasks of the compute above, which the scheduler may hold)
+    assert np.allclose(await c.compute(r), expected)
+    assert steps and not [step for step in steps if "-q1" in step], steps
+
+
 class Ran(SchedulerPlugin):
     """The task prefix and worker of each task that finished."""
 

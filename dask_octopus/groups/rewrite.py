@@ -14,7 +14,7 @@ inside the graph join a fragment: an output of the computation keeps its own tas
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from dask.base import tokenize
@@ -184,13 +184,26 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
     return fragment
 
 
+def needed_by(dependencies: Mapping[Key, Collection[Key]], roots: Iterable[Key]) -> set[Key]:
+    """The keys of ``dependencies`` (a graph's, by key) that ``roots`` need: themselves and what they
+    read, directly or not."""
+    out: set[Key] = set()
+    stack = [k for k in roots if k in dependencies]
+    while stack:
+        k = stack.pop()
+        if k not in out:
+            out.add(k)
+            stack.extend(d for d in dependencies[k] if d in dependencies and d not in out)
+    return out
+
+
 def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
                    dependents: Mapping[Key, set[Key]], places: Mapping[Key, Any],
                    parts: Mapping[Any, int], pullable: Collection[Key] | None = None,
                    sizes: Mapping[Key, float] | None = None,
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
                    labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
-                   read_through: Collection[Key] = (),
+                   read_through: Collection[Key] = (), needed: Collection[Key] | None = None,
                    ) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
@@ -224,11 +237,15 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     and those aliases that only they, or other such aliases, read are left out (any alias is sized as
     what it names, from ``sizes``). Give only aliases whose targets hold the same value
     without running anything more: not those the scheduler holds (Dask reuses them: their targets may
-    have been released since), nor those a plan pins.
+    have been released since), nor those a plan pins. Only tasks among ``needed`` (default: those
+    that ``keep`` needs, :func:`needed_by`) join fragments: the others stay tasks, which Dask does not
+    run (``da.linalg.qr(x)[1]`` leaves each block's Q factor in the graph, read by nothing; a fragment
+    computed it and held it to its end).
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     wanted = set(keep)
+    needed = set(needed_by(dependencies, wanted) if needed is None else needed)
     steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     sizes = dict(sizes or {})
@@ -236,7 +253,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         if type(dsk[k]) is Alias and k not in sizes and dsk[k].target in sizes:
             sizes[k] = sizes[dsk[k].target]
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
-    movable = {k for k in dsk if k not in wanted and (pullable is None or k in pullable)
+    movable = {k for k in dsk if k not in wanted and k in needed and (pullable is None or k in pullable)
                and not dependencies[k] & special}
     # a coroutine function's task stays a task: the worker awaits it, a fragment would not
     coroutines: dict[int, bool] = {}  # by function: asking costs 0.1 ms for a curried one (its signature)

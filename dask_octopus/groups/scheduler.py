@@ -62,6 +62,7 @@ from dask_octopus.groups.rewrite import (
     fragment_of,
     inner_keys,
     is_guard,
+    needed_by,
     of_fragments,
     picks_a_result,
     read_before_grouping,
@@ -452,8 +453,13 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     dsk = {k: new[k].run_spec for k in ranked}
     places = {k: _place(new[k]) for k in specs}
     kinds = set(places.values()) | {None}
+    # what the outputs need: the keys asked for, and the tasks that a task of an earlier graph reads
+    outputs = [k for k, ts in new.items()
+               if k in wanted or ts.who_wants or any(d.key not in new for d in ts.dependents)]
+    needed = needed_by({k: node.dependencies for k, node in dsk.items()}, outputs)
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
-                         groupable, sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
+                         groupable, needed=needed,
+                         sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
