@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
 
@@ -56,11 +57,17 @@ def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | 
     table and a PNG."""
     from dask_octopus.bench.demo import place_parts, run_demo  # the harness: the "bench" extra (matplotlib)
 
+    if importlib.util.find_spec("matplotlib") is None:  # (the PNGs come after the runs: say so before them)
+        raise click.ClickException("the demo draws its charts with matplotlib: pip install 'dask-octopus[bench]'")
     gpus = gpu_count()
     try:
         where = place_parts(kind, gpus, part, protocol)
     except ValueError as e:  # the machine cannot run what was asked
         raise click.UsageError(str(e)) from None
+    workers = gpus if where.balance == "gpu" else 2  # (the balance part's: one per GPU, else two CPU workers)
+    if where.balance and rows is not None and rows < workers:
+        raise click.BadParameter(f"the balance part gives each of its {workers} workers a block: at least "
+                                 f"{workers} rows", param_hint="--rows")
     try:
         run_demo(where, gpus=gpus, rows=rows, cols=cols, width=width, passes=passes, blocks=blocks, runs=runs,
                  group=group, out=out, cotenant=cotenant, console=console())
@@ -157,7 +164,8 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
         client = Client(scheduler_address, timeout=timeout)
     except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
         raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None
-    except ValueError as e:  # not an address (no port, say); tls:// without Dask's TLS settings
+    except (ValueError, ImportError, FutureWarning) as e:  # not an address (no port, say); tls:// without Dask's
+        # TLS settings; ucx:// without distributed-ucxx (distributed raises a FutureWarning saying to install it)
         raise click.ClickException(f"cannot connect to {scheduler_address!r}: {e}") from None
     with client:
         if watching:

@@ -84,6 +84,24 @@ def test_demo_refuses_counts_below_one_before_it_starts(args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_demo_refuses_fewer_rows_than_balance_workers_before_it_starts():
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--part", "balance", "--rows", "1"])
+    assert result.exit_code == 2 and "Invalid value for --rows: the balance part gives each of its 2 workers a " \
+        "block: at least 2 rows" in result.output, result.output
+
+
+def test_demo_without_matplotlib_says_to_install_the_bench_extra_before_it_starts(monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "matplotlib"
+                        else find_spec(name, *args))
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--part", "tasks", "--blocks", "8", "--runs", "1",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 1 and result.output == (
+        "Error: the demo draws its charts with matplotlib: pip install 'dask-octopus[bench]'\n"), result.output
+
+
 def test_demo_refuses_an_out_folder_that_is_a_file(tmp_path):
     (tmp_path / "a-file").write_text("")
     result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "a-file")])
@@ -193,6 +211,9 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tls://127.0.0.1:1", "--timeout", "1s"])
     assert result.exit_code == 1 and "Traceback" not in result.output and len(result.output.splitlines()) <= 2
     assert result.output.startswith("Error: cannot connect to 'tls://127.0.0.1:1': TLS needs Dask's TLS settings")
+    result = CliRunner().invoke(main, ["profile", "--scheduler-address", "ucx://127.0.0.1:1", "--timeout", "1s"])
+    assert result.exit_code == 1 and "Traceback" not in result.output  # (a FutureWarning without distributed-ucxx)
+    assert result.output.startswith(("Error: cannot connect to 'ucx://127.0.0.1:1': ", "Error: no scheduler reachable"))
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
     assert result.exit_code == 2 and "a duration such as 10s or 500ms, got 'soon'" in result.output
     # no half-made Client left: one given a bad address stays "connecting"; collected later, its __del__

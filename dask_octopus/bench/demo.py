@@ -133,7 +133,8 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
     ideal = ideal_seconds(results, rows)
     console.print(balance_table(results, ideal))
     png = plot_timelines({v.name: v.median() for v in results.values()}, os.path.join(out, "demo-timeline.png"),
-                         title=f"subspace iteration, {rows}x{cols} rows, one worker with a co-tenant")
+                         title=f"subspace iteration, {rows}x{cols} rows"
+                               + (", one worker with a co-tenant" if cotenant else ", no co-tenant"))
     console.print(f"timeline written to {png}")
     return {"weights": weights, "ideal": ideal, "png": png,
             "seconds": {v.name: v.seconds() for v in results.values()}}
@@ -177,7 +178,7 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
     figures: dict[str, Any] = {"placement": where}
     if where.balance:
         gpu = where.balance == "gpu"
-        console.rule(f"Balance: {balance_workers} workers, one slowed by a co-tenant")
+        console.rule(f"Balance: {balance_workers} workers" + (", one slowed by a co-tenant" if cotenant else ""))
         figures["balance"] = run_balance(gpu=gpu, rows=rows or (1_000_000 if gpu else 400_000),
                                          cols=cols or (2048 if gpu else 256), width=width or (2048 if gpu else 128),
                                          passes=passes, out=out, console=console, cotenant=cotenant,
