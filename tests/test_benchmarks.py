@@ -309,3 +309,19 @@ def test_the_small_tasks_first_run_is_timed_once_per_run_each_on_a_runtime_that_
     assert all(rt is runtime for _, rt in ran)
     kinds = [e for e, _ in ran]
     assert kinds[:5] == ["forget", "fragment", "forget", "fragment", "fragment"] and kinds.count("forget") == 2
+
+
+def test_task_intervals_take_each_worker_s_clock_shift_back_off():
+    """A worker adds its estimate of the scheduler's clock (``scheduler_delay``, from heartbeats) to its task
+    timings; on one host every process reads the same clock, and the estimates of two workers can differ
+    by more than a short pass: their finishes are compared only with the shifts taken off."""
+    from dask_octopus.bench.workloads import PassRecord, intervals
+
+    stream = [{"key": ("block", 0), "worker": "a", "startstops": [{"action": "compute", "start": 100.2 + 0.05,
+                                                                   "stop": 100.5 + 0.05}]},
+              {"key": ("block", 1), "worker": "b", "startstops": [{"action": "compute", "start": 100.1 - 0.03,
+                                                                   "stop": 100.5 - 0.03}]}]
+    busy = intervals(stream, 100.0, shifts={"a": 0.05, "b": -0.03})
+    assert {w: [(round(a, 9), round(b, 9)) for a, b in iv] for w, iv in busy.items()} == {
+        "a": [(0.2, 0.5)], "b": [(0.1, 0.5)]}
+    assert PassRecord(0.6, busy, busy).spread() < 1e-9  # (0.08 / 0.6 with the shifts left on)

@@ -32,9 +32,8 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
-    # each worker's pipelines run within the measured time: the task stream's times are each worker's own
-    # clock (exact between its own tasks), shifted by its estimate of the scheduler's, taken from heartbeats
-    # (off by up to hundreds of ms on 2 cores busy with a test suite: work_end_seconds is as good as that)
+    # each worker's pipelines run within the measured time (the task stream's times with each worker's
+    # estimate of the scheduler's clock taken back off: bench.workloads.clock_shifts)
     spans = {v: (video["work_span_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
     assert all(0 < span < total for span, total in spans.values()), spans
 

@@ -24,6 +24,7 @@ import dask_octopus
 from dask_octopus.bench.runner import interleave
 from dask_octopus.bench.workloads import (
     PassRecord,
+    clock_shifts,
     image_pipeline,
     intervals,
     synchronize,
@@ -93,8 +94,9 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
             results = client.gather(run_variant(client, v, items, workers))
             seconds = time.perf_counter() - start
         if run >= warmup:
-            busy = intervals(stream.data, t0)
-            work = intervals([r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX], t0)
+            shifts = clock_shifts(client)
+            busy = intervals(stream.data, t0, shifts=shifts)
+            work = intervals([r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX], t0, shifts=shifts)
             times[v].seconds.append(seconds)
             times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
             times[v].work_span.append(max(max(b for _, b in iv) - min(a for a, _ in iv) for iv in work.values()))

@@ -18,6 +18,7 @@ from distributed import Client, get_task_stream, wait
 
 from dask_octopus.bench.workloads import (
     PassRecord,
+    clock_shifts,
     intervals,
     stencil_mean,
     subspace_iteration,
@@ -39,7 +40,7 @@ def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, gro
             wait(y)
             seconds = time.perf_counter() - start
         del y
-        busy = intervals(ts.data, t0)  # every task of the pass is per-block work here
+        busy = intervals(ts.data, t0, shifts=clock_shifts(client))  # every task of the pass is per-block work here
         records.append(PassRecord(seconds, busy, busy))
     return records
 

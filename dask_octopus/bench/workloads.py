@@ -90,16 +90,26 @@ class PassRecord:
         return (max(f) - min(f)) / self.seconds if len(f) > 1 else 0.0
 
 
-def intervals(stream: list[dict], t0: float,
-              names: tuple[str, ...] | None = None) -> dict[str, list[tuple[float, float]]]:
-    """Compute intervals per worker of the tasks whose key prefix is one of ``names`` (all by default)."""
+def clock_shifts(client: Client) -> dict[str, float]:
+    """Each worker's ``scheduler_delay``: what it adds to its task timings (``startstops``) to put them
+    on the scheduler's clock, an estimate from its heartbeats that is off by tens to hundreds of ms on
+    a busy machine (two workers' finishes of one pass came apart by 0.04 s of a 0.07 s pass). On one
+    host every process reads the same clock: :func:`intervals` takes the shifts back off."""
+    return client.run(lambda dask_worker: dask_worker.scheduler_delay)
+
+
+def intervals(stream: list[dict], t0: float, names: tuple[str, ...] | None = None,
+              shifts: dict[str, float] | None = None) -> dict[str, list[tuple[float, float]]]:
+    """Compute intervals per worker of the tasks whose key prefix is one of ``names`` (all by default),
+    from ``t0`` (this process's ``time.time()``), each worker's ``shifts`` (:func:`clock_shifts`) taken off."""
     out: dict[str, list[tuple[float, float]]] = {}
     for rec in stream:
         if names is not None and key_split(rec["key"]) not in names:
             continue
+        origin = t0 + (shifts or {}).get(rec["worker"], 0.0)
         for ss in rec["startstops"]:
             if ss["action"] == "compute":
-                out.setdefault(rec["worker"], []).append((ss["start"] - t0, ss["stop"] - t0))
+                out.setdefault(rec["worker"], []).append((ss["start"] - origin, ss["stop"] - origin))
     return out
 
 
@@ -153,7 +163,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
         # grouped: the groups, and blocks left alone (the plugin groups only blocks of one worker),
         # which Dask fuses with the sum's per-block step
         block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram",)
-        records.append(PassRecord(seconds, intervals(ts.data, t0), intervals(ts.data, t0, block_tasks)))
+        shifts = clock_shifts(client)
+        records.append(PassRecord(seconds, intervals(ts.data, t0, shifts=shifts),
+                                  intervals(ts.data, t0, block_tasks, shifts)))
     return records
 
 
