@@ -86,6 +86,7 @@ class CoTenant:
                     [sys.executable, "-m", "dask_octopus.bench.cotenant", kind, target,
                      "--parent", str(os.getpid()), "--max-seconds", str(self.max_seconds)],
                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                    start_new_session=True,  # a terminal's Ctrl-C is not its: it ends with this process, or stop()
                 ))
         for child in self.children:  # each child prints one line once its load runs
             if child.stdout.readline().strip() != "ready":

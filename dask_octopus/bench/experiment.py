@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import signal
 import statistics
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -68,6 +70,21 @@ class Variant:
 
 
 @contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """SIGINT ignored here (in the main thread) while worker processes start, which keep ignoring it: a
+    Ctrl-C in a terminal, sent to every process of its group, then reaches this process alone, which
+    stops the cluster (each worker printed a KeyboardInterrupt traceback on its way down)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protocol: str = "tcp") -> Iterator[Client]:
     """A client of a ``LocalCUDACluster`` on ``devs`` (all GPUs when None; a GPU named twice, as in
     ``"0,0"``, gets two workers that share it, each with the spec of that GPU's worker: the same device
@@ -77,21 +94,23 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
     protocol = resolve_protocol(protocol, gpus)
     names = [d.strip() for d in devs.split(",")] if gpu and devs else []
     distinct = list(dict.fromkeys(names))
-    if gpu:
-        from dask_cuda import LocalCUDACluster
+    with _ctrl_c_ignored():
+        if gpu:
+            from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(distinct) or None, dashboard_address=":0",
-                                   protocol=protocol)
-    else:
-        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               protocol=protocol)
+            cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(distinct) or None, dashboard_address=":0",
+                                       protocol=protocol)
+        else:
+            cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                                   dashboard_address=":0", protocol=protocol)
     with cluster, Client(cluster) as client:
         # LocalCUDACluster starts one worker per distinct device: a GPU named again gets a copy of its spec
         specs = {str(name): spec for name, spec in cluster.worker_spec.items()}
         for k, d in enumerate(d for i, d in enumerate(names) if d in names[:i]):
             cluster.worker_spec[f"{d}-shared-{k}"] = copy.deepcopy(specs[d])
-        cluster.scale(len(cluster.worker_spec))  # starts the added workers (a no-op otherwise)
-        client.wait_for_workers(len(cluster.worker_spec))
+        with _ctrl_c_ignored():
+            cluster.scale(len(cluster.worker_spec))  # starts the added workers (a no-op otherwise)
+            client.wait_for_workers(len(cluster.worker_spec))
         if not gpu:
             pin_workers(client)
         yield client
