@@ -424,6 +424,17 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
             record["operations"][op] = r
             console.print_json(json.dumps(r.get("variants"), default=str))
     console.print(f"wrote {write_json(os.path.join(out, f'{tag}-{kind}.json'), record)}")
+    differ = [f"{op}: {name}" for op, r in record["operations"].items() for variants in _tables(r)
+              for name, v in variants.items() if v.get("same_values_as_reference") is False]
+    if differ:  # (written first: the JSON shows what each returned)
+        raise click.ClickException(f"results differ from the reference: {', '.join(differ)}")
+
+
+def _tables(result: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
+    """The variant tables of one operation's result (``large`` has one per kind of kernel)."""
+    variants = result.get("variants") or {}
+    nested = all(isinstance(v, dict) and "median_seconds" not in v and "median" not in v for v in variants.values())
+    return list(variants.values()) if variants and nested else [variants]
 
 
 if __name__ == "__main__":

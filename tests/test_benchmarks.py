@@ -58,6 +58,7 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--variants", "equal,fastest"], "Invalid value for --variants: unknown variant 'fastest'"),
+    (["--variants", "over-0"], "Invalid value for --variants: unknown variant 'over-0'"),
     (["--operation", "fft"], "Invalid value for --operation: unknown operation(s) ['fft']"),
     (["--passes", "0"], "Invalid value for '--passes': 0 is not in the range x>=1"),
     (["--size", "-5"], "Invalid value for '--size': -5 is not in the range x>=1"),
@@ -98,6 +99,15 @@ def test_stream_groups_benchmark_cpu_smoke(tmp_path):
     assert all(v["same_values_as_reference"] for t in ops["large"]["variants"].values() for v in t.values())
     bad = CliRunner().invoke(stream_groups.main, ["--type", "cpu", "--operations", "mixed", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "mixed needs --type gpu" in bad.output
+
+
+def test_stream_groups_benchmark_fails_where_a_variant_differs_from_the_reference(tmp_path, monkeypatch):
+    monkeypatch.setattr(stream_groups, "same", lambda a, b: a is b)  # every variant but the reference differs
+    result = CliRunner().invoke(stream_groups.main, [
+        "--type", "cpu", "--operations", "tiny,large", "--blocks", "16", "--side", "32", "--runs", "1",
+        "--warmup-runs", "0", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and "results differ from the reference: tiny: grouped" in result.output, result.output
+    assert "large: grouped" in result.output and (tmp_path / "stream-groups-cpu.json").exists()
 
 
 def test_scheduler_overhead_smoke(tmp_path):

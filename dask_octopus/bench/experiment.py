@@ -149,10 +149,11 @@ def parse_variant(variant: str) -> tuple[str, int, bool]:
     if base == "streams":
         base, grouped = "defaults", True
     kind, _, k = base.partition("-")
-    valid = {"defaults": not k, "equal": not k, "over": k.isdigit(), "balance": not k or k.isdigit()}
+    counted = k.isdigit() and int(k) >= 1  # (blocks per worker: over-0 divided by zero)
+    valid = {"defaults": not k, "equal": not k, "over": counted, "balance": not k or counted}
     if not valid.get(kind, False):
-        raise ValueError(f"unknown variant {variant!r}: expected defaults, equal, over-K, balance or balance-K, "
-                         f"optionally with -streams")
+        raise ValueError(f"unknown variant {variant!r}: expected defaults, equal, over-K, balance or balance-K "
+                         f"(K >= 1), optionally with -streams")
     return kind, int(k or 1), grouped
 
 
