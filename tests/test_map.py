@@ -479,3 +479,27 @@ async def test_futures_in_kwargs_reach_func_as_their_values(c, s, a, b, group):
     scale = c.submit(lambda: 10.0)
     futs = await call(c, lambda x, k: x * k, [1.0, 2.0, 3.0, 4.0], group=group, k=scale)
     assert await c.gather(futs) == [10.0, 20.0, 30.0, 40.0]
+
+
+def test_a_map_plan_given_again_before_the_last_pin_of_its_name_is_forgotten_stays():
+    """A map of the same items under the same plan name: its plan arrives, then Dask forgets the last
+    task of the earlier one; the new graph still finds its plan (the scheduler's side alone)."""
+    from types import SimpleNamespace
+
+    from dask_octopus.placement.pins import Placement
+
+    placement = Placement()
+    name = "f-octopus-map-0123"
+    tasks = {(name, 0): SimpleNamespace(key=(name, 0), state="released", run_spec=None, dependencies=(),
+                                        worker_restrictions=None, host_restrictions=None,
+                                        resource_restrictions=None, annotations={})}
+    scheduler = SimpleNamespace(tasks=tasks)
+    placement.add_plan(name, ["a"], counts=[1], costs=[1.0])
+    assert placement.update_graph(scheduler, [(name, 0)]) == 1
+    placement.add_plan(name, ["a"], counts=[1], costs=[1.0])  # the second map's plan, its graph to come
+    placement.forget((name, 0))  # the first map's task
+    assert name in placement.plans
+    tasks[(name, 0)].worker_restrictions = None
+    assert placement.update_graph(scheduler, [(name, 0)]) == 1
+    placement.forget((name, 0))
+    assert name not in placement.plans  # (with its last pin)

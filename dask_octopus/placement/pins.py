@@ -97,6 +97,7 @@ class Placement:
         self.plans: OrderedDict[str, Plan] = OrderedDict()
         self.pins: dict[Key, Block] = {}
         self._pins_of: Counter[str] = Counter()  # pins per plan name
+        self._unpinned: set[str] = set()  # plans given since their last pin was set (their graph to come)
         self.stealable_keys: set[Key] = set()
         self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
         self._pinned: dict[str, set[Key]] = {}  # the pinned keys by the worker they are pinned to (for hold)
@@ -110,8 +111,9 @@ class Placement:
         the tasks named ``pieces`` (slices of input blocks) run where the blocks they slice are held."""
         self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes, pieces)
         self.plans.move_to_end(name)
+        self._unpinned.add(name)
         while len(self.plans) > self.max_plans:
-            self.plans.popitem(last=False)
+            self._unpinned.discard(self.plans.popitem(last=False)[0])
 
     def cost_of(self, key: Key) -> tuple[float, int | None] | None:
         """The planned cost of the task ``key`` and its number of items (``None`` if not given), if it
@@ -275,7 +277,8 @@ class Placement:
         if self._pins_of[name] <= 0:
             del self._pins_of[name]
             plan = self.plans.get(name)
-            if plan is not None and plan.counts is not None:
+            # (not one given again under this name since, whose graph is to come: a map of the same items)
+            if plan is not None and plan.counts is not None and name not in self._unpinned:
                 del self.plans[name]
 
     def _set_pin(self, key: Key, block: Block) -> None:
@@ -284,6 +287,7 @@ class Placement:
             self._pins_of[old[0]] -= 1
         self.pins[key] = block
         self._pins_of[block[0]] += 1
+        self._unpinned.discard(block[0])
 
     def _index(self, key: Key, worker: str | None) -> None:
         """Note that ``key`` is pinned to ``worker`` (``None``: to none any more)."""
@@ -410,6 +414,7 @@ class Placement:
                 changed.append(ts)
         self.pins.clear()
         self._pins_of.clear()
+        self._unpinned.clear()
         self._pinned.clear()
         self._pinned_on.clear()
         self.stealable_keys.clear()
