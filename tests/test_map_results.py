@@ -160,7 +160,7 @@ def ends_its_process_on_seven(x):
     return x
 
 
-@pytest.mark.parametrize("how", ["map", "imap"])
+@pytest.mark.parametrize("how", ["map", "imap", "imap-async"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
              config={"distributed.scheduler.allowed-failures": 0, "octopus.map.learn-result-size": False,
                      # one task at a time on a worker's thread: Dask fails only the item that ran where it died
@@ -170,9 +170,12 @@ async def test_an_item_that_kills_its_worker_fails_alone_and_the_others_keep_the
     if how == "map":
         got = await in_thread(dask_octopus.map, ends_its_process_on_seven, range(16), client=c, group=4,
                               gather=True, errors="skip")
-    else:
+    elif how == "imap":
         got = [r for _, r in await in_thread(lambda: list(dask_octopus.imap(ends_its_process_on_seven, range(16),
                                                                              client=c, group=4, errors="skip")))]
+    else:  # the client's own loop: an asynchronous iterator
+        got = [r async for _, r in dask_octopus.imap(ends_its_process_on_seven, range(16), client=c, group=4,
+                                                     errors="skip")]
     assert sorted(got) == [i for i in range(16) if i != 7]  # (was: KilledWorker for the whole call)
     with pytest.raises(KilledWorker):  # raised as that item's error
         await in_thread(dask_octopus.map, ends_its_process_on_seven, [5, 7, 9], client=c, group=4, gather=True)

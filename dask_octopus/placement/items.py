@@ -686,7 +686,7 @@ class _Batches:
         for i in indices:
             item = self._items[i]
             future = client.submit(run_batch, func, [item], kwargs, resource, group, to_host,
-                                   key=f"{funcname(func)}-octopus-alone-{uuid.uuid4().hex}")
+                                   key=f"{_label(func)}-octopus-alone-{uuid.uuid4().hex}")
             if isinstance(item, Future):
                 self._sent[i] = item
             self.where[future.key] = [i]
@@ -729,10 +729,10 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             if again is not None:
                 done.update(again)
                 continue
-            if future.status != "finished" and isinstance(result, KilledWorker):  # an item alone killed them
-                pairs = zip(run.finish(future), [ItemError(result)])
+            killed = _killed_alone(run, future, result)
+            if killed is not None:
                 del future
-                yield from pairs
+                yield from killed
                 continue
             if future.status != "finished":
                 future.result()  # its exception, with its traceback, as Client.gather raises it
@@ -745,6 +745,15 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             cancelled = run.client.cancel(pending)
             if inspect.isawaitable(cancelled):  # closed on the client's event loop (collected there)
                 run.client.loop.add_callback(lambda: cancelled)
+
+
+def _killed_alone(run: _Batches, future: Future, result: Any) -> list[tuple[int, Any]] | None:
+    """The item of the batch task ``future`` with its ``KilledWorker`` as its :class:`ItemError`, where the
+    task ended so after :meth:`_Batches.again` (the item ran alone: it killed the workers that ran it);
+    ``None`` otherwise."""
+    if future.status != "finished" and isinstance(result, KilledWorker):
+        return list(zip(run.finish(future), [ItemError(result)]))
+    return None
 
 
 def _pending(done: as_completed) -> list[Future]:
@@ -768,9 +777,10 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
             if again is not None:
                 done.update(again)
                 continue
-            if future.status != "finished":
+            killed = _killed_alone(run, future, result)
+            if future.status != "finished" and killed is None:
                 await future
-            pairs = _checked(zip(run.finish(future), result), errors)
+            pairs = _checked(killed if killed is not None else zip(run.finish(future), result), errors)
             del future, result  # as in _as_finished
             for pair in pairs:
                 yield pair
