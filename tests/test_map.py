@@ -159,6 +159,8 @@ async def test_a_map_plan_goes_with_its_tasks(c, s, a, b):
     del futs  # the user's futures released: Dask forgets the tasks
     await async_poll_for(lambda: name not in s.plugins["octopus"].placement.plans, timeout=5)
     assert not s.plugins["octopus"].placement._pins_of  # (each worker leaving or joining walked them all)
+    # a GPU worker's timings of these tasks come later (every 200 ms): they still find the tasks' costs
+    assert s.plugins["octopus"].placement.cost_of((name, 0)) is not None
 
 
 def slow_identity(x, delay):

@@ -88,6 +88,9 @@ def _reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str
     return len(changed)
 
 
+RETIRED = 64  #: map plans kept after their tasks went, for the timings that arrive later
+
+
 class Placement:
     """Plans, pins and their upkeep; owned by :class:`~dask_octopus.plugins.scheduler.OctopusSchedulerPlugin`."""
 
@@ -98,6 +101,9 @@ class Placement:
         self.pins: dict[Key, Block] = {}
         self._pins_of: Counter[str] = Counter()  # pins per plan name
         self._unpinned: set[str] = set()  # plans given since their last pin was set (their graph to come)
+        # map plans gone with their tasks, the latest RETIRED: their costs for timings that come later
+        # (a GPU worker sends its tasks' timings every 200 ms, after Dask forgot the tasks)
+        self._retired: OrderedDict[str, Plan] = OrderedDict()
         self.stealable_keys: set[Key] = set()
         self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
         self._pinned: dict[str, set[Key]] = {}  # the pinned keys by the worker they are pinned to (for hold)
@@ -118,16 +124,21 @@ class Placement:
     def cost_of(self, key: Key) -> tuple[float, int | None] | None:
         """The planned cost of the task ``key`` and its number of items (``None`` if not given), if it
         is a block of a plan with costs."""
-        plan = self.plans.get(_key_name(key))
+        plan = self._costed(key)
         if plan is None or plan.costs is None or not isinstance(key, tuple):
             return None
         i = key[plan.index]
         return plan.costs[i], (plan.counts[i] if plan.counts is not None else None)
 
+    def _costed(self, key: Key) -> Plan | None:
+        """The plan of ``key``'s collection, also one gone with its tasks lately (their timings come later)."""
+        name = _key_name(key)
+        return self.plans.get(name) or self._retired.get(name)
+
     def items_bytes_of(self, key: Key) -> float | None:
         """The bytes of the items of the ``map`` task ``key``, if it is one of a plan of items (with
         counts) that gave its blocks' bytes."""
-        plan = self.plans.get(_key_name(key))
+        plan = self._costed(key)
         if plan is None or plan.counts is None or plan.nbytes is None or not isinstance(key, tuple):
             return None
         return plan.nbytes[key[plan.index]]
@@ -279,7 +290,9 @@ class Placement:
             plan = self.plans.get(name)
             # (not one given again under this name since, whose graph is to come: a map of the same items)
             if plan is not None and plan.counts is not None and name not in self._unpinned:
-                del self.plans[name]
+                self._retired[name] = self.plans.pop(name)
+                while len(self._retired) > RETIRED:
+                    self._retired.popitem(last=False)
 
     def _set_pin(self, key: Key, block: Block) -> None:
         old = self.pins.get(key)
