@@ -55,7 +55,7 @@ def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | 
     """Both halves of dask_octopus on this machine: balance (a worker per GPU, or two CPU workers, one slowed
     by a co-tenant) and small tasks (Dask's per-task cost against fragments and a plain loop), each with a
     table and a PNG."""
-    from dask_octopus.bench.demo import place_parts, run_demo  # the harness: the "bench" extra (matplotlib)
+    from dask_octopus.bench.demo import balance_worker_count, place_parts, run_demo  # the "bench" extra
 
     if importlib.util.find_spec("matplotlib") is None:  # (the PNGs come after the runs: say so before them)
         raise click.ClickException("the demo draws its charts with matplotlib: pip install 'dask-octopus[bench]'")
@@ -64,7 +64,7 @@ def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | 
         where = place_parts(kind, gpus, part, protocol)
     except ValueError as e:  # the machine cannot run what was asked
         raise click.UsageError(str(e)) from None
-    workers = gpus if where.balance == "gpu" else 2  # (the balance part's: one per GPU, else two CPU workers)
+    workers = balance_worker_count(where, gpus)
     if where.balance and rows is not None and rows < workers:
         raise click.BadParameter(f"the balance part gives each of its {workers} workers a block: at least "
                                  f"{workers} rows", param_hint="--rows")

@@ -234,6 +234,23 @@ def test_annotate_leaves_the_warning_filters_set_inside_it_alone():
             warnings.warn("still an error", DeprecationWarning, stacklevel=1)
 
 
+def warn_once_here():
+    warnings.warn("shown once from here (the 'default' action)", UserWarning, stacklevel=1)
+
+
+def test_annotate_sets_its_warning_filter_once():
+    """Setting a filter makes Python show every warning of the 'default' and 'once' actions again."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        with dask_octopus.annotate():
+            pass
+        warn_once_here()
+        with dask_octopus.annotate():
+            pass
+        warn_once_here()
+    assert len(seen) == 1, [str(w.message) for w in seen]
+
+
 def test_unannotated_graphs_pass_through_unchanged(x):
     from dask.base import collections_to_expr
 

@@ -29,7 +29,9 @@ def test_many_balanced_computes_and_grouped_maps_keep_state_bounded():
             assert time.monotonic() < deadline, tables
             time.sleep(0.05)
     rss = [s["process_rss_mib"] for s in samples]  # scheduler, workers and client: one process
-    assert 20 <= tables["plans"] <= 25  # balance plans, bounded by octopus.max-plans (map plans go with their tasks)
+    # balance plans, bounded by octopus.max-plans: 25 and a map's (the last added) evicts one, which goes
+    # with its tasks; at least 20 stay, as the loop balances 100 times (a bound that a dropped table breaks)
+    assert 20 <= tables["plans"] <= 25
     assert tables["pins"] == 0  # released with their tasks
     assert tables["rates"] <= 40  # one entry per (task prefix, worker), not per task
     print("rss MiB at 25/50/75/100% of the runs:", rss, "tables:", tables)

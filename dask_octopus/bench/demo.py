@@ -162,6 +162,11 @@ def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int | None, ou
     return {"seconds": {t.label: t.seconds for t in timings}, "png": png}
 
 
+def balance_worker_count(where: Placement, gpus: int) -> int:
+    """The workers of the balance part: one per GPU (``LocalCUDACluster``), else two CPU workers."""
+    return gpus if where.balance == "gpu" else 2
+
+
 def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None, width: int | None,
              passes: int, blocks: int | None, runs: int, group: int | None, out: str, console: Console,
              cotenant: bool = True) -> dict[str, Any]:
@@ -169,7 +174,7 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
     with its table and PNG under ``out``; returns their figures."""
     os.makedirs(out, exist_ok=True)
     console.print(describe_machine(gpus > 0, where.protocol))
-    balance_workers = gpus if where.balance == "gpu" else 2  # LocalCUDACluster: one worker per GPU
+    balance_workers = balance_worker_count(where, gpus)
     console.print("parts: balance " + (f"on {balance_workers} {where.balance.upper()} workers" if where.balance
                                        else "not run")
                   + "; small tasks " + (f"on 1 {where.tasks.upper()} worker" if where.tasks else "not run"))

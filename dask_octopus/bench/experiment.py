@@ -110,7 +110,7 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
             cluster.worker_spec[f"{d}-shared-{k}"] = copy.deepcopy(specs[d])
         with _ctrl_c_ignored():
             cluster.scale(len(cluster.worker_spec))  # starts the added workers (a no-op otherwise)
-            client.wait_for_workers(len(cluster.worker_spec))
+            client.wait_for_workers(len(cluster.worker_spec), timeout=120)  # (Ctrl-C is ignored meanwhile)
         if not gpu:
             pin_workers(client)
         yield client

@@ -94,7 +94,9 @@ def clock_shifts(client: Client) -> dict[str, float]:
     """Each worker's ``scheduler_delay``: what it adds to its task timings (``startstops``) to put them
     on the scheduler's clock, an estimate from its heartbeats that is off by tens to hundreds of ms on
     a busy machine (two workers' finishes of one pass came apart by 0.04 s of a 0.07 s pass). On one
-    host every process reads the same clock: :func:`intervals` takes the shifts back off."""
+    host every process reads the same clock: :func:`intervals` takes the shifts back off. Read after a
+    pass, they are those of its last heartbeats: a heartbeat during the pass may have moved one since
+    its tasks ran (by much less than the estimates differ between workers)."""
     return client.run(lambda dask_worker: dask_worker.scheduler_delay)
 
 

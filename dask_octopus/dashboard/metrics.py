@@ -12,6 +12,7 @@ namespace (``distributed.dashboard.prometheus.namespace``, ``dask``) and ``octop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -80,10 +81,13 @@ class OctopusCollector:
         without samples (no running plugin, or no worker knows its value) is left out."""
         families = self._families()
         for plugin in list(self.plugins):
-            if not plugin.registered():  # unregistered (which does not close a plugin), or never started
-                self.plugins.remove(plugin)  # for good: its scheduler is not kept alive by this list
+            if not _on_its_loop(plugin):  # (another scheduler's state, read on its own loop only)
                 continue
-            if plugin.scheduler.status != Status.running or not _on_its_loop(plugin):
+            if not plugin.registered():  # unregistered (which does not close a plugin), or never started
+                with contextlib.suppress(ValueError):  # (gone already: a scrape on another loop removed it)
+                    self.plugins.remove(plugin)  # for good: its scheduler is not kept alive by this list
+                continue
+            if plugin.scheduler.status != Status.running:
                 continue
             for row in snapshot.take(plugin, plans=0).workers:
                 for series, (_, _, values) in SERIES.items():
@@ -102,7 +106,8 @@ def _on_its_loop(plugin: OctopusSchedulerPlugin) -> bool:
         running = asyncio.get_running_loop()
     except RuntimeError:  # (not on an event loop: no scheduler's thread)
         return False
-    return plugin.scheduler.loop.asyncio_loop is running
+    scheduler = plugin.scheduler
+    return scheduler is not None and scheduler.loop.asyncio_loop is running
 
 
 _collector: OctopusCollector | None = None

@@ -51,6 +51,8 @@ from dask_octopus.groups.scheduler import (
     grouping_here,
 )
 
+_IGNORED = r"Dask annotations \{'octopus': \{[^{}]*\}\} detected"  # dask-expr's warning about the mark
+
 
 class GroupingOptimizer:
     """A collection optimizer that runs ``base`` and then groups the tasks marked by ``annotate``."""
@@ -248,7 +250,10 @@ def annotate(resource: str = "auto", group: int | None = None) -> Iterator[None]
     config.check_all()
     install()
     # dask-expr warns that it ignores annotations; the scheduler plugin applies this one (a filter for good:
-    # catch_warnings would undo the filters set inside the block, and it is not local to a thread or task)
-    warnings.filterwarnings("ignore", r"Dask annotations \{'octopus': \{[^{}]*\}\} detected", UserWarning)
+    # catch_warnings would undo the filters set inside the block, and it is not local to a thread or task;
+    # set once: setting a filter makes every module's "once" and "default" warnings show again)
+    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == _IGNORED and f[2] is UserWarning
+               for f in warnings.filters):
+        warnings.filterwarnings("ignore", _IGNORED, UserWarning)
     with dask.annotate(**{ANNOTATION: {"resource": resource, "group": group}}):
         yield

@@ -111,7 +111,10 @@ def cluster_threads() -> int | None:
     schedulers = running_schedulers() or []
     if len(schedulers) != 1 or not in_offload_thread():
         return None
-    return sum(ws.nthreads for ws in list(schedulers[0].workers.values())) or None
+    try:
+        return sum(ws.nthreads for ws in list(schedulers[0].workers.values())) or None
+    except (RuntimeError, KeyError):  # a worker came or went while being read (off the event loop)
+        return None
 
 
 def _inputs(ts: TaskState) -> list[TaskState]:
