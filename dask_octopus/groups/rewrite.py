@@ -203,7 +203,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    sizes: Mapping[Key, float] | None = None,
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
                    labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
-                   read_through: Collection[Key] = (), needed: Collection[Key] | None = None,
+                   read_through: Collection[Key] = (), roots: Iterable[Key] | None = None,
                    ) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
@@ -237,15 +237,15 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     and those aliases that only they, or other such aliases, read are left out (any alias is sized as
     what it names, from ``sizes``). Give only aliases whose targets hold the same value
     without running anything more: not those the scheduler holds (Dask reuses them: their targets may
-    have been released since), nor those a plan pins. Only tasks among ``needed`` (default: those
-    that ``keep`` needs, :func:`needed_by`) join fragments: the others stay tasks, which Dask does not
-    run (``da.linalg.qr(x)[1]`` leaves each block's Q factor in the graph, read by nothing; a fragment
+    have been released since), nor those a plan pins. Only tasks that ``roots`` (default: ``keep``)
+    need join fragments (:func:`needed_by`): the others stay tasks, which Dask does not run
+    (``da.linalg.qr(x)[1]`` leaves each block's Q factor in the graph, read by nothing; a fragment
     computed it and held it to its end).
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     wanted = set(keep)
-    needed = set(needed_by(dependencies, wanted) if needed is None else needed)
+    needed = needed_by(dependencies, wanted if roots is None else roots)
     steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     sizes = dict(sizes or {})

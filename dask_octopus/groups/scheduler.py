@@ -62,7 +62,6 @@ from dask_octopus.groups.rewrite import (
     fragment_of,
     inner_keys,
     is_guard,
-    needed_by,
     of_fragments,
     picks_a_result,
     read_before_grouping,
@@ -459,9 +458,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     # what the outputs need: the keys asked for, and the tasks that a task of an earlier graph reads
     outputs = [k for k, ts in new.items()
                if k in wanted or ts.who_wants or any(d.key not in new for d in ts.dependents)]
-    needed = needed_by({k: node.dependencies for k, node in dsk.items()}, outputs)
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
-                         groupable, needed=needed,
+                         groupable, roots=outputs,
                          sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},

@@ -682,11 +682,12 @@ class _Batches:
         on its workers, as ``client.map``'s, so that an item that kills the workers running it fails
         alone (``KilledWorker``), not the items of the tasks pinned beside it."""
         client, func, group, resource, to_host, kwargs = self._submit_args
+        label = _label(func)
         futures = []
         for i in indices:
             item = self._items[i]
             future = client.submit(run_batch, func, [item], kwargs, resource, group, to_host,
-                                   key=f"{_label(func)}-octopus-alone-{uuid.uuid4().hex}")
+                                   key=f"{label}-octopus-alone-{uuid.uuid4().hex}")
             if isinstance(item, Future):
                 self._sent[i] = item
             self.where[future.key] = [i]
