@@ -106,12 +106,13 @@ async def test_tasks_that_nothing_asked_for_needs_stay_out_of_fragments(c, s, a,
     those tasks, and a fragment must not either (it computed them and held them to its end)."""
     if registered:
         await dask_octopus.register(c, calibrate=False)
-    steps = []  # of the fragments made
+    steps, outputs = [], []  # of the fragments made
     lay_out = Fragment._lay_out
 
-    def recording_lay_out(self, names, *args, **kwargs):
+    def recording_lay_out(self, names, reads, outs, *args, **kwargs):
         steps.extend(str(name) for name in names)
-        return lay_out(self, names, *args, **kwargs)
+        outputs.extend(outs := tuple(outs))
+        return lay_out(self, names, reads, outs, *args, **kwargs)
 
     monkeypatch.setattr(Fragment, "_lay_out", recording_lay_out)
     x = da.from_array(np.random.default_rng(0).random((256, 64)), chunks=(16, 64))
@@ -120,6 +121,9 @@ async def test_tasks_that_nothing_asked_for_needs_stay_out_of_fragments(c, s, a,
         r = da.linalg.qr(x * 1.0)[1]  # (new keys: not the tasks of the compute above, which the scheduler may hold)
     assert np.allclose(await c.compute(r), expected)
     assert steps and not [step for step in steps if "-q1" in step], steps
+    # nor are the blocks' QR factorisations, which only the Q extraction read besides the fragment, its
+    # outputs: only the top of the tree, which the compute's own task reads, leaves the fragment
+    assert len(outputs) == 1 and outputs[0][0].endswith("-qr2"), outputs
 
 
 class Ran(SchedulerPlugin):

@@ -42,7 +42,14 @@ from dask_octopus._compat import AnnotationsTombstone, convert_legacy_graph, res
 from dask_octopus.groups import blocksizes
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION, check_group_spec, topological
-from dask_octopus.groups.rewrite import dependents_of, fragment_graph, inner_keys, picks_a_result, replaced_keys
+from dask_octopus.groups.rewrite import (
+    dependents_of,
+    fragment_graph,
+    inner_keys,
+    needed_by,
+    picks_a_result,
+    replaced_keys,
+)
 from dask_octopus.groups.scheduler import (
     annotated_retries,
     annotation_labels,
@@ -80,6 +87,11 @@ class GroupingOptimizer:
             return optimized  # nothing to group (yet): the marks stay on the layers
         annotations = key_annotations(optimized)
         graph = convert_legacy_graph(ensure_dict(optimized))
+        # what the keys asked for need, as Dask's cull would leave it: Dask's array optimizer keeps tasks
+        # nothing reads (qr(x)[1] keeps each block's Q extraction), whose inputs would leave a fragment
+        needed = needed_by({k: node.dependencies for k, node in graph.items()}, keep)
+        if len(needed) < len(graph):
+            graph = {k: node for k, node in graph.items() if k in needed}
         dependents = dependents_of(graph)
         resolved = resolve_aliases(graph, wanted, dependents)  # fusion leaves aliases of the fused names
         if resolved.keys() != graph.keys():  # each alias it collapses takes a key out
