@@ -181,6 +181,49 @@ async def test_an_item_that_kills_its_worker_fails_alone_and_the_others_keep_the
         await in_thread(dask_octopus.map, ends_its_process_on_seven, [5, 7, 9], client=c, group=4, gather=True)
 
 
+class Annotations(SchedulerPlugin):
+    """The Dask annotations and retries of each task as it starts processing."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.of = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "processing":
+            ts = self.scheduler.tasks[key]
+            self.of[key] = (dict(ts.annotations), ts.retries)
+
+
+@pytest.mark.parametrize("how", ["imap", "imap-async"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
+             config={"distributed.scheduler.allowed-failures": 0, "octopus.map.learn-result-size": False,
+                     "distributed.scheduler.worker-saturation": 1.0})
+async def test_items_run_alone_after_a_killed_worker_keep_the_caller_s_annotations(c, s, a, b, how):
+    """A stream is read outside the ``dask.annotate`` block it was made in: the items sent again each
+    alone (their batch killed its worker) keep the annotations of the call, as its batches had them."""
+    await setup(c, s, [1.0, 1.0])
+    rec = Annotations(s)
+    s.add_plugin(rec)
+    if how == "imap":
+        def stream():
+            with dask.annotate(retries=2, priority=7):
+                it = dask_octopus.imap(ends_its_process_on_seven, range(16), client=c, group=4, errors="skip")
+            return [r for _, r in it]
+
+        got = await in_thread(stream)
+    else:
+        with dask.annotate(retries=2, priority=7):
+            it = dask_octopus.imap(ends_its_process_on_seven, range(16), client=c, group=4, errors="skip")
+        got = [r async for _, r in it]
+    assert sorted(got) == [i for i in range(16) if i != 7]
+    alone = {k: v for k, v in rec.of.items() if "octopus-alone" in str(k)}
+    batches = {k: v for k, v in rec.of.items() if "octopus-map" in str(k)}
+    assert alone and batches
+    for annotations, retries in [*alone.values(), *batches.values()]:
+        assert annotations.get("retries") == 2 and retries == 2, (annotations, retries)
+    assert {v[0].get("priority") for v in alone.values()} == {7}
+
+
 def fails_when_computed_again(event):
     from distributed import Event
 
@@ -249,13 +292,21 @@ class Priorities(SchedulerPlugin):
             self.of[key] = self.scheduler.tasks[key].priority
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_each_worker_runs_its_own_tasks_before_its_stealable_tail(c, s, a, b):
+@pytest.mark.parametrize("user", [5, 2.5])  # any number, as dask.annotate takes
+def test_each_worker_runs_its_own_tasks_before_its_stealable_tail(user):
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+    async def run(c, s, a, b):
+        await check_own_tasks_before_the_tail(c, s, user)
+
+    run()
+
+
+async def check_own_tasks_before_the_tail(c, s, user):
     await setup(c, s, [1.0, 1.0])
     rec = Priorities(s)
     s.add_plugin(rec)
     def mapped():
-        with dask.annotate(priority=5):  # the user's priority is kept: the tail comes after, within the map
+        with dask.annotate(priority=user):  # the user's priority is kept: the tail comes after, within the map
             return dask_octopus.map(abs, range(-20, 20), client=c, cost=[1] * 40, group=2, gather=True)
 
     assert await in_thread(mapped) == [abs(x) for x in range(-20, 20)]
@@ -265,7 +316,7 @@ async def test_each_worker_runs_its_own_tasks_before_its_stealable_tail(c, s, a,
         heads = [rec.of[(name, i)] for i in mine if not plan.stealable[i]]
         tails = [rec.of[(name, i)] for i in mine if plan.stealable[i]]
         assert heads and tails and max(heads) < min(tails)  # a smaller priority runs first
-        assert {p[0] for p in heads} == {-5} and {p[0] for p in tails} == {-4}
+        assert {p[0] for p in heads} == {-user} and {p[0] for p in tails} == {1 - user}
 
 
 @pytest.mark.parametrize("config", [{"octopus.map.steal-fraction": 0}, {"distributed.scheduler.work-stealing": False}])

@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -341,7 +341,9 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
     (and no batches); else one future per batch task, with the indices of its items. Also returns the
     indices of the items that were futures failed already (:func:`_failed_inputs`). Batches of a
-    function whose results' size the scheduler does not know yet: :func:`_probed` (with ``probe``)."""
+    function whose results' size the scheduler does not know yet: :func:`_probed` (with ``probe``).
+    The tasks take the Dask annotations in effect (``dask.annotate``; a ``priority`` comes before the
+    map's own order of its tasks)."""
     _compute_delayed(client, items)
     costs = _costs(client, items, cost)
     batched = group is not None or not per_item
@@ -369,13 +371,13 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
                    counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches],
                    resource=resource, nbytes=[sum(nbytes[i] for i in idx) for _, idx, _ in batches])
     item_name = f"{ITEM_PREFIX}-{token}"
-    user = dask.get_annotations().get("priority", 0)
-    user = user if isinstance(user, int) else 0
+    user = dask.get_annotations().get("priority", 0)  # a number or a function of the key (dask.annotate checks)
     dsk: dict[Any, Task] = {}
     priority: dict[Any, int] = {}
     keys: list[Any] = [None] * len(items)
     for b, (_, idx, stealable) in enumerate(batches):
-        priority[(name, b)] = user - stealable  # a worker runs its own tasks first, the stealable ones last
+        # a worker runs its own tasks first, the stealable ones last
+        priority[(name, b)] = (user((name, b)) if callable(user) else user) - stealable
         if not batched:
             (i,) = idx
             keys[i] = (name, b)
@@ -553,7 +555,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         return []
     if not gather:
         return _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=True)[0]
-    run = _Batches(client, func, items, cost, group, resource, to_host, kwargs)
+    run = _Batches(client, func, items, cost, group, resource, to_host, kwargs, dask.get_annotations())
     return [result for _, result in _checked(sorted(_as_finished(run)), errors)]
 
 
@@ -588,11 +590,13 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     client = client_of(client)
     group = _check_call(func, group, resource, errors, to_host=to_host)
     items, cost = _listed(items, cost)
+    annotations = dask.get_annotations()  # also of the tasks sent while the results are read
     if client.asynchronous:
-        return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors)
+        return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors, annotations)
     if not items:
         return iter(())
-    return _closing(_as_finished(_Batches(client, func, items, cost, group, resource, to_host, kwargs)), errors)
+    return _closing(_as_finished(_Batches(client, func, items, cost, group, resource, to_host, kwargs, annotations)),
+                    errors)
 
 
 def _closing(run: Generator[tuple[int, Any], None, None], errors: str) -> Iterator[tuple[int, Any]]:
@@ -616,12 +620,15 @@ class _Batches:
     item lost with workers at most :data:`LOST_ROUNDS` times; a failed item then fails alone, as one
     that failed before the map, :func:`_failed_inputs`). Computes the delayed items and submits ``items``
     (a list it keeps; a first item alone first, :func:`_probed`): :meth:`take` hands over the batch
-    tasks' futures; call :meth:`finish` with each that finished.
+    tasks' futures; call :meth:`finish` with each that finished. Every task it submits, also later
+    (from wherever the results are read), takes ``annotations`` (those of ``dask.annotate`` where the
+    call was made).
     """
 
     def __init__(self, client: Client, func: Callable, items: list[Any], cost: Any, group: int | None,
-                 resource: str, to_host: bool, kwargs: dict[str, Any]):
+                 resource: str, to_host: bool, kwargs: dict[str, Any], annotations: Mapping[str, Any]):
         self.client = client
+        self._annotations = dict(annotations)
         self._submit_args = (client, func, group, resource, to_host, kwargs)
         self._cost = cost  # one per item, where a list (:func:`_listed`)
         _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
@@ -644,8 +651,9 @@ class _Batches:
         client, func, group, resource, to_host, kwargs = self._submit_args
         items = [self._items[i] for i in indices]
         cost = self._cost if self._cost is None or callable(self._cost) else [self._cost[i] for i in indices]
-        futures, batches, failed = _submit(client, func, items, cost, group, resource, to_host, kwargs,
-                                           per_item=False)
+        with dask.annotate(**self._annotations):
+            futures, batches, failed = _submit(client, func, items, cost, group, resource, to_host, kwargs,
+                                               per_item=False)
         for i, sent in zip(indices, items):
             if isinstance(sent, Future) and isinstance(self._items[i], Future):
                 self._sent[i] = sent  # (given or computed: it may fail)
@@ -686,8 +694,9 @@ class _Batches:
         futures = []
         for i in indices:
             item = self._items[i]
-            future = client.submit(run_batch, func, [item], kwargs, resource, group, to_host,
-                                   key=f"{label}-octopus-alone-{uuid.uuid4().hex}")
+            with dask.annotate(**self._annotations):
+                future = client.submit(run_batch, func, [item], kwargs, resource, group, to_host,
+                                       key=f"{label}-octopus-alone-{uuid.uuid4().hex}")
             if isinstance(item, Future):
                 self._sent[i] = item
             self.where[future.key] = [i]
@@ -763,10 +772,11 @@ def _pending(done: as_completed) -> list[Future]:
 
 
 async def _imap_async(client: Client, func: Callable, items: list[Any], cost: Any, group: int | None, resource: str,
-                      to_host: bool, kwargs: dict[str, Any], errors: str) -> AsyncIterator[tuple[int, Any]]:
+                      to_host: bool, kwargs: dict[str, Any], errors: str,
+                      annotations: Mapping[str, Any]) -> AsyncIterator[tuple[int, Any]]:
     if not items:
         return
-    run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs)
+    run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs, annotations)
     done = as_completed(run.take(), loop=client.loop)
     try:
         async for future in done:
