@@ -31,6 +31,7 @@ from dask_octopus.groups import marks
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, GUARD_PREFIX, inner_keys, replaced_keys
 from dask_octopus.groups.streams import StepFailed, pick
+from dask_octopus.plugins.messages import UNTIMED
 
 
 def scaled(pair, x):
@@ -227,14 +228,18 @@ def load_unless(i, bad, once=False):
 
 
 class Guarded(SchedulerPlugin):
-    """Records the keys whose tasks ran as guards (tasks that only fragments read)."""
+    """Records the keys whose tasks ran as guards (tasks that only fragments read), and those of the guards
+    marked as teaching no speed (they failed, or read a failed value)."""
 
     def __init__(self, scheduler):
-        self.scheduler, self.keys = scheduler, set()
+        self.scheduler, self.keys, self.untimed = scheduler, set(), set()
 
     def transition(self, key, start, finish, *args, **kwargs):
         if finish == "memory" and key_split(key).endswith(f"-{GUARD_PREFIX}"):
-            self.keys.update(replaced_keys(self.scheduler.tasks[key].run_spec))
+            keys = replaced_keys(self.scheduler.tasks[key].run_spec)
+            self.keys.update(keys)
+            if (kwargs.get("metadata") or {}).get(UNTIMED):
+                self.untimed.update(keys)
 
 
 @pytest.mark.parametrize("through", [0, 1])  # the readers read the loads, or the loads doubled (not fused)
@@ -271,6 +276,8 @@ async def test_a_failing_task_that_two_fragments_read_fails_only_what_reads_it(c
         e for i, e in enumerate(expected) if i not in failed]
     for i in failed:
         assert repr(await futures[i].exception()) == f"OSError('cannot read part {bad}')"
+    # the failed guard (and the one that read its error) finished without doing the work: no timing of a speed
+    assert guarded.untimed == {f"load-{bad}"} | ({f"load-twice-{bad}"} if through else set())
     FAILED_ONCE.clear()  # a guard runs its task again as often as its retries allow
     assert await c.gather(outputs("flaky", bad, once=True)) == expected and {bad} == FAILED_ONCE
     assert f"flaky-{bad}" in guarded.keys

@@ -37,6 +37,7 @@ from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Call, Fragment, Ref
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.placement.unfused import UnfusedTask
+from dask_octopus.plugins.messages import UNTIMED
 
 
 def chain(b):
@@ -149,9 +150,27 @@ async def test_without_the_plugin_the_scheduler_makes_a_fragment_per_thread_of_i
     assert set(fragments) == {a.address, b.address, w.address}
 
 
+class Untimed(SchedulerPlugin):
+    """Whether each fragment task that finished was marked as teaching no speed (some of its work failed)."""
+
+    def __init__(self):
+        self.of = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "memory" and key_split(key) == FRAGMENT_PREFIX:
+            self.of[key] = bool((kwargs.get("metadata") or {}).get(UNTIMED))
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_failing_member_fails_only_its_own_outputs(c, s, a, blocks):
     rec = await setup(c, s, [1.0])
+    untimed = Untimed()
+    s.add_plugin(untimed)
+    with dask_octopus.annotate():
+        assert await c.compute(blocks.map_blocks(chain).sum()) == pytest.approx(
+            float(chain(blocks.compute(scheduler="sync")).sum()), rel=1e-12)
+    assert untimed.of and not any(untimed.of.values())  # whole: its timing says how fast the worker is
+    untimed.of.clear()
     with dask_octopus.annotate():
         y = blocks.map_blocks(fail_on_block_3)
     z = c.persist(y.rechunk((8, 6)))  # block i of z joins blocks 2i and 2i + 1 of y, which form fragments
@@ -168,6 +187,7 @@ async def test_a_failing_member_fails_only_its_own_outputs(c, s, a, blocks):
             assert any("raised by task" in n and "fail_on_block_3" in n and ", 3, 0)" in n for n in notes), notes
         else:
             np.testing.assert_array_equal(await f, expected[8 * i:8 * i + 8])
+    assert any(untimed.of.values())  # a fragment that failed a member teaches the speed model nothing
 
 
 FLAKY = {}  # calls per block of flaky_on_block_3 (the workers run in this process)

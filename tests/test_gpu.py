@@ -206,6 +206,39 @@ def map_exact_and_placed(client):
     assert all(abs(load[w] / total - weights[w]) < 0.15 for w in weights), (load, weights)
 
 
+def gemms_unless_on(x, bad):
+    """20 GEMMs of 2048^2 on the GPU, or an error after 5 ms on the worker ``bad`` (a library missing there)."""
+    import cupy
+    from distributed import get_worker
+
+    if get_worker().address == bad:
+        time.sleep(0.005)
+        raise ImportError("library missing on this worker")
+    a = cupy.ones((2048, 2048), dtype=cupy.float32)
+    for _ in range(20):
+        a = a @ a / 2048
+    return x
+
+
+def test_gpu_batches_whose_items_failed_teach_no_speed(worker_pair):
+    """The CUDA-event timings of a batch whose items failed are not sent: the worker where the function
+    fails at once would look fast (its batches launch nothing) and take most of the next map's items."""
+    import dask_octopus
+
+    dask_octopus.register(worker_pair, calibrate=False)
+    good, bad = sorted(workers_info(worker_pair))
+    for _ in range(3):
+        out = dask_octopus.map(gemms_unless_on, range(24), client=worker_pair, cost=[1.0] * 24, gather=True,
+                               errors="skip", bad=bad)
+        assert out and set(out) < set(range(24))
+    time.sleep(0.6)  # event timings are polled every 200 ms
+    profiles = dask_octopus.profiles(worker_pair)
+    assert all(p["event_timing"] for p in profiles.values())
+    rates = worker_pair.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["octopus"].model.table())
+    timed = {p: per for p, per in rates.items() if "octopus-map" in p}
+    assert timed and all(good in per and bad not in per for per in timed.values()), timed
+
+
 def test_dask_cuda_worker_with_preload(tmp_path):
     """``dask cuda worker --preload dask_octopus``: two workers (one command on two GPUs, or two
     commands on the only one), calibrated on arrival, then balanced, pinned and exact."""

@@ -18,6 +18,7 @@ from test_balance import setup
 from test_map import fails_on_seven, plan_of, slow_identity
 
 import dask_octopus
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
 def in_thread(func, *args, **kwargs):
@@ -222,6 +223,30 @@ async def test_items_run_alone_after_a_killed_worker_keep_the_caller_s_annotatio
     for annotations, retries in [*alone.values(), *batches.values()]:
         assert annotations.get("retries") == 2 and retries == 2, (annotations, retries)
     assert {v[0].get("priority") for v in alone.values()} == {7}
+
+
+def fails_fast_on(x, bad):
+    """Raises after 3 ms on the worker ``bad`` (a library missing there), else works 20 ms."""
+    if get_worker().address == bad:
+        time.sleep(0.003)  # (a batch of 2 ms or more is timed)
+        raise ImportError("library missing on this worker")
+    time.sleep(0.02)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_batches_whose_items_failed_teach_no_speed(c, s, a, b):
+    """A worker where the function fails at once finishes its batches fast: they say nothing of its speed
+    (it got 90% of the weight, and most of the next map's items, which failed again)."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    good, bad = sorted(s.workers)
+    for _ in range(3):
+        out = await in_thread(dask_octopus.map, fails_fast_on, range(40), client=c, cost=[1.0] * 40, gather=True,
+                              errors="skip", bad=bad)
+        assert out and set(out) < set(range(40))
+    rates = {p: per for p, per in s.plugins["octopus"].model.table().items() if "octopus-map" in p}
+    assert rates and all(good in per and bad not in per for per in rates.values()), rates
+    assert await c.scheduler.octopus_speeds() == {good: 0.5, bad: 0.5}
 
 
 def fails_when_computed_again(event):

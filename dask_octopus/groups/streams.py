@@ -36,6 +36,7 @@ from dask_octopus._compat import Task
 from dask_octopus.groups.fragment import Fragment, evaluate, step_key
 from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
 from dask_octopus.groups.replay import CapturedGroup, CaptureRefused, GraphCache, capture, capture_fragment
+from dask_octopus.plugins.messages import UNTIMED
 
 logger = logging.getLogger(__name__)
 EXTENSION = "octopus-streams"  #: the name of the :class:`StreamRuntime` in ``Worker.extensions``
@@ -597,7 +598,7 @@ def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int
 class RunningTask:
     """The Dask task that runs a fragment in this thread: the retries Dask grants it (its ``retries``
     annotation, as ``compute(retries=n)`` or ``dask.annotate(retries=n)`` set it; 0 outside a worker),
-    and :meth:`check`, which stops the run once Dask released the task."""
+    :meth:`check`, which stops the run once Dask released the task, and :meth:`untimed`."""
 
     every = 0.05  #: seconds between two looks at the worker's state
 
@@ -610,6 +611,7 @@ class RunningTask:
             ts = self._worker.state.tasks.get(self._key)
         except (ValueError, KeyError):  # not in a worker, or not in the thread of a task
             self._worker, ts = None, None
+        self._ts = ts
         retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
         self.retries = retries if isinstance(retries, int) and retries > 0 else 0
         self._next = time.perf_counter() + self.every
@@ -625,6 +627,12 @@ class RunningTask:
         ts = self._worker.state.tasks.get(self._key)
         if ts is None or ts.state == "cancelled":
             raise Reschedule(f"task {self._key!r} was released while its fragment ran")
+
+    def untimed(self, values: Sequence[Any], failed: type) -> None:
+        """Where one of ``values`` (the task's results) is a ``failed`` (some of its work failed), mark the
+        task :data:`~dask_octopus.plugins.messages.UNTIMED`: its timing teaches no speed."""
+        if self._ts is not None and any(type(v) is failed for v in values):
+            self._ts.metadata[UNTIMED] = True
 
 
 def _retries(fragment: Fragment, task: RunningTask | None) -> list[int]:
@@ -687,12 +695,13 @@ def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], re
     holding the exception instead: a fragment task runs only once all its inputs are in memory, so a
     failed input would fail all of it, where the fragment fails only the steps that read the value,
     as Dask fails only the tasks that read a failed task."""
-    for value in values:
-        if type(value) is StepFailed:
-            return value
     task = RunningTask()
-    return _failed_as_value(node, (dict(zip(reads, values, strict=True)),),
-                            task.retries if retries is None else retries, key, ", read by fragments", task.check)
+    value = next((v for v in values if type(v) is StepFailed), None)
+    if value is None:
+        value = _failed_as_value(node, (dict(zip(reads, values, strict=True)),),
+                                 task.retries if retries is None else retries, key, ", read by fragments", task.check)
+    task.untimed((value,), StepFailed)
+    return value
 
 
 def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
@@ -724,9 +733,12 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     with launching() if cp is not None else contextlib.nullcontext():
         if cp is not None and not (inputs and sum(sizeof(x) for x in inputs) / len(inputs) >= _bytes(
                 config.get("streams.large-bytes"))):
-            return _run_on_gpu(cp, rt, fragment, values, inputs, task)
-        walk(fragment, fragment.specs(), values, task)  # (large inputs on a GPU: on the task's own stream)
-        return tuple(values[s] for s in fragment.results)
+            out = _run_on_gpu(cp, rt, fragment, values, inputs, task)
+        else:
+            walk(fragment, fragment.specs(), values, task)  # (large inputs on a GPU: on the task's own stream)
+            out = tuple(values[s] for s in fragment.results)
+    task.untimed(out, StepFailed)
+    return out
 
 
 def handed_over(cp: Any, results: list[Any]) -> list[Any]:

@@ -70,11 +70,13 @@ def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
               to_host: bool = False) -> list[Any]:
     """Run ``func`` on each item in one task: one after the other without ``group``, else ``group`` items
     at a time as a stream group; an item that raises runs again as often as the task's ``retries``
-    allow (Dask would re-run the item's task), then gives an :class:`ItemError` in its place. The
+    allow (Dask would re-run the item's task), then gives an :class:`ItemError` in its place (and the
+    task's timing and result size then teach the scheduler nothing: :data:`~dask_octopus.plugins.messages.UNTIMED`). The
     token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is computed
     once for the whole batch, when a group first asks for it. ``to_host``: CuPy results are copied to
     host memory at the end, all at once (:func:`~dask_octopus.placement.tohost.to_host`)."""
-    call = _each_on_its_own(partial(func, **kwargs), streams.RunningTask().retries, funcname(func))
+    task = streams.RunningTask()
+    call = _each_on_its_own(partial(func, **kwargs), task.retries, funcname(func))
     if group is None:
         out = [call(item) for item in items]
     else:
@@ -85,6 +87,7 @@ def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
             n = len(chunk)
             out += streams.run_group([call] * n, [[item] for item in chunk], [resource] * n,
                                      lambda n=n: [token()] * n)
+    task.untimed(out, ItemError)  # (a worker where func fails at once would look fast)
     return tohost.to_host(out) if to_host else out
 
 

@@ -6,6 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
+#: a task's metadata (``TaskState.metadata`` on the worker, sent with its result) set where its timing tells
+#: nothing of its worker's speed: some of its work failed (items of a ``map`` batch, steps of a fragment), and
+#: a worker where the function fails at once would look fast
+UNTIMED = "octopus-untimed"
+
 
 class Profile(TypedDict, total=False):
     """A worker's calibration as the worker plugin reports it, and, from ``octopus_profiles``, its

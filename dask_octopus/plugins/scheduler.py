@@ -33,7 +33,7 @@ from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.placement.pins import Placement
 from dask_octopus.placement.planning import reassign
-from dask_octopus.plugins.messages import Profile, WorkerInfo
+from dask_octopus.plugins.messages import UNTIMED, Profile, WorkerInfo
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
@@ -501,8 +501,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self.placement.done(key)
             scheduler_groups.place_readers(self.scheduler, key, worker)
             # each guarded on its own: a failure in one (logged once) leaves the others working
-            self._refine(key, worker, kwargs)
-            self._learn_result_size(key, kwargs.get("nbytes"))
+            if not (kwargs.get("metadata") or {}).get(UNTIMED):  # some of its work failed: it says nothing
+                self._refine(key, worker, kwargs)
+                self._learn_result_size(key, kwargs.get("nbytes"))
             self._record_finish(key, worker, kwargs["startstops"])
             self._steal_for(worker)
         elif start == "processing" and finish == "released":

@@ -5,7 +5,8 @@ measure launches, not work. On a GPU worker with one thread (dask-cuda's default
 records an event on the default stream when a task starts executing and another when it finishes;
 the elapsed time between them is the GPU time of that task's kernels. Finished pairs are polled
 without blocking and sent to the scheduler plugin as ``octopus-gpu-timings`` events of
-``(key, prefix, bytes, seconds)``.
+``(key, prefix, bytes, seconds)``; but not those of tasks some of whose work failed
+(:data:`~dask_octopus.plugins.messages.UNTIMED`).
 Assumes the legacy default stream (no per-thread default stream), as dask-cuda sets it up.
 """
 
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
 from tornado.ioloop import PeriodicCallback
+
+from dask_octopus.plugins.messages import UNTIMED
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -48,7 +51,7 @@ class GpuTaskTimer:
         elif start == "executing":
             begin = self.started.pop(key, None)
             ts = self.worker.state.tasks.get(key)
-            if begin is not None and finish == "memory" and ts is not None:
+            if begin is not None and finish == "memory" and ts is not None and not ts.metadata.get(UNTIMED):
                 units = (ts.nbytes or 0) + sum(d.nbytes or 0 for d in ts.dependencies)
                 self.finished.append((key, max(units, 1), begin, self._event()))
 
