@@ -1,6 +1,7 @@
 """balance(): sizes from the weights, exact values, placement from the scheduler's records, faults, bad input."""
 
 import asyncio
+import logging
 import time
 
 import dask
@@ -14,7 +15,7 @@ from dask.utils import key_split
 from distributed import Event, Nanny, Worker, get_worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 
 import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError
@@ -899,6 +900,31 @@ async def test_tasks_pinned_to_a_worker_that_pauses_mid_compute_run_elsewhere(c,
     result = await asyncio.wait_for(fut, 30)  # without: a's share waits for a forever
     np.testing.assert_allclose(result, (await c.compute(x.sum(axis=1))) + 30.0, rtol=1e-12)
     assert set(per_block_tasks(rec).values()) == {b.address}, rec.worker
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=60)
+async def test_an_error_in_the_plugin_as_a_worker_leaves_lets_its_pinned_tasks_run_elsewhere(c, s, a, b, w3):
+    """The plugin's bookkeeping raises as a worker is removed without closing first (as Dask's TTL check
+    removes one that missed its heartbeats): Dask's placement applies, not a wait for that worker forever."""
+    await setup(c, s, [1.0, 1.0, 1.0])
+    p = s.plugins["octopus"]
+
+    def broken(worker):
+        raise RuntimeError("injected")
+
+    p.model.remove = broken
+    gate = Event()
+    g = c.submit(wait_for_event, gate.name, workers=[a.address], pure=False)
+    await async_poll_for(lambda: g.key in s.tasks and s.tasks[g.key].state == "processing", timeout=10)
+    x = da.ones((600, 8), chunks=(50, 8)).map_blocks(add_gate, g, dtype=float)
+    y = await run_balance(c, x, per_worker=2)
+    fut = c.compute(y.sum(axis=1))
+    await async_poll_for(lambda: fut.key in s.tasks, timeout=10)
+    with captured_logger("dask_octopus.plugins.scheduler", level=logging.ERROR) as log:
+        await s.remove_worker(b.address, stimulus_id="worker-ttl-timed-out", close=False)
+        await gate.set()
+        np.testing.assert_array_equal(await asyncio.wait_for(fut, 30), np.full(600, 16.0))
+    assert "remove_worker failed" in log.getvalue()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90,

@@ -642,28 +642,38 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     @_guarded
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        self._split_held(f"octopus-add-worker-{time.time()}")  # before the held tasks are placed again
-        self.joined[worker] = time.monotonic()
-        if scheduler.workers[worker].status in HELD:  # joined paused (a new worker is "init" until it runs)
-            self.placement.hold(scheduler, worker, False, "add-worker")
-        self._rehome("add-worker")
+        try:
+            self._split_held(f"octopus-add-worker-{time.time()}")  # before the held tasks are placed again
+            self.joined[worker] = time.monotonic()
+            if scheduler.workers[worker].status in HELD:  # joined paused (a new worker is "init" until it runs)
+                self.placement.hold(scheduler, worker, False, "add-worker")
+        finally:
+            self._rehome("add-worker")
 
     @_guarded
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any) -> None:
-        self._split_held(stimulus_id)  # before the pins of the worker's blocks move
-        self.profiles.pop(worker, None)
-        self.unreported.discard(worker)
-        self.joined.pop(worker, None)
-        self.model.remove(worker)
-        for prefix, fits in list(self.item_costs.items()):
-            fits.pop(worker, None)
-            if not fits:
-                del self.item_costs[prefix]
-        self.bad_timings.discard(worker)
-        self._rehome(stimulus_id)
+        try:
+            self._split_held(stimulus_id)  # before the pins of the worker's blocks move
+            self.profiles.pop(worker, None)
+            self.unreported.discard(worker)
+            self.joined.pop(worker, None)
+            self.model.remove(worker)
+            for prefix, fits in list(self.item_costs.items()):
+                fits.pop(worker, None)
+                if not fits:
+                    del self.item_costs[prefix]
+            self.bad_timings.discard(worker)
+        finally:  # (also after an error above: a task pinned to the worker that left would wait forever)
+            self._rehome(stimulus_id)
 
     def _rehome(self, stimulus_id: str) -> None:
-        if self.scheduler.workers:
-            n = self.placement.rehome(self.scheduler, self.speeds(), stimulus_id)
-            if n:
-                logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left", n)
+        """Pin the tasks of blocks whose worker left to the workers there are; where that fails, let
+        every pinned task run anywhere (Dask's placement), as when the plugin is unregistered."""
+        try:
+            if self.scheduler.workers:
+                n = self.placement.rehome(self.scheduler, self.speeds(), stimulus_id)
+                if n:
+                    logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left", n)
+        except Exception:
+            self.placement.loosen(self.scheduler, stimulus_id)
+            raise
