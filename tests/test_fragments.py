@@ -38,6 +38,7 @@ from dask_octopus.groups.fragment import Call, Fragment, Ref
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.placement.unfused import UnfusedTask
 from dask_octopus.plugins.messages import UNTIMED
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
 def chain(b):
@@ -148,6 +149,19 @@ async def test_without_the_plugin_the_scheduler_makes_a_fragment_per_thread_of_i
     fragments = [worker for prefix, worker in ran.ran if prefix == FRAGMENT_PREFIX]
     assert len(fragments) == 3  # the cluster's threads, not the scheduler's cores (num_workers of a local scheduler)
     assert set(fragments) == {a.address, b.address, w.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.refine.min-duration": "1us"})
+async def test_fragment_timings_teach_speeds_under_the_prefixes_of_their_work(c, s, a, b, blocks):
+    """Every fragment task's key has one prefix: two workloads' fragments are timed apart, by the prefixes of
+    their members (a worker that ran the heavy one's fragments looked slower than one that ran the light's)."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    with dask_octopus.annotate():
+        await c.compute(blocks.map_blocks(chain).sum())
+        await c.compute((blocks + 1).max())
+    prefixes = sorted(p for p in s.plugins["octopus"].model.rates if p.startswith(FRAGMENT_PREFIX))
+    assert len(prefixes) == 2 and FRAGMENT_PREFIX not in prefixes, prefixes
+    assert any("sum" in p for p in prefixes) and any("max" in p for p in prefixes), prefixes
 
 
 class Untimed(SchedulerPlugin):

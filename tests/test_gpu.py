@@ -239,6 +239,32 @@ def test_gpu_batches_whose_items_failed_teach_no_speed(worker_pair):
     assert timed and all(good in per and bad not in per for per in timed.values()), timed
 
 
+def square_gemms(block):
+    """20 GEMMs of a square block by itself (scaled)."""
+    for _ in range(20):
+        block = block @ block / block.shape[0]
+    return block
+
+
+def test_gpu_fragment_timings_name_their_members_work(cuda_one):
+    """The CUDA-event timing of a fragment task goes under its members' prefixes, not the one prefix that
+    every fragment task's key has."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+
+    x = cuda_one.persist(da.from_array(cupy.ones((8192, 2048), dtype=cupy.float32), chunks=(2048, 2048)))
+    for _ in range(3):
+        with dask_octopus.annotate():
+            cuda_one.compute(x.map_blocks(square_gemms).sum()).result()
+    time.sleep(0.6)  # event timings are polled every 200 ms
+    rates = cuda_one.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["octopus"].model.table())
+    fragments = [p for p in rates if p.startswith("octopus-fragments")]
+    # (Dask fuses the GEMMs into the partial sums: octopus-fragments(sum+sum-partial))
+    assert fragments and all(p != "octopus-fragments" and "sum-partial" in p for p in fragments), list(rates)
+
+
 def test_dask_cuda_worker_with_preload(tmp_path):
     """``dask cuda worker --preload dask_octopus``: two workers (one command on two GPUs, or two
     commands on the only one), calibrated on arrival, then balanced, pinned and exact."""

@@ -121,6 +121,18 @@ def fragment_of(node: Any) -> Fragment | None:
     return node.args[0].value if isinstance(node, Task) and node.func is run_fragment else None
 
 
+def timing_prefix(prefix: str, node: Any) -> str:
+    """The task prefix under which the timings of a task of ``prefix`` with run spec ``node`` teach speeds:
+    for a fragment task, the prefixes of its members (``octopus-fragments(chain+sum-partial)``): every
+    fragment task's key has the prefix ``octopus-fragments``, whatever work it does, and a worker that ran
+    a heavy workload's fragments would look slower than one that ran a light one's; else ``prefix``."""
+    fragment = fragment_of(node) if prefix == FRAGMENT_PREFIX else None
+    if fragment is None:
+        return prefix
+    names = dict.fromkeys(k[0] if type(k) is tuple and k else k for k in fragment.members)
+    return f"{FRAGMENT_PREFIX}({'+'.join(sorted({key_split(n) for n in names}))})"
+
+
 def replaced_keys(node: GraphNode) -> list[Key]:
     """The keys of the graph whose work a task made by :func:`fragment_graph` does: a fragment task's
     members, or the one task a guard runs (empty for any other node)."""

@@ -31,6 +31,7 @@ from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistor
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
+from dask_octopus.groups.rewrite import timing_prefix
 from dask_octopus.placement.pins import Placement
 from dask_octopus.placement.planning import reassign
 from dask_octopus.plugins.messages import UNTIMED, Profile, WorkerInfo
@@ -575,7 +576,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         nbytes = kwargs.get("nbytes")
         units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
         units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
-        self._observe(worker, key, ts.prefix.name, units, seconds)
+        self._observe(worker, key, timing_prefix(ts.prefix.name, ts.run_spec), units, seconds)
 
     @_guarded
     def _learn_result_size(self, key: Any, nbytes: Any) -> None:

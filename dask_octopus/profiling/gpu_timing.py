@@ -5,7 +5,8 @@ measure launches, not work. On a GPU worker with one thread (dask-cuda's default
 records an event on the default stream when a task starts executing and another when it finishes;
 the elapsed time between them is the GPU time of that task's kernels. Finished pairs are polled
 without blocking and sent to the scheduler plugin as ``octopus-gpu-timings`` events of
-``(key, prefix, bytes, seconds)``; but not those of tasks some of whose work failed
+``(key, prefix, bytes, seconds)`` (a fragment task's prefix names its members' work:
+:func:`~dask_octopus.groups.rewrite.timing_prefix`); but not those of tasks some of whose work failed
 (:data:`~dask_octopus.plugins.messages.UNTIMED`).
 Assumes the legacy default stream (no per-thread default stream), as dask-cuda sets it up.
 """
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from dask.utils import key_split
 from tornado.ioloop import PeriodicCallback
 
+from dask_octopus.groups.rewrite import timing_prefix
 from dask_octopus.plugins.messages import UNTIMED
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ class GpuTaskTimer:
         self.cupy = cupy
         self.worker = worker
         self.started: dict[Any, Any] = {}
-        self.finished: deque[tuple[Any, int, Any, Any]] = deque()
+        self.finished: deque[tuple[Any, str, int, Any, Any]] = deque()
         # the worker stops its periodic callbacks when it closes
         self.callback = worker.periodic_callbacks[TOPIC] = PeriodicCallback(self.flush, interval_ms)
         self.callback.start()
@@ -53,14 +55,15 @@ class GpuTaskTimer:
             ts = self.worker.state.tasks.get(key)
             if begin is not None and finish == "memory" and ts is not None and not ts.metadata.get(UNTIMED):
                 units = (ts.nbytes or 0) + sum(d.nbytes or 0 for d in ts.dependencies)
-                self.finished.append((key, max(units, 1), begin, self._event()))
+                prefix = timing_prefix(key_split(key), ts.run_spec)
+                self.finished.append((key, prefix, max(units, 1), begin, self._event()))
 
     def flush(self) -> None:
         """Send the timings whose end event has completed."""
         out = []
-        while self.finished and self.finished[0][3].done:
-            key, units, begin, end = self.finished.popleft()
-            out.append((key, key_split(key), units, self.cupy.cuda.get_elapsed_time(begin, end) / 1000))
+        while self.finished and self.finished[0][4].done:
+            key, prefix, units, begin, end = self.finished.popleft()
+            out.append((key, prefix, units, self.cupy.cuda.get_elapsed_time(begin, end) / 1000))
         if out:
             self.worker.log_event(TOPIC, {"worker": self.worker.address, "timings": out})
 
