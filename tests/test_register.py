@@ -326,6 +326,21 @@ async def test_a_worker_s_task_timings_count_once_it_reported_its_calibration(c,
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_a_gpu_worker_without_event_timings_keeps_its_calibrated_speed(c, s, a, b):
+    """A GPU worker of several threads times no task with CUDA events: its tasks' durations end at launch."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    p = plugin(s)
+    p.profiles[a.address].update(device="gpu", event_timing=False)
+    futures = [c.submit(sum, [1, 2], key=f"launched-{k}", workers=[w.address]) for k in range(3) for w in (a, b)]
+    await c.gather(futures)
+    for k in range(3):
+        for w in (a, b):
+            p.transition(f"launched-{k}", "processing", "memory", worker=w.address, stimulus_id="x",
+                         startstops=[{"action": "compute", "start": 0.0, "stop": 0.01}])
+    assert set(p.model.table()["launched"]) == {b.address}  # the CPU worker's wall times count
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
     from dask_octopus.profiling.gpu_timing import TOPIC
 

@@ -562,10 +562,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     @_guarded
     def _refine(self, key: Any, worker: str, kwargs: dict[str, Any]) -> None:
         """Feed a finished task's timing to the speed model (not on workers that report CUDA-event timings,
-        nor on those that have not reported yet: a GPU worker's tasks while it calibrates end at launch)."""
+        nor on those that have not reported yet: a GPU worker's tasks while it calibrates end at launch,
+        nor on GPU workers without CUDA-event timings, of several threads: their tasks end at launch)."""
         profile = self.profiles.get(worker)
-        if profile is None or profile.get("event_timing"):
-            return  # CuPy tasks return at launch: this worker reports CUDA-event timings instead
+        if profile is None or profile.get("event_timing") or profile.get("device") == "gpu":
+            return  # CuPy tasks return at launch: this worker reports CUDA-event timings, or its calibration stands
         ts = self.scheduler.tasks.get(key)
         if ts is None:
             return
