@@ -348,7 +348,11 @@ async def test_planned_costs_replace_bytes_as_work_units(c, s, a, b):
     await c.scheduler.octopus_add_plan(name="octopus-map-f-abc", workers=[a.address, b.address], costs=[10, 20])
     s.log_event(TOPIC, {"worker": b.address, "timings": [(["octopus-map-f-abc", 1], "octopus-map-f", 999, 2.0)]})
     s.log_event(TOPIC, {"worker": b.address, "timings": [(["other", 1], "other", 999, 2.0)]})
+    # a map's task whose plan is gone (dropped, or retired before its late timing): no bytes among its costs
+    gone = [f"f-octopus-map-{'1' * 32}", 0]
+    s.log_event(TOPIC, {"worker": b.address, "timings": [(gone, "f-octopus-map", 999, 2.0)]})
     rates = plugin(s).model.table()
+    assert "f-octopus-map" not in rates
     assert rates["octopus-map-f"][b.address][0] == pytest.approx(10.0)  # cost 20 in 2 s
     assert rates["other"][b.address][0] == pytest.approx(499.5)  # not planned: bytes
     # costs of any scale (megapixels, seconds): 0.05 in 0.5 s is 0.1 a second, not 1 unit in 0.5 s; a

@@ -30,6 +30,7 @@ from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
 from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_bytes, split_tail
+from dask_octopus.placement.pins import MAP_INFIX
 from dask_octopus.placement.transfers import item_seconds
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, client_of, wait_for
 from dask_octopus.plugins.messages import WorkerInfo
@@ -353,7 +354,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     nbytes = _item_bytes(client, items, wait=batched)  # (one task per item: it waits for its item itself)
     failed = _failed_inputs(items)
     label = _label(func)
-    prefix = key_split(f"{label}-octopus-map-{'0' * 32}")
+    prefix = key_split(f"{label}-{MAP_INFIX}-{'0' * 32}")
     workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, nbytes, prefix)
     # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
     result_size = next((w.result_size for w in info if w.result_size is not None), None)
@@ -368,7 +369,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     run = None if per_item else uuid.uuid4().hex
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
     _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
-    name = f"{label}-octopus-map-{token}"
+    name = f"{label}-{MAP_INFIX}-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
                    counts=[len(idx) for _, idx, _ in batches], stealable=[st for _, _, st in batches],

@@ -89,6 +89,7 @@ def _reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str
 
 
 RETIRED = 64  #: map plans kept after their tasks went, for the timings that arrive later
+MAP_INFIX = "octopus-map"  #: a map's tasks are named ``<function>-octopus-map-<token>`` (their plan's name)
 
 
 class Placement:

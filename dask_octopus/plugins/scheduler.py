@@ -32,7 +32,7 @@ from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import timing_prefix
-from dask_octopus.placement.pins import Placement
+from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
 from dask_octopus.plugins.messages import UNTIMED, Profile, WorkerInfo
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
@@ -635,6 +635,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if seconds >= self.min_duration:
             planned = self.placement.cost_of(key)
             cost, count = planned if planned is not None else (None, None)
+            if cost is None and prefix.endswith(f"-{MAP_INFIX}"):
+                return  # a map's task whose plan is gone: its bytes would join the rates of its costs
             if cost is None:  # bytes (at least one: a task reading and writing nothing)
                 self.model.observe(worker, prefix, max(units, 1), seconds)
             elif cost > 0:  # the user's cost units, any scale (a batch of cost 0 has no rate)
