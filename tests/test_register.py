@@ -271,6 +271,21 @@ async def test_each_kind_of_bad_task_timing_alone_is_ignored_with_a_warning(c, s
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_a_task_that_computed_nothing_is_no_bad_timing(c, s, a, b):
+    """A task finished with no compute interval (nothing ran) teaches nothing, without the one warning its
+    worker gets for bad timings."""
+    await c.register_plugin(OctopusSchedulerPlugin())
+    p = plugin(s)
+    await c.submit(sum, [1, 2], key="t")
+    before = {k: dict(v) for k, v in p.model.rates.items()}
+    with captured_logger("dask_octopus.plugins.scheduler", level=logging.WARNING) as log:
+        p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",
+                     startstops=[{"action": "transfer", "start": 0.0, "stop": 1.0, "source": b.address}])
+    assert log.getvalue() == "" and a.address not in p.bad_timings
+    assert {k: dict(v) for k, v in p.model.rates.items()} == before
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_bad_task_timings_are_ignored_and_warned_once(c, s, a, b):
     await c.register_plugin(OctopusSchedulerPlugin())
     p = plugin(s)

@@ -570,7 +570,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(key)
         if ts is None:
             return
-        seconds = sum(s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute")
+        computed = [s["stop"] - s["start"] for s in kwargs["startstops"] if s.get("action") == "compute"]
+        if not computed:
+            return  # it ran nothing here (no compute interval): no timing, not a bad one
+        seconds = sum(computed)
         if 0 < seconds < self.min_duration:
             return  # most tasks: skip the bytes count (_observe would drop the timing anyway); bad
             # timings (zero, negative, NaN) go on to _observe, which warns about them

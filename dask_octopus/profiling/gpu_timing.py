@@ -63,7 +63,9 @@ class GpuTaskTimer:
         out = []
         while self.finished and self.finished[0][4].done:
             key, prefix, units, begin, end = self.finished.popleft()
-            out.append((key, prefix, units, self.cupy.cuda.get_elapsed_time(begin, end) / 1000))
+            seconds = self.cupy.cuda.get_elapsed_time(begin, end) / 1000
+            if seconds != 0:  # (0: it launched no kernel, its work was on the host; not a bad timing)
+                out.append((key, prefix, units, seconds))
         if out:
             self.worker.log_event(TOPIC, {"worker": self.worker.address, "timings": out})
 
