@@ -496,6 +496,27 @@ async def test_registering_again_after_unregistering_calibrates_the_workers_anew
     assert all(s.handlers[name] is handler for name, handler in plugin(s)._handlers.items())  # the new one's kept
 
 
+def test_a_plugin_unregistered_just_before_its_scheduler_closes_is_retired():
+    """Dask closes only the plugins registered when the scheduler closes, and stops the sampler that notices
+    an unregistered one: such a plugin kept its filter on the process's scheduler log and its metrics,
+    and with them itself and its scheduler, for the life of the process."""
+    from dask_octopus.dashboard import serve
+
+    kept = []
+
+    @gen_cluster(client=True, config=FAST)
+    async def run(c, s, a, b):
+        await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+        kept.append(plugin(s))
+        await c.unregister_scheduler_plugin("octopus")  # (its next weight sample is 1 s away)
+
+    run()
+    (p,) = kept
+    assert p._retired and p._log_filter is None and p not in serve._exported
+    assert not [f for f in logging.getLogger("distributed.scheduler").filters
+                if getattr(f, "_scheduler", lambda: None)() is p.scheduler]
+
+
 @gen_cluster(client=True, config={"octopus.calibration.seconds": 0.5})
 async def test_a_worker_leaving_while_the_workers_calibrate_does_not_fail_register(c, s, a, b):
     registering = asyncio.ensure_future(dask_octopus.register(c))

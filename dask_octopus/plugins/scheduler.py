@@ -98,6 +98,24 @@ def _replying(handler: F) -> F:
     return reply  # type: ignore[return-value]
 
 
+class _Sampler(PeriodicCallback):
+    """The weight sampler of ``plugin`` (:meth:`OctopusSchedulerPlugin._sample_weights`, which also retires
+    a plugin no longer registered). Its scheduler stops it as it closes, and calls ``close`` only on the
+    plugins registered then: one unregistered since its last sample is retired as it stops (else its
+    filter of the scheduler's log and its metrics would keep it, and its scheduler, for the process's life)."""
+
+    def __init__(self, plugin: OctopusSchedulerPlugin):
+        super().__init__(plugin._sample_weights, HISTORY_INTERVAL * 1000)
+        self.plugin = plugin
+
+    def stop(self) -> None:
+        super().stop()
+        plugin = self.plugin
+        if plugin._sampler is self and not plugin._retired and not plugin.registered():
+            plugin._sampler = None  # (not dropped from the periodic callbacks, which the scheduler is stopping)
+            plugin._retire()
+
+
 class OctopusSchedulerPlugin(SchedulerPlugin):
     """Profiles workers, refines their speeds from task timings and pins planned blocks.
 
@@ -172,7 +190,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions, str]] = {}
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
-        self._sampler: PeriodicCallback | None = None
+        self._sampler: _Sampler | None = None
         self._handlers: dict[str, Callable[..., Any]] = {}
         self.history_failed = False
         self._sampled_for: tuple | None = None  # the workers and calibrations of the last working-out
@@ -222,7 +240,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         scheduler_groups.hosts.add(self)
         self._filter_log(scheduler)
         self._serve()
-        self._sampler = PeriodicCallback(self._sample_weights, HISTORY_INTERVAL * 1000)
+        self._sampler = _Sampler(self)
         scheduler.periodic_callbacks[HISTORY_CALLBACK] = self._sampler  # the scheduler stops it as it closes
         self._sampler.start()
 
