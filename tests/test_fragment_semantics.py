@@ -31,7 +31,7 @@ from dask_octopus.groups import marks
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, GUARD_PREFIX, inner_keys, replaced_keys
 from dask_octopus.groups.streams import StepFailed, pick
-from dask_octopus.plugins.messages import UNTIMED
+from dask_octopus.plugins.messages import DONE_SHARE
 
 
 def scaled(pair, x):
@@ -238,7 +238,7 @@ class Guarded(SchedulerPlugin):
         if finish == "memory" and key_split(key).endswith(f"-{GUARD_PREFIX}"):
             keys = replaced_keys(self.scheduler.tasks[key].run_spec)
             self.keys.update(keys)
-            if (kwargs.get("metadata") or {}).get(UNTIMED):
+            if (kwargs.get("metadata") or {}).get(DONE_SHARE) == 0.0:
                 self.untimed.update(keys)
 
 

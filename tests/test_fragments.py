@@ -37,7 +37,7 @@ from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Call, Fragment, Ref
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
 from dask_octopus.placement.unfused import UnfusedTask
-from dask_octopus.plugins.messages import UNTIMED
+from dask_octopus.plugins.messages import DONE_SHARE
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
@@ -172,7 +172,7 @@ class Untimed(SchedulerPlugin):
 
     def transition(self, key, start, finish, *args, **kwargs):
         if finish == "memory" and key_split(key) == FRAGMENT_PREFIX:
-            self.of[key] = bool((kwargs.get("metadata") or {}).get(UNTIMED))
+            self.of[key] = (kwargs.get("metadata") or {}).get(DONE_SHARE) == 0.0
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

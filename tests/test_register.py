@@ -13,6 +13,7 @@ from distributed.utils_test import async_poll_for, captured_logger, cluster, gen
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
+from dask_octopus.plugins.messages import DONE_SHARE
 from dask_octopus.plugins.scheduler import ERROR, HISTORY_INTERVAL, OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
@@ -341,18 +342,41 @@ async def test_a_worker_s_task_timings_count_once_it_reported_its_calibration(c,
 
 
 @gen_cluster(client=True, config=FAST)
-async def test_a_gpu_worker_without_event_timings_keeps_its_calibrated_speed(c, s, a, b):
-    """A GPU worker of several threads times no task with CUDA events: its tasks' durations end at launch."""
+async def test_a_task_whose_work_partly_failed_counts_for_the_share_done(c, s, a, b):
+    """A map batch with half its items failed counts half its planned cost in its time; one whose items all
+    failed, nothing (nor does either teach a result size)."""
     await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
     p = plugin(s)
-    p.profiles[a.address].update(device="gpu", event_timing=False)
+    name = f"f-octopus-map-{'2' * 32}"
+    await c.scheduler.octopus_add_plan(name=name, workers=[a.address, b.address], costs=[10, 10], counts=[4, 4],
+                                       nbytes=[100, 100])
+    futures = [c.submit(sum, [1, 2], key=(name, i), workers=[w]) for i, w in enumerate([a.address, b.address])]
+    await c.gather(futures)
+    p.model.rates.clear()
+    p.result_sizes.clear()  # (of those tasks, which ran whole)
+    for (i, w), share in zip(enumerate([a.address, b.address]), [0.5, 0.0]):
+        p.transition((name, i), "processing", "memory", worker=w, stimulus_id="x", metadata={DONE_SHARE: share},
+                     nbytes=1000, startstops=[{"action": "compute", "start": 0.0, "stop": 1.0}])
+    rates = p.model.table()["f-octopus-map"]
+    assert set(rates) == {a.address} and rates[a.address][0] == pytest.approx(5.0)  # 10 * 0.5 in 1 s
+    assert not p.result_sizes.get("f-octopus-map")
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_a_gpu_worker_without_event_timings_keeps_its_calibrated_speed(c, s, a, b):
+    """A GPU worker of several threads times no task with CUDA events: its tasks' durations end at launch
+    (but a worker registered as a GPU one without CuPy runs its tasks on the host: they count)."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    p = plugin(s)
+    p.profiles[a.address].update(device="gpu", event_timing=False, ends_at_launch=True)
+    p.profiles[b.address].update(device="gpu", event_timing=False, ends_at_launch=False)
     futures = [c.submit(sum, [1, 2], key=f"launched-{k}", workers=[w.address]) for k in range(3) for w in (a, b)]
     await c.gather(futures)
     for k in range(3):
         for w in (a, b):
             p.transition(f"launched-{k}", "processing", "memory", worker=w.address, stimulus_id="x",
                          startstops=[{"action": "compute", "start": 0.0, "stop": 0.01}])
-    assert set(p.model.table()["launched"]) == {b.address}  # the CPU worker's wall times count
+    assert set(p.model.table()["launched"]) == {b.address}  # the host's wall times count
 
 
 @gen_cluster(client=True, config=FAST)

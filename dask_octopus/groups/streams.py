@@ -36,7 +36,7 @@ from dask_octopus._compat import Task
 from dask_octopus.groups.fragment import Fragment, evaluate, step_key
 from dask_octopus.groups.planning import arena_peak, assign_streams, launch_order
 from dask_octopus.groups.replay import CapturedGroup, CaptureRefused, GraphCache, capture, capture_fragment
-from dask_octopus.plugins.messages import UNTIMED
+from dask_octopus.plugins.messages import DONE_SHARE
 
 logger = logging.getLogger(__name__)
 EXTENSION = "octopus-streams"  #: the name of the :class:`StreamRuntime` in ``Worker.extensions``
@@ -598,7 +598,7 @@ def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int
 class RunningTask:
     """The Dask task that runs a fragment in this thread: the retries Dask grants it (its ``retries``
     annotation, as ``compute(retries=n)`` or ``dask.annotate(retries=n)`` set it; 0 outside a worker),
-    :meth:`check`, which stops the run once Dask released the task, and :meth:`untimed`."""
+    :meth:`check`, which stops the run once Dask released the task, and :meth:`done_share`."""
 
     every = 0.05  #: seconds between two looks at the worker's state
 
@@ -628,11 +628,15 @@ class RunningTask:
         if ts is None or ts.state == "cancelled":
             raise Reschedule(f"task {self._key!r} was released while its fragment ran")
 
-    def untimed(self, values: Sequence[Any], failed: type) -> None:
-        """Where one of ``values`` (the task's results) is a ``failed`` (some of its work failed), mark the
-        task :data:`~dask_octopus.plugins.messages.UNTIMED`: its timing teaches no speed."""
-        if self._ts is not None and any(type(v) is failed for v in values):
-            self._ts.metadata[UNTIMED] = True
+    def done_share(self, values: Sequence[Any], failed: type, partial: bool) -> None:
+        """Where some of ``values`` (the task's results) are ``failed``, tell the scheduler the share of
+        the task's work done (:data:`~dask_octopus.plugins.messages.DONE_SHARE`): with ``partial``, the
+        share of the values that are not (items each a share of the work), else none."""
+        if self._ts is None or not values:
+            return
+        bad = sum(type(v) is failed for v in values)
+        if bad:
+            self._ts.metadata[DONE_SHARE] = 1 - bad / len(values) if partial else 0.0
 
 
 def _retries(fragment: Fragment, task: RunningTask | None) -> list[int]:
@@ -700,7 +704,7 @@ def run_guarded(key: Hashable, node: Callable[[Mapping[Hashable, Any]], Any], re
     if value is None:
         value = _failed_as_value(node, (dict(zip(reads, values, strict=True)),),
                                  task.retries if retries is None else retries, key, ", read by fragments", task.check)
-    task.untimed((value,), StepFailed)
+    task.done_share((value,), StepFailed, partial=False)
     return value
 
 
@@ -737,7 +741,7 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
         else:
             walk(fragment, fragment.specs(), values, task)  # (large inputs on a GPU: on the task's own stream)
             out = tuple(values[s] for s in fragment.results)
-    task.untimed(out, StepFailed)
+    task.done_share(out, StepFailed, partial=False)
     return out
 
 

@@ -71,8 +71,9 @@ def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
               to_host: bool = False) -> list[Any]:
     """Run ``func`` on each item in one task: one after the other without ``group``, else ``group`` items
     at a time as a stream group; an item that raises runs again as often as the task's ``retries``
-    allow (Dask would re-run the item's task), then gives an :class:`ItemError` in its place (and the
-    task's timing and result size then teach the scheduler nothing: :data:`~dask_octopus.plugins.messages.UNTIMED`). The
+    allow (Dask would re-run the item's task), then gives an :class:`ItemError` in its place (the task's
+    timing then counts for the share of its items that gave results, and it teaches no result size:
+    :data:`~dask_octopus.plugins.messages.DONE_SHARE`). The
     token of ``func`` and ``kwargs`` (which identifies the members' work on a GPU worker) is computed
     once for the whole batch, when a group first asks for it. ``to_host``: CuPy results are copied to
     host memory at the end, all at once (:func:`~dask_octopus.placement.tohost.to_host`)."""
@@ -88,7 +89,7 @@ def run_batch(func: Callable, items: Sequence[Any], kwargs: dict[str, Any], reso
             n = len(chunk)
             out += streams.run_group([call] * n, [[item] for item in chunk], [resource] * n,
                                      lambda n=n: [token()] * n)
-    task.untimed(out, ItemError)  # (a worker where func fails at once would look fast)
+    task.done_share(out, ItemError, partial=True)  # (a worker where func fails at once would look fast)
     return tohost.to_host(out) if to_host else out
 
 
@@ -413,8 +414,9 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
     then knows the bytes of result per byte of item) the others, in batches that count their results
     that large. Results much larger than their items (paths in, images out) would otherwise be counted
     as large as the items, and a batch cut to the worker's budget by that count would hold many times
-    more, until the worker dies running it. An item that raises teaches the size of its error: the
-    next cheapest runs alone then, up to :data:`PROBES` items. Items scattered to their workers on the
+    more, until the worker dies running it. An item that raises teaches nothing (its error is no
+    result): the next cheapest runs alone then, up to :data:`PROBES` items, and after as many errors the
+    others count :data:`RESULT_SIZE`. Items scattered to their workers on the
     way replace those of ``items``, as :func:`_submit` does."""
     parts: list[tuple[list[int], tuple[list[Future], list[list[int]], set[int]]]] = []
 
@@ -438,7 +440,7 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
         wait_for(client, [future])
         if not _failed_alone(future, per_item):
             break
-    if left:  # (after PROBES failed items, as large as the last one's error)
+    if left:  # (after PROBES failed items, counted RESULT_SIZE)
         submit(left, probe=False)
     failed = {indices[j] for indices, (_, _, bad) in parts for j in bad}
     if per_item:

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
-#: a task's metadata (``TaskState.metadata`` on the worker, sent with its result) set where its timing tells
-#: nothing of its worker's speed: some of its work failed (items of a ``map`` batch, steps of a fragment), and
-#: a worker where the function fails at once would look fast
-UNTIMED = "octopus-untimed"
+#: a task's metadata (``TaskState.metadata`` on the worker, sent with its result) where some of its work
+#: failed: the share that did not (a ``map`` batch's items that gave results; 0.0 for a fragment or a task
+#: run for fragments with a failed step). Its timing counts for that share of its work (none at 0.0): a
+#: worker where the function fails at once would otherwise look fast
+DONE_SHARE = "octopus-done-share"
 
 
 class Profile(TypedDict, total=False):
@@ -26,6 +27,8 @@ class Profile(TypedDict, total=False):
     error: str | None  #: why the calibration failed, if it did
     calibrated: bool  #: ``False`` when registered with ``calibrate=False``
     event_timing: bool  #: tasks timed with CUDA events on this worker
+    #: a GPU worker without CUDA-event timings (of several threads): its tasks' durations end at kernel launch
+    ends_at_launch: bool
     name_on_scheduler: str  #: the worker's name (``octopus_profiles``)
     weight: float  #: current weight for the asked resource (``octopus_profiles``)
     samples: int  #: task timings behind the weight (``octopus_profiles``)

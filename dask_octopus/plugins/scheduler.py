@@ -34,7 +34,7 @@ from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import timing_prefix
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
-from dask_octopus.plugins.messages import UNTIMED, Profile, WorkerInfo
+from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
@@ -520,8 +520,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self.placement.done(key)
             scheduler_groups.place_readers(self.scheduler, key, worker)
             # each guarded on its own: a failure in one (logged once) leaves the others working
-            if not (kwargs.get("metadata") or {}).get(UNTIMED):  # some of its work failed: it says nothing
-                self._refine(key, worker, kwargs)
+            share = (kwargs.get("metadata") or {}).get(DONE_SHARE, 1.0)  # of its work, where some failed
+            if share > 0:
+                self._refine(key, worker, kwargs, share)
+            if share == 1.0:  # (errors in place of results: no result size)
                 self._learn_result_size(key, kwargs.get("nbytes"))
             self._record_finish(key, worker, kwargs["startstops"])
             self._steal_for(worker)
@@ -578,12 +580,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                             len(parts))
 
     @_guarded
-    def _refine(self, key: Any, worker: str, kwargs: dict[str, Any]) -> None:
-        """Feed a finished task's timing to the speed model (not on workers that report CUDA-event timings,
-        nor on those that have not reported yet: a GPU worker's tasks while it calibrates end at launch,
-        nor on GPU workers without CUDA-event timings, of several threads: their tasks end at launch)."""
+    def _refine(self, key: Any, worker: str, kwargs: dict[str, Any], share: float) -> None:
+        """Feed a finished task's timing to the speed model, as the seconds that the ``share`` of its work
+        done (where some failed) would take: not on workers that report CUDA-event timings, nor on those
+        that have not reported yet (a GPU worker's tasks while it calibrates end at launch), nor on GPU
+        workers without CUDA-event timings (of several threads: their tasks end at launch)."""
         profile = self.profiles.get(worker)
-        if profile is None or profile.get("event_timing") or profile.get("device") == "gpu":
+        if profile is None or profile.get("event_timing") or profile.get("ends_at_launch"):
             return  # CuPy tasks return at launch: this worker reports CUDA-event timings, or its calibration stands
         ts = self.scheduler.tasks.get(key)
         if ts is None:
@@ -598,7 +601,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         nbytes = kwargs.get("nbytes")
         units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
         units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
-        self._observe(worker, key, timing_prefix(ts.prefix.name, ts.run_spec), units, seconds)
+        self._observe(worker, key, timing_prefix(ts.prefix.name, ts.run_spec), units, seconds / share)
 
     @_guarded
     def _learn_result_size(self, key: Any, nbytes: Any) -> None:

@@ -90,6 +90,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if gpu and worker.state.nthreads == 1:
             self.timer = GpuTaskTimer(worker)
         profile["event_timing"] = self.timer is not None
+        profile["ends_at_launch"] = gpu and self.timer is None
         if gpu:
             self.meter = WorkingSetMeter(worker, CupyPeak.shared())
         elif device == "cpu" and RssPeak.available():

@@ -6,8 +6,8 @@ records an event on the default stream when a task starts executing and another 
 the elapsed time between them is the GPU time of that task's kernels. Finished pairs are polled
 without blocking and sent to the scheduler plugin as ``octopus-gpu-timings`` events of
 ``(key, prefix, bytes, seconds)`` (a fragment task's prefix names its members' work:
-:func:`~dask_octopus.groups.rewrite.timing_prefix`); but not those of tasks some of whose work failed
-(:data:`~dask_octopus.plugins.messages.UNTIMED`).
+:func:`~dask_octopus.groups.rewrite.timing_prefix`; a task some of whose work failed counts the seconds
+the share of its work done would take, :data:`~dask_octopus.plugins.messages.DONE_SHARE`, none for 0).
 Assumes the legacy default stream (no per-thread default stream), as dask-cuda sets it up.
 """
 
@@ -20,7 +20,7 @@ from dask.utils import key_split
 from tornado.ioloop import PeriodicCallback
 
 from dask_octopus.groups.rewrite import timing_prefix
-from dask_octopus.plugins.messages import UNTIMED
+from dask_octopus.plugins.messages import DONE_SHARE
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -37,7 +37,7 @@ class GpuTaskTimer:
         self.cupy = cupy
         self.worker = worker
         self.started: dict[Any, Any] = {}
-        self.finished: deque[tuple[Any, str, int, Any, Any]] = deque()
+        self.finished: deque[tuple[Any, str, int, float, Any, Any]] = deque()
         # the worker stops its periodic callbacks when it closes
         self.callback = worker.periodic_callbacks[TOPIC] = PeriodicCallback(self.flush, interval_ms)
         self.callback.start()
@@ -53,17 +53,18 @@ class GpuTaskTimer:
         elif start == "executing":
             begin = self.started.pop(key, None)
             ts = self.worker.state.tasks.get(key)
-            if begin is not None and finish == "memory" and ts is not None and not ts.metadata.get(UNTIMED):
+            share = ts.metadata.get(DONE_SHARE, 1.0) if ts is not None else 0.0
+            if begin is not None and finish == "memory" and share > 0:
                 units = (ts.nbytes or 0) + sum(d.nbytes or 0 for d in ts.dependencies)
                 prefix = timing_prefix(key_split(key), ts.run_spec)
-                self.finished.append((key, prefix, max(units, 1), begin, self._event()))
+                self.finished.append((key, prefix, max(units, 1), share, begin, self._event()))
 
     def flush(self) -> None:
         """Send the timings whose end event has completed."""
         out = []
-        while self.finished and self.finished[0][4].done:
-            key, prefix, units, begin, end = self.finished.popleft()
-            seconds = self.cupy.cuda.get_elapsed_time(begin, end) / 1000
+        while self.finished and self.finished[0][5].done:
+            key, prefix, units, share, begin, end = self.finished.popleft()
+            seconds = self.cupy.cuda.get_elapsed_time(begin, end) / 1000 / share
             if seconds != 0:  # (0: it launched no kernel, its work was on the host; not a bad timing)
                 out.append((key, prefix, units, seconds))
         if out:
