@@ -12,6 +12,7 @@ import pickle
 import sys
 import threading
 import time
+import types
 
 import dask
 import dask.array as da
@@ -35,7 +36,7 @@ import dask_octopus
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Call, Fragment, Ref
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, timing_prefix
 from dask_octopus.placement.unfused import UnfusedTask
 from dask_octopus.plugins.messages import DONE_SHARE
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
@@ -162,6 +163,25 @@ async def test_fragment_timings_teach_speeds_under_the_prefixes_of_their_work(c,
     prefixes = sorted(p for p in s.plugins["octopus"].model.rates if p.startswith(FRAGMENT_PREFIX))
     assert len(prefixes) == 2 and FRAGMENT_PREFIX not in prefixes, prefixes
     assert any("sum" in p for p in prefixes) and any("max" in p for p in prefixes), prefixes
+
+
+def test_a_fragment_s_timing_prefix_names_its_members_work_in_short():
+    members = [(f"f{i}-{tokenize(i)}", 0) for i in range(50)] + [f"g-{tokenize('g')}"]
+    node = Task("k", streams.run_fragment, DataNode(None, types.SimpleNamespace(members=members)))
+    assert timing_prefix(FRAGMENT_PREFIX, node) == f"{FRAGMENT_PREFIX}(f0+f1+f10+f11+47 more)"
+    node = Task("k", streams.run_fragment, DataNode(None, types.SimpleNamespace(members=members[:2])))
+    assert timing_prefix(FRAGMENT_PREFIX, node) == f"{FRAGMENT_PREFIX}(f0+f1)"
+    assert timing_prefix("sum", node) == "sum"  # (another task's prefix as it is)
+
+
+def test_a_task_run_again_whole_drops_the_share_its_failed_run_gave():
+    """A worker keeps a task's state, metadata included, when it runs the task again (a retry)."""
+    task = streams.RunningTask()
+    task._ts = types.SimpleNamespace(metadata={})
+    task.done_share([1, streams.StepFailed(ValueError(), ""), 3, 4], streams.StepFailed, partial=True)
+    assert task._ts.metadata == {DONE_SHARE: 0.75}
+    task.done_share([1, 2, 3, 4], streams.StepFailed, partial=True)
+    assert task._ts.metadata == {}
 
 
 class Untimed(SchedulerPlugin):

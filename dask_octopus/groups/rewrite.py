@@ -130,7 +130,9 @@ def timing_prefix(prefix: str, node: Any) -> str:
     if fragment is None:
         return prefix
     names = dict.fromkeys(k[0] if type(k) is tuple and k else k for k in fragment.members)
-    return f"{FRAGMENT_PREFIX}({'+'.join(sorted({key_split(n) for n in names}))})"
+    prefixes = sorted({key_split(n) for n in names})
+    more = f"+{len(prefixes) - 4} more" if len(prefixes) > 4 else ""  # (50 delayed functions: 400 letters)
+    return f"{FRAGMENT_PREFIX}({'+'.join(prefixes[:4])}{more})"
 
 
 def replaced_keys(node: GraphNode) -> list[Key]:

@@ -637,6 +637,8 @@ class RunningTask:
         bad = sum(type(v) is failed for v in values)
         if bad:
             self._ts.metadata[DONE_SHARE] = 1 - bad / len(values) if partial else 0.0
+        else:  # (the worker's state of a task run again, after a retry, keeps its metadata)
+            self._ts.metadata.pop(DONE_SHARE, None)
 
 
 def _retries(fragment: Fragment, task: RunningTask | None) -> list[int]:
