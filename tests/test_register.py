@@ -520,6 +520,25 @@ async def test_registering_again_after_unregistering_calibrates_the_workers_anew
     assert all(s.handlers[name] is handler for name, handler in plugin(s)._handlers.items())  # the new one's kept
 
 
+@gen_cluster(client=True, config=FAST)
+async def test_a_plugin_registered_over_another_without_idempotence_starts_and_serves(c, s, a, b):
+    """Dask installs a plugin registered with ``idempotent=False`` in place of the one there, without
+    starting it if its start() returned early: it had no handlers, and speeds, balance and map failed."""
+    from distributed.protocol.pickle import dumps
+
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    first = plugin(s)
+    with pytest.warns(UserWarning, match="already contains a plugin with name octopus; overwriting"):  # Dask's
+        await c.scheduler.register_scheduler_plugin(plugin=dumps(OctopusSchedulerPlugin(calibrate=False)),
+                                                    name="octopus", idempotent=False)
+    second = plugin(s)
+    assert second is not first
+    await async_poll_for(lambda: second.scheduler is s and second._sampler is not None, timeout=10)
+    await async_poll_for(lambda: first._retired, timeout=5)  # at its next weight sample
+    assert all(s.handlers[name] is handler for name, handler in second._handlers.items())
+    assert set(await c.scheduler.octopus_speeds()) == {a.address, b.address}
+
+
 def test_a_plugin_unregistered_just_before_its_scheduler_closes_is_retired():
     """Dask closes only the plugins registered when the scheduler closes, and stops the sampler that notices
     an unregistered one: such a plugin kept its filter on the process's scheduler log and its metrics,

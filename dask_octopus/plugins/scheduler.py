@@ -199,6 +199,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._resample_at = 0.0  # (time.monotonic()) not before, to stay within HISTORY_SHARE
         self.scheduler = None
         self._log_filter: scheduler_groups.RegroupedRunSpecs | None = None
+        self._adopted: asyncio.Future | None = None  # (held: the start of a plugin installed unstarted)
 
     async def start(self, scheduler: Scheduler) -> None:
         # Dask looks for a plugin of this name before awaiting start() and adds this one after it: two
@@ -207,8 +208,17 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         async with _starts.setdefault(scheduler, asyncio.Lock()):
             current = scheduler.plugins.get(self.name)
             if isinstance(current, OctopusSchedulerPlugin) and current is not self:
+                # registered with idempotent=False, Dask installs it anyway, unstarted, as this returns
+                self._adopted = asyncio.ensure_future(self._start_if_installed(scheduler))
                 return
             await self._start(scheduler)
+
+    async def _start_if_installed(self, scheduler: Scheduler) -> None:
+        """Start this plugin where Dask installed it in place of another one without starting it (a
+        registration with ``idempotent=False``): the other retires at its next weight sample, as when
+        unregistered."""
+        if scheduler.plugins.get(self.name) is self and self.scheduler is None:
+            await self.start(scheduler)
 
     async def _start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
