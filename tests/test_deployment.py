@@ -68,6 +68,28 @@ def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler
             log.close()
 
 
+def test_register_refuses_a_scheduler_whose_own_octopus_setting_is_bad(tmp_path):
+    """A scheduler of another process (machine) reads its own dask.config: ``register`` from a client whose
+    settings are fine raises, naming the key, instead of a plugin that only logs it there."""
+    sched_file = tmp_path / "scheduler.json"
+    with open(tmp_path / "scheduler.log", "w") as log:
+        proc = subprocess.Popen([*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host",
+                                 "127.0.0.1", "--no-dashboard"], stderr=log,
+                                env={**ENV, "DASK_OCTOPUS__FRAGMENTS__MAX_BYTES": "lots"})
+        try:
+            deadline = time.monotonic() + 30
+            while not sched_file.exists():
+                assert time.monotonic() < deadline, "scheduler did not start"
+                time.sleep(0.1)
+            with Client(scheduler_file=str(sched_file), timeout="30s") as client:
+                with pytest.raises(ValueError, match=r"on the scheduler at .*octopus\.fragments\.max-bytes"):
+                    dask_octopus.register(client, calibrate=False)
+                assert "octopus" not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
 def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(tmp_path):
     """``--preload dask_octopus`` given twice installs one plugin without Dask's warning about overwriting
     it, and the package's INFO lines appear in the processes' logs, formatted as distributed's."""

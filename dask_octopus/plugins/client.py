@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from distributed import Client, Future, as_completed, default_client
 
+from dask_octopus import config
 from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin
@@ -53,6 +54,16 @@ def awaitable_on_async_clients(func: F) -> F:
         return func(*bound.args, **bound.kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _settings_error(dask_scheduler: Any) -> str | None:
+    """The error of the first ``octopus`` setting of the scheduler's own process that is not what its key
+    takes (its ``dask.config``: another machine's files and environment), if any."""
+    try:
+        config.check_all()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 async def _registered_options(dask_scheduler: Any) -> dict[str, Any] | None:
@@ -96,7 +107,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         When ``client`` is closed.
     ValueError
         For a ``calibration_seconds`` or ``device`` that the setting of the same name does not take,
-        or a setting under ``octopus`` in ``dask.config`` that is not what its key takes (naming the key).
+        or a setting under ``octopus`` in ``dask.config`` that is not what its key takes (naming the key),
+        here or in the scheduler's process (before anything is registered).
 
     Examples
     --------
@@ -108,7 +120,10 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     if unknown:
         raise TypeError(f"unknown register options: {sorted(unknown)}")
     check_flag(calibrate, "calibrate")
-    plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)
+    plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)  # (checks this process's settings)
+    error = client.run_on_scheduler(_settings_error)
+    if error is not None:  # the plugin would only log it there, and leave fragments unmade
+        raise ValueError(f"on the scheduler at {client.scheduler.address}: {error}")
     client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
     if current is not None and current != plugin.options():
