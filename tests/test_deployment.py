@@ -24,6 +24,26 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname
                                                                 os.environ.get("PYTHONPATH")]))}
 
 
+def wait_for_scheduler_file(path):
+    """Wait until a starting scheduler wrote its scheduler file ``path`` (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, "scheduler did not start"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def scheduler_process(command, sched_file, env, stderr):
+    """A scheduler process started with ``command``, once it wrote ``sched_file``; terminated after."""
+    proc = subprocess.Popen(command, env=env, stderr=stderr)
+    try:
+        wait_for_scheduler_file(sched_file)
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler_args=(), worker_env=None,
                 preloads=1):
@@ -41,10 +61,7 @@ def cli_cluster(tmp_path, worker_command, n_workers, worker_processes, scheduler
     procs = [started([*DASK, "scheduler", "--scheduler-file", sched_file, "--port", "0", "--host", "127.0.0.1",
                       *scheduler_args, *preload], "scheduler", ENV)]
     try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "scheduler.json").exists():
-            assert time.monotonic() < deadline, "scheduler did not start"
-            time.sleep(0.1)
+        wait_for_scheduler_file(tmp_path / "scheduler.json")
         for i in range(worker_processes):
             procs.append(started([*DASK, *worker_command, "--scheduler-file", sched_file, *preload], f"worker-{i}",
                                  {**ENV, **(worker_env or {})}))
@@ -72,22 +89,14 @@ def test_register_refuses_a_scheduler_whose_own_octopus_setting_is_bad(tmp_path)
     """A scheduler of another process (machine) reads its own dask.config: ``register`` from a client whose
     settings are fine raises, naming the key, instead of a plugin that only logs it there."""
     sched_file = tmp_path / "scheduler.json"
-    with open(tmp_path / "scheduler.log", "w") as log:
-        proc = subprocess.Popen([*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host",
-                                 "127.0.0.1", "--no-dashboard"], stderr=log,
-                                env={**ENV, "DASK_OCTOPUS__FRAGMENTS__MAX_BYTES": "lots"})
-        try:
-            deadline = time.monotonic() + 30
-            while not sched_file.exists():
-                assert time.monotonic() < deadline, "scheduler did not start"
-                time.sleep(0.1)
-            with Client(scheduler_file=str(sched_file), timeout="30s") as client:
-                with pytest.raises(ValueError, match=r"on the scheduler at .*octopus\.fragments\.max-bytes"):
-                    dask_octopus.register(client, calibrate=False)
-                assert "octopus" not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+    command = [*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host", "127.0.0.1",
+               "--no-dashboard"]
+    with (open(tmp_path / "scheduler.log", "w") as log,
+          scheduler_process(command, sched_file, {**ENV, "DASK_OCTOPUS__FRAGMENTS__MAX_BYTES": "lots"}, log),
+          Client(scheduler_file=str(sched_file), timeout="30s") as client):
+        with pytest.raises(ValueError, match=r"on the scheduler at .*octopus\.fragments\.max-bytes"):
+            dask_octopus.register(client, calibrate=False)
+        assert "octopus" not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
 
 
 def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(tmp_path):
@@ -108,13 +117,9 @@ def test_a_scheduler_without_the_package_says_to_install_it(tmp_path):
     so, and ``dask-octopus profile`` prints it in one line, not a traceback."""
     sched_file = tmp_path / "scheduler.json"
     hidden = "import sys; sys.modules['dask_octopus'] = None; from distributed.cli.dask_scheduler import main; main()"
-    proc = subprocess.Popen([sys.executable, "-c", hidden, "--scheduler-file", str(sched_file), "--port", "0",
-                             "--host", "127.0.0.1", "--no-dashboard"], env=ENV, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not sched_file.exists():
-            assert time.monotonic() < deadline, "scheduler did not start"
-            time.sleep(0.1)
+    command = [sys.executable, "-c", hidden, "--scheduler-file", str(sched_file), "--port", "0", "--host",
+               "127.0.0.1", "--no-dashboard"]
+    with scheduler_process(command, sched_file, ENV, subprocess.DEVNULL):
         with Client(scheduler_file=str(sched_file), timeout="30s") as c:
             with pytest.raises(NotRegisteredError, match="not installed where the scheduler runs"):
                 dask_octopus.speeds(c)
@@ -122,9 +127,6 @@ def test_a_scheduler_without_the_package_says_to_install_it(tmp_path):
                                   c.scheduler.address], env=ENV, capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
         assert "not installed where the scheduler runs" in out.stderr
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @gen_test(timeout=30)
