@@ -251,15 +251,15 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     and those aliases that only they, or other such aliases, read are left out (any alias is sized as
     what it names, from ``sizes``). Give only aliases whose targets hold the same value
     without running anything more: not those the scheduler holds (Dask reuses them: their targets may
-    have been released since), nor those a plan pins. Only tasks that ``roots`` (default: ``keep``)
-    need join fragments (:func:`needed_by`): the others stay tasks, which Dask does not run
-    (``da.linalg.qr(x)[1]`` leaves each block's Q factor in the graph, read by nothing; a fragment
-    computed it and held it to its end).
+    have been released since), nor those a plan pins. Only tasks that ``roots`` need join fragments
+    (:func:`needed_by`): the others stay tasks, which Dask does not run (``da.linalg.qr(x)[1]`` leaves
+    each block's Q factor in the graph, read by nothing; a fragment computed it and held it to its end).
+    ``None``: all are needed (a graph culled already, as ``annotate``'s optimizer culls it).
     """
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     wanted = set(keep)
-    needed = needed_by(dependencies, wanted if roots is None else roots)
+    needed = None if roots is None else needed_by(dependencies, roots)
     steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
     sizes = dict(sizes or {})
@@ -267,7 +267,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
         if type(dsk[k]) is Alias and k not in sizes and dsk[k].target in sizes:
             sizes[k] = sizes[dsk[k].target]
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
-    movable = {k for k in dsk if k not in wanted and k in needed and (pullable is None or k in pullable)
+    movable = {k for k in dsk if k not in wanted and (needed is None or k in needed)
+               and (pullable is None or k in pullable)
                and not dependencies[k] & special}
     # a coroutine function's task stays a task: the worker awaits it, a fragment would not
     coroutines: dict[int, bool] = {}  # by function: asking costs 0.1 ms for a curried one (its signature)
