@@ -62,6 +62,7 @@ from dask_octopus.groups.rewrite import (
     fragment_of,
     inner_keys,
     is_guard,
+    needed_by,
     of_fragments,
     picks_a_result,
     read_before_grouping,
@@ -300,15 +301,8 @@ def _behind_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskSt
                  if isinstance(ts.run_spec, GraphNode) and {d.key for d in ts.dependencies} != graph[k].dependencies}
     if not differing:
         return set()
-    reached: set[Key] = set()
-    stack = [k for k in keep if k in graph]
-    while stack:  # what the graph needs besides what only the differing tasks read
-        k = stack.pop()
-        if k in reached:
-            continue
-        reached.add(k)
-        if k not in differing:
-            stack.extend(d for d in graph[k].dependencies if d in graph)
+    # what the graph needs besides what only the differing tasks read
+    reached = needed_by({k: () if k in differing else node.dependencies for k, node in graph.items()}, keep)
     return set(graph) - reached
 
 
