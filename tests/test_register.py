@@ -425,6 +425,17 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
     assert "2 counts for 3 blocks" in reply[ERROR]
     reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address], counts=[1])
     assert "counts without costs" in reply[ERROR]
+    reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address], axis=-1)
+    assert "plan x axis must be a non-negative int" in reply[ERROR] and "-1" in reply[ERROR]
+    reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address], axis="0")
+    assert "plan x axis must be a non-negative int" in reply[ERROR]
+    reply = await c.scheduler.octopus_add_plan(name="x", workers=[])
+    assert "plan x must name a worker address" in reply[ERROR]
+    reply = await c.scheduler.octopus_add_plan(name="x", workers=b.address)
+    assert "plan x must name a worker address" in reply[ERROR]
+    reply = await c.scheduler.octopus_add_plan(name=("x", 0), workers=[b.address])
+    assert "plan name must be a collection's key name" in reply[ERROR]
+    assert "x" not in plugin(s).placement.plans
     # a worker that left while the client planned: its blocks go to the others
     await c.scheduler.octopus_add_plan(name="y", workers=["tcp://127.0.0.1:1", b.address, "tcp://127.0.0.1:1"])
     assert plugin(s).placement.plans["y"].workers[1] == b.address

@@ -478,6 +478,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         items as ``nbytes`` (without ``source``): the bytes of result per byte of items are learned
         for its prefix."""
         check_resource(resource)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"plan name must be a collection's key name (a non-empty str), got {name!r}")
+        if not isinstance(workers, list | tuple) or not workers or not all(isinstance(w, str) for w in workers):
+            raise ValueError(f"plan {name} must name a worker address (str) per block, got {workers!r}")
+        if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+            raise ValueError(f"plan {name} axis must be a non-negative int (the block index's place), got {axis!r}")
         if not set(workers) <= self.scheduler.workers.keys():  # left while the client planned: to the others
             left = sorted(set(workers) - self.scheduler.workers.keys())
             workers = reassign(workers, self.speeds(resource))
