@@ -378,7 +378,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     item_name = f"{ITEM_PREFIX}-{token}"
     user = dask.get_annotations().get("priority", 0)  # a number or a function of the key (dask.annotate checks)
     dsk: dict[Any, Task] = {}
-    priority: dict[Any, int] = {}
+    priority: dict[Any, float] = {}
     keys: list[Any] = [None] * len(items)
     for b, (_, idx, stealable) in enumerate(batches):
         # a worker runs its own tasks first, the stealable ones last
