@@ -1118,6 +1118,72 @@ def test_a_failed_step_whose_error_does_not_unpickle_travels_as_its_repr():
         pick([fine], 0)
 
 
+INITS: list[str] = []  # the messages FormattedError.__init__ was called with
+
+
+class FormattedError(Exception):
+    """An exception whose ``__init__`` formats its argument into its message (and counts its calls)."""
+
+    def __init__(self, x):
+        INITS.append(x)
+        super().__init__(f"wrapped({x})")
+        self.x = x
+
+
+def fails_formatted(b, block_info=None):
+    if block_info[0]["chunk-location"][0] == 3:
+        raise FormattedError("boom")
+    return b + 1
+
+
+SHARED = CodedError(9, "cached failure")  # one object, raised by several members
+
+
+def raises_shared(i):
+    raise SHARED
+
+
+def test_a_held_error_is_a_copy_made_without_calling_its_class_s_init_again():
+    """A step's error is copied (its frames dropped) as tblib copies one: an ``__init__`` that formats
+    its argument is not called again on the formatted message (it read "wrapped(wrapped(boom))"), one
+    that takes other arguments than it passes on does not make the copy fail, and the caller's own
+    object gathers no notes however many steps raise it."""
+    INITS.clear()
+    failed = StepFailed(FormattedError("boom"), "dask_octopus: raised by task 'x' of a fragment")
+    assert INITS == ["boom"]
+    assert (type(failed.error), str(failed.error), failed.error.x) == (FormattedError, "wrapped(boom)", "boom")
+    notes = [StepFailed(SHARED, f"dask_octopus: raised by task {k!r} of a fragment").error.__notes__ for k in "ab"]
+    assert notes == [[f"dask_octopus: raised by task {k!r} of a fragment"] for k in "ab"]
+    assert not hasattr(SHARED, "__notes__") and SHARED.code == 9 and str(SHARED) == "9: cached failure"
+    missing = StepFailed(FileNotFoundError(2, "No such file", "/data/part-3")).error
+    assert (type(missing), missing.errno, missing.filename, str(missing)) == (
+        FileNotFoundError, 2, "/data/part-3", "[Errno 2] No such file: '/data/part-3'")
+    group = StepFailed(ExceptionGroup("parts", [ValueError("a"), OSError("b")])).error
+    assert type(group) is ExceptionGroup and group.message == "parts" and len(group.exceptions) == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_member_s_error_reaches_the_client_as_it_was_raised(c, s, a, grouped_by):
+    """The client gets a failing member's error with the message it was raised with, and an error
+    object that members raise again and again collects no notes of theirs, from compute to compute."""
+    x = da.arange(64, chunks=8)
+    with dask_octopus.annotate():
+        y = x.map_blocks(fails_formatted, dtype=x.dtype)
+    with pytest.raises(FormattedError) as info:
+        await c.compute((y * 2).sum())
+    assert (str(info.value), info.value.x) == ("wrapped(boom)", "boom")
+    for _ in range(2):
+        with dask_octopus.annotate():
+            parts = [dask.delayed(raises_shared, pure=False)(i) for i in range(3)]
+        futures = c.compute([dask.delayed(inc)(p) for p in parts])
+        await wait(futures)
+        for f in futures:
+            error = await f.exception()
+            assert type(error) is CodedError and str(error) == "9: cached failure"
+            assert len(getattr(error, "__notes__", [])) <= 1
+        assert not hasattr(SHARED, "__notes__")
+
+
 SCRIPT = """
 import dask, dask.array as da
 import dask_octopus

@@ -472,17 +472,41 @@ def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback
     return held
 
 
+_BUILTIN_REDUCERS = (OSError.__reduce__, BaseException.__reduce__)
+_BUILTIN_INITS = (OSError.__init__, BaseException.__init__)
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """A shallow copy of ``error``. An exception class with an ``__init__`` of its own but Python's
+    reducer (``cls(*args)``) is made without calling that ``__init__``, as tblib (distributed's) rebuilds
+    it: such an ``__init__`` often formats its arguments into the message it gives ``Exception``
+    (``Wrapped("boom")`` with the message ``"wrapped(boom)"``), and called again on the formatted ``args``
+    it would format them twice, or fail where it takes other arguments than it passes on."""
+    cls = type(error)
+    if cls.__reduce__ not in _BUILTIN_REDUCERS or cls.__init__ in _BUILTIN_INITS:
+        return copy.copy(error)  # rebuilt by its own reducer, or by Python's __init__ alone
+    group = isinstance(error, BaseExceptionGroup)
+    copied = cls.__new__(cls, *((error.message, error.exceptions) if group else ()))
+    copied.args = error.args
+    if isinstance(error, OSError):
+        for attr in ("errno", "strerror", "filename", "filename2"):
+            if (value := getattr(error, attr)) is not None:
+                setattr(copied, attr, value)
+    return copied
+
+
 def detached(error: BaseException, _copies: dict[int, BaseException] | None = None) -> BaseException:
     """A copy of ``error`` without frames: no traceback, and its cause and context (``raise ... from``,
     a raise inside ``except``) copied likewise, as their frames would keep the failed call's locals
     and its callers' (a fragment's inputs) alive. The caller's object is left as it is (one exception
-    object raised by several members, a cached failure raised again, gathers no notes of theirs).
-    An exception that cannot be copied is stripped of its frames itself."""
+    object raised by several members, a cached failure raised again, gathers no notes of theirs; the
+    copy is made as tblib makes one, :func:`_copy_error`). An exception that cannot be copied even so
+    is stripped of its frames itself."""
     copies = {} if _copies is None else _copies  # (a chain that loops back copies each link once)
     if id(error) in copies:
         return copies[id(error)]
     try:
-        copied = copy.copy(error)
+        copied = _copy_error(error)
     except Exception:
         copied = error
     copies[id(error)] = copied
