@@ -136,8 +136,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
 
     ``W`` stays on the cluster between passes (persisted); the per-block work (two GEMMs,
     ``4 * rows * cols * width`` FLOP per pass) dominates, and the cross-block sum of the
-    ``cols x width`` partial products is small. With ``grouped`` the per-block stage runs in stream
-    groups (:func:`dask_octopus.annotate`), in one graph with the sum that consumes it.
+    ``cols x width`` partial products is small. Each pass is one graph (the per-block products, their
+    sum and its normalisation) and one round trip, whatever the variant; with ``grouped`` the per-block
+    stage runs in fragments (:func:`dask_octopus.annotate`).
     """
     xp = array_module(gpu)
     cols = x.shape[1]
@@ -152,9 +153,6 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
             with annotate(resource="compute") if grouped else contextlib.nullcontext():
                 parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
                                      meta=xp.empty((0, 0, 0), dtype=np.float32))
-            if not grouped:
-                parts = client.persist(parts)  # its own stage, so the per-block tasks keep their name
-                wait(parts)
             g = parts.sum(axis=0)
             w = client.persist(g / da.linalg.norm(g))
             wait(w)
@@ -162,9 +160,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
             # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
             client.replicate(w)
             seconds = time.perf_counter() - start
-        # grouped: the groups, and blocks left alone (the plugin groups only blocks of one worker),
-        # which Dask fuses with the sum's per-block step
-        block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram",)
+        # the per-block tasks: Dask fuses each block's product with the sum's per-block step (named for
+        # the sum); grouped, the fragments too
+        block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram", "sum")
         shifts = clock_shifts(client)
         records.append(PassRecord(seconds, intervals(ts.data, t0, shifts=shifts),
                                   intervals(ts.data, t0, block_tasks, shifts)))
