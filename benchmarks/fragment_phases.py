@@ -1,8 +1,9 @@
 """Where the time of one annotated compute goes, phase by phase: the floor Dask itself sets.
 
 Two workloads of ``stream_groups.py``, each computed inside ``dask_octopus.annotate()`` on a
-one-worker, one-thread cluster, ``--runs`` times (the first eager, the later ones replayed as CUDA
-graphs on GPU): ``chain-sum`` (1024 persisted float32 blocks, 256x384 on GPU and 64x96 on
+one-worker, one-thread cluster, ``--runs`` times after an annotated warm-up compute (on GPU the
+first measured compute sees the warm-up's fragment again and captures it, running it eagerly once
+more; the later ones replay the CUDA graph): ``chain-sum`` (1024 persisted float32 blocks, 256x384 on GPU and 64x96 on
 CPU, the 8-kernel elementwise chain, then ``.sum()``) and ``frames`` (216 persisted frames, 256x256
 to 4K on GPU, a tenth of the side on CPU, through blur, Sobel, normalise and histogram, the
 histograms stacked on the host). Each compute is cut into phases by timestamps taken in
@@ -11,9 +12,12 @@ this process (the scheduler runs here) and the fragment task's start and stop on
 - ``build``: the client builds the collection (Dask array code);
 - ``submit``: from the compute call until the scheduler's ``update_graph`` starts;
 - ``materialize``: from there until the optimizer is called (Dask expands the expression's graph);
-- ``dask optimize``: Dask's own array optimizer (blockwise fusion, culling, low-level fusion);
-- ``octopus plan``: marks, places and fragments (the optimizer wrapper of ``annotate`` after Dask's);
-- ``update_graph``: the rest of Dask's ``update_graph`` (task states, transitions, sending);
+- ``dask optimize``: Dask's own array optimizer (blockwise fusion, culling, low-level fusion; with
+  Python's garbage collector paused by ``annotate``'s wrapper, as it is around the whole optimizer);
+- ``octopus plan``: the rest of the optimizer call, ``annotate``'s wrapper: the marks read before
+  Dask's optimizer, and the places and fragments after it;
+- ``update_graph``: the rest of Dask's ``update_graph`` (task states, transitions, sending; the
+  plugin's own ``update_graph`` hook, its pins, is in here: a few ms);
 - ``dispatch``: until the fragment task starts on the worker (transfer, unpickling the fragment);
 - ``fragment``: the fragment task itself (eager on streams, or the graph's replay);
 - ``finish``: until the client has the result (the top of the tree, the result's way back).
@@ -75,7 +79,7 @@ class Stamps(SchedulerPlugin):
 
 def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
     """Record, in ``events``, when ``scheduler``'s ``update_graph`` starts and ends and when the optimizer
-    of ``annotate`` starts, hands over from Dask's optimizer and ends (the scheduler runs here)."""
+    of ``annotate`` starts, hands over to Dask's optimizer and back, and ends (the scheduler runs here)."""
     update_graph = scheduler.stream_handlers["update-graph"]
 
     @functools.wraps(update_graph)
@@ -93,6 +97,7 @@ def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
         base = self.base
 
         def timed_base(*args: Any, **kw: Any) -> Any:
+            events["dask>"] = time.time()
             try:
                 return base(*args, **kw)
             finally:
@@ -146,9 +151,11 @@ def phases(client: Client, build: Callable[[str], Any], runs: int) -> list[dict[
         if not stamps.compute:
             raise RuntimeError("no fragment task ran: the annotated compute was not made into a fragment")
         start, stop = min(s for s, _ in stamps.compute), max(s for _, s in stamps.compute)
-        marks_ = [t0, built, events["update_graph>"], events["optimize>"], events["dask<"], events["optimize<"],
-                  events["update_graph<"], start, stop, done]
-        out.append({name: b - a for name, a, b in zip(PHASES, marks_, marks_[1:], strict=False)} | {"total": done - t0})
+        e = events
+        spans = [built - t0, e["update_graph>"] - built, e["optimize>"] - e["update_graph>"], e["dask<"] - e["dask>"],
+                 (e["dask>"] - e["optimize>"]) + (e["optimize<"] - e["dask<"]), e["update_graph<"] - e["optimize<"],
+                 start - e["update_graph<"], stop - start, done - stop]
+        out.append(dict(zip(PHASES, spans, strict=True)) | {"total": done - t0})
     return out
 
 
