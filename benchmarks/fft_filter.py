@@ -2,8 +2,11 @@
 first worker: Dask's chunks against ``balance`` (by default no block larger than the user's own) and
 ``balance(per_worker=1)`` (one block per worker: the fast worker's block outgrows the user's chunks).
 
-Each variant persists the array in its blocks, then times ``passes`` of ``irfft(rfft(x) * lowpass)``
-summed by row. A variant that runs out of device memory is reported as such (its error), not timed.
+Each variant persists the array in its blocks, runs ``warmup_passes`` untimed passes (cuFFT makes its
+plans for the variant's block shapes), then times ``passes`` of ``irfft(rfft(x) * lowpass)`` summed by
+row; with ``--runs`` above one the variants alternate in balanced orders and each variant's median is
+over the passes of all its runs. A variant that runs out of device memory is reported as such (its
+error), not timed.
 
     python benchmarks/fft_filter.py --rows 131072 --cols 32768 --chunk-rows 65536 --cotenant-procs 2 --out DIR
 """
@@ -36,8 +39,9 @@ def lowpass(block: Any, keep: float = 0.25) -> Any:
     return cp.fft.irfft(spectrum, n=block.shape[1], axis=1).astype(block.dtype)
 
 
-def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: int, passes: int) -> dict[str, Any]:
-    """Blocks of ``variant`` and the seconds of each pass, or the error that stopped it."""
+def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: int, passes: int,
+                warmup_passes: int) -> dict[str, Any]:
+    """Blocks of ``variant`` and the seconds of each timed pass, or the error that stopped it."""
     x = random_matrix(rows, cols, chunks=(chunk_rows, cols), gpu=True)
     if variant != "defaults":
         x = dask_octopus.balance(x, client=client, per_worker=1 if variant == "balance-1" else None)
@@ -46,12 +50,23 @@ def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: 
         x = client.persist(x)
         wait(x)
         seconds = [timed(lambda: client.compute(x.map_blocks(lowpass).sum(axis=1)).result())[0]
-                   for _ in range(passes)]
-        return {"block_gib": blocks, "seconds": seconds, "median_seconds": statistics.median(seconds)}
+                   for _ in range(warmup_passes + passes)][warmup_passes:]
+        return {"block_gib": blocks, "seconds": seconds}
     except Exception as e:  # out of memory on a block too large for its worker: the point of the variant
         return {"block_gib": blocks, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     finally:
         client.cancel(x)  # release the blocks (CuPy's pool frees its cached blocks when it runs short)
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's runs as one record: its blocks (the last run's), every run, the seconds of all
+    their passes and their median; or the first error, where a run failed."""
+    failed = next((r for r in runs if "error" in r), None)
+    if failed is not None:
+        return {**failed, "runs": runs}
+    seconds = [s for r in runs for s in r["seconds"]]
+    return {"block_gib": runs[-1]["block_gib"], "runs": runs, "seconds": seconds,
+            "median_seconds": statistics.median(seconds)}
 
 
 @click.command()
@@ -60,18 +75,21 @@ def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: 
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=65536, show_default=True,
               help="the user's chunks (rows)")
 @click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--warmup-passes", type=click.IntRange(min=0), default=1, show_default=True,
+              help="untimed passes after each persist (cuFFT's plans)")
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--devs", default="0,1", show_default=True)
 @protocol_option
 @click.option("--cotenant-procs", type=click.IntRange(min=1), default=2, show_default=True,
               help="co-tenants on the first worker's GPU")
 @click.option("--out", default="benchmark-results", show_default=True)
-def main(rows: int, cols: int, chunk_rows: int, passes: int, runs: int, devs: str, protocol: str,
-         cotenant_procs: int, out: str) -> None:
+def main(rows: int, cols: int, chunk_rows: int, passes: int, warmup_passes: int, runs: int, devs: str,
+         protocol: str, cotenant_procs: int, out: str) -> None:
     """Time the variants and write fft-filter-gpu.json."""
     console = make_console()
     variants = ["defaults", "balance", "balance-1"]
-    config = {"rows": rows, "cols": cols, "chunk_rows": chunk_rows, "passes": passes, "runs": runs, "devs": devs,
+    config = {"rows": rows, "cols": cols, "chunk_rows": chunk_rows, "passes": passes,
+              "warmup_passes": warmup_passes, "runs": runs, "devs": devs,
               "protocol": protocol, "cotenant_procs": cotenant_procs, "array_gib": rows * cols * 4 / 2**30}
     with local_cluster(True, devs, protocol=protocol) as client:
         record = header(True, protocol_of(client), config=config)
@@ -79,9 +97,10 @@ def main(rows: int, cols: int, chunk_rows: int, passes: int, runs: int, devs: st
         with CoTenant(**load, procs=cotenant_procs):
             dask_octopus.register(client)
             record["weights"] = dask_octopus.speeds(client)
-            results = interleave({v: (lambda run, v=v: run_variant(client, v, rows, cols, chunk_rows, passes))
+            results = interleave({v: (lambda run, v=v: run_variant(client, v, rows, cols, chunk_rows, passes,
+                                                                    warmup_passes))
                                   for v in variants}, runs)
-    record["variants"] = {v: r[-1] for v, r in results.items()}
+    record["variants"] = {v: pooled(r) for v, r in results.items()}
     for v, r in record["variants"].items():
         blocks = ", ".join(f"{b:.2f}" for b in r["block_gib"])
         outcome = f"{r['median_seconds']:.3f} s per pass" if "median_seconds" in r else r["error"][:120]
