@@ -33,11 +33,14 @@ Asserts nothing about time; checks that every variant returns the same values as
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import click
@@ -67,12 +70,17 @@ from dask_octopus.groups.replay import CaptureRefused, capture
 from dask_octopus.groups.streams import EXTENSION
 
 
-def measure(client: Client, variants: dict[str, Callable[[int], Any]], runs: int,
-            warmup: int) -> dict[str, dict[str, Any]]:
+def measure(client: Client, variants: dict[str, Callable[[int], Any]], runs: int, warmup: int,
+            around: dict[str, Callable[[], AbstractContextManager]] | None = None) -> dict[str, dict[str, Any]]:
     """Time the variants interleaved (:func:`~dask_octopus.bench.runner.interleave`), each from a settled
-    cluster (:func:`~dask_octopus.bench.runner.settle`); per variant the kept seconds and the value of
-    its last run."""
-    res = interleave({name: (lambda run, fn=fn: timed(lambda: fn(run))) for name, fn in variants.items()},
+    cluster (:func:`~dask_octopus.bench.runner.settle`), inside its context of ``around`` (set up and
+    torn down outside the timed call); per variant the kept seconds and the value of its last run."""
+
+    def run_one(name: str, fn: Callable[[int], Any], run: int) -> tuple[float, Any]:
+        with (around or {}).get(name, contextlib.nullcontext)():
+            return timed(lambda: fn(run))
+
+    res = interleave({name: functools.partial(run_one, name, fn) for name, fn in variants.items()},
                      runs, warmup=warmup, between=lambda: settle(client))
     return {name: {"seconds": [s for s, _ in r], "value": r[-1][1]} for name, r in res.items()}
 
@@ -145,8 +153,18 @@ def op_dataframe(client: Client, blocks: int, group: int, runs: int, warmup: int
             "variants": summarise(res, "unannotated")}
 
 
-def _set_capture(client: Client, on: bool) -> None:
-    client.run(lambda: dask.config.set({"octopus.streams.capture": on}))
+def _set_capture(on: bool) -> None:
+    dask.config.set({"octopus.streams.capture": on})
+
+
+@contextlib.contextmanager
+def _capture_off(client: Client) -> Iterator[None]:
+    """The workers' CUDA graph capture off inside the block."""
+    client.run(_set_capture, False)
+    try:
+        yield
+    finally:
+        client.run(_set_capture, True)
 
 
 def _free_pool() -> None:
@@ -188,8 +206,7 @@ def device_peaks(client: Client, variants: dict[str, Callable[[int], Any]]) -> d
     persisted inputs included, plus blocks it could not reuse for a larger request); ``in_use``, the
     bytes in use before the run (the persisted inputs) plus the most bytes allocated through CuPy and
     held at once during it (counted as the working-set meters count them)."""
-    _set_capture(client, False)
-    try:
+    with _capture_off(client):
         peaks: dict[str, dict[str, int]] = {"pool": {}, "in_use": {}}
         for name, fn in variants.items():
             client.run(_free_pool)
@@ -199,8 +216,6 @@ def device_peaks(client: Client, variants: dict[str, Callable[[int], Any]]) -> d
             peaks["in_use"][name] = before + extra
             (peaks["pool"][name],) = client.run(_pool_bytes).values()
         return peaks
-    finally:
-        _set_capture(client, True)
 
 
 def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, runs: int, warmup: int) -> dict[str, Any]:
@@ -233,13 +248,6 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
 
     variants: dict[str, Callable[[int], Any]] = {"one-task-each": through_dask(False)}
 
-    def eager(run_no: int) -> Any:
-        _set_capture(client, False)
-        try:
-            return through_dask(True)(run_no)
-        finally:
-            _set_capture(client, True)
-
     def mapped(run_no: int) -> Any:
         out = None
         for _ in range(sets):
@@ -247,11 +255,11 @@ def op_frames(client: Client, gpu: bool, scale: float, group: int, sets: int, ru
                                                  resource="memory", gather=True, to_host=True))
         return out
 
-    variants["grouped-eager"] = eager
+    variants["grouped-eager"] = through_dask(True)  # capture off around it, outside its timing
     variants["grouped"] = through_dask(True)
     variants["map"] = mapped
     variants["loop"] = loop
-    res = measure(client, variants, runs, warmup)
+    res = measure(client, variants, runs, warmup, around={"grouped-eager": lambda: _capture_off(client)})
     for r in res.values():  # per set
         r["seconds"] = [s / sets for s in r["seconds"]]
     out: dict[str, Any] = {"config": {"frames": len(local), "shapes": sorted(set(shapes)), "scale": scale,
@@ -377,24 +385,28 @@ def op_mixed(runs: int) -> dict[str, Any]:
               help="comma-separated [default: chain-sum,tiny,dataframe,frames,large, and mixed with --type gpu]")
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
 @click.option("--group", type=click.IntRange(min=1), default=None,
-              help="most blocks per fragment [default: one per worker thread]")
+              help="tiny, dataframe, frames: most blocks per fragment [default: one fragment per worker thread; "
+                   "chain-sum always so, large 4]")
 @click.option("--blocks", type=click.IntRange(min=1), default=512, show_default=True,
               help="tiny, dataframe: number of blocks")
-@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="frames: side scale (CPU: 0.1)")
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="frames: side scale [default: 1 with --type gpu, 0.1 with --type cpu]")
 @click.option("--sets", type=click.IntRange(min=1), default=10, show_default=True, help="frames: sets per run")
-@click.option("--side", type=click.IntRange(min=1), default=8192, show_default=True,
-              help="large: block side (CPU: 1024)")
+@click.option("--side", type=click.IntRange(min=1), default=None,
+              help="large: block side [default: 8192 with --type gpu, 1024 with --type cpu]")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True,
+              help="untimed runs of each variant first (chain-sum: its own warm-ups, always)")
 @click.option("--out", default="benchmark-results", show_default=True)
 @click.option("--tag", default="stream-groups", show_default=True)
 @protocol_option
-def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: float, sets: int, side: int,
-         runs: int, warmup_runs: int, out: str, tag: str, protocol: str) -> None:
+def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: float | None, sets: int,
+         side: int | None, runs: int, warmup_runs: int, out: str, tag: str, protocol: str) -> None:
     """Run the operations and write one JSON file."""
     console = make_console()
     gpu = kind == "gpu"
+    scale = scale if scale is not None else 1.0 if gpu else 0.1
+    side = side if side is not None else 8192 if gpu else 1024
     if operations is None:
         operations = "chain-sum,tiny,dataframe,frames,large" + (",mixed" if kind == "gpu" else "")
     ops = [o for o in operations.split(",") if o]

@@ -53,7 +53,8 @@ def run_variant(client: Client, variant: str, items: list, workers: list[str]) -
 
 
 def _one_group(items: list) -> list:
-    """The image pipelines of ``items`` in one task, as one stream group."""
+    """The image pipelines of ``items`` in one task, as one stream group (``map``'s own executor: the
+    equal batches and the loop baselines get its CUDA streams too)."""
     return run_batch(image_pipeline, items, {}, "auto", max(1, len(items)))
 
 
