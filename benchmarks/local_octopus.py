@@ -11,7 +11,10 @@ loop on one worker, ``dask_octopus.map``.
 
 Prints a table per operation (median and spread of wall time, throughput, per-worker finish spread,
 speedups, the ideal with its formula and the ratio to it), writes one JSON (config, hardware,
-versions, every pass) and PNGs (per-worker timelines of each variant's median pass, speedups).
+versions, every pass, each run's result checksum) and PNGs (per-worker timelines of each variant's
+median pass, speedups). Every variant computes on the same input values (cut its own way): a
+variant whose result differs from the first variant's (sum and sum of squares, relative 1e-3) fails
+the run after the JSON is written; the image mixes' histograms are compared exactly.
 ``--compare OLD.json`` prints the change against an earlier result. Asserts nothing about time.
 
     python benchmarks/local_octopus.py --type cpu --operation dot,map_overlap --size 400000 --out DIR
@@ -111,7 +114,8 @@ def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int
                               "median_block_makespan": v.block_makespan(), "blocks": v.blocks,
                               "grouped": parse_variant(v.name)[2], "rows_per_worker": v.rows,
                               "persist_seconds": v.persist_seconds, "finish_spread_of_median_pass": v.median().spread(),
-                              "weights_after_each_run": v.weights,
+                              "weights_after_each_run": v.weights, "result_checksums": v.values,
+                              "same_values_as_reference": v.same_values,
                               "passes": [{"seconds": r.seconds, "finish": r.finish()} for r in v.passes]}
                      for v in results.values()},
     }
@@ -272,6 +276,10 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
     if compare_to:
         with open(compare_to) as f:
             compare(console, json.load(f), record)
+    differ = [f"{op}: {name}" for op, r in record["operations"].items()
+              for name, v in (r.get("variants") or {}).items() if v.get("same_values_as_reference") is False]
+    if differ:  # (after the JSON: it holds each variant's checksums)
+        raise click.ClickException(f"results differ from the first variant's: {', '.join(differ)}")
 
 
 if __name__ == "__main__":

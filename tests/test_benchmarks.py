@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from dask.core import flatten
@@ -36,6 +37,8 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
         assert rec["variants"]["over-4"]["blocks"] == 8 and rec["variants"]["streams"]["grouped"]
         assert sum(rec["variants"]["balance"]["rows_per_worker"].values()) == 2000
         assert rec["ideal_seconds"] > 0 and rec["ideal_formula"] and rec["work_formula"]
+        assert all(v["same_values_as_reference"] for v in rec["variants"].values())  # compared, and equal
+        assert all(len(v["result_checksums"]) == 1 for v in rec["variants"].values())
         for png in (f"smoke-cpu-even-{op}-timeline.png", f"smoke-cpu-even-{op}-speedup.png"):
             assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     video = record["operations"]["images"]["scenarios"]["video"]
@@ -82,6 +85,28 @@ def test_the_calibrated_ideal_is_the_work_over_the_summed_speeds_or_none_without
     for b in ({"calibrated": False}, {"compute": None}):
         missing = {"a": {"compute": 3e9}, "b": b}
         assert calibrated_ideal(op, 1000, 64, 8, missing) is None  # was a KeyError (or a TypeError)
+
+
+def test_suite_fails_where_a_variant_s_result_differs_from_the_first_variant_s(tmp_path, monkeypatch):
+    from dask_octopus.bench import experiment
+
+    monkeypatch.setattr(experiment, "same_checksums", lambda a, b: a is b)  # all but the first variant differ
+    result = CliRunner().invoke(local_octopus.main, [
+        "--type", "cpu", "--operation", "dot", "--size", "2000", "--cols", "32", "--passes", "1", "--runs", "1",
+        "--warmup-runs", "0", "--variants", "defaults,balance", "--out", str(tmp_path), "--tag", "differ"])
+    assert result.exit_code == 1 and "results differ from the first variant's: dot: balance" in result.output
+    record = json.loads((tmp_path / "differ-cpu-even.json").read_text())  # written first: it holds the checksums
+    assert record["operations"]["dot"]["variants"]["defaults"]["same_values_as_reference"] is True
+
+
+def test_the_suite_s_input_holds_the_same_values_however_it_is_cut():
+    from dask_octopus.bench.workloads import random_matrix
+
+    a = random_matrix(1000, 37, (100, 37)).compute(scheduler="sync")
+    assert a.dtype == np.float32 and a.min() >= 0 and a.max() < 1 and abs(a.mean() - 0.5) < 0.02
+    assert np.array_equal(a, random_matrix(1000, 37, (333, 10)).compute(scheduler="sync"))
+    assert not np.array_equal(a, random_matrix(1000, 37, (100, 37), seed=1).compute(scheduler="sync"))
+    assert len(np.unique(a)) > 0.99 * a.size
 
 
 def test_stream_groups_benchmark_cpu_smoke(tmp_path):

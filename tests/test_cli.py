@@ -35,6 +35,15 @@ def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_demo_fails_where_balance_s_result_differs_from_equal_blocks(tmp_path, monkeypatch):
+    from dask_octopus.bench import experiment
+
+    monkeypatch.setattr(experiment, "same_checksums", lambda a, b: a is b)  # balance's checksum "differs"
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--part", "balance", "--rows", "4000", "--passes", "1",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "balance's result differs from equal blocks'" in str(result.exception)
+
+
 def test_demo_parts_run_one_at_a_time(tmp_path):
     result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--part", "tasks", "--blocks", "32", "--runs", "1",
                                        "--out", str(tmp_path)])

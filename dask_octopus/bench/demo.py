@@ -130,6 +130,9 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
             console.print("calibrated weights: " + ", ".join(f"{w}: {v:.2f}" for w, v in sorted(weights.items())))
             results = run_variants(client, ["equal", "balance"], rows=rows, cols=cols, width=width,
                                    passes=passes, gpu=gpu)
+    if results["balance"].same_values is False:
+        raise RuntimeError(f"balance's result differs from equal blocks': checksums {results['balance'].values} "
+                           f"against {results['equal'].values}")
     ideal = ideal_seconds(results, rows)
     console.print(balance_table(results, ideal))
     png = plot_timelines({v.name: v.median() for v in results.values()}, os.path.join(out, "demo-timeline.png"),

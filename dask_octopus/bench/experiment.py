@@ -30,6 +30,7 @@ from dask_octopus.bench.workloads import (
     PassRecord,
     persist_on_workers,
     random_matrix,
+    same_checksums,
     workers_info,
 )
 from dask_octopus.profiling.probes import gpu_count
@@ -46,6 +47,8 @@ class Variant:
     row_passes: dict[str, int] = field(default_factory=dict)  # rows times timed passes, over all runs
     blocks: int = 0
     weights: list[dict[str, float]] = field(default_factory=list)  # dask_octopus weights after each run
+    values: list[tuple[float, float]] = field(default_factory=list)  # each run's result checksum
+    same_values: bool | None = None  # every run's result as the first variant's (None: not compared)
 
     def median(self) -> PassRecord:
         """The pass of median duration (of an even number of passes, the slower of the middle two;
@@ -178,7 +181,8 @@ def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, w
                  chunk_rows: int | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Variant]:
     """Run each variant ``runs`` times, interleaved (:func:`~dask_octopus.bench.runner.interleave`),
     each run ``warmup`` untimed passes then ``passes`` timed ones; ``progress`` is told each variant
-    run as it starts."""
+    run as it starts. Each run's last result is checked against the first variant's first
+    (:attr:`Variant.same_values`): every variant computes on the same input values, cut its own way."""
     from dask_octopus.bench.operations import OPERATIONS
 
     op = OPERATIONS[operation]
@@ -194,8 +198,14 @@ def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, w
         for w, n in out[v].rows.items():  # each run plans anew: its rows count for its own passes
             out[v].row_passes[w] = out[v].row_passes.get(w, 0) + n * len(records[warmup:])
         out[v].weights.append(dask_octopus.speeds(client))
+        if records and records[-1].value is not None:
+            out[v].values.append(records[-1].value)
 
     interleave({v: partial(one_run, v) for v in variants}, runs, progress=progress)
+    reference = out[variants[0]].values[:1]
+    for v in out.values():
+        if reference and v.values:
+            v.same_values = all(same_checksums(value, reference[0]) for value in v.values)
     return out
 
 

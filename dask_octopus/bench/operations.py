@@ -18,6 +18,7 @@ from distributed import Client, get_task_stream, wait
 
 from dask_octopus.bench.workloads import (
     PassRecord,
+    checksum,
     clock_shifts,
     intervals,
     stencil_mean,
@@ -28,9 +29,10 @@ from dask_octopus.groups.marks import annotate
 
 def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, grouped: bool,
                  resource: str) -> list[PassRecord]:
-    """``passes`` times: build the result (in stream groups when ``grouped``), persist it, wait."""
+    """``passes`` times: build the result (in stream groups when ``grouped``), persist it, wait; the last
+    pass's record holds the result's :func:`~dask_octopus.bench.workloads.checksum`."""
     records = []
-    for _ in range(passes):
+    for i in range(passes):
         with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()
@@ -39,9 +41,9 @@ def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, gro
             y = client.persist(y)
             wait(y)
             seconds = time.perf_counter() - start
-        del y
         busy = intervals(ts.data, t0, shifts=clock_shifts(client))  # every task of the pass is per-block work here
-        records.append(PassRecord(seconds, busy, busy))
+        records.append(PassRecord(seconds, busy, busy, checksum(client, y) if i == passes - 1 else None))
+        del y
     return records
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import dask.array as da
 import numpy as np
+from dask.array.core import normalize_chunks
 from dask.utils import key_split
 from distributed import Client, get_task_stream, wait
 
@@ -26,10 +27,40 @@ def array_module(gpu: bool) -> Any:
     return np
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+_SLAB = 2**24  # elements of a block made at a time: bounds its uint64 temporaries (128 MiB each)
+
+
+def _unit_floats(index: Any, seed: int, xp: Any) -> Any:
+    """Splitmix64 of each ``index`` (uint64) and ``seed``, as float32 in [0, 1) (24 bits)."""
+    u = xp.uint64
+    x = index + u((seed + 1) * _GOLDEN % 2**64)
+    x = (x ^ (x >> u(30))) * u(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> u(27))) * u(0x94D049BB133111EB)
+    x = x ^ (x >> u(31))
+    return (x >> u(40)).astype(xp.float32) * xp.float32(2.0**-24)
+
+
+def _positional_block(seed: int, gpu: bool, block_info: dict | None = None) -> Any:
+    xp = array_module(gpu)
+    (r0, r1), (c0, c1) = block_info[None]["array-location"]
+    width = block_info[None]["shape"][1]
+    out = xp.empty((r1 - r0, c1 - c0), dtype=xp.float32)
+    columns = xp.arange(c0, c1, dtype=xp.uint64)[None, :]
+    step = max(1, _SLAB // max(1, c1 - c0))
+    for r in range(r0, r1, step):
+        rows = xp.arange(r, min(r + step, r1), dtype=xp.uint64)[:, None]
+        out[r - r0:r - r0 + rows.shape[0]] = _unit_floats(rows * xp.uint64(width) + columns, seed, xp)
+    return out
+
+
 def random_matrix(rows: int, cols: int, chunks: Any, gpu: bool = False, seed: int = 0) -> da.Array:
-    """A float32 dask array of uniform random numbers, generated on the workers."""
-    rng = da.random.default_rng(array_module(gpu).random.default_rng(seed))
-    return rng.random((rows, cols), chunks=chunks, dtype=np.float32)
+    """A float32 dask array of pseudo-random numbers in [0, 1), generated on the workers from each
+    element's position and ``seed``: the same values whatever the ``chunks``, so that variants that
+    cut the input differently compute on the same numbers (and their results can be compared)."""
+    meta = array_module(gpu).empty((0, 0), dtype=np.float32)
+    return da.map_blocks(_positional_block, seed, gpu, chunks=normalize_chunks(chunks, (rows, cols)),
+                         dtype=np.float32, meta=meta)
 
 
 def gemm_repeat(a: Any, reps: int, sync: bool = True) -> Any:
@@ -79,6 +110,7 @@ class PassRecord:
     seconds: float
     intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     blocks: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    value: tuple[float, float] | None = None  # the pass's result's checksum (:func:`checksum`), on the last pass
 
     def finish(self) -> dict[str, float]:
         """Each worker's last per-block task end, from the pass start."""
@@ -88,6 +120,19 @@ class PassRecord:
         """(latest - earliest worker finish) / pass time."""
         f = list(self.finish().values())
         return (max(f) - min(f)) / self.seconds if len(f) > 1 else 0.0
+
+
+def checksum(client: Client, y: da.Array) -> tuple[float, float]:
+    """The sum and the sum of squares of the elements of ``y`` (a persisted result), in float64: what
+    the results of variants that cut their input differently are compared by (taken after the timing)."""
+    y64 = y.astype(np.float64)
+    total, squares = client.compute([y64.sum(), (y64 * y64).sum()], sync=True)
+    return float(total), float(squares)
+
+
+def same_checksums(a: tuple[float, float], b: tuple[float, float], rtol: float = 1e-3) -> bool:
+    """Whether two :func:`checksum` values agree within ``rtol`` (float32 work summed in other orders)."""
+    return bool(np.allclose(a, b, rtol=rtol, atol=0.0))
 
 
 def clock_shifts(client: Client) -> dict[str, float]:
@@ -166,6 +211,8 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
         shifts = clock_shifts(client)
         records.append(PassRecord(seconds, intervals(ts.data, t0, shifts=shifts),
                                   intervals(ts.data, t0, block_tasks, shifts)))
+    if records:
+        records[-1].value = checksum(client, w)
     return records
 
 
