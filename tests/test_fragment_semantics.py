@@ -1139,6 +1139,40 @@ def fails_formatted(b, block_info=None):
 SHARED = CodedError(9, "cached failure")  # one object, raised by several members
 
 
+class SlottedError(Exception):
+    """An exception that keeps its state in a slot, set by ``__init__``."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+    def __str__(self):
+        return f"code {self.code}"
+
+
+class ArgumentsNewError(Exception):
+    """An exception whose ``__new__`` wants its argument."""
+
+    def __new__(cls, code):
+        return super().__new__(cls, code)
+
+    def __init__(self, code):
+        super().__init__(f"error {code}")
+
+
+class ArgsPropertyError(Exception):
+    """An exception whose ``args`` cannot be set."""
+
+    def __init__(self, what):
+        super().__init__(what)
+
+    @property
+    def args(self):
+        return (str(self),)
+
+
 def raises_shared(i):
     raise SHARED
 
@@ -1160,6 +1194,12 @@ def test_a_held_error_is_a_copy_made_without_calling_its_class_s_init_again():
         FileNotFoundError, 2, "/data/part-3", "[Errno 2] No such file: '/data/part-3'")
     group = StepFailed(ExceptionGroup("parts", [ValueError("a"), OSError("b")])).error
     assert type(group) is ExceptionGroup and group.message == "parts" and len(group.exceptions) == 2
+    slotted = StepFailed(SlottedError(5)).error  # its slot is copied: its message reads it
+    assert type(slotted) is SlottedError and str(slotted) == "code 5"
+    for error in (ArgumentsNewError(7), ArgsPropertyError("read-only")):  # copied as pickle copies them
+        failed = StepFailed(error, "dask_octopus: raised by task 'x' of a fragment")
+        assert failed.error is not error and type(failed.error) is type(error) and str(failed.error) == str(error)
+        assert not hasattr(error, "__notes__")
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

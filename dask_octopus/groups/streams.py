@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import functools
 import logging
 import sys
 import threading
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -473,25 +475,29 @@ def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback
 
 
 _BUILTIN_REDUCERS = (OSError.__reduce__, BaseException.__reduce__)
-_BUILTIN_INITS = (OSError.__init__, BaseException.__init__)
 
 
 def _copy_error(error: BaseException) -> BaseException:
-    """A shallow copy of ``error``. An exception class with an ``__init__`` of its own but Python's
-    reducer (``cls(*args)``) is made without calling that ``__init__``, as tblib (distributed's) rebuilds
-    it: such an ``__init__`` often formats its arguments into the message it gives ``Exception``
+    """A shallow copy of ``error``. An exception class with an ``__init__`` of its own in Python but
+    Python's reducer (``cls(*args)``) is made without calling that ``__init__``, as tblib (distributed's)
+    rebuilds it: such an ``__init__`` often formats its arguments into the message it gives ``Exception``
     (``Wrapped("boom")`` with the message ``"wrapped(boom)"``), and called again on the formatted ``args``
     it would format them twice, or fail where it takes other arguments than it passes on."""
     cls = type(error)
-    if cls.__reduce__ not in _BUILTIN_REDUCERS or cls.__init__ in _BUILTIN_INITS:
-        return copy.copy(error)  # rebuilt by its own reducer, or by Python's __init__ alone
-    group = isinstance(error, BaseExceptionGroup)
-    copied = cls.__new__(cls, *((error.message, error.exceptions) if group else ()))
-    copied.args = error.args
-    if isinstance(error, OSError):
-        for attr in ("errno", "strerror", "filename", "filename2"):
-            if (value := getattr(error, attr)) is not None:
-                setattr(copied, attr, value)
+    if cls.__reduce__ not in _BUILTIN_REDUCERS or not isinstance(cls.__init__, types.FunctionType):
+        return copy.copy(error)  # rebuilt by its own reducer, or by an __init__ in C (Python's own classes)
+    try:  # (the args go to __new__ too: one of the class's own may want them; a group's are its parts)
+        copied = cls.__new__(cls, *error.args)
+        copied.args = error.args
+        for attr in copyreg._slotnames(cls):  # (__dict__ is copied by the caller)
+            if hasattr(error, attr):
+                setattr(copied, attr, getattr(error, attr))
+        if isinstance(error, OSError):
+            for attr in ("errno", "strerror", "filename", "filename2"):
+                if (value := getattr(error, attr)) is not None:
+                    setattr(copied, attr, value)
+    except Exception:  # a __new__ of its own that wants other arguments, an args without a setter: as pickle would
+        return copy.copy(error)
     return copied
 
 
