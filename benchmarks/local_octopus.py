@@ -13,8 +13,9 @@ Prints a table per operation (median and spread of wall time, throughput, per-wo
 speedups, the ideal with its formula and the ratio to it), writes one JSON (config, hardware,
 versions, every pass, each run's result checksum) and PNGs (per-worker timelines of each variant's
 median pass, speedups). Every variant computes on the same input values (cut its own way): a
-variant whose result differs from the first variant's (sum and sum of squares, relative 1e-3) fails
-the run after the JSON is written; the image mixes' histograms are compared exactly.
+variant whose result differs from the first variant's (sum, sum of squares and a sum weighted by
+position, relative 1e-4) fails the run after the JSON is written; the image mixes' histograms are
+compared exactly.
 ``--compare OLD.json`` prints the change against an earlier result. Asserts nothing about time.
 
     python benchmarks/local_octopus.py --type cpu --operation dot,map_overlap --size 400000 --out DIR

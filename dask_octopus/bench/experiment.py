@@ -47,7 +47,7 @@ class Variant:
     row_passes: dict[str, int] = field(default_factory=dict)  # rows times timed passes, over all runs
     blocks: int = 0
     weights: list[dict[str, float]] = field(default_factory=list)  # dask_octopus weights after each run
-    values: list[tuple[float, float]] = field(default_factory=list)  # each run's result checksum
+    values: list[tuple[float, float, float]] = field(default_factory=list)  # each run's result checksum
     same_values: bool | None = None  # every run's result as the first variant's (None: not compared)
 
     def median(self) -> PassRecord:

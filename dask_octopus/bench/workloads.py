@@ -28,17 +28,20 @@ def array_module(gpu: bool) -> Any:
 
 
 _GOLDEN = 0x9E3779B97F4A7C15
-_SLAB = 2**24  # elements of a block made at a time: bounds its uint64 temporaries (128 MiB each)
+_SLAB = 2**20  # elements of a block made at a time: bounds its uint64 temporaries (8 MiB each)
 
 
 def _unit_floats(index: Any, seed: int, xp: Any) -> Any:
-    """Splitmix64 of each ``index`` (uint64) and ``seed``, as float32 in [0, 1) (24 bits)."""
+    """Splitmix64 of each ``index`` (uint64, updated in place) and ``seed``, as float32 in [0, 1) (24 bits)."""
     u = xp.uint64
-    x = index + u((seed + 1) * _GOLDEN % 2**64)
-    x = (x ^ (x >> u(30))) * u(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> u(27))) * u(0x94D049BB133111EB)
-    x = x ^ (x >> u(31))
-    return (x >> u(40)).astype(xp.float32) * xp.float32(2.0**-24)
+    x = index
+    x += u((seed + 1) * _GOLDEN % 2**64)
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x ^= x >> u(shift)
+        x *= u(factor)
+    x ^= x >> u(31)
+    x >>= u(40)
+    return x.astype(xp.float32) * xp.float32(2.0**-24)
 
 
 def _positional_block(seed: int, gpu: bool, block_info: dict | None = None) -> Any:
@@ -59,8 +62,8 @@ def random_matrix(rows: int, cols: int, chunks: Any, gpu: bool = False, seed: in
     element's position and ``seed``: the same values whatever the ``chunks``, so that variants that
     cut the input differently compute on the same numbers (and their results can be compared)."""
     meta = array_module(gpu).empty((0, 0), dtype=np.float32)
-    return da.map_blocks(_positional_block, seed, gpu, chunks=normalize_chunks(chunks, (rows, cols)),
-                         dtype=np.float32, meta=meta)
+    return da.map_blocks(_positional_block, seed, gpu,
+                         chunks=normalize_chunks(chunks, (rows, cols), dtype=np.float32), dtype=np.float32, meta=meta)
 
 
 def gemm_repeat(a: Any, reps: int, sync: bool = True) -> Any:
@@ -110,7 +113,7 @@ class PassRecord:
     seconds: float
     intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     blocks: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    value: tuple[float, float] | None = None  # the pass's result's checksum (:func:`checksum`), on the last pass
+    value: tuple[float, float, float] | None = None  # the result's checksum (:func:`checksum`), on the last pass
 
     def finish(self) -> dict[str, float]:
         """Each worker's last per-block task end, from the pass start."""
@@ -122,15 +125,21 @@ class PassRecord:
         return (max(f) - min(f)) / self.seconds if len(f) > 1 else 0.0
 
 
-def checksum(client: Client, y: da.Array) -> tuple[float, float]:
-    """The sum and the sum of squares of the elements of ``y`` (a persisted result), in float64: what
-    the results of variants that cut their input differently are compared by (taken after the timing)."""
+def checksum(client: Client, y: da.Array) -> tuple[float, float, float]:
+    """The sum, the sum of squares and a sum weighted by position (each element times a number in
+    [-1, 1) made from its place, as :func:`random_matrix` makes them) of the elements of ``y`` (a
+    persisted result), in float64: what the results of variants that cut their input differently are
+    compared by (taken after the timing). The weighted sum tells blocks put back in another order, or
+    a row lost at a cut."""
     y64 = y.astype(np.float64)
-    total, squares = client.compute([y64.sum(), (y64 * y64).sum()], sync=True)
-    return float(total), float(squares)
+    flat = y64.reshape(1, -1) if y64.ndim != 2 else y64
+    # centred weights (in [-1, 1)): the weighted sum is not dominated by the mean, a moved block changes it
+    weights = 2 * random_matrix(*flat.shape, chunks=flat.chunks, gpu=not isinstance(y._meta, np.ndarray), seed=7) - 1
+    total, squares, weighted = client.compute([y64.sum(), (y64 * y64).sum(), (flat * weights).sum()], sync=True)
+    return float(total), float(squares), float(weighted)
 
 
-def same_checksums(a: tuple[float, float], b: tuple[float, float], rtol: float = 1e-3) -> bool:
+def same_checksums(a: tuple[float, ...], b: tuple[float, ...], rtol: float = 1e-4) -> bool:
     """Whether two :func:`checksum` values agree within ``rtol`` (float32 work summed in other orders)."""
     return bool(np.allclose(a, b, rtol=rtol, atol=0.0))
 
