@@ -25,7 +25,7 @@ from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
 from dask_octopus.bench.protocol import protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
-from dask_octopus.bench.runner import interleave, timed
+from dask_octopus.bench.runner import interleave, settle, timed
 from dask_octopus.bench.workloads import random_matrix
 from dask_octopus.cli import console as make_console
 
@@ -54,8 +54,8 @@ def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: 
         return {"block_gib": blocks, "seconds": seconds}
     except Exception as e:  # out of memory on a block too large for its worker: the point of the variant
         return {"block_gib": blocks, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-    finally:
-        client.cancel(x)  # release the blocks (CuPy's pool frees its cached blocks when it runs short)
+    # (the blocks go with x, and settle() waits for that before the next variant: client.cancel(x) would
+    # have the scheduler report the keys cancelled, which cancels the next run's futures of the same keys)
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def main(rows: int, cols: int, chunk_rows: int, passes: int, warmup_passes: int,
             record["weights"] = dask_octopus.speeds(client)
             results = interleave({v: (lambda run, v=v: run_variant(client, v, rows, cols, chunk_rows, passes,
                                                                     warmup_passes))
-                                  for v in variants}, runs)
+                                  for v in variants}, runs, between=lambda: settle(client))
     record["variants"] = {v: pooled(r) for v, r in results.items()}
     for v, r in record["variants"].items():
         blocks = ", ".join(f"{b:.2f}" for b in r["block_gib"])
