@@ -1139,6 +1139,23 @@ def fails_formatted(b, block_info=None):
 SHARED = CodedError(9, "cached failure")  # one object, raised by several members
 
 
+class PartsError(ExceptionGroup):
+    """An exception group of its own class."""
+
+
+def raise_part(block):
+    raise ValueError("part 1")
+
+
+def raise_group(block):
+    errors = []
+    try:
+        raise_part(block)
+    except ValueError as e:
+        errors.append(e)
+    raise PartsError("parts", errors)
+
+
 class SlottedError(Exception):
     """An exception that keeps its state in a slot, set by ``__init__``."""
 
@@ -1194,6 +1211,13 @@ def test_a_held_error_is_a_copy_made_without_calling_its_class_s_init_again():
         FileNotFoundError, 2, "/data/part-3", "[Errno 2] No such file: '/data/part-3'")
     group = StepFailed(ExceptionGroup("parts", [ValueError("a"), OSError("b")])).error
     assert type(group) is ExceptionGroup and group.message == "parts" and len(group.exceptions) == 2
+    try:  # an exception group's exceptions are copied without their frames too (their locals: big inputs)
+        raise_group(np.ones(10))
+    except ExceptionGroup as e:
+        raised = e
+    held = StepFailed(raised).error
+    assert type(held) is PartsError and held.message == "parts" and str(held.exceptions[0]) == "part 1"
+    assert held.exceptions[0].__traceback__ is None and raised.exceptions[0].__traceback__ is not None
     slotted = StepFailed(SlottedError(5)).error  # its slot is copied: its message reads it
     assert type(slotted) is SlottedError and str(slotted) == "code 5"
     for error in (ArgumentsNewError(7), ArgsPropertyError("read-only")):  # copied as pickle copies them

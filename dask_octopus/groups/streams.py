@@ -501,18 +501,31 @@ def _copy_error(error: BaseException) -> BaseException:
     return copied
 
 
+def _copy_group(group: BaseExceptionGroup, copies: dict[int, BaseException]) -> BaseException:
+    """A copy of ``group`` (an ``ExceptionGroup``) holding detached copies of its exceptions (their frames
+    would keep their calls' locals alive as the group's own would), made as :func:`_copy_error` makes
+    one (else as it is, its exceptions the caller's)."""
+    parts = [detached(e, copies) for e in group.exceptions]
+    try:
+        copied = type(group).__new__(type(group), group.message, parts)
+        copied.args = (group.message, parts)
+    except Exception:  # a __new__ of its own that wants other arguments
+        return _copy_error(group)
+    return copied
+
+
 def detached(error: BaseException, _copies: dict[int, BaseException] | None = None) -> BaseException:
     """A copy of ``error`` without frames: no traceback, and its cause and context (``raise ... from``,
     a raise inside ``except``) copied likewise, as their frames would keep the failed call's locals
-    and its callers' (a fragment's inputs) alive. The caller's object is left as it is (one exception
-    object raised by several members, a cached failure raised again, gathers no notes of theirs; the
-    copy is made as tblib makes one, :func:`_copy_error`). An exception that cannot be copied even so
-    is stripped of its frames itself."""
+    and its callers' (a fragment's inputs) alive, and an exception group's exceptions likewise. The
+    caller's object is left as it is (one exception object raised by several members, a cached failure
+    raised again, gathers no notes of theirs; the copy is made as tblib makes one, :func:`_copy_error`).
+    An exception that cannot be copied even so is stripped of its frames itself."""
     copies = {} if _copies is None else _copies  # (a chain that loops back copies each link once)
     if id(error) in copies:
         return copies[id(error)]
     try:
-        copied = _copy_error(error)
+        copied = _copy_error(error) if not isinstance(error, BaseExceptionGroup) else _copy_group(error, copies)
     except Exception:
         copied = error
     copies[id(error)] = copied
