@@ -477,41 +477,48 @@ def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback
 _BUILTIN_REDUCERS = (OSError.__reduce__, BaseException.__reduce__)
 
 
+def _rebuilt(error: BaseException, args: tuple) -> BaseException:
+    """A new exception of ``error``'s class made as tblib makes one, without calling its ``__init__``:
+    ``__new__`` given ``args`` (one of the class's own may want them; a group's are its message and
+    parts), then ``args``, its slots and, for an ``OSError``, its fields (``__dict__`` is the caller's
+    to copy). Raises where the class does not let itself be made so."""
+    cls = type(error)
+    copied = cls.__new__(cls, *args)
+    copied.args = args
+    for attr in copyreg._slotnames(cls):
+        if hasattr(error, attr):
+            setattr(copied, attr, getattr(error, attr))
+    if isinstance(error, OSError):
+        for attr in ("errno", "strerror", "filename", "filename2"):
+            if (value := getattr(error, attr)) is not None:
+                setattr(copied, attr, value)
+    return copied
+
+
 def _copy_error(error: BaseException) -> BaseException:
     """A shallow copy of ``error``. An exception class with an ``__init__`` of its own in Python but
-    Python's reducer (``cls(*args)``) is made without calling that ``__init__``, as tblib (distributed's)
-    rebuilds it: such an ``__init__`` often formats its arguments into the message it gives ``Exception``
-    (``Wrapped("boom")`` with the message ``"wrapped(boom)"``), and called again on the formatted ``args``
-    it would format them twice, or fail where it takes other arguments than it passes on."""
+    Python's reducer (``cls(*args)``) is made without calling that ``__init__`` (:func:`_rebuilt`), as
+    tblib (distributed's) rebuilds it: such an ``__init__`` often formats its arguments into the message
+    it gives ``Exception`` (``Wrapped("boom")`` with the message ``"wrapped(boom)"``), and called again on
+    the formatted ``args`` it would format them twice, or fail where it takes other arguments than it
+    passes on."""
     cls = type(error)
     if cls.__reduce__ not in _BUILTIN_REDUCERS or not isinstance(cls.__init__, types.FunctionType):
         return copy.copy(error)  # rebuilt by its own reducer, or by an __init__ in C (Python's own classes)
-    try:  # (the args go to __new__ too: one of the class's own may want them; a group's are its parts)
-        copied = cls.__new__(cls, *error.args)
-        copied.args = error.args
-        for attr in copyreg._slotnames(cls):  # (__dict__ is copied by the caller)
-            if hasattr(error, attr):
-                setattr(copied, attr, getattr(error, attr))
-        if isinstance(error, OSError):
-            for attr in ("errno", "strerror", "filename", "filename2"):
-                if (value := getattr(error, attr)) is not None:
-                    setattr(copied, attr, value)
+    try:
+        return _rebuilt(error, error.args)
     except Exception:  # a __new__ of its own that wants other arguments, an args without a setter: as pickle would
         return copy.copy(error)
-    return copied
 
 
 def _copy_group(group: BaseExceptionGroup, copies: dict[int, BaseException]) -> BaseException:
     """A copy of ``group`` (an ``ExceptionGroup``) holding detached copies of its exceptions (their frames
-    would keep their calls' locals alive as the group's own would), made as :func:`_copy_error` makes
-    one (else as it is, its exceptions the caller's)."""
-    parts = [detached(e, copies) for e in group.exceptions]
+    would keep their calls' locals alive as the group's own would), made by :func:`_rebuilt` (else as
+    :func:`_copy_error` makes one, its exceptions the caller's)."""
     try:
-        copied = type(group).__new__(type(group), group.message, parts)
-        copied.args = (group.message, parts)
+        return _rebuilt(group, (group.message, [detached(e, copies) for e in group.exceptions]))
     except Exception:  # a __new__ of its own that wants other arguments
         return _copy_error(group)
-    return copied
 
 
 def detached(error: BaseException, _copies: dict[int, BaseException] | None = None) -> BaseException:
