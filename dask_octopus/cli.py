@@ -40,7 +40,9 @@ def main() -> None:
               help="balance: rows of the array [default: 400000 cpu, 1000000 gpu]")
 @click.option("--cols", type=POSITIVE, default=None, help="balance: columns [default: 256 cpu, 2048 gpu]")
 @click.option("--width", type=POSITIVE, default=None, help="balance: subspace width [default: 128 cpu, 2048 gpu]")
-@click.option("--passes", type=POSITIVE, default=3, show_default=True, help="balance: timed passes per variant")
+@click.option("--passes", type=POSITIVE, default=3, show_default=True, help="balance: timed passes per run")
+@click.option("--balance-runs", type=POSITIVE, default=2, show_default=True,
+              help="balance: runs per variant, in alternating orders (equal, balance; balance, equal; ...)")
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="balance: slow one worker down")
 @click.option("--blocks", type=POSITIVE, default=None,
               help="tasks: number of small blocks [default: 512 cpu, 1024 gpu]")
@@ -50,8 +52,8 @@ def main() -> None:
 @click.option("--out", type=click.Path(file_okay=False), default="octopus-demo", show_default=True,
               help="folder for the PNGs")
 @protocol_option
-def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, cotenant: bool,
-         blocks: int | None, runs: int, group: int | None, out: str, protocol: str) -> None:
+def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | None, passes: int, balance_runs: int,
+         cotenant: bool, blocks: int | None, runs: int, group: int | None, out: str, protocol: str) -> None:
     """Both halves of dask_octopus on this machine: balance (a worker per GPU, or two CPU workers, one slowed
     by a co-tenant) and small tasks (Dask's per-task cost against fragments and a plain loop), each with a
     table and a PNG."""
@@ -69,7 +71,8 @@ def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | 
         raise click.BadParameter(f"the balance part gives each of its {workers} workers a block: at least "
                                  f"{workers} rows", param_hint="--rows")
     try:
-        run_demo(where, gpus=gpus, rows=rows, cols=cols, width=width, passes=passes, blocks=blocks, runs=runs,
+        run_demo(where, gpus=gpus, rows=rows, cols=cols, width=width, passes=passes, balance_runs=balance_runs,
+                 blocks=blocks, runs=runs,
                  group=group, out=out, cotenant=cotenant, console=console())
     except KeyboardInterrupt:  # the cluster and the co-tenant were stopped on the way out
         console().print("interrupted: the local cluster and the co-tenant load are stopped")

@@ -17,11 +17,23 @@ from dask_octopus.cli import main, profile_table
 from dask_octopus.profiling.probes import gpu_count
 
 
-def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path):
+def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path, monkeypatch):
+    from dask_octopus.bench import experiment
+
+    called: list[str] = []  # the balance part's variant runs, in order
+
+    def recorded(variants, runs, **kwargs):
+        return interleave({v: lambda run, v=v, f=f: (called.append(v), f(run)) for v, f in variants.items()},
+                          runs, **kwargs)
+
+    interleave = experiment.interleave
+    monkeypatch.setattr(experiment, "interleave", recorded)
     result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--rows", "20000", "--passes", "2", "--blocks", "64",
                                        "--runs", "1", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
+    assert called == ["equal", "balance", "balance", "equal"]  # two runs each (the default), neither always first
     out = result.output
+    assert "Balance: per pass (median of 2 runs' passes)" in out
     assert "machine: " in out and "CPU cores" in out and "GPUs: none" in out and "protocol: tcp" in out
     assert "parts: balance on 2 CPU workers; small tasks on 1 CPU worker" in out
     for text in ("calibrated weights", "equal", "balance", "speedup vs equal", "ideal", "timeline written"):

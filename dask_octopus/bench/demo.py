@@ -88,10 +88,12 @@ def describe_machine(gpu: bool, protocol: str) -> str:
     return f"machine: {hw['cores']} CPU cores ({hw['cpu']}); GPUs: {listed}; protocol: {protocol}"
 
 
-def balance_table(results: dict[str, Variant], ideal: float, reference: str = "equal") -> Table:
+def balance_table(results: dict[str, Variant], ideal: float, runs: int = 1, reference: str = "equal") -> Table:
     """Time per pass, each worker's finish time, spread, speedup over ``reference``, and the ratios to
-    the ideal of the whole pass and of the per-block phase (latest worker's last block)."""
-    table = Table(title=f"Balance: per pass (median); ideal = total rows / sum of worker speeds = {ideal:.3f} s")
+    the ideal of the whole pass and of the per-block phase (latest worker's last block), over the
+    passes of ``runs`` runs of each variant."""
+    over = f"median of {runs} runs' passes" if runs > 1 else "median"
+    table = Table(title=f"Balance: per pass ({over}); ideal = total rows / sum of worker speeds = {ideal:.3f} s")
     for col in ("variant", "blocks", "s / pass", "worker finish (s)", "spread", f"speedup vs {reference}",
                 "pass x ideal", "blocks x ideal"):
         table.add_column(col, justify="right")
@@ -117,9 +119,10 @@ def tasks_table(timings: list[Timing], title: str) -> Table:
 
 
 def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out: str, console: Console,
-                cotenant: bool = True, protocol: str = "tcp") -> dict[str, Any]:
-    """The balance part over ``protocol``: print its table and write its timeline PNG under ``out``;
-    returns the figures."""
+                cotenant: bool = True, protocol: str = "tcp", runs: int = 2) -> dict[str, Any]:
+    """The balance part over ``protocol``, ``runs`` runs of each variant in alternating orders (equal
+    blocks first, then ``balance`` first, ...: :func:`~dask_octopus.bench.runner.interleave`): print
+    its table and write its timeline PNG under ``out``; returns the figures."""
     with local_cluster(gpu, protocol=protocol) as client:
         slow, load = slowest_target(client, gpu)
         console.print(f"cluster: {len(workers_info(client))} "
@@ -129,12 +132,12 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
             weights = dask_octopus.speeds(client)
             console.print("calibrated weights: " + ", ".join(f"{w}: {v:.2f}" for w, v in sorted(weights.items())))
             results = run_variants(client, ["equal", "balance"], rows=rows, cols=cols, width=width,
-                                   passes=passes, gpu=gpu)
+                                   passes=passes, runs=runs, gpu=gpu)
     if results["balance"].same_values is False:
         raise RuntimeError(f"balance's result differs from equal blocks': checksums {results['balance'].values} "
                            f"against {results['equal'].values}")
     ideal = ideal_seconds(results, rows)
-    console.print(balance_table(results, ideal))
+    console.print(balance_table(results, ideal, runs))
     png = plot_timelines({v.name: v.median() for v in results.values()}, os.path.join(out, "demo-timeline.png"),
                          title=f"subspace iteration, {rows}x{cols} rows"
                                + (", one worker with a co-tenant" if cotenant else ", no co-tenant"))
@@ -172,7 +175,7 @@ def balance_worker_count(where: Placement, gpus: int) -> int:
 
 def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None, width: int | None,
              passes: int, blocks: int | None, runs: int, group: int | None, out: str, console: Console,
-             cotenant: bool = True) -> dict[str, Any]:
+             cotenant: bool = True, balance_runs: int = 2) -> dict[str, Any]:
     """Run the parts of the demo placed by :func:`place_parts` on a machine with ``gpus`` GPUs, each
     with its table and PNG under ``out``; returns their figures."""
     os.makedirs(out, exist_ok=True)
@@ -190,7 +193,7 @@ def run_demo(where: Placement, *, gpus: int, rows: int | None, cols: int | None,
         figures["balance"] = run_balance(gpu=gpu, rows=rows or (1_000_000 if gpu else 400_000),
                                          cols=cols or (2048 if gpu else 256), width=width or (2048 if gpu else 128),
                                          passes=passes, out=out, console=console, cotenant=cotenant,
-                                         protocol=where.protocol)
+                                         protocol=where.protocol, runs=balance_runs)
     if where.tasks:
         console.rule("Small tasks: Dask's per-task cost against fragments")
         figures["tasks"] = run_tasks(gpu=where.tasks == "gpu", blocks=blocks, runs=runs, group=group, out=out,
