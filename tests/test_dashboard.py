@@ -23,6 +23,7 @@ import dask_octopus
 from dask_octopus import cli, dashboard
 from dask_octopus.dashboard import columns, serve
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory, spread
+from dask_octopus.dashboard.snapshot import PlanRow, Snapshot, WorkerRow
 from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY
 from dask_octopus.plugins.scheduler import HISTORY_CALLBACK
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
@@ -376,8 +377,9 @@ def test_profile_watch_interval_must_be_positive():
     assert result.exit_code == 2 and "--interval" in result.output
 
 
-@pytest.mark.parametrize("value, text", [(None, "-"), (5.1e13, "51.0 TFLOP/s"), (2.5e9, "2.5 GFLOP/s")])
-def test_si_units(value, text):
+@pytest.mark.parametrize("value, text", [(None, "-"), (5.1e13, "51.0 TFLOP/s"), (2.5e9, "2.5 GFLOP/s"),
+                                         (1e9, "1.0 GFLOP/s"), (1e3, "1.0 kFLOP/s"), (512.0, "512 FLOP/s")])
+def test_si_units(value, text):  # (at a prefix's boundary, the larger prefix)
     assert columns.si(value, "FLOP/s") == text
 
 
@@ -440,3 +442,94 @@ def test_a_scrape_reads_the_plugins_of_its_own_event_loop_only():
         dask_octopus.register(b, calibrate=False)
         assert a.sync(scrape) == set(one.scheduler.workers)
         assert b.sync(scrape) == set(other.scheduler.workers)
+
+
+def test_spread_of_finishes_one_of_which_is_zero():
+    assert spread([1.0, 0.0]) == 1.0  # only a maximum that is not > 0 gives None
+
+
+def test_weight_history_compares_with_the_last_point_and_says_false_when_it_adds_none():
+    h = WeightHistory()
+    assert h.add(1.0, {"a": (0.5, 0.5)}) is True
+    assert h.add(2.0, {"a": (0.6, 0.4)}) is True
+    assert h.add(3.0, {"a": (0.5, 0.5)}) is True  # back to the first point's weights: a change from the last
+    assert h.add(4.0, {"a": (0.5, 0.5)}) is False
+    assert [t for t, _ in h.points] == [1.0, 2.0, 3.0]
+
+
+def test_weight_history_keeps_exactly_max_weights():
+    h = WeightHistory(max_weights=4)
+    h.add(1.0, {"a": (0.5, 0.5), "b": (0.5, 0.5)})
+    h.add(2.0, {"a": (0.6, 0.5), "b": (0.4, 0.5)})
+    assert [t for t, _ in h.points] == [1.0, 2.0]  # 4 weights of 4: none dropped
+
+
+def test_a_run_before_its_first_task_finishes_nowhere():
+    r = PlanRecord("x", 0.0, ["a"], [1.0], {"a": 1.0})
+    r.restart(2)
+    assert r.current.finish() == {}
+
+
+def test_a_plan_of_no_work_or_of_workers_without_weight_predicts_only_what_it_can():
+    empty = PlanRecord("x", 0.0, ["a", "b"], [0.0, 0.0], {"a": 1.0, "b": 1.0})
+    assert empty.shares() == {} and empty.predicted() == {}
+    r = PlanRecord("y", 0.0, ["a", "b", "c"], [1.0, 1.0, 1.0], {"a": 1.0, "b": 0.0})  # b weight 0, c none
+    assert r.predicted() == {"a": 1.0}
+
+
+def test_clock_is_the_local_time_of_day():
+    assert columns.clock(3600.0) == time.strftime("%H:%M:%S", time.localtime(3600.0))
+
+
+def worker_row(address, device, model, error):
+    return WorkerRow(address, address, device, model, None, None, 0.5, 0.5, 0, 0, 0, None, None, None, None, error)
+
+
+def test_worker_table_names_gpu_models_only_and_notes_errors():
+    rows = [worker_row("tcp://a:1", "gpu", "H200", None), worker_row("tcp://b:1", "cpu", "CPU", None),
+            worker_row("tcp://c:1", "gpu", "", "no calibration")]
+    data = columns._workers(rows, {r.address: "#000000" for r in rows})
+    assert data["device"] == ["H200", "cpu", "gpu"]
+    assert data["note"] == ["", "", "no calibration"]
+
+
+def test_history_lines_end_now_for_live_workers_only():
+    a, b = "tcp://a:1", "tcp://b:1"
+    points = [(1.0, {a: (0.5, 0.5), b: (0.5, 0.5)}), (2.0, {a: (1.0, 1.0)})]
+    got = columns._history(points, 3.0, {a: "a:1"}, 0, {a: "#1", b: "#2"})
+    assert got["xs"] == [[1000.0, 2000.0, 2000.0, 3000.0], [1000.0]]  # b left: its line stops where it did
+    assert got["ys"] == [[0.5, 0.5, 1.0, 1.0], [0.5]]
+    assert got["label"] == ["a:1", "b:1 (gone)"]
+    now = columns._history([(1.0, {a: (0.5, 0.5)}), (3.0, {a: (1.0, 1.0)})], 3.0, {a: "a:1"}, 0, {a: "#1"})
+    assert now["xs"] == [[1000.0, 3000.0, 3000.0]]  # its last point is now already
+
+
+def plan_row(name, observed, complete):
+    return PlanRow(name, 0.0, {"a": 1}, {"a": 1.0}, {"a": 1.0}, {"a": 1.0}, observed,
+                   {"a": 1} if observed else {}, 2, complete)
+
+
+def test_latest_plan_is_the_newest_that_ran_else_the_newest():
+    _, title = columns._latest([plan_row("new", {}, False), plan_row("old", {"a": 1.0}, False)], {}, {})
+    assert title.startswith("Latest plan (old, made at ") and "run in progress, 1 of 2 tasks" in title
+    _, title = columns._latest([plan_row("new", {}, False), plan_row("old", {}, False)], {}, {})
+    assert title.startswith("Latest plan (new, made at ") and title.endswith("): not run yet")
+
+
+def test_latest_plan_names_gone_workers_and_gives_the_prediction_in_seconds():
+    a, b = "tcp://a:1", "tcp://b:1"
+    p = PlanRow("p", 0.0, {a: 2, b: 1}, {a: 0.6, b: 0.4}, {a: 0.6, b: 0.4}, {a: 1.2, b: 0.8},
+                {a: 2.4, b: 1.6}, {a: 2, b: 1}, 3, True)
+    data, _ = columns._latest([p], {a: "0 (a:1)"}, {})
+    assert data["label"] == ["0 (a:1)", "b:1 (gone)"]
+    assert data["predicted"] == pytest.approx([2.4, 1.6])  # scaled by 2 s per unit of relative finish
+
+
+def test_run_column_of_a_graph_whose_tasks_have_not_finished_yet():
+    assert columns._run(plan_row("p", {}, False)) == "running, 0 of 2 tasks"  # expected 2, none done
+    assert columns._run(PlanRow("q", 0.0, {"a": 1}, {}, {}, {}, {}, {}, 0, False)) == "not run"
+
+
+def test_summary_says_when_the_weights_last_changed():
+    snap = Snapshot(7200.0, "tcp://s:1", [], [(0.0, {}), (3600.0, {})], [], 0, 0)
+    assert f"weights last changed at {columns.clock(3600.0)}. " in columns._summary(snap, 2.0)

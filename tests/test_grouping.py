@@ -326,3 +326,16 @@ def test_arena_peak_checks_its_input():
         arena_peak([1, 2], [[], []], [0], [0, 0])
     with pytest.raises(ValueError, match="step 1's result freed after step 0"):
         arena_peak([1, 2], [[1], []], [0, 1])
+
+
+def test_topological_walks_a_keys_dependencies_in_the_order_given():
+    # c comes first but reads a and b: they go before it, in the order of ``order`` (a, then b),
+    # whatever order c's dependencies are listed in
+    assert topological(["c", "a", "b"], {"c": ["a", "b"], "a": [], "b": []}) == ["a", "b", "c"]
+    assert topological(["c", "a", "b"], {"c": ["b", "a"], "a": [], "b": []}) == ["a", "b", "c"]
+
+
+def test_a_cap_of_zero_sources_is_refused():
+    deps = {"a": [], "b": ["a"]}
+    with pytest.raises(ValueError, match=r"^cap must be >= 1 or None, got 0$"):
+        plan_fragments(list(deps), deps, set(deps), dict.fromkeys(deps), {None: 1}, cap=0)

@@ -414,3 +414,26 @@ def test_block_counts_per_worker():
     for bad in ([1, 2.5], [True, 1], [1], [0, 1]):
         with pytest.raises(PlanningError, match=r"^per_worker must be an integer >= 1 \(or one per worker\), got "):
             block_sizes(100, [1, 1], per_worker=bad)
+
+
+def test_a_fractional_total_is_refused():
+    with pytest.raises(PlanningError, match=r"^total must be a non-negative integer, got 2\.5$"):
+        proportional_split(2.5, [1.0])
+
+
+def test_minimum_or_caps_of_another_length_than_the_weights_are_refused():
+    with pytest.raises(PlanningError, match=r"^minimum and caps must have one entry per weight$"):
+        proportional_split(3, [1.0, 1.0], minimum=[1])
+    with pytest.raises(PlanningError, match=r"^minimum and caps must have one entry per weight$"):
+        proportional_split(3, [1.0, 1.0], caps=[5])
+
+
+def test_within_refuses_align_2_over_the_smallest_share():
+    # align 2, the slow worker's share 1.0 row: its one block would be a whole unit of 2 rows
+    with pytest.raises(PlanningError, match=r"^align=2 is larger than the smallest worker's share \(1\.0 of 7\)"):
+        block_sizes_within(7, [1, 6], 100, align=2)
+
+
+def test_snap_cuts_lets_a_worker_already_over_its_cap_keep_up_to_its_planned_rows():
+    # a plans 5 rows, capped at 3: the nearer end (4) gives it 4 rows, over the cap but not over the plan
+    assert snap_cuts([5, 5], [(4, 7)], ["a", "b"], {"a": 3, "b": None}) == [4, 6]

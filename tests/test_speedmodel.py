@@ -440,3 +440,13 @@ def test_steady_timings_that_contradict_the_calibration_replace_it():
         m.observe("b", "mul", 100, 0.03 * math.exp(rng.gauss(0, 0.05)))
     w = m.weights(["a", "b"])
     assert 2.5 < w["a"] / w["b"] < 3.5  # the moving averages decide
+
+
+def test_two_timings_each_show_no_noise_so_any_difference_counts():
+    # noise is 0 while fewer than three timings are known: with confidence_samples=2 the workers'
+    # differences count as they are, however far apart each worker's two timings were
+    m = SpeedModel(confidence_samples=2)
+    for units in (1, 2):
+        m.observe("a", "p", units, 1.0)
+        m.observe("b", "p", 4 * units, 1.0)
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 0.2, "b": 0.8})
