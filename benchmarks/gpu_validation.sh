@@ -5,7 +5,7 @@
 # (co-tenant on GPU 0, with their ideal), all over $PROTOCOL (default ucx: what dask-cuda users run on
 # NVLink), and beside them the operations that move data between GPUs over tcp (suite-tcp). Everything
 # lands in one folder, packed as results.tar.gz (the device tool returns at most 8 files). The default
-# steps' time limits add up to about 26 minutes: run them as a few STEPS subsets (a command may run 10).
+# steps' time limits add up to about 37 minutes: run them as a few STEPS subsets (a command may run 10).
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
 #   tools/pack_ucx_wheels.sh                  # then: the UCX wheels in ucx-wheels.tar.xz (64 MiB carry)
@@ -58,7 +58,7 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 
 p=(--protocol "$protocol")
 step 420 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
-step 80 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
+step 150 demo env COLUMNS=160 python3 -m dask_octopus demo "${p[@]}" --out "$run/demo"
 step 80 fft-filter python3 benchmarks/fft_filter.py --devs "$devs" --cotenant-procs 2 "${p[@]}" --out "$run"
 step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 \
   --operations "${STREAM_OPS:-chain-sum,tiny,dataframe,frames,large,mixed}" "${p[@]}" --out "$run"
