@@ -294,6 +294,7 @@ async def test_bad_input(c, s, a, b):
         (items, dict(cost="big"), TypeError, "cost must be a callable, one number per item or None, got str 'big'"),
         (items, dict(cost=3), TypeError, "cost must be a callable, one number per item or None, got int 3"),
         (items, dict(to_host="no"), TypeError, "to_host must be True or False, got 'no'"),
+        (items, dict(pure=None), TypeError, "pure must be True or False, got None"),
     ]
     ways = {"futures": lambda *a, **k: c.gather(dask_octopus.map(*a, client=c, **k)),
             "gathered": lambda *a, **k: dask_octopus.map(*a, client=c, gather=True, **k),
@@ -325,6 +326,25 @@ async def test_bad_input(c, s, a, b):
     assert log.getvalue() == ""  # our TypeError alone, no serialisation traceback before it
     with pytest.raises(TypeError, match="'awaited_inc' is a coroutine function: map runs items in batches"):
         await call(c, awaited_inc, [1])  # (its results were coroutines, never awaited)
+
+
+def draw(item):
+    return np.random.default_rng().random()  # a new value each call: an impure function
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=NO_STEALING)
+async def test_pure_false_gives_a_call_futures_of_its_own(c, s, a, b):
+    await setup(c, s, [1.0, 1.0])
+    items = [1, 2, 3]
+    first = await call(c, draw, items, cost=[1, 1, 1])
+    again = await call(c, draw, items, cost=[1, 1, 1])  # the same work, same plan: Dask's reuse of its keys
+    assert [f.key for f in again] == [f.key for f in first] and await c.gather(again) == await c.gather(first)
+    impure = await call(c, draw, items, cost=[1, 1, 1], pure=False)
+    other = await call(c, draw, items, cost=[1, 1, 1], pure=False)
+    keys = [f.key for f in first + impure + other]
+    assert len(set(keys)) == 9  # each call's own futures, computed anew
+    values = await c.gather(first + impure + other)
+    assert len(set(values)) == 9  # (three draws of [0, 1) alike are as likely as a collision of floats)
 
 
 async def awaited_inc(x):

@@ -342,9 +342,10 @@ def _compute_delayed(client: Client, items: list[Any]) -> None:
 
 def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool, probe: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
+            per_item: bool, probe: bool = True, pure: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
-    (and no batches); else one future per batch task, with the indices of its items. Also returns the
+    (and no batches), named by their work unless ``pure`` is false; else one future per batch task,
+    with the indices of its items. Also returns the
     indices of the items that were futures failed already (:func:`_failed_inputs`). Batches of a
     function whose results' size the scheduler does not know yet: :func:`_probed` (with ``probe``).
     The tasks take the Dask annotations in effect (``dask.annotate``; a ``priority`` comes before the
@@ -361,13 +362,14 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     result_size = next((w.result_size for w in info if w.result_size is not None), None)
     if result_size is None and probe and batched and len(items) > 1 and config.get("map.learn-result-size"):
         usable = {i for i, b in enumerate(nbytes) if i not in failed and b > 0}
-        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item)
+        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item, pure)
     result_size = RESULT_SIZE if result_size is None else result_size
     batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
                        scale, [b * (1 + result_size) for b in nbytes], [w.budget for w in info])
-    # the futures per item are the user's, named by their work as Dask names them; the batch tasks of a run
-    # that gathers its results are its own (it cancels those it does not read): no other run shares their keys
-    run = None if per_item else uuid.uuid4().hex
+    # the futures per item are the user's, named by their work as Dask names them (unless the function is
+    # impure: then, as client.map(pure=False) makes them, unique); the batch tasks of a run that gathers its
+    # results are its own (it cancels those it does not read): no other run shares their keys
+    run = None if per_item and pure else uuid.uuid4().hex
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
     _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{label}-{MAP_INFIX}-{token}"
@@ -408,7 +410,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
 
 def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], usable: Collection[int],
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool) -> tuple[list[Future], list[list[int]], set[int]]:
+            per_item: bool, pure: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
     """:func:`_submit` of batches of a function none of whose tasks has finished yet: its cheapest item of
     ``usable`` (not failed already, of known bytes) first, alone, and once that finished (the scheduler
     then knows the bytes of result per byte of item) the others, in batches that count their results
@@ -423,7 +425,7 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
     def submit(indices: list[int], probe: bool) -> list[Future]:
         some = [items[i] for i in indices]
         part = _submit(client, func, some, [costs[i] for i in indices], group, resource, to_host, kwargs,
-                       per_item, probe=probe)
+                       per_item, probe=probe, pure=pure)
         for i, item in zip(indices, some):
             items[i] = item
         parts.append((indices, part))
@@ -473,7 +475,7 @@ def _checked(results: Iterable[tuple[int, Any]], errors: str) -> Iterator[tuple[
 @awaitable_on_async_clients
 def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Iterable[float] | None = None,
         client: Client | None = None, group: int | None = None, resource: str = "compute", gather: bool = False,
-        errors: str = "raise", to_host: bool = False, **kwargs: Any) -> list[Future] | list[Any]:
+        errors: str = "raise", to_host: bool = False, pure: bool = True, **kwargs: Any) -> list[Future] | list[Any]:
     """Run ``func`` over indivisible items of different costs, packed onto the workers so that all
     are predicted to finish together.
 
@@ -524,6 +526,11 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     to_host
         Copy CuPy results to host memory on the worker, all of a task's items at once after its
         work (no ``.get()`` per item inside ``func``, which would stop the items overlapping).
+    pure
+        As in ``Client.map``: whether ``func`` returns the same result for the same item, so that the
+        futures of another call of the same work (still held) may be reused. ``False`` (a function
+        that draws random numbers, reads a clock or a changing file): this call's futures are its own.
+        With ``gather=True`` (and :func:`imap`) every call runs its items anew either way.
     **kwargs
         Passed to ``func``.
 
@@ -536,8 +543,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     ------
     TypeError
         When ``func`` is not callable, is a coroutine function or cannot be pickled, ``cost`` is neither
-        a callable nor numbers, ``gather`` or ``to_host`` is not True or False, or ``client`` is not a
-        Client.
+        a callable nor numbers, ``gather``, ``to_host`` or ``pure`` is not True or False, or ``client``
+        is not a Client.
     RuntimeError
         When ``client`` is closed.
     ValueError
@@ -553,25 +560,27 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     >>> results = client.gather(futures)  # doctest: +SKIP
     >>> results = dask_octopus.map(pipeline, images, group=8, gather=True, to_host=True)  # doctest: +SKIP
     """
-    group = _check_call(func, group, resource, errors, to_host=to_host, gather=gather)
+    group = _check_call(func, group, resource, errors, to_host=to_host, gather=gather, pure=pure)
     if errors != "raise" and not gather:
         raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
     items, cost = _listed(items, cost)
     if not items:
         return []
     if not gather:
-        return _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=True)[0]
+        return _submit(client, func, items, cost, group, resource, to_host, kwargs, per_item=True, pure=pure)[0]
     run = _Batches(client, func, items, cost, group, resource, to_host, kwargs, dask.get_annotations())
     return [result for _, result in _checked(sorted(_as_finished(run)), errors)]
 
 
 def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | Iterable[float] | None = None,
          client: Client | None = None, group: int | None = None, resource: str = "compute", errors: str = "raise",
-         to_host: bool = False, **kwargs: Any) -> Iterator[tuple[int, Any]] | AsyncIterator[tuple[int, Any]]:
+         to_host: bool = False, pure: bool = True,
+         **kwargs: Any) -> Iterator[tuple[int, Any]] | AsyncIterator[tuple[int, Any]]:
     """:func:`map` planned and run the same way, yielding ``(index, result)`` as each task of items
     finishes, for results streamed onward (no Dask key per item; a worker's items come together).
 
-    Parameters are those of :func:`map`; ``errors="raise"`` raises an item's exception when its
+    Parameters are those of :func:`map` (``pure`` is only checked: each call runs its items anew);
+    ``errors="raise"`` raises an item's exception when its
     task's results arrive, ``"skip"`` leaves failed items out. The plan is made and submitted at
     once, when the items that are futures or delayed are computed (as :func:`map` with batches;
     after the first item of a function new to the scheduler ran alone, as there);
@@ -594,7 +603,7 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     ...     writer.write(i, frame)
     """
     client = client_of(client)
-    group = _check_call(func, group, resource, errors, to_host=to_host)
+    group = _check_call(func, group, resource, errors, to_host=to_host, pure=pure)
     items, cost = _listed(items, cost)
     annotations = dask.get_annotations()  # also of the tasks sent while the results are read
     if client.asynchronous:
