@@ -295,6 +295,9 @@ async def test_bad_input(c, s, a, b):
         (items, dict(cost=3), TypeError, "cost must be a callable, one number per item or None, got int 3"),
         (items, dict(to_host="no"), TypeError, "to_host must be True or False, got 'no'"),
         (items, dict(pure=None), TypeError, "pure must be True or False, got None"),
+        (items, dict(retries=2), TypeError,  # client.map's keyword: map's other keywords go to func
+         r"^func 'len' cannot be called as func\(item, \*\*kwargs\) with the keyword arguments \['retries'\]: "
+         r"got an unexpected keyword argument 'retries' \(map passes .* use dask.annotate\(...\) around the call\)$"),
     ]
     ways = {"futures": lambda *a, **k: c.gather(dask_octopus.map(*a, client=c, **k)),
             "gathered": lambda *a, **k: dask_octopus.map(*a, client=c, gather=True, **k),
@@ -326,6 +329,17 @@ async def test_bad_input(c, s, a, b):
     assert log.getvalue() == ""  # our TypeError alone, no serialisation traceback before it
     with pytest.raises(TypeError, match="'awaited_inc' is a coroutine function: map runs items in batches"):
         await call(c, awaited_inc, [1])  # (its results were coroutines, never awaited)
+    with pytest.raises(TypeError, match=r"^func 'scaled' cannot be .* \['factor', 'offset'\]: missing a required "
+                                        r"argument: 'k'"):
+        await call(c, scaled, [1], factor=2, offset=1)
+    # what takes them by name, by **kwargs, or has no signature to check against, is called as it is
+    assert await c.gather(await call(c, scaled, [1, 2], k=3)) == [3, 6]
+    assert await c.gather(await call(c, lambda x, **kw: x + sum(kw.values()), [1], a=1, b=2)) == [4]
+    assert await c.gather(await call(c, max, [[1, 2], []], default=0)) == [2, 0]  # (max has no signature)
+
+
+def scaled(x, k):
+    return x * k
 
 
 def draw(item):

@@ -311,14 +311,31 @@ def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
 
-def _check_call(func: Callable, group: int | None, resource: str, errors: str, **flags: Any) -> int | None:
+def _check_kwargs(func: Callable, kwargs: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` where ``func``'s signature cannot take ``func(item, **kwargs)`` (nothing is
+    checked for a callable without one, as some builtins): else each item would fail on its worker."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"func {funcname(func)!r} cannot be called as func(item, **kwargs) with the keyword "
+                        f"arguments {sorted(kwargs)}: {e} (map passes its other keyword arguments to func; for "
+                        "Dask's retries, priority or resources, use dask.annotate(...) around the call)") from None
+
+
+def _check_call(func: Callable, group: int | None, resource: str, errors: str, kwargs: Mapping[str, Any],
+                **flags: Any) -> int | None:
     """``group`` as a Python integer, once the arguments of :func:`map` or :func:`imap` are checked
-    (``flags``: those that are true or false, by name)."""
+    (``kwargs``: those for ``func``; ``flags``: those that are true or false, by name)."""
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__} {func!r}")
     if inspect.iscoroutinefunction(func):  # a batch calls it in the worker's thread: nothing would await it
         raise TypeError(f"func {getattr(func, '__name__', func)!r} is a coroutine function: map runs items in "
                         "batches, which do not await; use client.map, or a function that runs the coroutine")
+    _check_kwargs(func, kwargs)
     for name, value in flags.items():
         check_flag(value, name)
     check_resource(resource)
@@ -542,7 +559,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     Raises
     ------
     TypeError
-        When ``func`` is not callable, is a coroutine function or cannot be pickled, ``cost`` is neither
+        When ``func`` is not callable, is a coroutine function, cannot be pickled or cannot take
+        ``kwargs`` (by its signature, where it has one), ``cost`` is neither
         a callable nor numbers, ``gather``, ``to_host`` or ``pure`` is not True or False, or ``client``
         is not a Client.
     RuntimeError
@@ -560,7 +578,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     >>> results = client.gather(futures)  # doctest: +SKIP
     >>> results = dask_octopus.map(pipeline, images, group=8, gather=True, to_host=True)  # doctest: +SKIP
     """
-    group = _check_call(func, group, resource, errors, to_host=to_host, gather=gather, pure=pure)
+    group = _check_call(func, group, resource, errors, kwargs, to_host=to_host, gather=gather, pure=pure)
     if errors != "raise" and not gather:
         raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
     items, cost = _listed(items, cost)
@@ -603,7 +621,7 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     ...     writer.write(i, frame)
     """
     client = client_of(client)
-    group = _check_call(func, group, resource, errors, to_host=to_host, pure=pure)
+    group = _check_call(func, group, resource, errors, kwargs, to_host=to_host, pure=pure)
     items, cost = _listed(items, cost)
     annotations = dask.get_annotations()  # also of the tasks sent while the results are read
     if client.asynchronous:
