@@ -24,6 +24,7 @@ from dask.base import tokenize
 from dask.core import flatten
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
+from dask.sizeof import sizeof
 from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -36,7 +37,16 @@ import dask_octopus
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, parse_input
 from dask_octopus.groups import streams
 from dask_octopus.groups.fragment import Call, Fragment, Ref
-from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, timing_prefix
+from dask_octopus.groups.rewrite import (
+    FRAGMENT_PREFIX,
+    dependents_of,
+    fragment_graph,
+    inner_keys,
+    is_guard,
+    read_before_grouping,
+    replaced_keys,
+    timing_prefix,
+)
 from dask_octopus.placement.unfused import UnfusedTask
 from dask_octopus.plugins.messages import DONE_SHARE
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
@@ -1420,3 +1430,76 @@ def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_pauses_the_wo
         assert thread_budget(ws, {"device": "gpu", "memory_free": 4000}) == pytest.approx(fraction * 4000 / 2)
         assert thread_budget(unlimited, {"memory_total": 4000}) == pytest.approx(fraction * 4000 / 2)
         assert thread_budget(unlimited, {}) is None  # memory unknown
+
+
+def test_a_fragment_alternates_compute_and_memory_bound_steps_where_both_are_ready():
+    """docs/fragments.md: steps of both classes that are ready alternate (``"auto"`` counts as memory)."""
+    graph = {"a1": Task("a1", inc, TaskRef("x")), "a2": Task("a2", inc, TaskRef("a1")),
+             "b1": Task("b1", inc, TaskRef("y")), "b2": Task("b2", inc, TaskRef("b1")),
+             "j": Task("j", add, TaskRef("a2"), TaskRef("b2"))}
+    resources = {"a1": "compute", "a2": "compute", "b1": "auto", "b2": "auto", "j": "memory"}
+    frag = Fragment(graph, ["j"], resources)
+    assert list(frag.names) == ["a1", "b1", "a2", "b2", "j"]  # not chain by chain (a1 a2 b1 b2 j)
+    assert streams.run_fragment(frag, 1, 100) == (105,)
+    same = Fragment(graph, ["j"], dict.fromkeys(graph, "memory"))  # one class: depth first, chain by chain
+    assert list(same.names) == ["a1", "a2", "b1", "b2", "j"]
+
+
+def test_a_member_moving_bytes_at_exactly_a_quarter_of_the_bandwidth_is_memory_bound():
+    """StreamRuntime.classify: memory-bound when it moved bytes at a quarter *or more* of the bandwidth."""
+    inputs, output = [b"x" * 1000], b"y" * 1000
+    moved = sizeof(list(inputs)) + sizeof(output)
+    rt = streams.StreamRuntime(bandwidth=4.0 * moved)
+    assert rt.classify("t", inputs, output, 1.0) == "memory"  # moved / 1 s == 0.25 * bandwidth exactly
+    assert rt.classify("t", inputs, output, 1.001) == "compute"
+
+
+def test_a_guard_s_inner_keys_are_its_own_and_the_task_it_runs():
+    """inner_keys: the keys whose work a task does; a guard does the work of the one task it runs."""
+    dsk = {}
+    for i in range(4):  # each load read by two parts of two fragments: the loads run as guards
+        dsk[("load", i)] = Task(("load", i), inc, i)
+        dsk[("part", i)] = Task(("part", i), add, TaskRef(("load", i)), TaskRef(("load", (i - 1) % 4)))
+        dsk[("out", i)] = Task(("out", i), inc, TaskRef(("part", i)))
+    specs = {k: {"resource": "auto", "group": None} for k in dsk if k[0] == "part"}
+    out = fragment_graph(dsk, specs, {k for k in dsk if k[0] == "out"}, dependents_of(dsk), {}, {None: 2})
+    guards = {k: node for k, node in out.items() if is_guard(node)}
+    assert guards
+    for gkey, node in guards.items():
+        (guarded,) = replaced_keys(node)
+        assert inner_keys(gkey, node) == [gkey, guarded]
+
+
+def test_a_fragment_of_four_kinds_of_work_names_all_four_and_no_more():
+    members = [(f"f{i}-{tokenize(i)}", 0) for i in range(4)]
+    node = Task("k", streams.run_fragment, DataNode(None, types.SimpleNamespace(members=members)))
+    assert timing_prefix(FRAGMENT_PREFIX, node) == f"{FRAGMENT_PREFIX}(f0+f1+f2+f3)"  # not "...+0 more"
+
+
+def test_a_task_reading_some_results_of_one_fragment_and_no_other_fragment_s_reads_them_inline():
+    """_read_apart: a consumer reading some of a fragment's results but none of another fragment's (and
+    of the same labels) reads them inline; its results get no tasks of their own."""
+    dsk = {"a": Task("a", inc, 1), "b": Task("b", inc, 2), "x": Task("x", inc, 0),
+           "c1": Task("c1", add, TaskRef("a"), TaskRef("x")), "c2": Task("c2", add, TaskRef("b"), TaskRef("x"))}
+    specs = {k: {"resource": "memory", "group": None} for k in ("a", "b")}
+    out = fragment_graph(dsk, specs, ["c1", "c2"], dependents_of(dsk), {}, {None: 1})
+    assert "a" not in out and "b" not in out  # picked inline by c1 and c2
+    assert read_before_grouping(out["c1"]) == {"a", "x"}
+    assert list(dask.get(out, ["c1", "c2"])) == [3, 4]
+
+
+def test_a_place_over_its_budget_is_cut_into_twice_as_many_parts():
+    """fragment_graph: a place whose fragments exceed its budget is cut into twice as many parts (one
+    fragment of four sources over it: two of two, which fit; not four of one)."""
+    data = {("x", i): np.arange(24.0) + i for i in range(4)}  # blocks that exist already, 192 bytes each
+    graph = {("s", i): Task(("s", i), np.sum, TaskRef(("x", i))) for i in range(4)}
+    graph["top"] = Task("top", total, *(TaskRef(("s", i)) for i in range(4)))
+    sizes = {k: v.nbytes for k, v in data.items()}
+    specs = {k: {"resource": "memory"} for k in graph}
+    args = (graph, specs, {"top"}, dependents_of(graph), {}, {None: 1})
+    (whole,) = [node.args[0].value for k, node in fragment_graph(*args, sizes=sizes).items() if k not in graph]
+    assert whole.peak_bytes(sizes) == 8 * 192  # the four inputs and the four sums
+    out = fragment_graph(*args, sizes=sizes, budgets={None: 5 * 192})
+    made = [node.args[0].value for k, node in out.items() if k not in graph]
+    assert sorted(len(f.members) for f in made) == [2, 2]
+    assert all(f.peak_bytes(sizes) <= 5 * 192 for f in made)
