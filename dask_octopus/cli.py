@@ -72,8 +72,7 @@ def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | 
                                  f"{workers} rows", param_hint="--rows")
     try:
         run_demo(where, gpus=gpus, rows=rows, cols=cols, width=width, passes=passes, balance_runs=balance_runs,
-                 blocks=blocks, runs=runs,
-                 group=group, out=out, cotenant=cotenant, console=console())
+                 blocks=blocks, runs=runs, group=group, out=out, cotenant=cotenant, console=console())
     except KeyboardInterrupt:  # the cluster and the co-tenant were stopped on the way out
         console().print("interrupted: the local cluster and the co-tenant load are stopped")
         raise SystemExit(130) from None

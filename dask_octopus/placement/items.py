@@ -362,8 +362,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
             per_item: bool, probe: bool = True, pure: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
     (and no batches), named by their work unless ``pure`` is false; else one future per batch task,
-    with the indices of its items. Also returns the
-    indices of the items that were futures failed already (:func:`_failed_inputs`). Batches of a
+    with the indices of its items. Also returns the indices of the items that were futures failed
+    already (:func:`_failed_inputs`). Batches of a
     function whose results' size the scheduler does not know yet: :func:`_probed` (with ``probe``).
     The tasks take the Dask annotations in effect (``dask.annotate``; a ``priority`` comes before the
     map's own order of its tasks)."""
@@ -560,9 +560,8 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     ------
     TypeError
         When ``func`` is not callable, is a coroutine function, cannot be pickled or cannot take
-        ``kwargs`` (by its signature, where it has one), ``cost`` is neither
-        a callable nor numbers, ``gather``, ``to_host`` or ``pure`` is not True or False, or ``client``
-        is not a Client.
+        ``kwargs`` (by its signature, where it has one), ``cost`` is neither a callable nor numbers,
+        ``gather``, ``to_host`` or ``pure`` is not True or False, or ``client`` is not a Client.
     RuntimeError
         When ``client`` is closed.
     ValueError
