@@ -23,6 +23,7 @@ from dask_octopus.groups.replay import GraphCache
 from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling import probes
 from dask_octopus.profiling.gpu_timing import TOPIC
+from dask_octopus.profiling.itemcosts import ItemCostFit
 
 TWO = [("127.0.0.1", 1)] * 2
 FAST = {"octopus.calibration.seconds": 0.1}
@@ -89,16 +90,16 @@ async def test_calibration_device_cpu_forces_numpy_probes_where_a_gpu_is_seen(c,
             assert "memory_total" not in p and plannable_memory(p, 2**30) is None
 
 
-@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25, "octopus.refine.confidence-samples": 1})
-async def test_refine_alpha_from_dask_config_weighs_each_new_timing(c, s, a, b):  # (after the first timing)
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25})
+async def test_refine_alpha_from_dask_config_weighs_each_new_map_batch(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)
-    p = plugin(s)
-    assert p.model.alpha == 0.25
-    timing(s, a.address, "gemm", 100, 1.0)  # 100 units per second
-    timing(s, a.address, "gemm", 100, 0.5, key=1)  # then 200
-    rate, seconds, count = p.model.table()["gemm"][a.address]
-    assert (rate, seconds, count) == (pytest.approx(200**0.25 * 100**0.75), 0.875, 2)  # new**0.25 * old**0.75
-    # (rates are averaged as their logs; 0.5 would give 141), durations as they are: 0.25 * new + 0.75 * old
+    batches = [(4, 4.0, 1.0), (4, 8.0, 2.5), (4, 16.0, 4.5), (4, 32.0, 6.0), (4, 8.0, 2.0)]
+    fit = plugin(s).item_costs.use("f")[a.address]
+    expected, halves = ItemCostFit(alpha=0.25), ItemCostFit(alpha=0.5)
+    for batch in batches:
+        for f in (fit, expected, halves):
+            f.add(*batch)
+    assert fit.fit() == expected.fit() != halves.fit()  # each older batch weighs 0.75 times the next
 
 
 @gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.confidence-samples": 1})

@@ -2,6 +2,7 @@
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_uncalibrated_worker_gets_the_mean():
 
 
 def test_a_worker_that_slows_down_loses_weight_within_a_few_tasks():
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     m.set_prior("a", {"compute": 1.0, "memory": 1.0})
     m.set_prior("b", {"compute": 1.0, "memory": 1.0})
     for _ in range(3):
@@ -173,9 +174,9 @@ def test_noisy_timings_that_agree_with_the_calibration_on_some_workers_leave_it_
     m = SpeedModel()
     for w, speed in zip("abcd", [4.0, 1.0, 1.0, 1.0]):
         m.set_prior(w, {"compute": speed, "memory": speed})
-    for noise in [1.0, 1.2, 0.85, 1.1, 0.9]:
+    for noise, other in zip([1.0, 1.2, 0.85, 1.1, 0.9], [1.1, 0.9, 1.2, 0.85, 1.05]):
         m.observe("a", "p", 100, noise)
-        m.observe("b", "p", 100, 4.0 / noise)
+        m.observe("b", "p", 100, 4.0 * other)  # medians: a 100, b 100 / 4.2 units/s
     assert m.weights("abcd") == pytest.approx(dict(zip("abcd", [4 / 7, 1 / 7, 1 / 7, 1 / 7])))
 
 
@@ -256,7 +257,7 @@ def test_long_tasks_outweigh_short_ones():
 # that count, confidence_samples), 1.22x apart
 @pytest.mark.parametrize("timings", [12, 3])
 def test_identical_workers_keep_equal_weights_whatever_the_noise_of_their_timings(timings):
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     for i in range(timings):
         m.observe("a", "sum", 100, 0.004 * (1.2 if i % 2 else 0.8))
         m.observe("b", "sum", 100, 0.004 * (0.8 if i % 2 else 1.2))
@@ -265,7 +266,7 @@ def test_identical_workers_keep_equal_weights_whatever_the_noise_of_their_timing
 
 def test_a_steady_difference_counts_in_full_however_noisy():
     rng = random.Random(0)
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     for _ in range(10):  # b is twice as slow, +-5% noise on both
         m.observe("a", "mul", 100, math.exp(rng.gauss(0, 0.05)))
         m.observe("b", "mul", 100, 2 * math.exp(rng.gauss(0, 0.05)))
@@ -298,32 +299,98 @@ def test_removing_a_worker_the_model_does_not_know_is_harmless():
     assert m.priors == {} and m.table() == {"p": {"b": (1.0, 1.0, 1)}}
 
 
-def test_one_timing_moves_the_rate_at_most_4x_in_log_space():
-    """One fluke timing (a task 100x faster than its prefix's others) moves a worker's rate as a timing 4x
-    faster would: its weight rises to 2/3 for a task, not to 0.98 (the rates' own moving average)."""
+def test_one_fluke_timing_does_not_move_the_rate_and_two_steady_ones_change_it():
+    """A rate is the median of its timings since it last changed: one task 100x faster, or 10,000x slower,
+    than its prefix's others leaves it (a moving average of weight 0.5 gave the fluke's worker 0.98 of the
+    weight for a task); a steady change shows once it is most of the last three timings."""
     m = SpeedModel()
     for _ in range(10):
         m.observe("a", "p", 100, 1.0)
         m.observe("b", "p", 100, 1.0)
     m.observe("a", "p", 100, 0.01)
-    assert m.table()["p"]["a"][0] == pytest.approx(200)
-    assert m.weights(["a", "b"])["a"] == pytest.approx(2 / 3)
-    m.observe("a", "p", 100, 1e4)  # 10,000x slower: 4x
+    assert m.table()["p"]["a"][0] == pytest.approx(100) and m.weights(["a", "b"]) == pytest.approx({"a": 0.5, "b": 0.5})
+    for _ in range(5):
+        m.observe("a", "p", 100, 1.0)
+    m.observe("a", "p", 100, 1e4)
+    assert m.table()["p"]["a"][0] == pytest.approx(100) and m.weights(["a", "b"]) == pytest.approx({"a": 0.5, "b": 0.5})
+    for _ in range(3):
+        m.observe("a", "p", 100, 1.0)
+    m.observe("a", "p", 100, 3.0)  # a slows to a third: one timing is a fluke
     assert m.table()["p"]["a"][0] == pytest.approx(100)
-    m.observe("a", "p", 100, 3.0)  # 3x slower: in full
-    assert m.table()["p"]["a"][0] == pytest.approx(100 / 3**0.5)
+    m.observe("a", "p", 100, 3.0)  # two of the last three: a change; the earlier timings are dropped
+    assert m.table()["p"]["a"] == (pytest.approx(100 / 3), 3.0, 22)
+    assert m.weights(["a", "b"]) == pytest.approx({"a": 0.25, "b": 0.75})
 
 
-def test_the_table_holds_the_first_timings_medians_then_moving_averages():
-    m = SpeedModel(alpha=0.25, confidence_samples=3)
+@pytest.mark.parametrize("factor, changes", [(0.98, False), (1.02, True)])
+def test_a_change_counts_beyond_four_standard_errors_of_the_timings_noise(factor, changes):
+    """Twelve timings alternate between two log rates 0.1 apart; then two at a higher rate make the
+    median of the last three depart from the median of the eleven before them by ``factor`` times 4
+    standard errors (of the difference of two medians, from the timings' noise): a change only beyond."""
+    from dask_octopus.profiling.speedmodel import CHANGE
+
+    m = SpeedModel()
+    rates = [math.exp(0.1 * (i % 2 == 0)) for i in range(12)]  # log rates 0.1, 0, 0.1, ... 0
+    noise = 0.1 / 0.954  # every change between successive timings is 0.1
+    standard_error = math.sqrt(math.pi / 2) * noise * math.sqrt(1 / 3 + 1 / 11)
+    assert CHANGE == 4.0
+    high = math.exp(0.1 + factor * 4.0 * standard_error)  # the eleven's median is 0.1
+    for rate in [*rates, high, high]:
+        m.observe("a", "p", rate, 1.0)
+    r = m.rates["p"]["a"]
+    if changes:  # the earlier timings dropped: the rate and its noise are those of the last three
+        assert list(r.recent) == pytest.approx([0.0, math.log(high), math.log(high)]) and r.value == pytest.approx(high)
+        assert r.noise == pytest.approx(statistics.median([math.log(high), 0.0]) / 0.954)
+    else:
+        assert len(r.recent) == 14 and r.value == pytest.approx(math.exp(0.1)) and r.noise == pytest.approx(noise)
+
+
+def test_the_first_confidence_samples_timings_show_no_change():
+    m = SpeedModel(confidence_samples=6)  # their median starts the rate, however they differ
+    for seconds in (1.0, 1.0, 1.0, 5.0, 5.0, 5.0):
+        m.observe("a", "p", 100, seconds)
+    assert m.table()["p"]["a"][0] == pytest.approx(100 / 5**0.5)  # (the middle two: 100 and 20 units/s)
+    m.observe("a", "p", 100, 5.0)  # then the last three against the four before them: a change
+    assert m.table()["p"]["a"][0] == pytest.approx(20)
+
+
+def test_three_timings_after_three_others_can_show_a_change():
+    m = SpeedModel()  # the fewest: as many later timings as earlier ones
+    for seconds in (1.0, 1.0, 1.0, 2.0, 2.0):
+        m.observe("a", "p", 100, seconds)
+    assert m.table()["p"]["a"][0] == pytest.approx(100)  # five timings: not yet (three against two)
+    m.observe("a", "p", 100, 2.0)
+    assert m.table()["p"]["a"][0] == pytest.approx(50) and len(m.rates["p"]["a"].recent) == 3
+
+
+def test_the_table_holds_the_medians_of_the_timings_since_the_rate_last_changed():
+    m = SpeedModel(confidence_samples=3)
     for seconds in (10.0, 2.0, 4.0):  # 10 (a warm-up: imports, a cuFFT plan), 50 and 25 units/s
         m.observe("a", "p", 100, seconds)
     assert m.table()["p"]["a"] == pytest.approx((25.0, 4.0, 3))  # their medians: the warm-up is not the start
     m.observe("a", "p", 100, 2.0)  # 50 units/s
     rate, seconds, count = m.table()["p"]["a"]
-    assert rate == pytest.approx(25**0.75 * 50**0.25)  # of the log rates
-    assert seconds == pytest.approx(0.25 * 2.0 + 0.75 * 4.0)
-    assert count == 4
+    assert rate == pytest.approx((25 * 50) ** 0.5)  # the middle two of the log rates 10, 25, 50, 50
+    assert (seconds, count) == (3.0, 4)
+
+
+def test_the_estimate_gets_more_precise_the_longer_a_worker_runs_at_one_speed():
+    """b is 1.5x slower than a, with 25% noise on every timing, and calibrated as equal: the weights
+    leave the calibration once the timings since the rates last changed are evidence enough (here after
+    six timings each), and from the 50th timing on err by 3.7% on average, at most 19% from the 100th
+    (a moving average of weight 0.5 over the last timings erred by 26% on average, up to 74%)."""
+    rng = random.Random(2)
+    m = SpeedModel()
+    m.set_prior("a", {"compute": 1.0, "memory": 1.0})
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    errors = []
+    for _ in range(200):
+        m.observe("a", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.25)))
+        m.observe("b", "mul", 100, 0.015 * math.exp(rng.gauss(0, 0.25)))
+        w = m.weights(["a", "b"])
+        errors.append(abs(math.log(w["a"] / w["b"] / 1.5)))
+    assert statistics.fmean(errors[50:]) < 0.1 and max(errors[100:]) < math.log(1.2)
+    assert len(m.rates["mul"]["a"].recent) == 64  # (the window: the last 64 timings at most)
 
 
 def test_a_prefix_seen_on_one_worker_does_not_hide_the_prefixes_after_it():
@@ -359,14 +426,14 @@ def test_a_prefix_counts_by_the_duration_of_its_tasks_not_by_how_many_workers_ra
 
 @pytest.mark.parametrize("factor, counts", [(1.02, False), (0.98, True)])
 def test_a_difference_counts_beyond_significance_standard_errors_of_the_recent_timings(factor, counts):
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, median 100
         m.observe("a", "mul", 100, seconds)
     for _ in range(3):  # b: a steady 40 units/s, no noise
         m.observe("b", "mul", 100, 2.5)
-    gap = (2 * math.log(100) + math.log(50)) / 3 - math.log(40)  # between the mean recent log rates of a and b
+    gap = math.log(100) - math.log(40)  # between the median log rates of a and b
     noise = math.log(2) / 0.954  # of one timing of a, whose log rate changes by ln 2 each time
-    standard_error = noise / math.sqrt(3)  # of the gap: a's mean of three timings (b has no noise)
+    standard_error = math.sqrt(math.pi / 2) * noise / math.sqrt(3)  # of the gap: a's median of three (b: no noise)
     m.significance = factor * gap / standard_error  # just above, or just below, the gap
     w = m.weights(["a", "b"])
     if counts:  # the observed rates decide
@@ -376,7 +443,7 @@ def test_a_difference_counts_beyond_significance_standard_errors_of_the_recent_t
 
 
 def test_the_same_recent_timings_in_another_order_are_no_evidence_of_a_difference():
-    m = SpeedModel(alpha=0.25, confidence_samples=2)
+    m = SpeedModel(confidence_samples=2)
     for seconds in (1.0, 2.0):  # a: 100 then 50 units/s, median (of their logs) 100**0.5 * 50**0.5
         m.observe("a", "mul", 100, seconds)
     for seconds in (2.0, 1.0):  # b: 50 then 100 units/s, the same median
@@ -386,7 +453,7 @@ def test_the_same_recent_timings_in_another_order_are_no_evidence_of_a_differenc
 
 def test_with_three_workers_one_significant_difference_keeps_the_others_differences_unbiased():
     rng = random.Random(1)
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     for _ in range(8):  # a twice as fast as b and c, which are equal; 3% noise
         m.observe("a", "mul", 200, math.exp(rng.gauss(0, 0.03)))
         m.observe("b", "mul", 100, math.exp(rng.gauss(0, 0.03)))
@@ -397,14 +464,15 @@ def test_with_three_workers_one_significant_difference_keeps_the_others_differen
 
 @pytest.mark.parametrize("factor, counts", [(1.02, False), (0.98, True)])
 def test_the_gap_between_two_noisy_workers_counts_beyond_significance_standard_errors_of_the_gap(factor, counts):
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     for seconds in (1.0, 2.0, 1.0):  # a: 100, 50, 100 units/s, median 100
         m.observe("a", "mul", 100, seconds)
     for seconds in (2.5, 3.75, 2.5):  # b: 40, 26.7, 40 units/s, median 40
         m.observe("b", "mul", 100, seconds)
-    gap = (2 * math.log(100) + math.log(50)) / 3 - (2 * math.log(40) + math.log(40 / 1.5)) / 3
-    se_a = math.log(2) / 0.954 / math.sqrt(3)  # each: the noise of one timing over the root of three timings
-    se_b = math.log(1.5) / 0.954 / math.sqrt(3)
+    gap = math.log(100) - math.log(40)  # between their medians
+    # each: the standard error of the median of three timings, sqrt(pi / 2) times their noise over root three
+    se_a = math.sqrt(math.pi / 2) * math.log(2) / 0.954 / math.sqrt(3)
+    se_b = math.sqrt(math.pi / 2) * math.log(1.5) / 0.954 / math.sqrt(3)
     m.significance = factor * gap / math.sqrt(se_a**2 + se_b**2)  # just above, or just below, the gap
     w = m.weights(["a", "b"])
     if counts:
@@ -414,7 +482,7 @@ def test_the_gap_between_two_noisy_workers_counts_beyond_significance_standard_e
 
 
 def test_timings_too_noisy_to_show_a_difference_leave_the_calibrated_one_in_place():
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     m.set_prior("a", {"compute": 2.0, "memory": 2.0})  # calibration: b half as fast (a co-tenant on it)
     m.set_prior("b", {"compute": 1.0, "memory": 1.0})
     for i in range(8):  # b takes 10 or 40 ms by turns (time-sliced): twice a's 10 ms on (geometric) average
@@ -428,7 +496,7 @@ def test_timings_too_noisy_to_show_a_difference_leave_the_calibrated_one_in_plac
 
 
 def test_steady_timings_that_contradict_the_calibration_replace_it():
-    m = SpeedModel(alpha=0.5, confidence_samples=3)
+    m = SpeedModel(confidence_samples=3)
     m.set_prior("a", {"compute": 2.0, "memory": 2.0})  # the co-tenant on b left after calibration
     m.set_prior("b", {"compute": 1.0, "memory": 1.0})
     rng = random.Random(4)

@@ -167,8 +167,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                  min_duration: str | float | None = None, max_plans: int | None = None):
         config.check_all()  # (the settings read later too: a bad one fails here, naming its key)
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
-        self.model = SpeedModel(alpha=config.get("refine.alpha", alpha),
-                                confidence_samples=config.get("refine.confidence-samples", confidence_samples),
+        item_cost_alpha = config.get("refine.alpha", alpha)
+        self.model = SpeedModel(confidence_samples=config.get("refine.confidence-samples", confidence_samples),
                                 significance=config.get("refine.significance"),
                                 max_prefixes=config.get("refine.max-prefixes"))
         self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
@@ -176,7 +176,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.working_sets = WorkingSets(max_sources=plans)
         self.placement = Placement(plans, measure=self.working_sets.wants)
         self.item_costs = RecentlyUsed(self.model.max_prefixes,
-                                       lambda: defaultdict(lambda: ItemCostFit(alpha=self.model.alpha)))
+                                       lambda: defaultdict(lambda: ItemCostFit(alpha=item_cost_alpha)))
         self.result_sizes = RecentlyUsed(self.model.max_prefixes, lambda: deque(maxlen=RESULT_SIZES))
         self.profiles = {}
         self.calibration_wait = parse_timedelta(config.get("calibration.wait"))

@@ -8,11 +8,11 @@ speed relative to another depends on the items' sizes, and one rate per worker m
 tiny and huge items. Fitted per worker from its recent batches as a line through the points
 ``(c / n, seconds / n)`` (mean cost and mean time per item), both terms >= 0, each batch weighing
 ``1 - alpha`` times the next one: the line follows the latest batches (a worker that slows down
-gets less within a few batches, as with the speed model's moving average), while older batches of
-other sizes still set its slope. The fit is used only when the batches differ enough in mean cost
-per item to tell the two terms apart. A worker's first batch of a function also imports, compiles
-or plans what the function needs (``map`` runs one item alone first: its warm-up would count as
-that item's fixed time): it is left out once three later batches can make the fit.
+gets less within a few batches), while older batches of other sizes still set its slope. The fit is
+used only when the batches differ enough in mean cost per item to tell the two terms apart. A
+worker's first batch of a function also imports, compiles or plans what the function needs (``map``
+runs one item alone first: its warm-up would count as that item's fixed time): it is left out once
+three later batches can make the fit.
 """
 
 from __future__ import annotations

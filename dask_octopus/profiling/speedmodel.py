@@ -2,11 +2,14 @@
 
 No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
-prefix): the median of the first ``confidence_samples`` timings' rates (work units per second, units
-being the bytes it read and wrote), so that a first task that also loads a library or plans an FFT
-does not set the start, then an exponentially weighted average of the log of the rate, each timing
-counting at most 4x faster or slower than the average (:data:`MAX_STEP`): one fluke timing 100x
-faster than its prefix's others moved the rates' own average 50x. For a prefix seen on several
+prefix): the median of the log rates (work units per second, units being the bytes it read and
+wrote) of its timings since the rate last changed, at most :data:`WINDOW` of them. A median, so that a
+first task that also loads a library or plans an FFT, or one fluke timing 100x faster than the
+others, does not move it; since the rate last changed, so that the estimate gets more precise the
+longer a worker runs at one speed: with 25% timing noise, a moving average of the last timings (of
+weight 0.5) erred by 30% for good. A rate has changed when the median of its last few timings
+(:data:`RECENT`) departs from the median of the earlier ones by more than :data:`CHANGE` standard
+errors of their noise; the earlier ones are then dropped. For a prefix seen on several
 workers, each worker's rate relative to the geometric mean of the others is its observed relative
 speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about a
 worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with
@@ -18,18 +21,17 @@ steady work. The model keeps the timings of the ``max_prefixes`` prefixes that r
 submitted under keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one
 had been unseen for that many timings at least, so its weight had halved ``max_prefixes /
 HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows down mid-run
-loses weight within a few tasks of each prefix. Asked for one prefix, the model answers with that
-prefix's speeds alone once every worker has them (``map`` plans a function by its own speeds).
+loses weight within a few tasks of each prefix (three, when its timings are steady). Asked for one
+prefix, the model answers with that prefix's speeds alone once every worker has them (``map`` plans a
+function by its own speeds).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 from dask_octopus._checks import check_finite, is_finite
 
@@ -43,72 +45,84 @@ def check_resource(resource: str) -> str:
     return resource
 
 
-NOISE_WINDOW = 8  # recent timings of a (prefix, worker) from which the noise of its rate is estimated
-MAX_STEP = math.log(4)  # one timing counts at most 4x faster or slower than the moving average
+WINDOW = 64  # timings of a (prefix, worker) kept: those since its rate last changed, at most this many
+RECENT = (3, 8, 24)  # the last timings whose median is compared with the earlier ones' for a change of rate
+CHANGE = 4.0  # standard errors between those medians that make a change
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
+MEDIAN_ERROR = math.sqrt(math.pi / 2)  # standard error of the median of n normal values, in sigma / sqrt(n)
+CHANGE_SPREAD = 0.954  # median |x - y| of two values of N(0, sigma^2), in sigma
+
+
+def _median(values: Iterable[float]) -> float:
+    # (statistics.median, without its checks: this runs for every timing)
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 @dataclass
 class _Rate:
-    # units per second: the median of the first timings (a warm-up timing, imports or a cuFFT plan, is
-    # one of them, not the start), then their moving average (of logs, each step at most MAX_STEP)
-    value: float = 0.0
-    seconds: float = 0.0  # one task's duration: the median of the first timings, then their moving average
-    count: int = 0
-    # log rates, each within MAX_STEP of the average they joined (the first ones: of their median)
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=NOISE_WINDOW))
-    durations: list[float] = field(default_factory=list)  # the first timings' seconds
-    _recent_mean: tuple[float, float] | None = None  # recent_mean(), until the next timing
+    value: float = 0.0  # units per second: the median of the timings since the rate last changed
+    seconds: float = 0.0  # one task's duration: the median of theirs
+    count: int = 0  # timings ever taken
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
+    changes: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW - 1))  # |successive log rates|
+    noise: float = 0.0  # standard deviation of one timing's log rate (0 while fewer than three are known)
 
-    def add(self, log_rate: float, seconds: float, alpha: float, first: int) -> None:
-        """Add one timing: to the medians while fewer than ``first`` timings are known, then to the
-        moving averages, of weight ``alpha``."""
-        self._recent_mean = None
-        if self.count < first:
-            self.recent.append(log_rate)
-            self.durations.append(seconds)
-            centre = statistics.median(self.recent)
-            self.value, self.seconds = math.exp(centre), statistics.median(self.durations)
-            if self.count + 1 == first:  # the first timings count as far from the median as later ones may
-                for i, x in enumerate(self.recent):
-                    self.recent[i] = centre + max(-MAX_STEP, min(MAX_STEP, x - centre))
-        else:
-            change = max(-MAX_STEP, min(MAX_STEP, log_rate - math.log(self.value)))
-            self.recent.append(math.log(self.value) + change)
-            self.value *= math.exp(alpha * change)
-            self.seconds = alpha * seconds + (1 - alpha) * self.seconds
+    def add(self, log_rate: float, seconds: float, first: int) -> None:
+        """Add one timing; once more than ``first`` are known, drop the earlier timings when the last
+        ones show that the rate changed."""
+        if self.recent:
+            self.changes.append(abs(log_rate - self.recent[-1]))
+        self.recent.append(log_rate)
+        self.durations.append(seconds)
         self.count += 1
+        self.noise = self._noise()
+        if self.count > first:
+            self._drop_before_change()
+        self.value = math.exp(_median(self.recent))
+        self.seconds = _median(self.durations)
 
-    def noise(self) -> float:
-        """Standard deviation of one timing's log rate, from the median change between successive
-        timings (robust to a step change: a worker that slows down is one large change, not noise);
-        0 while fewer than three timings are known."""
-        if len(self.recent) < 3:
-            return 0.0
-        changes = [abs(b - a) for a, b in pairwise(self.recent)]
-        return statistics.median(changes) / 0.954  # median |x - y| of two N(0, s^2) is 0.954 s
+    def _noise(self) -> float:
+        # from the median change between successive timings: robust to a step change (a worker that
+        # slows down is one large change, not noise)
+        return _median(self.changes) / CHANGE_SPREAD if len(self.recent) >= 3 else 0.0
 
-    def recent_mean(self) -> tuple[float, float]:
-        """Mean log rate of the recent timings and its standard error."""
-        if self._recent_mean is None:
-            self._recent_mean = statistics.fmean(self.recent), self.noise() / math.sqrt(len(self.recent))
-        return self._recent_mean
+    def _drop_before_change(self) -> None:
+        values = list(self.recent)
+        n = len(values)
+        for k in RECENT:
+            if n - k < max(k, 3):
+                return
+            gap = _median(values[-k:]) - _median(values[:-k])
+            if abs(gap) > CHANGE * MEDIAN_ERROR * self.noise * math.sqrt(1 / k + 1 / (n - k)):
+                for _ in range(n - k):
+                    self.recent.popleft()
+                    self.durations.popleft()
+                while len(self.changes) > k - 1:
+                    self.changes.popleft()
+                self.noise = self._noise()
+                return
+
+    def estimate(self) -> tuple[float, float]:
+        """The log rate (the median of the timings since it last changed) and its standard error."""
+        return math.log(self.value), MEDIAN_ERROR * self.noise / math.sqrt(len(self.recent))
 
 
 @dataclass
 class SpeedModel:
     """Per-worker speed estimates; see the module docstring for the model.
 
-    ``alpha`` is the weight of a new observation in the moving average; a worker's observed
-    speed replaces its prior once a prefix it shares with another worker has ``confidence_samples``
-    observations on both. A prefix shows the workers' differences only on evidence: when the mean of
-    some worker's recent log rates is more than ``significance`` standard errors away from the mean
-    over the workers (errors from the noise of each worker's timings); otherwise its workers count as
-    equal (identical workers keep equal weights, however noisy their short tasks). ``max_prefixes``:
-    the prefixes kept, those that ran last.
+    A worker's observed speed replaces its prior once a prefix it shares with another worker has
+    ``confidence_samples`` observations on both. A prefix shows the workers' differences only on
+    evidence: when some worker's log rate (the median since it last changed) is more than
+    ``significance`` standard errors away from the mean over the workers (errors from the noise of each
+    worker's timings and how many there are); otherwise its workers count as equal (identical workers
+    keep equal weights, however noisy their short tasks). ``max_prefixes``: the prefixes kept, those
+    that ran last.
     """
 
-    alpha: float = 0.5
     confidence_samples: int = 3
     significance: float = 2.5
     max_prefixes: int = 1000
@@ -148,7 +162,7 @@ class SpeedModel:
         self.last_seen[prefix] = self.clock
         per_worker = self.rates[prefix]
         current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate())
-        current.add(math.log(rate), seconds, self.alpha, self.confidence_samples)
+        current.add(math.log(rate), seconds, self.confidence_samples)
 
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
@@ -189,17 +203,17 @@ class SpeedModel:
         return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
 
     def _difference(self, seen: dict[str, _Rate], expected: dict[str, float]) -> dict[str, float] | None:
-        """The workers' log speeds relative to their mean on one prefix, as its recent timings show them:
-        the prior's (``expected``) while no worker's recent mean departs from it by more than
-        ``significance`` standard errors, else equal (0) while none departs from equality that far,
-        else ``None``: the observed moving averages count."""
+        """The workers' log speeds relative to their mean on one prefix, as its timings show them: the
+        prior's (``expected``) while no worker's log rate departs from it by more than ``significance``
+        standard errors, else equal (0) while none departs from equality that far, else ``None``: the
+        observed rates count."""
         n = len(seen)
-        recent = {w: r.recent_mean() for w, r in seen.items()}
+        recent = {w: r.estimate() for w, r in seen.items()}
         recent_mean = sum(m for m, _ in recent.values()) / n
         errors = sum(se**2 for _, se in recent.values())
 
         def departs(centre: dict[str, float]) -> bool:
-            # the standard error of (a worker's recent mean - the mean of all n): its own share and the others'
+            # the standard error of (a worker's log rate - the mean of all n): its own share and the others'
             return any(abs(m - recent_mean - centre[w])
                        > self.significance * math.sqrt(((n - 1) / n) ** 2 * se**2 + (errors - se**2) / n**2)
                        for w, (m, se) in recent.items())
