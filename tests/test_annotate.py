@@ -170,6 +170,16 @@ def test_auto_class_is_measured_once_and_remembered():
     assert rt.resolve_class("compute", "probe-fn", [block]) == "compute"  # declared wins
 
 
+def test_the_member_classes_kept_are_those_used_last():
+    block = np.ones(16)
+    rt = streams.StreamRuntime(max_classes=2, bandwidth=1e10)
+    rt.classify("a", [block], block, seconds=1.0)
+    rt.classify("b", [block], block, seconds=1.0)
+    assert rt.resolve_class("auto", "a", [block]) == "compute"  # a used again: b is now the oldest
+    rt.classify("c", [block], block, seconds=1e-12)
+    assert [rt.resolve_class("auto", t, [block]) for t in "abc"] == ["compute", None, "memory"]
+
+
 def test_members_return_in_their_order_whatever_the_launch_order():
     launched = []
 

@@ -1190,6 +1190,14 @@ class ArgsPropertyError(Exception):
         return (str(self),)
 
 
+class ArgsPropertyGroup(ExceptionGroup):
+    """An exception group whose ``args`` cannot be set."""
+
+    @property
+    def args(self):
+        return (self.message, list(self.exceptions))
+
+
 def raises_shared(i):
     raise SHARED
 
@@ -1224,6 +1232,14 @@ def test_a_held_error_is_a_copy_made_without_calling_its_class_s_init_again():
         failed = StepFailed(error, "dask_octopus: raised by task 'x' of a fragment")
         assert failed.error is not error and type(failed.error) is type(error) and str(failed.error) == str(error)
         assert not hasattr(error, "__notes__")
+    try:  # a group that cannot be made anew with copies of its parts: copied as pickle copies it
+        raise_group(np.ones(10))
+    except ExceptionGroup as e:
+        raised = ArgsPropertyGroup("parts", list(e.exceptions))
+        raised.__traceback__ = e.__traceback__
+    held = StepFailed(raised).error
+    assert held is not raised and type(held) is ArgsPropertyGroup and held.message == "parts"
+    assert held.__traceback__ is None and raised.__traceback__ is not None  # the caller's keeps its frames
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
