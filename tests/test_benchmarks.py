@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import os
 
 import numpy as np
@@ -15,6 +16,7 @@ from dask_octopus.bench import protocol
 
 local_octopus = load_script("benchmarks/local_octopus.py")
 scheduler_overhead = load_script("benchmarks/scheduler_overhead.py")
+speed_model = load_script("benchmarks/speed_model.py")
 stream_groups = load_script("benchmarks/stream_groups.py")
 
 OPS = ["matmul_iterate", "dot", "transpose_sum", "map_overlap", "images"]
@@ -143,6 +145,25 @@ def test_scheduler_overhead_smoke(tmp_path):
     # the scheduler's count, after fusion: 200 fused ones+add tasks, 13 partial sums, 1 aggregate, 1 finalize
     assert record["tasks_run"] == 215 and record["graph_keys"] > record["tasks_run"]
     assert record["protocol"] == "inproc"  # in-process clusters
+
+
+def test_speed_model_benchmark_smoke(tmp_path):
+    result = CliRunner().invoke(speed_model.main, ["--seeds", "2", "--timings", "20", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "speed-model.json").read_text())
+    assert set(record["mean_error"]) == set(speed_model.SCENARIOS)
+    assert record["mean_error"]["identical, 25% noise"] == 0  # identical workers: equal weights throughout
+    assert {k: len(v) for k, v in record["step_timings"].items()} == {"5% noise": 2, "25% noise": 2}
+
+
+def test_the_speed_model_benchmark_measures_the_error_against_the_true_ratio(monkeypatch):
+    # b twice as slow, no noise: the calibration (equal) until three timings each, then the timings
+    assert speed_model.ratios([1.0] * 4, [2.0] * 4, (1.0, 1.0)) == pytest.approx([1, 1, 2, 2])
+    monkeypatch.setitem(speed_model.SCENARIOS, "steady", (lambda rng, n: ([1.0] * n, [2.0] * n),
+                                                          lambda i, n: 2.0, (1.0, 1.0)))
+    assert speed_model.mean_error("steady", 3, 4) == pytest.approx(math.log(2) / 2)  # off by 2x half the time
+    # a step the model never follows within the timings after it counts as all of them
+    assert speed_model.step_response(0.05, 1, before=10, after=2) == [2]
 
 
 def test_suite_runs_against_an_existing_cluster(tmp_path):

@@ -2,14 +2,18 @@
 
 No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
-prefix): the median of the log rates (work units per second, units being the bytes it read and
-wrote) of its timings since the rate last changed, at most :data:`WINDOW` of them. A median, so that a
-first task that also loads a library or plans an FFT, or one fluke timing 100x faster than the
-others, does not move it; since the rate last changed, so that the estimate gets more precise the
-longer a worker runs at one speed: with 25% timing noise, a moving average of the last timings (of
-weight 0.5) erred by 30% for good. A rate has changed when the median of its last few timings
+prefix): a rate (work units per second, units being the bytes it read and wrote) of one over the mean
+time per unit of its timings since the rate last changed, at most :data:`WINDOW` of them,
+winsorized: the fastest and the slowest tenth (:data:`OUTER`; of three timings, one each: their
+median) count as the nearest of the others. The mean time, since that is what a worker's share of
+the work takes, slow tasks included (a co-tenant slowing one task in three); winsorized, so that a
+first task that also loads a library or plans an FFT, or one fluke 100x faster or slower than the
+others, does not move it; since the rate last changed, so that it gets more precise the longer a
+worker runs at one speed. A rate has changed when the median of its last few timings
 (:data:`RECENT`) departs from the median of the earlier ones by more than :data:`CHANGE` standard
-errors of their noise; the earlier ones are then dropped. For a prefix seen on several
+errors of their noise and lies beyond the levels the earlier ones showed (but for their outer tenth:
+a level they showed as often is a mix of fast and slow tasks, not a change); the earlier timings are
+then dropped. For a prefix seen on several
 workers, each worker's rate relative to the geometric mean of the others is its observed relative
 speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about a
 worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with
@@ -21,7 +25,7 @@ steady work. The model keeps the timings of the ``max_prefixes`` prefixes that r
 submitted under keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one
 had been unseen for that many timings at least, so its weight had halved ``max_prefixes /
 HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows down mid-run
-loses weight within a few tasks of each prefix (three, when its timings are steady). Asked for one
+loses weight within a few tasks of each prefix (two, when its timings are steady). Asked for one
 prefix, the model answers with that prefix's speeds alone once every worker has them (``map`` plans a
 function by its own speeds).
 """
@@ -29,6 +33,7 @@ function by its own speeds).
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -46,6 +51,7 @@ def check_resource(resource: str) -> str:
 
 
 WINDOW = 64  # timings of a (prefix, worker) kept: those since its rate last changed, at most this many
+OUTER = 0.1  # the fastest and the slowest tenth of those count as the nearest of the others (winsorized)
 RECENT = (3, 8, 24)  # the last timings whose median is compared with the earlier ones' for a change of rate
 CHANGE = 4.0  # standard errors between those medians that make a change
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
@@ -62,13 +68,20 @@ def _median(values: Iterable[float]) -> float:
 
 @dataclass
 class _Rate:
-    value: float = 0.0  # units per second: the median of the timings since the rate last changed
+    # units per second: one over the winsorized mean time per unit of the timings since the rate last changed
+    value: float = 0.0
     seconds: float = 0.0  # one task's duration: the median of theirs
     count: int = 0  # timings ever taken
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
+    times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
     changes: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW - 1))  # |successive log rates|
-    noise: float = 0.0  # standard deviation of one timing's log rate (0 while fewer than three are known)
+    # standard deviation of one timing's log rate, from the median change between successive timings:
+    # a step (a worker that slows down) is one large change, not noise; 0 while fewer than three are known
+    steps: float = 0.0
+    # the noise the evidence counts: the larger of ``steps`` and the relative spread of the winsorized times,
+    # which a lasting mix of fast and slow timings widens where most successive changes are within one kind
+    noise: float = 0.0
 
     def add(self, log_rate: float, seconds: float, first: int) -> None:
         """Add one timing; once more than ``first`` are known, drop the earlier timings when the last
@@ -76,18 +89,29 @@ class _Rate:
         if self.recent:
             self.changes.append(abs(log_rate - self.recent[-1]))
         self.recent.append(log_rate)
+        self.times.append(math.exp(-log_rate))
         self.durations.append(seconds)
         self.count += 1
-        self.noise = self._noise()
+        self.steps = self._steps()
         if self.count > first:
             self._drop_before_change()
-        self.value = math.exp(_median(self.recent))
+        self._locate()
         self.seconds = _median(self.durations)
 
-    def _noise(self) -> float:
-        # from the median change between successive timings: robust to a step change (a worker that
-        # slows down is one large change, not noise)
+    def _steps(self) -> float:
         return _median(self.changes) / CHANGE_SPREAD if len(self.recent) >= 3 else 0.0
+
+    def _locate(self) -> None:
+        times = sorted(self.times)
+        n = len(times)
+        outer = math.ceil(OUTER * n) if n >= 3 else 0  # (of three: the median)
+        middle, low, high = times[outer:n - outer], times[outer], times[n - outer - 1]
+        mean = (sum(middle) + outer * (low + high)) / n
+        spread = 0.0
+        if outer:  # (the sum of squares: this runs for every timing)
+            squares = sum(map(operator.mul, middle, middle)) + outer * (low * low + high * high)
+            spread = math.sqrt(max(0.0, squares - n * mean * mean) / (n - 1)) / mean
+        self.value, self.noise = 1 / mean, max(self.steps, spread)
 
     def _drop_before_change(self) -> None:
         values = list(self.recent)
@@ -95,18 +119,31 @@ class _Rate:
         for k in RECENT:
             if n - k < max(k, 3):
                 return
-            gap = _median(values[-k:]) - _median(values[:-k])
-            if abs(gap) > CHANGE * MEDIAN_ERROR * self.noise * math.sqrt(1 / k + 1 / (n - k)):
-                for _ in range(n - k):
+            earlier = sorted(values[:-k])
+            last = _median(values[-k:])
+            gap = last - _median(earlier)
+            # beyond the levels the earlier timings showed, but for their outer tenth: a level they showed
+            # more often is a mix of fast and slow tasks (time-slicing), not a change
+            outer = math.floor(OUTER * len(earlier))
+            beyond = last > earlier[-1 - outer] if gap > 0 else last < earlier[outer]
+            if beyond and abs(gap) > CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / (n - k)):
+                # the change began with the first of the last k timings nearer to their median than to the
+                # earlier ones' (all but the last two at most)
+                kept = k
+                while kept > 2 and abs(values[n - kept] - last) > abs(values[n - kept] - last + gap):
+                    kept -= 1
+                for _ in range(n - kept):
                     self.recent.popleft()
+                    self.times.popleft()
                     self.durations.popleft()
-                while len(self.changes) > k - 1:
+                while len(self.changes) > kept - 1:
                     self.changes.popleft()
-                self.noise = self._noise()
+                self.steps = self._steps()
                 return
 
     def estimate(self) -> tuple[float, float]:
-        """The log rate (the median of the timings since it last changed) and its standard error."""
+        """The log rate (of the winsorized mean time per unit since it last changed) and its standard
+        error (taken as a median's: the winsorized mean's lies between a mean's and a median's)."""
         return math.log(self.value), MEDIAN_ERROR * self.noise / math.sqrt(len(self.recent))
 
 

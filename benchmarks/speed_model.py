@@ -1,0 +1,157 @@
+"""How well the speed model's online refinement weighs two workers, on simulated task timings.
+
+Pure Python (the model has no Dask in it): two workers ``a`` and ``b`` each report ``--timings``
+task timings of one prefix, in turns, under one scenario of noise and slowdown; after every
+timing the model's weights are read, and the error is ``|log(weight ratio / true ratio)|``, the true
+ratio being that of the workers' mean times (what a worker's share of the work takes). A scenario's
+figure is its mean error over all timings and ``--seeds`` random seeds (0.1 is 10% off). Steps: a
+2x slowdown of ``b`` after 50 timings, and how many timings the weights take to stay within 15% of
+the truth for five timings in a row (median and worst over the seeds). Asserts nothing.
+
+    python benchmarks/speed_model.py --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+from collections.abc import Callable
+
+import click
+from rich.table import Table
+
+from dask_octopus.bench.record import header, write_json
+from dask_octopus.cli import console as make_console
+from dask_octopus.profiling.speedmodel import SpeedModel
+
+Timings = Callable[[random.Random, int], tuple[list[float], list[float]]]  # rng, n -> a's and b's seconds
+
+
+def _noisy(rng: random.Random, sigma: float) -> float:
+    return math.exp(rng.gauss(0, sigma))
+
+
+def _steady(factor: float, sigma: float) -> Timings:
+    """``b`` ``factor`` times slower than ``a``, lognormal noise of ``sigma`` on every timing."""
+    return lambda rng, n: ([_noisy(rng, sigma) for _ in range(n)], [factor * _noisy(rng, sigma) for _ in range(n)])
+
+
+def _mixed(p: float) -> Timings:
+    """``b``'s tasks take three times longer at random with probability ``p`` (a co-tenant's slices)."""
+    return lambda rng, n: ([_noisy(rng, 0.05) for _ in range(n)],
+                           [(3.0 if rng.random() < p else 1.0) * _noisy(rng, 0.05) for _ in range(n)])
+
+
+def _t2(rng: random.Random) -> float:
+    return rng.gauss(0, 1) / math.sqrt((rng.gauss(0, 1) ** 2 + rng.gauss(0, 1) ** 2) / 2)
+
+
+def _correlated(rng: random.Random, n: int, phi: float = 0.9, sigma: float = 0.25) -> list[float]:
+    x, out = 0.0, []
+    for _ in range(n):
+        x = phi * x + math.sqrt(1 - phi * phi) * rng.gauss(0, sigma)
+        out.append(math.exp(x))
+    return out
+
+
+def _coarse(rng: random.Random, n: int) -> list[float]:
+    return [0.004 if rng.random() < 0.45 else 0.003 for _ in range(n)]
+
+
+def _flukes(rng: random.Random, n: int) -> tuple[list[float], list[float]]:
+    return ([_noisy(rng, 0.05) * (100 if rng.random() < 0.01 else 1) for _ in range(n)],
+            [_noisy(rng, 0.05) for _ in range(n)])
+
+
+# name: (timings, true ratio of b's mean time to a's (of the timing's index and their number), a's and b's
+# calibrated speeds)
+SCENARIOS: dict[str, tuple[Timings, Callable[[int, int], float], tuple[float, float]]] = {
+    "identical, 25% noise": (_steady(1.0, 0.25), lambda i, n: 1.0, (1.0, 1.0)),
+    "b 1.2x slower, 25% noise": (_steady(1.2, 0.25), lambda i, n: 1.2, (1.0, 1.0)),
+    "b 1.5x slower, 25% noise": (_steady(1.5, 0.25), lambda i, n: 1.5, (1.0, 1.0)),
+    "b 1.4x slower, calibrated 2x, 25% noise": (_steady(1.4, 0.25), lambda i, n: 1.4, (2.0, 1.0)),
+    "b 2x slower, 10% noise": (_steady(2.0, 0.10), lambda i, n: 2.0, (1.0, 1.0)),
+    "equal, calibrated 2x, 25% noise": (_steady(1.0, 0.25), lambda i, n: 1.0, (2.0, 1.0)),
+    **{f"b 3x slower on {p:.0%} of tasks": (_mixed(p), lambda i, n, p=p: 1 + 2 * p, (1.0, 1.0))
+       for p in (0.05, 0.2, 0.35)},
+    "b 1x and 4x by turns": (lambda rng, n: ([_noisy(rng, 0.05) for _ in range(n)],
+                                             [(4.0 if i % 2 else 1.0) * _noisy(rng, 0.05) for i in range(n)]),
+                             lambda i, n: 2.5, (1.0, 1.0)),
+    "heavy-tailed noise, b 1.5x slower": (lambda rng, n: ([math.exp(0.1 * _t2(rng)) for _ in range(n)],
+                                                          [1.5 * math.exp(0.1 * _t2(rng)) for _ in range(n)]),
+                                          lambda i, n: 1.5, (1.0, 1.0)),
+    "b drifts 1x to 2x, 10% noise": (lambda rng, n: ([_noisy(rng, 0.1) for _ in range(n)],
+                                                     [(1 + i / n) * _noisy(rng, 0.1) for i in range(n)]),
+                                     lambda i, n: 1 + i / n, (1.0, 1.0)),
+    "identical, correlated noise": (lambda rng, n: (_correlated(rng, n), _correlated(rng, n)), lambda i, n: 1.0,
+                                    (1.0, 1.0)),
+    "identical, 3 or 4 ms (a coarse clock)": (lambda rng, n: (_coarse(rng, n), _coarse(rng, n)), lambda i, n: 1.0,
+                                              (1.0, 1.0)),
+    "identical, 1% of a's tasks 100x slower": (_flukes, lambda i, n: 1.0, (1.0, 1.0)),
+}
+
+
+def ratios(a: list[float], b: list[float], prior: tuple[float, float]) -> list[float]:
+    """The model's weight of ``a`` over ``b``'s after each pair of timings (seconds per unit of work)."""
+    m = SpeedModel()
+    m.set_prior("a", {"compute": prior[0]})
+    m.set_prior("b", {"compute": prior[1]})
+    out = []
+    for ta, tb in zip(a, b):
+        m.observe("a", "p", 1.0, ta)
+        m.observe("b", "p", 1.0, tb)
+        w = m.weights(["a", "b"])
+        out.append(w["a"] / w["b"])
+    return out
+
+
+def mean_error(name: str, seeds: int, n: int) -> float:
+    """A scenario's mean ``|log(ratio / truth)|`` over its timings and ``seeds`` seeds."""
+    timings, truth, prior = SCENARIOS[name]
+    errors = []
+    for seed in range(seeds):
+        a, b = timings(random.Random(seed), n)
+        errors.append(statistics.fmean(abs(math.log(r / truth(i, n))) for i, r in enumerate(ratios(a, b, prior))))
+    return statistics.fmean(errors)
+
+
+def step_response(sigma: float, seeds: int, before: int = 50, after: int = 60) -> list[int]:
+    """Timings after ``b`` slows down 2x until the weights stay within 15% of the truth for five in a row
+    (``after`` where they never do), per seed."""
+    out = []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        a = [_noisy(rng, sigma) for _ in range(before + after)]
+        b = [_noisy(rng, sigma) * (2.0 if i >= before else 1.0) for i in range(before + after)]
+        errors = [abs(math.log(r / (2.0 if i >= before else 1.0))) for i, r in enumerate(ratios(a, b, (1.0, 1.0)))]
+        out.append(next((i - before for i in range(before, before + after - 4)
+                         if all(e < math.log(1.15) for e in errors[i:i + 5])), after))
+    return out
+
+
+@click.command()
+@click.option("--seeds", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--timings", type=click.IntRange(min=10), default=200, show_default=True, help="per worker and scenario")
+@click.option("--out", default=None, help="folder for the JSON")
+def main(seeds: int, timings: int, out: str | None) -> None:
+    console = make_console()
+    errors = {name: mean_error(name, seeds, timings) for name in SCENARIOS}
+    steps = {f"{sigma:.0%} noise": step_response(sigma, seeds) for sigma in (0.05, 0.25)}
+    table = Table(title=f"Speed model: mean |log error| of the weight ratio ({timings} timings each, {seeds} seeds)")
+    table.add_column("scenario")
+    table.add_column("mean error", justify="right")
+    for name, e in errors.items():
+        table.add_row(name, f"{e:.3f}")
+    console.print(table)
+    for name, lags in steps.items():
+        console.print(f"b slows down 2x, {name}: within 15% after {statistics.median(lags):g} timings "
+                      f"(median), {max(lags)} at worst")
+    if out:
+        write_json(os.path.join(out, "speed-model.json"),
+                   header(False, "none", seeds=seeds, timings=timings, mean_error=errors, step_timings=steps))
+
+
+if __name__ == "__main__":
+    main()
