@@ -362,7 +362,36 @@ def test_a_level_the_earlier_timings_showed_often_is_no_change():
     assert len(r.recent) == 23 and r.steps == 0
     # 16 tasks of 1 s and 7 of 3 s (the slowest three counted as the next slowest, the fastest three as
     # the next fastest: as they are): one over their mean
-    assert r.value == pytest.approx(23 / (16 * 1.0 + 7 * 3.0))
+    mean = (16 * 1.0 + 7 * 3.0) / 23
+    assert r.value == pytest.approx(1 / mean)
+    # the evidence counts their spread (standard deviation over the mean), as the successive changes miss it
+    assert r.noise == pytest.approx(statistics.stdev([1.0] * 16 + [3.0] * 7) / mean)
+
+
+@pytest.mark.parametrize("fast, changes", [(2, True), (3, False)])
+def test_a_faster_level_counts_as_a_change_only_beyond_the_earlier_timings_outer_tenth(fast, changes):
+    """Of 20 earlier timings, ``fast`` were three times faster; then three in a row are. Two are the
+    outer tenth (a fluke or two): a change; three are a level the worker showed before: not one."""
+    m = SpeedModel()
+    for i in range(20):
+        m.observe("a", "p", 1, 1 / 3 if i in range(2, 20, 20 // fast)[:fast] else 1.0)
+    for _ in range(3):
+        m.observe("a", "p", 1, 1 / 3)
+    assert len(m.rates["p"]["a"].recent) == (3 if changes else 23)
+
+
+def test_after_a_change_the_noise_is_that_of_the_timings_kept():
+    m = SpeedModel()
+    for _ in range(10):
+        m.observe("a", "p", 1, 1.0)
+    for seconds in (3.0, 3.3):  # the second: a change; the timings before the first are dropped
+        m.observe("a", "p", 1, seconds)
+    m.observe("a", "p", 1, 2.9)
+    r = m.rates["p"]["a"]
+    assert list(r.times) == pytest.approx([3.0, 3.3, 2.9])
+    # the median of the two changes between them (the step from 1 s is not one of them)
+    assert list(r.changes) == pytest.approx([math.log(3.3 / 3.0), math.log(3.3 / 2.9)])
+    assert r.steps == pytest.approx((math.log(3.3 / 3.0) + math.log(3.3 / 2.9)) / 2 / 0.954)
 
 
 def test_a_mix_of_fast_and_slow_tasks_weighs_a_worker_by_its_mean_time():

@@ -117,7 +117,7 @@ class _Rate:
         values = list(self.recent)
         n = len(values)
         for k in RECENT:
-            if n - k < max(k, 3):
+            if n - k < k:  # (as many earlier timings as later ones at least)
                 return
             earlier = sorted(values[:-k])
             last = _median(values[-k:])
@@ -128,9 +128,9 @@ class _Rate:
             beyond = last > earlier[-1 - outer] if gap > 0 else last < earlier[outer]
             if beyond and abs(gap) > CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / (n - k)):
                 # the change began with the first of the last k timings nearer to their median than to the
-                # earlier ones' (all but the last two at most)
+                # earlier ones' (half of them at least are)
                 kept = k
-                while kept > 2 and abs(values[n - kept] - last) > abs(values[n - kept] - last + gap):
+                while abs(values[n - kept] - last) > abs(values[n - kept] - last + gap):
                     kept -= 1
                 for _ in range(n - kept):
                     self.recent.popleft()
@@ -153,7 +153,7 @@ class SpeedModel:
 
     A worker's observed speed replaces its prior once a prefix it shares with another worker has
     ``confidence_samples`` observations on both. A prefix shows the workers' differences only on
-    evidence: when some worker's log rate (the median since it last changed) is more than
+    evidence: when some worker's log rate (of its mean time since it last changed) is more than
     ``significance`` standard errors away from the mean over the workers (errors from the noise of each
     worker's timings and how many there are); otherwise its workers count as equal (identical workers
     keep equal weights, however noisy their short tasks). ``max_prefixes``: the prefixes kept, those
