@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import sys
 import time
 
 import dask
@@ -16,11 +17,14 @@ from distributed import Event, Nanny, Worker, get_worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
+from stubs import Stub, task_state
 
 import dask_octopus
 from dask_octopus import NotRegisteredError, PlanningError
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
+from dask_octopus.placement import blocks
 from dask_octopus.placement.blocks import aligned
+from dask_octopus.placement.pins import Placement
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
@@ -946,3 +950,98 @@ async def test_blocks_moved_onto_a_paused_worker_may_run_elsewhere(c, s, a, b, w
     await gate.set()
     result = await asyncio.wait_for(fut, 30)
     np.testing.assert_allclose(result, (await c.compute(x.sum(axis=1))) + 30.0, rtol=1e-12)
+
+
+# -- the scheduler side of placement alone (stand-in task states), from a mutation run of pins.py and blocks.py --
+
+
+def test_slices_of_inputs_no_one_worker_holds_are_left_unpinned_and_not_counted():
+    """A slice (``pieces``) of inputs held on different workers gets no restriction and is not counted among
+    the tasks pinned; one whose inputs share a holder is pinned loosely there; the user's own restriction
+    stays."""
+    workers = {w: Stub(address=w) for w in "ab"}  # (hashable, as in a task's who_has)
+    x0 = task_state(("x", 0), "memory", who_has={workers["a"]})
+    x1 = task_state(("x", 1), "memory", who_has={workers["b"]})
+    x2 = task_state(("x", 2), "memory", who_has={workers["a"], workers["b"]})
+    apart = task_state(("slice-x", 0), dependencies=(x0, x1))
+    together = task_state(("slice-x", 1), dependencies=(x0, x2))
+    users = task_state(("slice-x", 2), dependencies=(x0, x2))
+    users.worker_restrictions = {"b"}
+    scheduler = Stub(tasks={t.key: t for t in (x0, x1, x2, apart, together, users)})
+    placement = Placement()
+    placement.add_plan("y", ["a", "b"], source="x", nbytes=[1.0, 1.0], pieces="slice-x")
+    assert placement.update_graph(scheduler, [apart.key, together.key, users.key]) == 1
+    assert apart.worker_restrictions is None
+    assert users.worker_restrictions == {"b"} and not users.loose_restrictions
+    assert together.worker_restrictions == {"a"} and together.loose_restrictions
+    assert not placement.pins  # loose pins are not kept
+
+
+def test_an_idle_worker_steals_only_from_a_worker_with_tasks_waiting_for_a_thread():
+    """A stealable task is asked for only from a worker with more tasks than threads (one waits); a worker
+    whose tasks all have a thread is left alone."""
+    asked = []
+    stealing = Stub(in_flight={}, move_task_request=lambda ts, victim, thief: asked.append(ts.key))
+    thief = Stub(status=Status.running, processing=set(), nthreads=1)
+    victim = Stub(status=Status.running, processing=set(), nthreads=2)
+    tasks = {("y", i): Stub(key=("y", i), state="processing", processing_on=victim, priority=(i,), prefix="y")
+             for i in range(3)}
+    scheduler = Stub(extensions={"stealing": stealing}, workers={"thief": thief, "victim": victim}, tasks=tasks,
+                          get_comm_cost=lambda ts, ws: 0.0, _get_prefix_duration=lambda prefix: 1.0)
+    placement = Placement()
+    placement.stealable_keys.update(tasks)
+    victim.processing = {0, 1}  # as many tasks as threads
+    placement.steal_for(scheduler, "thief")
+    assert asked == []
+    victim.processing = {0, 1, 2}  # one waits for a thread
+    placement.steal_for(scheduler, "thief")
+    assert asked == [("y", 2)]  # the last in run order
+
+
+def test_tasks_of_a_dropped_plan_stay_pinned_to_live_workers_when_workers_change():
+    """After octopus.max-plans dropped a plan, a worker joining or leaving unpins only its tasks pinned to
+    workers that left; those on live workers stay where they were pinned."""
+    tasks = {("y", i): task_state(("y", i)) for i in range(2)}
+    scheduler = Stub(tasks=tasks, unrunnable=set(), transitions=lambda recs, stimulus_id: None)
+    placement = Placement(max_plans=1)
+    placement.add_plan("y", ["a", "b"])
+    assert placement.update_graph(scheduler, list(tasks)) == 2
+    placement.add_plan("z", ["a", "b"])  # "y" is dropped
+    assert "y" not in placement.plans
+    assert placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "test") == 1  # b left, c joined
+    assert tasks[("y", 0)].worker_restrictions == {"a"} and ("y", 0) in placement.pins
+    assert tasks[("y", 1)].worker_restrictions is None and ("y", 1) not in placement.pins
+
+
+def test_rehome_without_weights_changes_nothing():
+    """With no worker weights known (none calibrated yet) the pins stay as they are, rather than failing
+    (which would make the plugin loosen every pin)."""
+    tasks = {("y", 0): task_state(("y", 0))}
+    scheduler = Stub(tasks=tasks, unrunnable=set(), transitions=lambda recs, stimulus_id: None)
+    placement = Placement()
+    placement.add_plan("y", ["gone"])
+    assert placement.update_graph(scheduler, list(tasks)) == 1
+    assert placement.rehome(scheduler, {}, "test") == 0
+    assert placement.plans["y"].workers == ["gone"] and tasks[("y", 0)].worker_restrictions == {"gone"}
+
+
+def test_a_worker_whose_memory_is_not_known_gets_no_cap(monkeypatch):
+    """A GPU worker whose free memory was not measured plans blocks without a cap, rather than failing
+    balance."""
+    profiles = {"gpu": {"weight": 2.0, "device": "gpu", "threads": 1},
+                "cpu": {"weight": 1.0, "memory_total": 8 * 2**20, "threads": 1}}
+    monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
+    workers, weights, caps, speed, limits = blocks._workers_caps_and_speed(None, "compute", 8.0, "x")
+    assert workers == ["cpu", "gpu"] and weights == [1.0, 2.0]
+    assert caps[1] is None and caps[0] > 0 and limits == [sys.maxsize, sys.maxsize] and speed is None
+
+
+def test_the_workers_speed_for_memory_plans_is_rows_per_second(monkeypatch):
+    """For resource="memory" the workers' total speed (which decides whether moving an already-held
+    layout is worth its seconds) is their streaming bytes per second over the row's bytes."""
+    profiles = {"a": {"weight": 2.0, "memory": 4e9, "memory_total": 2**30, "threads": 1},
+                "b": {"weight": 1.0, "memory": 2e9, "memory_total": 2**30, "threads": 1}}
+    monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
+    assert blocks._workers_caps_and_speed(None, "memory", 8.0, "x")[3] == 6e9 / 8.0
+    assert blocks._workers_caps_and_speed(None, "memory", 8e3, "x")[3] == 6e9 / 8e3
+    assert blocks._workers_caps_and_speed(None, "compute", 8.0, "x")[3] is None

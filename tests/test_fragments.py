@@ -820,6 +820,23 @@ async def test_a_fragment_whose_inputs_made_by_the_graph_exceed_the_budget_is_sp
             assert len(whole) == 1 and not parts, (whole, parts)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_fragment_of_two_inputs_over_the_budget_is_split_before_it_runs(c, s, a):
+    """Two inputs are enough: a fragment reading two unsized inputs whose bytes exceed
+    ``octopus.fragments.max-bytes`` runs as one task per member."""
+    rec = await setup(c, s, [1.0])
+    x = unknown_chunks(da.random.default_rng(3).random((2 * 4, 6), chunks=(4, 6)))  # 2 blocks of 192 bytes
+    expected = await c.compute(x.map_blocks(inc).sum() + x.sum())
+    with dask_octopus.annotate():
+        y = x.map_blocks(inc, name="inc-two")
+    rec.worker.clear()
+    with dask.config.set({"octopus.fragments.max-bytes": 200}), \
+            captured_logger("dask_octopus.plugins.scheduler", level=logging.INFO) as log:
+        assert await c.compute(y.sum() + x.sum()) == pytest.approx(expected, rel=1e-12)
+    assert not [k for k in rec.worker if key_split(k) == FRAGMENT_PREFIX]
+    assert "exceed octopus.fragments.max-bytes" in log.getvalue(), log.getvalue()
+
+
 @pytest.mark.parametrize("inside", ["built", "computed"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_blocks_the_graph_makes_are_sized_from_their_chunks_when_fragments_are_cut(c, s, a, inside):
@@ -1432,6 +1449,23 @@ def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_pauses_the_wo
         assert thread_budget(ws, {"device": "gpu", "memory_free": 4000}) == pytest.approx(fraction * 4000 / 2)
         assert thread_budget(unlimited, {"memory_total": 4000}) == pytest.approx(fraction * 4000 / 2)
         assert thread_budget(unlimited, {}) is None  # memory unknown
+
+
+def test_fragments_that_may_run_on_several_workers_are_cut_to_the_smallest_one_s_budget():
+    """Fragments of no one place get the budget of the smallest worker that may run them, not the largest
+    one's (which the smaller one would run out of memory on); with no worker's memory known, none."""
+    from types import SimpleNamespace
+
+    from dask_octopus.groups.scheduler import _budget, thread_budget
+
+    small = SimpleNamespace(memory_limit=1000, nthreads=1, host="h", resources={})
+    large = SimpleNamespace(memory_limit=8000, nthreads=1, host="h", resources={})
+    unknown = SimpleNamespace(memory_limit=None, nthreads=1, host="h", resources={})
+    with dask.config.set({"octopus.fragments.max-bytes": "auto"}):
+        assert thread_budget(small, {}) < thread_budget(large, {})
+        assert _budget(SimpleNamespace(workers={"a": large, "b": small, "c": unknown}), {}, None) == \
+            thread_budget(small, {})
+        assert _budget(SimpleNamespace(workers={"c": unknown}), {}, None) is None
 
 
 def test_a_fragment_alternates_compute_and_memory_bound_steps_where_both_are_ready():

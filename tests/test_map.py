@@ -15,12 +15,14 @@ from distributed import Client, LocalCluster, Nanny, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
+from stubs import Stub, task_state
 from test_balance import setup
 
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant, pin_workers
 from dask_octopus.bench.workloads import gemm_repeat
 from dask_octopus.groups import streams
+from dask_octopus.placement.pins import Placement
 from dask_octopus.profiling.itemcosts import ItemCost
 
 
@@ -520,16 +522,10 @@ async def test_futures_in_kwargs_reach_func_as_their_values(c, s, a, b, group):
 def test_a_map_plan_given_again_before_the_last_pin_of_its_name_is_forgotten_stays():
     """A map of the same items under the same plan name: its plan arrives, then Dask forgets the last
     task of the earlier one; the new graph still finds its plan (the scheduler's side alone)."""
-    from types import SimpleNamespace
-
-    from dask_octopus.placement.pins import Placement
-
     placement = Placement()
     name = "f-octopus-map-0123"
-    tasks = {(name, 0): SimpleNamespace(key=(name, 0), state="released", run_spec=None, dependencies=(),
-                                        worker_restrictions=None, host_restrictions=None,
-                                        resource_restrictions=None, annotations={})}
-    scheduler = SimpleNamespace(tasks=tasks)
+    tasks = {(name, 0): task_state((name, 0))}
+    scheduler = Stub(tasks=tasks)
     placement.add_plan(name, ["a"], counts=[1], costs=[1.0])
     assert placement.update_graph(scheduler, [(name, 0)]) == 1
     placement.add_plan(name, ["a"], counts=[1], costs=[1.0])  # the second map's plan, its graph to come
@@ -539,3 +535,65 @@ def test_a_map_plan_given_again_before_the_last_pin_of_its_name_is_forgotten_sta
     assert placement.update_graph(scheduler, [(name, 0)]) == 1
     placement.forget((name, 0))
     assert name not in placement.plans  # (with its last pin)
+
+
+def test_a_map_plan_stays_until_the_last_of_its_pinned_tasks_is_forgotten():
+    """The pins of a plan are counted one by one: a map plan retires with the last of its tasks, not with
+    the first ones Dask forgets (results released one by one)."""
+    placement = Placement()
+    name = "f-octopus-map-4567"
+    tasks = {(name, i): task_state((name, i)) for i in range(3)}
+    placement.add_plan(name, ["a", "a", "b"], counts=[1, 1, 1], costs=[1.0, 2.0, 3.0])
+    assert placement.update_graph(Stub(tasks=tasks), list(tasks)) == 3
+    placement.forget((name, 0))
+    placement.forget((name, 1))
+    assert name in placement.plans and placement.worker_of((name, 2)) == "b"
+    placement.forget((name, 2))
+    assert name not in placement.plans and placement.cost_of((name, 2)) == (3.0, 1)  # retired, costs kept
+
+
+def test_only_the_tasks_of_a_map_plan_with_bytes_have_items_bytes():
+    """``items_bytes_of`` is None for any task that is not a block of a map plan with counts and bytes:
+    the scheduler plugin asks it of every finished task (an error there would be logged as a failed
+    hook), and without it map would not learn its results' size."""
+    placement = Placement()
+    placement.add_plan("f-octopus-map-1", ["a", "b"], counts=[2, 3], costs=[1.0, 1.0], nbytes=[10.0, 20.0])
+    placement.add_plan("f-octopus-map-2", ["a"], counts=[1], costs=[1.0])  # no bytes given
+    placement.add_plan("y", ["a"], source="x", nbytes=[8.0])  # a balance plan
+    assert placement.items_bytes_of(("f-octopus-map-1", 1)) == 20.0
+    for key in ["x", ("x", 0), ("f-octopus-map-2", 0), ("y", 0), "f-octopus-map-1"]:
+        assert placement.items_bytes_of(key) is None
+
+
+def test_an_exploring_worker_runs_its_large_and_small_items_apart_also_for_costs_under_one():
+    """A worker with no per-item seconds fitted splits its larger and smaller items between halves of its
+    threads whatever the scale of the costs (costs under 1 included)."""
+    from dask_octopus.placement.items import _batches
+
+    costs = [1.0, 1.0, 0.2, 0.2]
+    packing = Stub(assignment=[0, 0, 0, 0], finish=[2.4])
+    out = _batches(costs, packing, [2], True, [True], 0.0, None, [0.0] * 4, [None])
+    assert out == [(0, [0, 1], False), (0, [2, 3], False)]
+    scaled = _batches([c * 10 for c in costs], packing, [2], True, [True], 0.0, None, [0.0] * 4, [None])
+    assert scaled == out  # the same split, costs ten times larger
+
+
+def test_local_items_small_in_all_travel_in_the_graph_and_large_ones_are_scattered_to_their_worker():
+    """Local items under SCATTER_BYTES in all are not scattered (one round trip less); at SCATTER_BYTES
+    they are, to the worker planned for them."""
+    from dask_octopus.placement.items import SCATTER_BYTES, _scatter_to_plan
+
+    scattered = []
+
+    def scatter(data, workers, hash):
+        scattered.append((list(data), workers))
+        return [f"future-{x}" for x in data]
+
+    client = Stub(scatter=scatter)
+    items = ["a", "b", "c"]
+    _scatter_to_plan(client, items, [100.0, 100.0, 100.0], [("w1", [0, 1]), ("w2", [2])])
+    assert items == ["a", "b", "c"] and scattered == []
+    _scatter_to_plan(client, items, [SCATTER_BYTES / 2, SCATTER_BYTES / 4, SCATTER_BYTES / 4],
+                     [("w1", [0, 1]), ("w2", [2])])
+    assert items == ["future-a", "future-b", "future-c"]
+    assert scattered == [(["a", "b"], ["w1"]), (["c"], ["w2"])]

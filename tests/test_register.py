@@ -722,6 +722,15 @@ async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
     assert set(await dask_octopus.profiles(c)) == {a.address, b.address}  # still answers
 
 
+@gen_cluster(client=True, config=FAST)
+async def test_a_calibration_report_of_a_worker_that_left_is_dropped(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    gone = "tcp://127.0.0.1:1"
+    await c.scheduler.octopus_report(worker=gone, profile={"error": None, "compute": 1.0, "memory": 1.0})
+    assert gone not in plugin(s).profiles
+    assert set(await dask_octopus.profiles(c)) == {a.address, b.address}
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_worker_plugin_replaced_while_calibrating_reports_nothing_and_keeps_nothing(c, s, a, monkeypatch):
     from dask_octopus.plugins import worker as worker_plugin

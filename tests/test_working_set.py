@@ -12,8 +12,10 @@ import pytest
 from dask.utils import key_split
 from distributed import Client, LocalCluster, wait
 from distributed.utils_test import gen_cluster
+from stubs import Stub, task_state
 
 import dask_octopus
+from dask_octopus.placement.pins import Placement
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 from dask_octopus.profiling import working_set
 from dask_octopus.profiling.working_set import (
@@ -365,3 +367,30 @@ async def test_a_huge_working_set_never_makes_blocks_smaller_than_those_it_is_le
     s.plugins["octopus"].working_sets.add(key_split(x.name), "f", MIN_BASIS, 1e6 * MIN_BASIS)
     y = await dask_octopus.balance(x, client=c)
     assert y.chunks[0] == (MIN_BASIS // 8,) * 8  # a block per MIN_BASIS bytes, not one per row
+
+
+# -- from a mutation run of placement/pins.py and placement/blocks.py ------------------------------------------------
+
+
+def test_a_task_marked_for_measuring_keeps_the_annotations_it_had():
+    """The measure mark is added to a task's annotations, which stay (a worker reads them: executor,
+    resources...); a task without annotations gets the mark alone."""
+    placement = Placement(measure=lambda source, prefix, nbytes: True)
+    kept, bare = task_state(("y", 0), annotations={"executor": "gpu"}), task_state(("y", 1))
+    bare.annotations = None  # (as a task of a graph without annotations)
+    placement.add_plan("y", ["a", "b"], source="x", nbytes=[8.0, 8.0])
+    assert placement.update_graph(Stub(tasks={kept.key: kept, bare.key: bare}), [kept.key, bare.key]) == 2
+    assert kept.annotations == {"executor": "gpu", MEASURE: True}
+    assert bare.annotations == {MEASURE: True}
+    assert kept.worker_restrictions == {"a"} and bare.worker_restrictions == {"b"}
+
+
+def test_the_working_set_warning_names_the_first_worker_over_even_when_it_is_the_only_one():
+    """per_worker blocks over one worker's working-set limit warn about that worker (the first one over),
+    whether one or more workers are over."""
+    from dask_octopus.placement.blocks import WorkingSetWarning, _warn_over_working_set
+
+    with pytest.warns(WorkingSetWarning, match="on a are larger"):
+        _warn_over_working_set(["a", "b"], [[10, 9], [2]], [5, 100], 8.0, "x")
+    with pytest.warns(WorkingSetWarning, match="on a are larger"):
+        _warn_over_working_set(["a", "b"], [[10], [20]], [5, 5], 8.0, "x")
