@@ -153,7 +153,7 @@ def test_speed_model_benchmark_smoke(tmp_path):
     record = json.loads((tmp_path / "speed-model.json").read_text())
     assert set(record["mean_error"]) == set(speed_model.SCENARIOS)
     assert record["mean_error"]["identical, 25% noise"] == 0  # identical workers: equal weights throughout
-    assert {k: len(v) for k, v in record["step_timings"].items()} == {"5% noise": 2, "25% noise": 2}
+    assert {k: len(v) for k, v in record["step_timings"].items()} == dict.fromkeys(speed_model.STEPS, 2)
 
 
 def test_the_speed_model_benchmark_measures_the_error_against_the_true_ratio(monkeypatch):
@@ -163,7 +163,7 @@ def test_the_speed_model_benchmark_measures_the_error_against_the_true_ratio(mon
                                                           lambda i, n: 2.0, (1.0, 1.0)))
     assert speed_model.mean_error("steady", 3, 4) == pytest.approx(math.log(2) / 2)  # off by 2x half the time
     # a step the model never follows within the timings after it counts as all of them
-    assert speed_model.step_response(0.05, 1, before=10, after=2) == [2]
+    assert speed_model.lags("b slows down 2x, 5% noise", 1, after=2) == [2]
 
 
 def test_suite_runs_against_an_existing_cluster(tmp_path):

@@ -4,16 +4,16 @@ No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s 
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
 prefix): a rate (work units per second, units being the bytes it read and wrote) of one over the mean
 time per unit of its timings since the rate last changed, at most :data:`WINDOW` of them,
-winsorized: the fastest and the slowest tenth (:data:`OUTER`; of three timings, one each: their
-median) count as the nearest of the others. The mean time, since that is what a worker's share of
+winsorized: the fastest and the slowest tenth, rounded up (:data:`OUTER`; of three timings, one each:
+their median), count as the nearest of the others. The mean time, since that is what a worker's share of
 the work takes, slow tasks included (a co-tenant slowing one task in three); winsorized, so that a
 first task that also loads a library or plans an FFT, or one fluke 100x faster or slower than the
 others, does not move it; since the rate last changed, so that it gets more precise the longer a
 worker runs at one speed. A rate has changed when the median of its last few timings
 (:data:`RECENT`) departs from the median of the earlier ones by more than :data:`CHANGE` standard
-errors of their noise and lies beyond the levels the earlier ones showed (but for their outer tenth:
-a level they showed as often is a mix of fast and slow tasks, not a change); the earlier timings are
-then dropped. For a prefix seen on several
+errors of their noise, and more of them lie past the midpoint between the two medians than the
+earlier timings' share there makes likely (:data:`RARE`: a level the earlier ones showed often is a
+mix of fast and slow tasks, not a change); the earlier timings are then dropped. For a prefix seen on several
 workers, each worker's rate relative to the geometric mean of the others is its observed relative
 speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about a
 worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with
@@ -54,6 +54,7 @@ WINDOW = 64  # timings of a (prefix, worker) kept: those since its rate last cha
 OUTER = 0.1  # the fastest and the slowest tenth of those count as the nearest of the others (winsorized)
 RECENT = (3, 8, 24)  # the last timings whose median is compared with the earlier ones' for a change of rate
 CHANGE = 4.0  # standard errors between those medians that make a change
+RARE = 0.005  # ... if the earlier timings' share past the midpoint makes that many of the last ones past it this rare
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
 MEDIAN_ERROR = math.sqrt(math.pi / 2)  # standard error of the median of n normal values, in sigma / sqrt(n)
 CHANGE_SPREAD = 0.954  # median |x - y| of two values of N(0, sigma^2), in sigma
@@ -64,6 +65,17 @@ def _median(values: Iterable[float]) -> float:
     s = sorted(values)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _rare(earlier: list[float], recent: list[float], middle: float, above: bool) -> bool:
+    """Whether as many of ``recent`` past ``middle`` (above it, else below) are less likely than
+    :data:`RARE` for timings past it as often as ``earlier`` were (their share, a half counted in: a
+    binomial tail). A level the earlier timings showed often is a mix of fast and slow tasks (a
+    co-tenant's time slices), not a change; a fluke or two among them (a warm-up) does not hide one."""
+    past = (lambda v: v > middle) if above else (lambda v: v < middle)
+    p = (sum(map(past, earlier)) + 0.5) / (len(earlier) + 1)
+    k, x = len(recent), sum(map(past, recent))
+    return sum(math.comb(k, j) * p**j * (1 - p) ** (k - j) for j in range(x, k + 1)) < RARE
 
 
 @dataclass
@@ -119,14 +131,11 @@ class _Rate:
         for k in RECENT:
             if n - k < k:  # (as many earlier timings as later ones at least)
                 return
-            earlier = sorted(values[:-k])
-            last = _median(values[-k:])
+            earlier, recent = values[:-k], values[-k:]
+            last = _median(recent)
             gap = last - _median(earlier)
-            # beyond the levels the earlier timings showed, but for their outer tenth: a level they showed
-            # more often is a mix of fast and slow tasks (time-slicing), not a change
-            outer = math.floor(OUTER * len(earlier))
-            beyond = last > earlier[-1 - outer] if gap > 0 else last < earlier[outer]
-            if beyond and abs(gap) > CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / (n - k)):
+            if abs(gap) > CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / (n - k)) and _rare(
+                    earlier, recent, last - gap / 2, gap > 0):
                 # the change began with the first of the last k timings nearer to their median than to the
                 # earlier ones' (half of them at least are)
                 kept = k
