@@ -1,33 +1,32 @@
 """Pure speed model: calibration priors refined by observed task timings.
 
 No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
-``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task
-prefix): a rate (work units per second, units being the bytes it read and wrote) of one over the mean
-time per unit of its timings since the rate last changed, at most :data:`WINDOW` of them,
-winsorized: the fastest and the slowest tenth, rounded up (:data:`OUTER`; of three timings, one each:
-their median), count as the nearest of the others. The mean time, since that is what a worker's share of
-the work takes, slow tasks included (a co-tenant slowing one task in three); winsorized, so that a
-first task that also loads a library or plans an FFT, or one fluke 100x faster or slower than the
-others, does not move it; since the rate last changed, so that it gets more precise the longer a
-worker runs at one speed. A rate has changed when the median of its last few timings
-(:data:`RECENT`) departs from the median of the earlier ones by more than :data:`CHANGE` standard
-errors of their noise, and more of them lie past the midpoint between the two medians than the
-earlier timings' share there makes likely (:data:`RARE`: a level the earlier ones showed often is a
-mix of fast and slow tasks, not a change); the earlier timings are then dropped. For a prefix seen on several
-workers, each worker's rate relative to the geometric mean of the others is its observed relative
-speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about a
-worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with
-every :data:`HALF_LIFE` timings taken since the prefix last ran: a finished computation's prefixes
-give way to the work running now (a worker that slows down on new, shorter tasks loses weight even
-after long tasks of other prefixes ran equally everywhere). A prefix counts only on workers that ran
-it ``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the
-steady work. The model keeps the timings of the ``max_prefixes`` prefixes that ran last (tasks
-submitted under keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one
-had been unseen for that many timings at least, so its weight had halved ``max_prefixes /
-HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows down mid-run
-loses weight within a few tasks of each prefix (two, when its timings are steady). Asked for one
-prefix, the model answers with that prefix's speeds alone once every worker has them (``map`` plans a
-function by its own speeds).
+``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task prefix):
+a rate (work units per second, units being the bytes it read and wrote) of one over the mean time per
+unit of its timings since the rate last changed, at most :data:`WINDOW` of them, winsorized: the
+fastest and the slowest tenth, rounded up (:data:`OUTER`; of three timings, one each: their median),
+count as the nearest of the others. The mean time, since that is what a worker's share of the work
+takes, slow tasks included (a co-tenant slowing one task in three); winsorized, so that a first task
+that also loads a library or plans an FFT, or one fluke 100x faster or slower than the others, does not
+move it; since the rate last changed, so that it gets more precise the longer a worker runs at one
+speed. A rate has changed when the median of its last few timings (:data:`RECENT`) departs from the
+median of the earlier ones by more than :data:`CHANGE` standard errors of their noise, and more of them
+lie past the midpoint between the two medians than the earlier timings' share there makes likely
+(:data:`RARE`: a level the earlier ones showed often is a mix of fast and slow tasks, not a change);
+the earlier timings are then dropped. For a prefix seen on several workers, each worker's rate relative
+to the geometric mean of the others is its observed relative speed. Prefixes count in proportion to the
+time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial results, which
+latency dominates), and that weight halves with every :data:`HALF_LIFE` timings taken since the prefix
+last ran: a finished computation's prefixes give way to the work running now (a worker that slows down
+on new, shorter tasks loses weight even after long tasks of other prefixes ran equally everywhere). A
+prefix counts only on workers that ran it ``confidence_samples`` times: one-off tasks (a rechunk while
+data moves) say little about the steady work. The model keeps the timings of the ``max_prefixes``
+prefixes that ran last (tasks submitted under keys of their own, ``job_17``, make a prefix each): a
+prefix dropped for a newer one had been unseen for that many timings at least, so its weight had halved
+``max_prefixes / HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows
+down mid-run loses weight within a few tasks of each prefix (two, when its timings are steady). Asked
+for one prefix, the model answers with that prefix's speeds alone once every worker has them (``map``
+plans a function by its own speeds).
 """
 
 from __future__ import annotations
