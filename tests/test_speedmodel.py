@@ -327,7 +327,7 @@ def test_one_fluke_timing_does_not_move_the_rate_and_steady_ones_change_it():
     assert m.weights(["a", "b"]) == pytest.approx({"a": 0.25, "b": 0.75})
 
 
-@pytest.mark.parametrize("factor, changes", [(0.98, False), (1.02, True)])
+@pytest.mark.parametrize("factor, changes", [(0.99, False), (1.01, True)])
 def test_a_change_counts_beyond_four_standard_errors_of_the_timings_noise(factor, changes):
     """Twenty timings alternate between two log rates 0.1 apart; then two at a higher rate make the
     median of the last three depart from the median of the nineteen before them by ``factor`` times 4
@@ -380,6 +380,37 @@ def test_a_faster_level_the_earlier_timings_showed_rarely_is_a_change_and_often_
         m.observe("a", "p", 1, 1 / 3 if i in range(2, 20, 20 // fast)[:fast] else 1.0)
     for _ in range(3):
         m.observe("a", "p", 1, 1 / 3)
+    assert len(m.rates["p"]["a"].recent) == (3 if changes else 23)
+
+
+@pytest.mark.parametrize("factor, changes", [(0.98, False), (1.02, True)])
+def test_a_change_counts_where_the_share_past_the_midpoint_makes_the_last_timings_rarer_than_rare(
+        monkeypatch, factor, changes):
+    """A fluke among 19 earlier timings (a share of 1.5 in 20 past the midpoint, a half counted in), then
+    two of the last three past it: a change where that binomial tail is under RARE, not at it."""
+    from dask_octopus.profiling import speedmodel
+
+    p = 1.5 / 20
+    tail = 3 * p**2 * (1 - p) + p**3  # two or three of three
+    monkeypatch.setattr(speedmodel, "RARE", tail * factor)
+    m = SpeedModel()
+    for i in range(19):
+        m.observe("a", "p", 1, 3.0 if i == 5 else 1.0)
+    for seconds in (1.0, 3.0, 3.0):
+        m.observe("a", "p", 1, seconds)
+    assert len(m.rates["p"]["a"].recent) == (2 if changes else 22)
+
+
+@pytest.mark.parametrize("way, changes", [(0.4, True), (0.6, False)])
+def test_the_midpoint_between_the_two_medians_splits_the_levels(way, changes):
+    """Four of 20 earlier timings lie ``way`` of the way from the old level to the new one: nearer the
+    old one, they are not past the midpoint, and three timings at the new level are a change; nearer
+    the new one, they are (a share of 4.5 in 21: three in a row 0.0098), and they are not."""
+    m = SpeedModel()
+    for i in range(20):
+        m.observe("a", "p", 1, 2.0**-way if i % 5 == 2 else 1.0)  # (log rates 0 and way x ln 2)
+    for _ in range(3):
+        m.observe("a", "p", 1, 0.5)  # twice as fast
     assert len(m.rates["p"]["a"].recent) == (3 if changes else 23)
 
 
