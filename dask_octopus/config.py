@@ -41,7 +41,6 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "calibration.seconds": ("a number > 0", lambda v: is_finite(v, positive=True)),
     "calibration.device": ("one of auto, cpu, gpu", lambda v: v in ("auto", "cpu", "gpu")),
     "calibration.wait": ("a duration such as 30s", _parses(parse_timedelta)),
-    "refine.alpha": _FRACTION,
     "refine.confidence-samples": ("an integer >= 1", _integer(1)),
     "refine.min-duration": ("a duration such as 2ms", _parses(parse_timedelta)),
     "refine.significance": ("a number >= 0", is_finite),
@@ -49,6 +48,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "balance.memory-fraction": _FRACTION,
     "balance.min-gain": ("a number >= 0", is_finite),
     "map.steal-fraction": ("a number in [0, 1]", lambda v: is_finite(v) and v <= 1),
+    "map.item-cost-alpha": _FRACTION,
     "map.steal-min-seconds": ("a duration such as 50ms", _parses(parse_timedelta)),
     "map.learn-result-size": ("true or false", lambda v: isinstance(v, bool)),
     "max-plans": ("an integer >= 1", _integer(1)),
@@ -65,6 +65,12 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
                                                                        and parse_timedelta(v) >= 1e-6)),
 }
 
+
+#: keys that were renamed: old -> (new, why), refused by :func:`check_all` with the new name
+RENAMED: dict[str, tuple[str, str]] = {
+    "refine.alpha": ("map.item-cost-alpha", "it weighs map batches only; the speed model has no smoothing "
+                                            "weight: its rates are means since their last change"),
+}
 
 _MISSING = object()
 _checked: set[tuple[str, type, Any]] = set()  # (key, type, value) of the values that passed their check
@@ -96,6 +102,10 @@ def get(key: str, override: Any = None) -> Any:
 
 def check_all() -> None:
     """Check every ``octopus`` setting now (each is checked again only when its value changes): raises
-    ``ValueError`` naming the first key whose value is not what the key takes."""
+    ``ValueError`` naming the first key whose value is not what the key takes, or a renamed key that is
+    set, with its new name."""
+    for old, (new, why) in RENAMED.items():
+        if dask.config.get(f"octopus.{old}", default=_MISSING) is not _MISSING:
+            raise ValueError(f"octopus.{old} was renamed octopus.{new} ({why})")
     for key in CHECKS:
         get(key)

@@ -21,6 +21,7 @@ from dask_octopus import NotRegisteredError, PlanningError, config
 from dask_octopus.groups import streams
 from dask_octopus.groups.replay import GraphCache
 from dask_octopus.plugins.messages import plannable_memory
+from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 from dask_octopus.profiling import probes
 from dask_octopus.profiling.gpu_timing import TOPIC
 from dask_octopus.profiling.itemcosts import ItemCostFit
@@ -90,8 +91,8 @@ async def test_calibration_device_cpu_forces_numpy_probes_where_a_gpu_is_seen(c,
             assert "memory_total" not in p and plannable_memory(p, 2**30) is None
 
 
-@gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.alpha": 0.25})
-async def test_refine_alpha_from_dask_config_weighs_each_new_map_batch(c, s, a, b):
+@gen_cluster(client=True, nthreads=TWO, config={"octopus.map.item-cost-alpha": 0.25})
+async def test_map_item_cost_alpha_from_dask_config_weighs_each_new_map_batch(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)
     batches = [(4, 4.0, 1.0), (4, 8.0, 2.5), (4, 16.0, 4.5), (4, 32.0, 6.0), (4, 8.0, 2.0)]
     fit = plugin(s).item_costs.use("f")[a.address]
@@ -243,6 +244,19 @@ def test_the_other_settings_are_validated_naming_the_key(key, value, message):
         config.get(key)
 
 
+def test_the_renamed_refine_alpha_is_refused_naming_its_new_key():
+    message = (r"^octopus\.refine\.alpha was renamed octopus\.map\.item-cost-alpha \(it weighs map batches only; "
+               r"the speed model has no smoothing weight: its rates are means since their last change\)$")
+    with dask.config.set({"octopus.refine.alpha": 0.25}), pytest.raises(ValueError, match=message):
+        config.check_all()
+    with dask.config.set({"octopus.refine.alpha": 0.25}), pytest.raises(ValueError, match=message):
+        OctopusSchedulerPlugin(calibrate=False)  # (register builds one: refused before anything starts)
+    with dask.config.set({"octopus.refine.alpha": 0.25}), pytest.raises(ValueError, match=message), \
+            dask_octopus.annotate():
+        pass
+    config.check_all()  # unset: nothing to say
+
+
 def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():
     """Settings are checked once per value: ``False`` passing does not let ``0`` (equal to it) pass, nor
     ``True`` passing ``1``."""
@@ -259,9 +273,10 @@ def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():
 @pytest.mark.package_defaults
 def test_readme_defaults():
     expected = {"calibration.seconds": 0.6, "calibration.device": "auto", "calibration.wait": "30s",
-                "refine.alpha": 0.5, "refine.confidence-samples": 3, "refine.min-duration": "2ms",
+                "refine.confidence-samples": 3, "refine.min-duration": "2ms",
                 "refine.significance": 2.5, "refine.max-prefixes": 1000,
                 "balance.memory-fraction": 0.6, "balance.min-gain": 0.03, "map.steal-fraction": 0.25,
+                "map.item-cost-alpha": 0.5,
                 "map.steal-min-seconds": "50ms", "map.learn-result-size": True, "max-plans": 1000,
                 "fragments.max-bytes": "auto",
                 "streams.max-streams": 8, "streams.large-bytes": "128MiB", "streams.capture": True,

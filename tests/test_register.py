@@ -770,7 +770,7 @@ def test_register_and_annotate_check_every_setting_when_called():
 @pytest.mark.parametrize("key, value, message", [
     ("balance.memory-fraction", "half", r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 'half'"),
     ("balance.memory-fraction", 2, r"octopus.balance.memory-fraction must be a number in \(0, 1\], got 2"),
-    ("refine.alpha", 0, "octopus.refine.alpha must be a number in"),
+    ("map.item-cost-alpha", 0, "octopus.map.item-cost-alpha must be a number in"),
     ("calibration.wait", "soon", "octopus.calibration.wait must be a duration such as 30s"),
     ("refine.confidence-samples", 1.5, "octopus.refine.confidence-samples must be an integer >= 1"),
     ("refine.min-duration", "soon", "octopus.refine.min-duration must be a duration"),
@@ -786,5 +786,5 @@ def test_bad_settings_raise_a_value_error_naming_the_key(key, value, message):
 
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
         config.get(key)
-    with pytest.raises(ValueError, match=r"octopus\.refine\.alpha must be"):
-        OctopusSchedulerPlugin(alpha=1.5)  # arguments are checked like the configuration
+    with pytest.raises(ValueError, match=r"octopus\.map\.item-cost-alpha must be"):
+        OctopusSchedulerPlugin(item_cost_alpha=1.5)  # arguments are checked like the configuration

@@ -303,9 +303,8 @@ def test_removing_a_worker_the_model_does_not_know_is_harmless():
 
 
 def test_one_fluke_timing_does_not_move_the_rate_and_steady_ones_change_it():
-    """One task 100x faster, or 10,000x slower, than its prefix's others leaves the rate (a moving average
-    of weight 0.5 gave the fluke's worker 0.98 of the weight for a task); a steady change shows once it
-    is rare enough against the earlier timings' share past the midpoint: with a fluke among 19 of them
+    """One task 100x faster, or 10,000x slower, than its prefix's others leaves the rate; a steady change
+    shows once it is rare enough against the earlier timings' share past the midpoint: with a fluke among 19 of them
     (a share of 1.5 in 20), the last three timings all (0.0004), not two of them (0.016)."""
     m = SpeedModel()
     for _ in range(10):
@@ -414,6 +413,31 @@ def test_the_midpoint_between_the_two_medians_splits_the_levels(way, changes):
     assert len(m.rates["p"]["a"].recent) == (3 if changes else 23)
 
 
+def test_a_change_shows_over_the_last_eight_timings_where_the_last_three_are_too_noisy():
+    """A 1.25x slowdown in timings 0.1 apart (log rates): the last three's median never departs by 4
+    standard errors; the last eight's does once five of them are slower (the earlier timings dropped)."""
+    m = SpeedModel()
+    for i in range(32):
+        m.observe("a", "p", 1, math.exp(-0.1 if i % 2 == 0 else 0.0))  # log rates 0.1 and 0
+    slower = [math.exp(0.223 if i % 2 == 0 else 0.123) for i in range(5)]  # log rates -0.223 and -0.123
+    for i, seconds in enumerate(slower):
+        assert len(m.rates["p"]["a"].recent) == 32 + i
+        m.observe("a", "p", 1, seconds)
+    r = m.rates["p"]["a"]
+    assert list(r.times) == pytest.approx(slower)
+
+
+def test_the_standard_error_counts_the_timings_since_the_rate_last_changed():
+    m = SpeedModel()
+    for _ in range(30):
+        m.observe("a", "p", 1, 1.0)
+    for seconds in (3.0, 3.3, 2.9, 3.1):
+        m.observe("a", "p", 1, seconds)
+    r = m.rates["p"]["a"]
+    assert len(r.recent) == 4 and r.count == 34
+    assert r.estimate() == (pytest.approx(math.log(r.value)), pytest.approx(math.sqrt(math.pi / 2) * r.noise / 2))
+
+
 def test_after_a_change_the_noise_is_that_of_the_timings_kept():
     m = SpeedModel()
     for _ in range(10):
@@ -430,8 +454,8 @@ def test_after_a_change_the_noise_is_that_of_the_timings_kept():
 
 def test_a_mix_of_fast_and_slow_tasks_weighs_a_worker_by_its_mean_time():
     """b's tasks take three times longer at random 35% of the time (5% noise otherwise): balanced by the
-    time it needs for its work, it is 1.7x slower than a. A median weighed b as fast as a, and every two
-    slow tasks in the last three made it look 3x slower."""
+    time it needs for its work, it is 1.7x slower than a, not as fast (the median of its timings), nor 3x
+    slower whenever two of its last three tasks were slow."""
     rng = random.Random(1)
     m = SpeedModel()
     ratios = []
@@ -445,7 +469,7 @@ def test_a_mix_of_fast_and_slow_tasks_weighs_a_worker_by_its_mean_time():
 
 def test_a_worker_alternating_fast_and_slow_keeps_its_weight_from_one_timing_to_the_next():
     """b takes 1x and 4x by turns (a time-sliced co-tenant): its weight must not depend on whether it ran
-    an odd or an even number of tasks (a median jumped between the geometric mean, 2x, and 1x)."""
+    an odd or an even number of tasks (as the median of its timings would: 2x, then 1x)."""
     m = SpeedModel()
     ratios = []
     for i in range(60):
@@ -473,11 +497,11 @@ def test_identical_workers_timed_by_a_coarse_clock_keep_about_equal_weights():
 
 
 def test_the_first_confidence_samples_timings_show_no_change():
-    m = SpeedModel(confidence_samples=6)  # they start the rate together, however they differ
-    for seconds in (1.0, 1.0, 1.0, 1.0, 5.0, 5.0):
+    m = SpeedModel(confidence_samples=10)  # they start the rate together, however they differ
+    for seconds in [1.0] * 7 + [5.0] * 3:  # (three at a new level after seven: a change, later)
         m.observe("a", "p", 100, seconds)
-    assert m.table()["p"]["a"][0] == pytest.approx(100 / (14 / 6))  # (1, 1, 1, 1, 5, 5 s: mean 14 / 6 s)
-    m.observe("a", "p", 100, 5.0)  # then the last three against the four before them: a change
+    assert m.table()["p"]["a"][0] == pytest.approx(100 / 2.2)  # (seven of 1 s, three of 5 s: mean 2.2 s)
+    m.observe("a", "p", 100, 5.0)  # then the last three against the eight before them: a change
     assert m.table()["p"]["a"][0] == pytest.approx(20)
 
 
@@ -507,7 +531,8 @@ def test_the_estimate_gets_more_precise_the_longer_a_worker_runs_at_one_speed():
     """b is 1.5x slower than a, with 25% noise on every timing, and calibrated as equal: the weights
     leave the calibration once the timings since the rates last changed are evidence enough (here after
     ten timings each), and from the 50th timing on err by 3.4% on average, at most 10% from the 100th
-    (a moving average of weight 0.5 over the last timings erred by 26% on average, up to 74%)."""
+    (a moving average of weight 0.5 over the last timings, never more precise than they are: 26% on
+    average, up to 74%)."""
     rng = random.Random(2)
     m = SpeedModel()
     m.set_prior("a", {"compute": 1.0, "memory": 1.0})
@@ -614,7 +639,7 @@ def test_timings_too_noisy_to_show_a_difference_leave_the_calibrated_one_in_plac
     m = SpeedModel(confidence_samples=3)
     m.set_prior("a", {"compute": 2.0, "memory": 2.0})  # calibration: b half as fast (a co-tenant on it)
     m.set_prior("b", {"compute": 1.0, "memory": 1.0})
-    for i in range(8):  # b takes 10 or 40 ms by turns (time-sliced): twice a's 10 ms on (geometric) average
+    for i in range(8):  # b takes 10 or 40 ms by turns (time-sliced): 2.5 times a's 10 ms on average
         m.observe("a", "mul", 100, 0.01)
         m.observe("b", "mul", 100, 0.04 if i % 2 else 0.01)
     # the gap is within the noise of b's timings: no evidence against equal weights, nor against the

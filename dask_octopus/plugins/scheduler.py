@@ -119,9 +119,11 @@ class _Sampler(PeriodicCallback):
 class OctopusSchedulerPlugin(SchedulerPlugin):
     """Profiles workers, refines their speeds from task timings and pins planned blocks.
 
-    Configuration (``octopus.refine.*``, ``octopus.max-plans``, ``octopus.calibration.wait``) is read
-    once, here, on the process that makes the plugin, unless given as arguments; the worker plugin it sends reads
-    ``octopus.calibration.*`` likewise.
+    Configuration (``octopus.refine.*``, ``octopus.map.item-cost-alpha``, ``octopus.max-plans``,
+    ``octopus.calibration.wait``) is read once, here, on the process that makes the plugin, unless given
+    as arguments (``item_cost_alpha``, ``confidence_samples``, ``min_duration``, ``max_plans``, checked as
+    the settings are); the worker plugin it sends reads ``octopus.calibration.*`` likewise
+    (``calibration_seconds``, ``device``).
     """
 
     name = "octopus"
@@ -163,11 +165,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     scheduler: Scheduler | None
 
     def __init__(self, calibrate: bool = True, calibration_seconds: float | None = None,
-                 device: str | None = None, *, alpha: float | None = None, confidence_samples: int | None = None,
+                 device: str | None = None, *, item_cost_alpha: float | None = None,
+                 confidence_samples: int | None = None,
                  min_duration: str | float | None = None, max_plans: int | None = None):
         config.check_all()  # (the settings read later too: a bad one fails here, naming its key)
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
-        item_cost_alpha = config.get("refine.alpha", alpha)
+        item_cost_alpha = config.get("map.item-cost-alpha", item_cost_alpha)
         self.model = SpeedModel(confidence_samples=config.get("refine.confidence-samples", confidence_samples),
                                 significance=config.get("refine.significance"),
                                 max_prefixes=config.get("refine.max-prefixes"))

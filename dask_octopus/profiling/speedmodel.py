@@ -24,7 +24,7 @@ data moves) say little about the steady work. The model keeps the timings of the
 prefixes that ran last (tasks submitted under keys of their own, ``job_17``, make a prefix each): a
 prefix dropped for a newer one had been unseen for that many timings at least, so its weight had halved
 ``max_prefixes / HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows
-down mid-run loses weight within a few tasks of each prefix (two, when its timings are steady). Asked
+down mid-run loses weight within a few tasks of each prefix (two, after a long steady run). Asked
 for one prefix, the model answers with that prefix's speeds alone once every worker has them (``map``
 plans a function by its own speeds).
 """
