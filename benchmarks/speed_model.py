@@ -136,7 +136,7 @@ def _mix_ends(at: int) -> Timings:
 STEPS: dict[str, tuple[Timings, int, float, float]] = {
     "b slows down 2x, 5% noise": (_step(0.05, 50), 50, 1.0, 2.0),
     "b slows down 2x, 25% noise": (_step(0.25, 50), 50, 1.0, 2.0),
-    "b's first task 5x (a warm-up), then 2x slower from its 8th": (_step(0.05, 8, warm_up=5.0), 8, 1.0, 2.0),
+    "b's first task 5x (a warm-up), then 2x slower from its 9th": (_step(0.05, 8, warm_up=5.0), 8, 1.0, 2.0),
     "b 3x slower on 30% of tasks, then on none": (_mix_ends(100), 100, 1.6, 1.0),
 }
 
@@ -159,6 +159,8 @@ def lags(name: str, seeds: int, after: int = 60) -> list[int]:
 @click.option("--timings", type=click.IntRange(min=10), default=200, show_default=True, help="per worker and scenario")
 @click.option("--out", default=None, help="folder for the JSON")
 def main(seeds: int, timings: int, out: str | None) -> None:
+    """The speed model's weights against the truth over simulated timings: a table of each scenario's
+    mean error, each step's timings to follow, and with --out a JSON record."""
     console = make_console()
     errors = {name: mean_error(name, seeds, timings) for name in SCENARIOS}
     steps = {name: lags(name, seeds) for name in STEPS}

@@ -785,18 +785,14 @@ def test_a_worker_that_joins_takes_only_moved_blocks_no_task_of_which_started():
     """Of the blocks moved to a survivor, those with a task processing or done (the block's own, or a
     task pinned with it) stay with it; the others are shared with a worker that joins (the scheduler's
     side alone, on a stand-in scheduler)."""
-    from types import SimpleNamespace
-
-    from dask_octopus.placement.pins import Placement
-
     placement = Placement()
     placement.add_plan("y", ["a", "b", "b", "b"])
     tasks = {}
     states = {("y", 0): "memory", ("y", 1): "released", ("s", 1): "memory", ("y", 2): "processing", ("y", 3): "waiting"}
     for key, state in states.items():
         placement.pins[key] = ("y", key[1])  # ("s", 1) reads block 1 only: pinned with it
-        tasks[key] = SimpleNamespace(key=key, state=state, run_spec=None, worker_restrictions=None)
-    scheduler = SimpleNamespace(tasks=tasks, unrunnable=[], transitions=lambda *args: None)
+        tasks[key] = task_state(key, state)
+    scheduler = Stub(tasks=tasks, unrunnable=[], transitions=lambda *args: None)
     placement.rehome(scheduler, {"a": 1.0}, "b-left")
     assert placement.plans["y"].workers == ["a"] * 4
     placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "c-joined")

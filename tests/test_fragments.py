@@ -29,6 +29,7 @@ from dask.utils import key_split
 from distributed import Nanny, futures_of, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
+from stubs import Stub
 from test_balance import run_balance, setup
 from test_documented import FakeStream, fake_gpu  # noqa: F401 (a fixture)
 from test_fragment_semantics import grouped_by  # noqa: F401 (a fixture)
@@ -1454,18 +1455,15 @@ def test_a_cpu_worker_s_budget_leaves_dask_room_to_spill_before_it_pauses_the_wo
 def test_fragments_that_may_run_on_several_workers_are_cut_to_the_smallest_one_s_budget():
     """Fragments of no one place get the budget of the smallest worker that may run them, not the largest
     one's (which the smaller one would run out of memory on); with no worker's memory known, none."""
-    from types import SimpleNamespace
-
     from dask_octopus.groups.scheduler import _budget, thread_budget
 
-    small = SimpleNamespace(memory_limit=1000, nthreads=1, host="h", resources={})
-    large = SimpleNamespace(memory_limit=8000, nthreads=1, host="h", resources={})
-    unknown = SimpleNamespace(memory_limit=None, nthreads=1, host="h", resources={})
+    small = Stub(memory_limit=1000, nthreads=1, host="h", resources={})
+    large = Stub(memory_limit=8000, nthreads=1, host="h", resources={})
+    unknown = Stub(memory_limit=None, nthreads=1, host="h", resources={})
     with dask.config.set({"octopus.fragments.max-bytes": "auto"}):
         assert thread_budget(small, {}) < thread_budget(large, {})
-        assert _budget(SimpleNamespace(workers={"a": large, "b": small, "c": unknown}), {}, None) == \
-            thread_budget(small, {})
-        assert _budget(SimpleNamespace(workers={"c": unknown}), {}, None) is None
+        assert _budget(Stub(workers={"a": large, "b": small, "c": unknown}), {}, None) == thread_budget(small, {})
+        assert _budget(Stub(workers={"c": unknown}), {}, None) is None
 
 
 def test_a_fragment_alternates_compute_and_memory_bound_steps_where_both_are_ready():
