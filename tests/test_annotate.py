@@ -170,6 +170,18 @@ def test_auto_class_is_measured_once_and_remembered():
     assert rt.resolve_class("compute", "probe-fn", [block]) == "compute"  # declared wins
 
 
+def test_marked_outputs_not_grouped_yet_keep_their_marks():
+    """Marked tasks that the optimizer does not group now (the outputs asked for) keep their marks on the
+    optimized graph: Dask optimizes a collection again where it becomes an input of another one (delayed
+    arguments), and the scheduler plugin groups by them."""
+    with dask_octopus.annotate():
+        x = da.ones(8, chunks=2) + 1
+        y = x * 2
+    optimized = y.__dask_optimize__(y.__dask_graph__(), y.__dask_keys__())
+    (layer,) = optimized.layers.values()
+    assert set(layer.annotations["octopus"]) == set(flatten(y.__dask_keys__()))
+
+
 def test_the_member_classes_kept_are_those_used_last():
     block = np.ones(16)
     rt = streams.StreamRuntime(max_classes=2, bandwidth=1e10)

@@ -1607,3 +1607,43 @@ async def test_the_readers_of_a_fragment_s_results_run_where_it_ran(c, s, a, b):
     assert await c.gather(sums) == [20_000.0 * i for i in range(16)]
     assert {rec.worker[f.key] for f in sums} == {a.address}
     assert received(b) == ([], 0)
+
+
+# -- from a mutation run of groups/scheduler.py (the labels of shared annotations) -----------------------------------
+
+
+def test_mapping_annotations_label_tasks_by_their_content():
+    """Tasks join a fragment only with tasks of equal shared annotations: two equal dicts (two
+    ``dask.annotate(resources={...})`` blocks, or one per key after the graph's trip to the scheduler)
+    are one label, not two objects that each group only with themselves; unequal dicts are two labels
+    (a task that needs two GPUs joins no fragment that runs under the first member's one)."""
+    def label(gpus):
+        return scheduler_groups.shared_annotations({"resources": {"GPU": gpus}, "mine": {"tags": ["a", "b"]},
+                                                    "retries": 2})
+
+    assert label(1) == label(1)
+    assert hash(label(1)) == hash(label(1))
+    assert label(1) != label(2)
+    labels = scheduler_groups.annotation_labels({"x": {"resources": {"GPU": 1}}, "y": {"resources": {"GPU": 1}}})
+    assert labels["x"] == labels["y"]
+
+
+def test_tasks_of_other_scalar_annotations_get_other_labels():
+    """Plain values (a priority, a user's own annotation, the workers of a list) label tasks by their
+    value: tasks of other priorities or other workers never join one fragment, which would run all of
+    them with its first member's annotations."""
+    def label(**annotations):
+        return scheduler_groups.shared_annotations(annotations)
+
+    assert label(priority=1) == label(priority=1) != label(priority=2)
+    assert label(workers=["tcp://a"]) != label(workers=["tcp://b"])
+    assert label(mine="x") != label(mine="y")
+    assert label(retries=3) is None  # (each step keeps its own)
+
+
+def test_equal_set_annotations_label_alike():
+    """A set-valued annotation (one's own, say) labels tasks by its members, whatever set object holds
+    them, as a list or a dict does."""
+    assert scheduler_groups.shared_annotations({"mine": {"a", "b"}}) \
+        == scheduler_groups.shared_annotations({"mine": {"b", "a"}}) \
+        != scheduler_groups.shared_annotations({"mine": {"a"}})

@@ -788,3 +788,14 @@ def test_bad_settings_raise_a_value_error_naming_the_key(key, value, message):
         config.get(key)
     with pytest.raises(ValueError, match=r"octopus\.map\.item-cost-alpha must be"):
         OctopusSchedulerPlugin(item_cost_alpha=1.5)  # arguments are checked like the configuration
+
+
+def test_register_reads_no_options_where_the_plugin_was_unregistered_meanwhile():
+    """register() reads back the options of the plugin that stands; where another client unregistered it
+    between the registration and that read, there is none (``None``: no warning), not an AttributeError
+    raised out of register() from the scheduler."""
+    from stubs import Stub
+
+    from dask_octopus.plugins.client import _registered_options
+
+    assert asyncio.run(_registered_options(Stub(plugins={}, worker_plugins={}))) is None

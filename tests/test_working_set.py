@@ -1,6 +1,7 @@
 """Working sets of balanced blocks: measured per task on the workers, learned per input on the scheduler,
 and used by the next ``balance`` of that input to size its blocks."""
 
+import os
 import sys
 import time
 import types
@@ -394,3 +395,93 @@ def test_the_working_set_warning_names_the_first_worker_over_even_when_it_is_the
         _warn_over_working_set(["a", "b"], [[10, 9], [2]], [5, 100], 8.0, "x")
     with pytest.warns(WorkingSetWarning, match="on a are larger"):
         _warn_over_working_set(["a", "b"], [[10], [20]], [5, 5], 8.0, "x")
+
+
+# -- from a mutation run of profiling/working_set.py -----------------------------------------------------------------
+
+
+def test_cupy_peak_counts_only_what_a_task_allocates_above_what_was_held_when_it_started(monkeypatch):
+    """A task measured while arrays allocated under an earlier measurement are still alive (results the
+    worker holds): its working set is its own peak above those bytes, not that peak plus them."""
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
+    peak = CupyPeak.shared()
+    try:
+        peak.start()
+        held = peak.malloc(200)  # an earlier task's result, still held
+        assert peak.extra() == 200
+        peak.start()
+        assert peak.baseline == 200
+        temporary = peak.malloc(100)
+        del temporary
+        assert peak.extra() == 100
+        del held
+    finally:
+        peak.close()
+
+
+def _recording_pool(cp):
+    """Make ``cp``'s allocator one that keeps what it hands out; returns that list."""
+    made = []
+
+    def pool(size):
+        made.append(FakeCupy.pool_malloc(size))
+        return made[-1]
+
+    cp.cuda.set_allocator(pool)
+    return made
+
+
+def test_cupy_peak_hands_back_the_inner_allocation_s_own_address_while_measuring(monkeypatch):
+    """While measuring, the wrapper returns the inner allocation wrapped (to count it down when freed),
+    at the same address and size: CuPy's arrays then live in the memory that the pool gave."""
+    cp = FakeCupy()
+    made = _recording_pool(cp)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    peak = CupyPeak.shared()
+    try:
+        peak.start()
+        a = peak.malloc(100)
+        assert a.ptr == made[-1].ptr and a.mem.ptr == made[-1].ptr and a.mem.size == 100
+        del a
+        peak.extra()
+    finally:
+        peak.close()
+
+
+def test_cupy_peak_hands_the_inner_allocation_back_unchanged_outside_a_measurement(monkeypatch):
+    """Outside a measurement (and for 0 bytes within one) the wrapper returns what the inner allocator
+    made, itself: CuPy allocates through the wrapper between measurements too."""
+    cp = FakeCupy()
+    made = _recording_pool(cp)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    peak = CupyPeak.shared()
+    try:
+        peak.start()
+        assert peak.malloc(0) is made[-1]
+        peak.extra()  # measuring stops
+        assert peak.malloc(1000) is made[-1]
+    finally:
+        peak.close()
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_rss_peak_is_available_where_clear_refs_is_writable():
+    """The other RssPeak tests skip where it is not available: this one does not ask it."""
+    assert RssPeak.available() is True
+
+
+def test_working_sets_measure_sixteen_tasks_then_one_in_sixteen_as_documented():
+    """docs/placement.md: 16 tasks (of an input and prefix) are measured while fewer than 16 peaks are
+    in, then one task in 16."""
+    sets = WorkingSets()
+    assert [sets.wants("x", "f", MIN_BASIS) for _ in range(32)] == [True] * 16 + [False] * 15 + [True]
+
+
+def test_working_sets_count_each_input_and_prefix_apart_while_many_interleave():
+    """The counts of up to ``max_sources * max_prefixes`` inputs and prefixes are kept: tasks of several
+    interleaved inputs are each measured one in a window once their first window is asked, not all of
+    them because the counts were dropped."""
+    sets = WorkingSets(window=2, max_sources=4, max_prefixes=4)
+    pairs = [(f"in{i}", "f") for i in range(6)]
+    rounds = [[sets.wants(s, p, MIN_BASIS) for s, p in pairs] for _ in range(4)]
+    assert rounds == [[True] * 6, [True] * 6, [False] * 6, [True] * 6]
