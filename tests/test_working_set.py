@@ -264,8 +264,9 @@ def test_cupy_peak_counts_the_bytes_held_while_measuring_and_gives_the_allocator
     peak.close()  # one of its two users
     assert cp.cuda.get_allocator() == peak.malloc
     peak.close()
-    assert cp.cuda.get_allocator() is pool and CupyPeak.shared() is not peak
-    CupyPeak.shared().close()
+    fresh = CupyPeak.shared()
+    assert cp.cuda.get_allocator() is pool and fresh is not peak
+    fresh.close()
     del before, d, e
 
 
@@ -419,8 +420,12 @@ def test_cupy_peak_counts_only_what_a_task_allocates_above_what_was_held_when_it
         peak.close()
 
 
-def _recording_pool(cp):
-    """Make ``cp``'s allocator one that keeps what it hands out; returns that list."""
+def test_cupy_peak_hands_back_the_pool_s_own_allocations(monkeypatch):
+    """While measuring, the wrapper returns the pool's allocation wrapped (to count it down when freed) at
+    the same address and size: CuPy's arrays then live in the memory the pool gave; outside a
+    measurement (and for 0 bytes within one) it returns the pool's allocation itself: CuPy allocates
+    through the wrapper between measurements too."""
+    cp = FakeCupy()
     made = []
 
     def pool(size):
@@ -428,14 +433,6 @@ def _recording_pool(cp):
         return made[-1]
 
     cp.cuda.set_allocator(pool)
-    return made
-
-
-def test_cupy_peak_hands_back_the_inner_allocation_s_own_address_while_measuring(monkeypatch):
-    """While measuring, the wrapper returns the inner allocation wrapped (to count it down when freed),
-    at the same address and size: CuPy's arrays then live in the memory that the pool gave."""
-    cp = FakeCupy()
-    made = _recording_pool(cp)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     peak = CupyPeak.shared()
     try:
@@ -443,20 +440,6 @@ def test_cupy_peak_hands_back_the_inner_allocation_s_own_address_while_measuring
         a = peak.malloc(100)
         assert a.ptr == made[-1].ptr and a.mem.ptr == made[-1].ptr and a.mem.size == 100
         del a
-        peak.extra()
-    finally:
-        peak.close()
-
-
-def test_cupy_peak_hands_the_inner_allocation_back_unchanged_outside_a_measurement(monkeypatch):
-    """Outside a measurement (and for 0 bytes within one) the wrapper returns what the inner allocator
-    made, itself: CuPy allocates through the wrapper between measurements too."""
-    cp = FakeCupy()
-    made = _recording_pool(cp)
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    peak = CupyPeak.shared()
-    try:
-        peak.start()
         assert peak.malloc(0) is made[-1]
         peak.extra()  # measuring stops
         assert peak.malloc(1000) is made[-1]
