@@ -45,7 +45,11 @@ def test_online_refinement_after_a_real_slowdown(pinned_client):
     assert before == pytest.approx(0.5)
     data = {w: c.scatter(np.ones((512, 512), dtype=np.float64), workers=[w]) for w in plan}
     with CoTenant(cores=[plan[slow]], procs=2):
-        futs = [c.submit(gemm_repeat, data[w], 20, workers=[w], pure=False) for _ in range(6) for w in plan]
+        # the other worker runs three times as many tasks, busy until the slowed one is done: idle, it
+        # would hand its share of their process group's CPU time (Linux's autogroups) to the slowed one,
+        # whose last tasks then ran as fast as the other's
+        futs = [c.submit(gemm_repeat, data[w], 20, workers=[w], pure=False)
+                for w in plan for _ in range(6 if w == slow else 18)]
         wait(futs)
         w = dask_octopus.speeds(c)
     assert w[slow] < 0.4, w  # the slowed worker lost weight (it runs at about a third of the other's speed)

@@ -376,11 +376,16 @@ def test_a_second_map_is_better_planned_after_a_slowdown():
         dask_octopus.register(c, calibrate=False)  # equal weights until task timings say otherwise
         slow = min(plan)
         block = np.ones((384, 384))
+        fast = max(plan)
         with CoTenant(cores=[plan[slow]], procs=2):
             counts = []
             for _ in range(2):
+                # the other worker kept busy after its items: idle, it would hand its share of their
+                # process group's CPU time (Linux's autogroups) to the slowed one, whose last items then
+                # ran as fast as its own
+                busy = [c.submit(gemm_repeat, block, 15, workers=[fast], pure=False, priority=-1) for _ in range(12)]
                 futs = dask_octopus.map(gemm_repeat, [block] * 12, cost=[1] * 12, reps=15)
-                wait(futs)
+                wait(futs + busy)
                 who = c.who_has(futs)
                 counts.append(sum(who[f.key][0] == slow for f in futs))
         assert counts[0] == 6  # equal weights: 6 items each
