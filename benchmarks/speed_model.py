@@ -34,15 +34,20 @@ def _noisy(rng: random.Random, sigma: float) -> float:
     return math.exp(rng.gauss(0, sigma))
 
 
-def _steady(factor: float, sigma: float) -> Timings:
-    """``b`` ``factor`` times slower than ``a``, lognormal noise of ``sigma`` on every timing."""
-    return lambda rng, n: ([_noisy(rng, sigma) for _ in range(n)], [factor * _noisy(rng, sigma) for _ in range(n)])
+def _step(sigma: float, at: int, before: float = 1.0, after: float = 2.0, warm_up: float = 1.0) -> Timings:
+    """``b`` ``before`` times slower than ``a`` until timing ``at``, then ``after`` times (its first timing
+    ``warm_up`` times longer); lognormal noise of ``sigma`` (``at=0``: ``after`` times slower throughout)."""
+    return lambda rng, n: ([_noisy(rng, sigma) for _ in range(n)],
+                           [(warm_up if i == 0 else 1.0) * (after if i >= at else before) * _noisy(rng, sigma)
+                            for i in range(n)])
 
 
-def _mixed(p: float) -> Timings:
-    """``b``'s tasks take three times longer at random with probability ``p`` (a co-tenant's slices)."""
+def _mixed(p: float, until: int | None = None) -> Timings:
+    """``b``'s tasks take three times longer at random with probability ``p`` (a co-tenant's slices), until
+    timing ``until`` (then none) or throughout."""
     return lambda rng, n: ([_noisy(rng, 0.05) for _ in range(n)],
-                           [(3.0 if rng.random() < p else 1.0) * _noisy(rng, 0.05) for _ in range(n)])
+                           [(3.0 if (until is None or i < until) and rng.random() < p else 1.0) * _noisy(rng, 0.05)
+                            for i in range(n)])
 
 
 def _t2(rng: random.Random) -> float:
@@ -69,12 +74,12 @@ def _flukes(rng: random.Random, n: int) -> tuple[list[float], list[float]]:
 # name: (timings, true ratio of b's mean time to a's (of the timing's index and their number), a's and b's
 # calibrated speeds)
 SCENARIOS: dict[str, tuple[Timings, Callable[[int, int], float], tuple[float, float]]] = {
-    "identical, 25% noise": (_steady(1.0, 0.25), lambda i, n: 1.0, (1.0, 1.0)),
-    "b 1.2x slower, 25% noise": (_steady(1.2, 0.25), lambda i, n: 1.2, (1.0, 1.0)),
-    "b 1.5x slower, 25% noise": (_steady(1.5, 0.25), lambda i, n: 1.5, (1.0, 1.0)),
-    "b 1.4x slower, calibrated 2x, 25% noise": (_steady(1.4, 0.25), lambda i, n: 1.4, (2.0, 1.0)),
-    "b 2x slower, 10% noise": (_steady(2.0, 0.10), lambda i, n: 2.0, (1.0, 1.0)),
-    "equal, calibrated 2x, 25% noise": (_steady(1.0, 0.25), lambda i, n: 1.0, (2.0, 1.0)),
+    "identical, 25% noise": (_step(0.25, 0, after=1.0), lambda i, n: 1.0, (1.0, 1.0)),
+    "b 1.2x slower, 25% noise": (_step(0.25, 0, after=1.2), lambda i, n: 1.2, (1.0, 1.0)),
+    "b 1.5x slower, 25% noise": (_step(0.25, 0, after=1.5), lambda i, n: 1.5, (1.0, 1.0)),
+    "b 1.4x slower, calibrated 2x, 25% noise": (_step(0.25, 0, after=1.4), lambda i, n: 1.4, (2.0, 1.0)),
+    "b 2x slower, 10% noise": (_step(0.10, 0, after=2.0), lambda i, n: 2.0, (1.0, 1.0)),
+    "equal, calibrated 2x, 25% noise": (_step(0.25, 0, after=1.0), lambda i, n: 1.0, (2.0, 1.0)),
     **{f"b 3x slower on {p:.0%} of tasks": (_mixed(p), lambda i, n, p=p: 1 + 2 * p, (1.0, 1.0))
        for p in (0.05, 0.1, 0.2, 0.35)},
     "b 1x and 4x by turns": (lambda rng, n: ([_noisy(rng, 0.05) for _ in range(n)],
@@ -118,26 +123,12 @@ def mean_error(name: str, seeds: int, n: int) -> float:
     return statistics.fmean(errors)
 
 
-def _step(sigma: float, at: int, before: float = 1.0, after: float = 2.0, warm_up: float = 1.0) -> Timings:
-    """``b`` ``before`` times slower than ``a`` until timing ``at``, then ``after`` times (its first timing
-    ``warm_up`` times longer); lognormal noise of ``sigma``."""
-    return lambda rng, n: ([_noisy(rng, sigma) for _ in range(n)],
-                           [(warm_up if i == 0 else 1.0) * (after if i >= at else before) * _noisy(rng, sigma)
-                            for i in range(n)])
-
-
-def _mix_ends(at: int) -> Timings:
-    """``b``'s tasks three times slower at random 30% of the time until timing ``at``, then none."""
-    return lambda rng, n: ([_noisy(rng, 0.05) for _ in range(n)],
-                           [(3.0 if i < at and rng.random() < 0.3 else 1.0) * _noisy(rng, 0.05) for i in range(n)])
-
-
 # name: (timings, the timing at which b changes, b's true ratio before and after it)
 STEPS: dict[str, tuple[Timings, int, float, float]] = {
     "b slows down 2x, 5% noise": (_step(0.05, 50), 50, 1.0, 2.0),
     "b slows down 2x, 25% noise": (_step(0.25, 50), 50, 1.0, 2.0),
     "b's first task 5x (a warm-up), then 2x slower from its 9th": (_step(0.05, 8, warm_up=5.0), 8, 1.0, 2.0),
-    "b 3x slower on 30% of tasks, then on none": (_mix_ends(100), 100, 1.6, 1.0),
+    "b 3x slower on 30% of tasks, then on none": (_mixed(0.3, until=100), 100, 1.6, 1.0),
 }
 
 
