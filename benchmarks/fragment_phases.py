@@ -22,11 +22,16 @@ this process (the scheduler runs here) and the fragment task's start and stop on
 - ``fragment``: the fragment task itself (eager on streams, or the graph's replay);
 - ``finish``: until the client has the result (the top of the tree, the result's way back).
 
+Each run's chain-sum has new keys (as a loop over new data would); ``--same-keys`` computes the same
+collection each time instead (as a user computing it again would), whose plan the scheduler then
+remembers (``octopus.fragments.plan-memo``): ``octopus plan`` is then what finding it costs.
+
 The phases outside ``octopus plan`` and ``fragment`` are Dask's own per-compute cost for this graph,
 paid with or without dask-octopus: the floor a compute of this shape cannot go under. Asserts nothing.
 
     python benchmarks/fragment_phases.py --type cpu --out benchmarks/results/cpu
     python benchmarks/fragment_phases.py --type gpu --devs 0 --out benchmarks/results/gpu
+    python benchmarks/fragment_phases.py --type cpu --workloads chain-sum --same-keys --out benchmarks/results/cpu
 """
 
 from __future__ import annotations
@@ -129,9 +134,9 @@ def frames_builder(client: Client, gpu: bool) -> Callable[[str], Any]:
 WORKLOADS = {"chain-sum": chain_sum_builder, "frames": frames_builder}
 
 
-def phases(client: Client, build: Callable[[str], Any], runs: int) -> list[dict[str, float]]:
-    with dask_octopus.annotate():
-        client.compute(build("warm-up")).result()  # kernels compiled, first allocations, captured once
+def phases(client: Client, build: Callable[[str], Any], runs: int, same_keys: bool) -> list[dict[str, float]]:
+    with dask_octopus.annotate():  # kernels compiled, first allocations, captured once
+        client.compute(build("phases" if same_keys else "warm-up")).result()
     events: dict[str, float] = {}
     scheduler = client.cluster.scheduler  # in this process: its handlers and plugins are these objects
     instrument(scheduler, events)
@@ -143,7 +148,7 @@ def phases(client: Client, build: Callable[[str], Any], runs: int) -> list[dict[
         stamps.compute.clear()
         t0 = time.time()
         with dask_octopus.annotate():
-            y = build(f"phases-{run}")
+            y = build("phases" if same_keys else f"phases-{run}")
             built = time.time()
             future = client.compute(y)
         future.result()
@@ -166,8 +171,11 @@ def phases(client: Client, build: Callable[[str], Any], runs: int) -> list[dict[
 @click.option("--runs", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--out", default="benchmark-results", show_default=True)
 @click.option("--tag", default="fragment-phases", show_default=True)
+@click.option("--same-keys/--new-keys", default=False, show_default=True,
+              help="chain-sum: compute the same collection each time (its plan remembered: "
+                   "octopus.fragments.plan-memo), or one of new keys; the frames' calls are impure: new keys")
 @protocol_option
-def main(kind: str, devs: str, workloads: str, runs: int, out: str, tag: str, protocol: str) -> None:
+def main(kind: str, devs: str, workloads: str, runs: int, out: str, tag: str, same_keys: bool, protocol: str) -> None:
     """Time the phases of annotated computes and write one JSON file."""
     console = make_console()
     gpu = kind == "gpu"
@@ -180,8 +188,9 @@ def main(kind: str, devs: str, workloads: str, runs: int, out: str, tag: str, pr
         record = header(gpu, protocol_of(client))
         dask_octopus.register(client, calibrate=False)
         record["workloads"] = {}
+        record["keys"] = "same" if same_keys else "new"
         for name in names:
-            runs_ = phases(client, WORKLOADS[name](client, gpu), runs)
+            runs_ = phases(client, WORKLOADS[name](client, gpu), runs, same_keys)
             medians = {p: statistics.median(r[p] for r in runs_[1:] or runs_) for p in [*PHASES, "total"]}
             record["workloads"][name] = {"runs": runs_, "median_after_first": medians}
             console.print(f"[bold]{name}[/bold]")

@@ -53,6 +53,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "map.learn-result-size": ("true or false", lambda v: isinstance(v, bool)),
     "max-plans": ("an integer >= 1", _integer(1)),
     "fragments.max-bytes": ("auto or a size such as 2GiB", lambda v: v == "auto" or _parses(parse_bytes)(v)),
+    "fragments.plan-memo": ("an integer >= 0", _integer(0)),
     "streams.max-streams": ("an integer >= 1", _integer(1)),
     "streams.large-bytes": ("a size such as 128MiB", _parses(parse_bytes)),
     "streams.capture": ("true or false", lambda v: isinstance(v, bool)),

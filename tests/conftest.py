@@ -4,6 +4,7 @@ from distributed.utils_test import cleanup, loop, loop_in_thread  # noqa: F401  
 
 import dask_octopus  # noqa: F401  (registers its dask.config defaults)
 from dask_octopus import config
+from dask_octopus.groups.memo import plans
 from dask_octopus.profiling.probes import gpu_available
 
 
@@ -19,6 +20,15 @@ def result_sizes_not_learned_first(request, monkeypatch):
     monkeypatch.setitem(config.defaults["octopus"]["map"], "learn-result-size", False)
     with dask.config.set({"octopus.map.learn-result-size": False}):
         yield
+
+
+@pytest.fixture(autouse=True)
+def no_plans_remembered_from_other_tests():
+    """Each test plans its fragments itself: the plans remembered (``octopus.fragments.plan-memo``) are
+    the process's, and another test's graph of the same keys would skip the planning a test looks at."""
+    plans.clear()
+    yield
+    plans.clear()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import product
 from typing import Any
 
@@ -92,6 +92,11 @@ class BlockBytes(Mapping[Key, float]):
                 return default
             nbytes *= dim[i]
         return float(nbytes)
+
+    def layouts(self, names: Iterable[str]) -> tuple[tuple[str, Layout | None], ...]:
+        """The chunks and item size of each layer of ``names`` (``None`` where not remembered), by name:
+        two mappings size the keys of those layers alike where these are equal."""
+        return tuple(sorted((name, self._layers.get(name)) for name in set(names)))
 
     def __iter__(self) -> Iterator[Key]:
         for name, (chunks, _) in self._layers.items():

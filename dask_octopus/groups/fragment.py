@@ -273,6 +273,15 @@ class Fragment:
             parts.append(part)
         return parts
 
+    def copy(self) -> Fragment:
+        """A copy with no scheduler state (:attr:`read_before` empty) holding the same steps: as first
+        made where this one is not pickled yet."""
+        copy = object.__new__(Fragment)
+        copy.__dict__.update(self.__dict__)
+        copy.read_before = {}
+        copy.made = dict(self.made)
+        return copy
+
     def step_retries(self, default: int) -> list[int]:
         """How many times each step may run again after raising: its member's own ``retries``, else
         ``default`` (the task's)."""

@@ -24,6 +24,7 @@ from dask.utils import key_split
 
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
+from dask_octopus.groups.memo import PlanInputs, plans
 from dask_octopus.groups.planning import layer_order, plan_fragments, pull_upstream, topological
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
@@ -255,7 +256,24 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     (:func:`needed_by`): the others stay tasks, which Dask does not run (``da.linalg.qr(x)[1]`` leaves
     each block's Q factor in the graph, read by nothing; a fragment computed it and held it to its end).
     ``None``: all are needed (a graph culled already, as ``annotate``'s optimizer culls it).
+
+    The plan made before from the same arguments (the same keys, functions, places, sizes and budgets:
+    :class:`~dask_octopus.groups.memo.PlanMemo`) is reused, with fresh fragment tasks
+    (``octopus.fragments.plan-memo``).
     """
+    inputs = PlanInputs(dsk, specs, keep, dependents, places, parts, pullable, sizes, budgets, retries, labels,
+                        made_bytes, read_through, None if roots is None else list(roots))
+    return plans.plan(inputs, lambda: _fragment_graph(*inputs))
+
+
+def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
+                    dependents: Mapping[Key, set[Key]], places: Mapping[Key, Any], parts: Mapping[Any, int],
+                    pullable: Collection[Key] | None, sizes: Mapping[Key, float] | None,
+                    budgets: Mapping[Any, float | None] | None, retries: Mapping[Key, int] | None,
+                    labels: Mapping[Key, Any] | None, made_bytes: Mapping[Key, float] | None,
+                    read_through: Collection[Key], roots: list[Key] | None,
+                    ) -> tuple[dict[Key, GraphNode], dict[Key, GraphNode]]:
+    """:func:`fragment_graph`, planned, and the tasks that pick the fragments' results read inline."""
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     wanted = set(keep)
@@ -306,7 +324,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
             break
         parts.update((p, 2 * max(1, parts[p], made[p])) for p in over)
     if not fragments:
-        return dict(dsk)
+        return dict(dsk), {}
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
@@ -356,4 +374,4 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     for fkey, fragment in made.items():
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment),
                          *(TaskRef(given.get(d, d)) for d in fragment.inputs))
-    return out
+    return out, picks
