@@ -77,9 +77,10 @@ class Stamps(SchedulerPlugin):
         self.compute: list[tuple[float, float]] = []
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if FRAGMENT_PREFIX in str(key) and finish == "memory":
+        if FRAGMENT_PREFIX in str(key) and finish == "memory":  # this run (a worker that ran the same key
+            # before, and kept its state, reports the earlier runs too)
             self.compute += [(s["start"], s["stop"]) for s in kwargs.get("startstops", ())
-                             if s["action"] == "compute"]
+                             if s["action"] == "compute"][-1:]
 
 
 def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
