@@ -69,12 +69,15 @@ async def persisted(c, s, blocks):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_the_same_collection_computed_again_reuses_its_plan(c, s, a, blocks, planned, grouped_by):  # noqa: F811
     x, expected = await persisted(c, s, blocks)
-    for _ in range(3):
+    remembered = []
+    for _ in range(4):
         with dask_octopus.annotate():
             got = await c.compute(x.map_blocks(chain).sum(axis=1))  # the same keys but Dask's final task's
         np.testing.assert_array_equal(got, expected)
+        remembered.append(len(plans))
         await async_poll_for(lambda: len(s.tasks) == len(x.dask), 5)  # forgotten: none is reused
-    assert len(planned) == 1 and len(plans) == 1
+    assert len(planned) == 2  # computed once: planned, not remembered; twice: remembered; then reused
+    assert remembered == [0, 1, 1, 1]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
@@ -100,12 +103,12 @@ async def test_plan_memo_zero_plans_every_compute(c, s, a, blocks, planned):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_smaller_memory_budget_plans_anew(c, s, a, blocks, planned):
     x, expected = await persisted(c, s, blocks)
-    with dask_octopus.annotate():
-        np.testing.assert_array_equal(await c.compute(x.map_blocks(chain).sum(axis=1)), expected)
-    with dask.config.set({"octopus.fragments.max-bytes": "2kB"}), dask_octopus.annotate():
-        np.testing.assert_array_equal(await c.compute(x.map_blocks(chain).sum(axis=1)), expected)
+    for budget in [None, None, "2kB"]:  # remembered at the second compute
+        with dask.config.set({"octopus.fragments.max-bytes": budget or "auto"}), dask_octopus.annotate():
+            np.testing.assert_array_equal(await c.compute(x.map_blocks(chain).sum(axis=1)), expected)
+        await async_poll_for(lambda: len(s.tasks) == len(x.dask), 5)
     counts = [len([k for k in out if key_split(k) == FRAGMENT_PREFIX]) for out in planned]
-    assert len(planned) == 2 and counts[0] == 1 and counts[1] > 1
+    assert len(counts) == 3 and counts[:2] == [1, 1] and counts[2] > 1
 
 
 def graph(name, func=chain):
@@ -126,8 +129,8 @@ def fragments(out):
 
 
 def test_a_plan_remembered_comes_with_fresh_fragments_each_time(planned):
-    made = [plan(graph("a")) for _ in range(3)]
-    assert len(planned) == 1
+    made = [plan(graph("a")) for _ in range(4)][1:]  # the second remembered, then reused
+    assert len(planned) == 2
     first, *again = (fragments(out)[0] for out in made)
     first.read_before["x"] = frozenset()  # the scheduler's state of the first compute's fragment
     pickle.dumps(first)  # sent: its steps are bytes from now on
@@ -155,10 +158,10 @@ def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
 
 def test_the_least_recently_used_plans_are_dropped_first(planned):
     with dask.config.set({"octopus.fragments.plan-memo": 2}):
-        for name in ["a", "b", "a", "c", "b", "a"]:
+        for name in ["a", "b", "c", "a", "b", "a", "c", "b", "a"]:  # each planned once first, then remembered
             assert [key_split(k) for k in plan(graph(name))] == ["total", FRAGMENT_PREFIX]
-    # a, b, a remembered (now used last), c (b goes), b (a goes), a (c goes): five plans made
-    assert len(planned) == 5 and len(plans) == 2
+    # a, b, a reused (now used last), c (b goes), b (a goes), a (c goes): five plans more
+    assert len(planned) == 3 + 5 and len(plans) == 2
 
 
 def test_forms_tell_numbers_of_other_types_and_functions_apart_and_refuse_data():
