@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU validation on the GPU machine (2 x H200): GPU tests (UCX ones included), the demo, the
-# FFT filter, stream groups on one GPU, a long run (device memory), dask-cuda's local_cupy.py with and
+# FFT filter, stream groups on one GPU, the phases of a compute (new keys, and the same keys with and
+# without the plan remembered), a long run (device memory), dask-cuda's local_cupy.py with and
 # without the plugin, the benchmark suite with and without a co-tenant and the image mixes alone
 # (co-tenant on GPU 0, with their ideal), all over $PROTOCOL (default ucx: what dask-cuda users run on
 # NVLink), and beside them the operations that move data between GPUs over tcp (suite-tcp). Everything
@@ -43,7 +44,7 @@ if [[ $protocol == ucx ]] && ! python3 -c 'import distributed_ucxx' 2> "$run/ucx
   exit 1
 fi
 
-steps=${STEPS:-gpu-tests demo fft-filter stream-groups fragment-phases long-run local-cupy suite-cotenant suite-even suite-images suite-tcp dashboard}
+steps=${STEPS:-gpu-tests demo fft-filter stream-groups fragment-phases plan-memo long-run local-cupy suite-cotenant suite-even suite-images suite-tcp dashboard}
 step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit code, re-pack
   local limit=$1 name=$2; shift 2
   [[ " $steps " == *" $name "* ]] || return 0
@@ -63,6 +64,10 @@ step 80 fft-filter python3 benchmarks/fft_filter.py --devs "$devs" --cotenant-pr
 step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 \
   --operations "${STREAM_OPS:-chain-sum,tiny,dataframe,frames,large,mixed}" "${p[@]}" --out "$run"
 step 150 fragment-phases python3 benchmarks/fragment_phases.py --type gpu --devs 0 --runs 6 "${p[@]}" --out "$run"
+# the same chain-sum collection computed each run, its plan remembered (plan-memo 8) and not (0)
+step 150 plan-memo bash -c 'for m in 8 0; do DASK_OCTOPUS__FRAGMENTS__PLAN_MEMO=$m python3 benchmarks/fragment_phases.py \
+  --type gpu --devs 0 --workloads chain-sum --runs 6 --same-keys --protocol "$0" --tag "phases-same-keys-memo$m" \
+  --out "$1" || exit; done' "$protocol" "$run"
 step 260 long-run python3 benchmarks/long_run.py --type gpu --devs "$devs" --n 1000 "${p[@]}" --out "$run"
 step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs "$devs" --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
