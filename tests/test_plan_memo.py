@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from dask.utils import key_split
 from distributed import wait
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import setup
 from test_fragment_semantics import grouped_by  # noqa: F401 (a fixture)
 
 import dask_octopus
 from dask_octopus._compat import Task, TaskRef
 from dask_octopus.groups import memo, rewrite
+from dask_octopus.groups.blocksizes import block_bytes
 from dask_octopus.groups.memo import plans
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph
 
@@ -80,6 +81,37 @@ async def test_the_same_collection_computed_again_reuses_its_plan(c, s, a, block
     assert remembered == [0, 1, 1, 1]
 
 
+def plus(b):
+    return b * 2 + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_reused_plan_s_result_held_and_computed_again_logs_no_collision(c, s, a, b, planned):
+    """The fragments of a reused plan keep what their kept members read before the grouping, so that the
+    plugin still drops Dask's warning about the held keys' other run spec when the same work comes again
+    without ``annotate``."""
+    await setup(c, s, [1.0, 1.0])
+    x = await c.persist(da.random.default_rng(0).random((64, 64), chunks=(8, 8)))
+
+    def collection():
+        y = x.map_blocks(plus)
+        return (y + y.T).sum(axis=0)
+
+    for _ in range(2):  # the plans remembered at the second compute
+        with dask_octopus.annotate():
+            await c.compute(collection())
+        await async_poll_for(lambda: len(s.tasks) == len(x.dask), 5)
+    once = len(planned) // 2  # (this graph is planned in parts)
+    with captured_logger("distributed.scheduler") as log:
+        with dask_octopus.annotate():
+            first = c.compute(collection())  # the plan reused, its result held
+        await wait(first)
+        second = c.compute(collection())
+        np.testing.assert_array_equal(await first, await second)
+    assert len(planned) < 3 * once  # reused
+    assert "Detected different `run_spec`" not in log.getvalue()
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_graphs_holding_data_are_not_remembered(c, s, a, planned):
     await setup(c, s, [1.0])
@@ -111,33 +143,67 @@ async def test_a_smaller_memory_budget_plans_anew(c, s, a, blocks, planned):
     assert len(counts) == 3 and counts[:2] == [1, 1] and counts[2] > 1
 
 
-def graph(name, func=chain):
-    """Four tasks of ``func`` and their total, under keys of layer ``name``."""
+REAL = rewrite._fragment_graph  # planning itself, without the memo
+
+
+def graph(name, func=chain, total="total"):
+    """Four tasks of ``func`` under keys of layer ``name``, and their ``total`` (its key given: Dask names
+    a compute's final task anew each time)."""
     dsk = {(name, i): Task((name, i), func, float(i)) for i in range(4)}
-    dsk["total"] = Task("total", add_all, *(TaskRef(k) for k in dsk))
+    dsk[total] = Task(total, add_all, *(TaskRef(k) for k in dsk))
     return dsk
 
 
-def plan(dsk, keep=("total",), places=None, parts=None, pullable=None):
-    return fragment_graph(dsk, {k: {"resource": "memory"} for k in dsk if k != "total"}, list(keep),
-                          {k: {"total"} for k in dsk if k != "total"} | {"total": set()}, places or {},
-                          parts or {None: 1}, pullable)
+def arguments(dsk, keep=None, places=None, parts=None, pullable=None, made_bytes=None, marked=None, roots=None):
+    """The arguments of ``fragment_graph`` for ``dsk`` (its last task reads the others): the others marked
+    (or ``marked``), the last asked for (or ``keep``)."""
+    *others, total = dsk
+    marked = others if marked is None else marked
+    dependents = {k: {d for d in dsk if k in dsk[d].dependencies} for k in dsk}
+    return (dsk, {k: {"resource": "memory"} for k in marked}, [total] if keep is None else list(keep), dependents,
+            places or {}, parts or {None: 1}, pullable, None, None, None, None, made_bytes, (), roots)
+
+
+def plan(dsk, **kwargs):
+    return fragment_graph(*arguments(dsk, **kwargs))
 
 
 def fragments(out):
     return [node.args[0].value for k, node in out.items() if key_split(k) == FRAGMENT_PREFIX]
 
 
-def test_a_plan_remembered_comes_with_fresh_fragments_each_time(planned):
-    made = [plan(graph("a")) for _ in range(4)][1:]  # the second remembered, then reused
-    assert len(planned) == 2
-    first, *again = (fragments(out)[0] for out in made)
-    first.read_before["x"] = frozenset()  # the scheduler's state of the first compute's fragment
-    pickle.dumps(first)  # sent: its steps are bytes from now on
-    for f in again:
-        assert f is not first and f.read_before == {} and f.specs() is f._specs  # steps as first made
-    assert [f.names for f in again] == [first.names] * 2
-    assert all(dask.get(out, "total") == pytest.approx(sum(chain(float(i)) for i in range(4))) for out in made)
+def assert_planned_anew_alike(got, dsk, **kwargs):
+    """``got`` is the plan that planning ``dsk`` anew makes: the same keys in the same order, the graph's
+    own tasks taken from ``dsk`` (rewritten alike where they read fragments), equal fragment tasks."""
+    want, _, _ = REAL(*arguments(dsk, **kwargs))
+    assert list(got) == list(want)
+    for k, node in got.items():
+        if key_split(k) == FRAGMENT_PREFIX:
+            f, g = node.args[0].value, want[k].args[0].value
+            assert vars(f) | {"_specs": f.specs()} == vars(g) | {"_specs": g.specs()}
+            assert node.args[1:] == want[k].args[1:]
+        elif want[k] is dsk.get(k):
+            assert node is dsk[k]
+        else:
+            assert type(node) is type(want[k]) and node.key == want[k].key and node.args == want[k].args
+
+
+def test_a_plan_remembered_is_the_plan_made_anew_with_fresh_fragments(planned):
+    made = []
+    marked = [("a", j) for j in range(4)]
+    for i in range(4):
+        dsk = {("b", 0): Task(("b", 0), chain, 9.0)} | graph("a", total=f"total-{i}")  # named anew each time
+        dsk[f"total-{i}"] = Task(f"total-{i}", add_all, *(TaskRef(k) for k in list(dsk)[:-1]))
+        made.append(plan(dsk, marked=marked))
+        assert_planned_anew_alike(made[-1], dsk, marked=marked)
+        assert ("b", 0) in made[-1]  # (a task of its own: read by the total alone)
+        assert dask.get(made[-1], f"total-{i}") == pytest.approx(sum(chain(float(j)) for j in [*range(4), 9]))
+    assert len(planned) == 2  # the second remembered, then reused
+    f, g = fragments(made[2])[0], fragments(made[3])[0]
+    assert f is not g and f.read_before == g.read_before != {}
+    f.read_before.clear()  # what one compute's fragment holds, and its steps pickled when it is sent ...
+    pickle.dumps(f)
+    assert g.read_before != {} and g.specs() is g._specs  # ... are its own
 
 
 def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
@@ -151,9 +217,35 @@ def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
     # one argument more changed each time: each planned anew
     assert len(fragments(plan(dsk, parts=parts))) == 2
     assert ("a", 3) in plan(dsk, parts=parts, pullable=pullable)  # may not join a fragment: a task
-    assert ("a", 0) in plan(dsk, ["total", ("a", 0)], parts=parts, pullable=pullable)  # asked for: a task
-    assert len(fragments(plan(dsk, ["total", ("a", 0)], {("a", i): "w1" for i in range(4)}, parts, pullable))) == 1
+    assert ("a", 0) in plan(dsk, keep=["total", ("a", 0)], parts=parts, pullable=pullable)  # asked for: a task
+    places = {("a", i): "w1" for i in range(4)}
+    assert len(fragments(plan(dsk, keep=["total", ("a", 0)], places=places, parts=parts, pullable=pullable))) == 1
     assert len(planned) == 8
+
+
+def test_keys_of_mixed_types_with_block_sizes_are_remembered(planned):
+    dsk = {i: Task(i, chain, float(i)) for i in range(4)} | {("s", 0): Task(("s", 0), chain, 1.0)}
+    dsk["total"] = Task("total", add_all, *(TaskRef(k) for k in dsk))
+    for _ in range(3):
+        assert_planned_anew_alike(plan(dsk, made_bytes=block_bytes()), dsk, made_bytes=block_bytes())
+    assert len(planned) == 2
+
+
+def test_outputs_of_one_name_or_inside_a_fragment_are_not_remembered(planned):
+    dsk = graph("a")
+    dsk["also"] = Task("also", add_all, *(TaskRef(("a", i)) for i in range(4)))  # reads what "total" reads
+    total = sum(chain(float(i)) for i in range(4))
+    for _ in range(3):
+        assert dask.get(plan(dsk, keep=["total", "also"]), ["total", "also"]) == (pytest.approx(total),) * 2
+    dsk = graph("a", total="end")
+    for _ in range(3):  # an output nothing reads, marked, that the caller lets join a fragment
+        out = plan(dsk, keep=[], marked=list(dsk), roots=["end"])
+        assert list(out) == fragments_keys(out)  # it joined the fragment
+    assert len(planned) == 6 and len(plans) == 0
+
+
+def fragments_keys(out):
+    return [k for k in out if key_split(k) == FRAGMENT_PREFIX]
 
 
 def test_the_least_recently_used_plans_are_dropped_first(planned):

@@ -93,10 +93,10 @@ class BlockBytes(Mapping[Key, float]):
             nbytes *= dim[i]
         return float(nbytes)
 
-    def layouts(self, names: Iterable[str]) -> tuple[tuple[str, Layout | None], ...]:
+    def layouts(self, names: Iterable[Any]) -> frozenset[tuple[Any, Layout | None]]:
         """The chunks and item size of each layer of ``names`` (``None`` where not remembered), by name:
         two mappings size the keys of those layers alike where these are equal."""
-        return tuple(sorted((name, self._layers.get(name)) for name in set(names)))
+        return frozenset((name, self._layers.get(name)) for name in names)
 
     def __iter__(self) -> Iterator[Key]:
         for name, (chunks, _) in self._layers.items():

@@ -274,11 +274,11 @@ class Fragment:
         return parts
 
     def copy(self) -> Fragment:
-        """A copy with no scheduler state (:attr:`read_before` empty) holding the same steps: as first
-        made where this one is not pickled yet."""
+        """A copy holding the same steps (as first made, where this one is not pickled yet) and copies of
+        the scheduler's records (:attr:`read_before`, :attr:`made`)."""
         copy = object.__new__(Fragment)
         copy.__dict__.update(self.__dict__)
-        copy.read_before = {}
+        copy.read_before = dict(self.read_before)
         copy.made = dict(self.made)
         return copy
 

@@ -7,14 +7,16 @@ made computes of new keys 2-8 ms slower on the 2-core machine, more than the 1 m
 Dask gives the same collection the same keys each time it is computed (but the final task's, which
 :func:`ends_of` names for its kind and the keys it reads), so its fragments come out the same: planning
 them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time.
-Like Dask, which
-reuses a task it holds under the same key, a plan trusts keys to name their work, and checks one task
-of each layer in full (functions by identity, numbers, strings and containers by value): a layer
-named by the user (``map_blocks(name=...)``) that computes something else now is planned anew. Graphs
-that hold data (arrays, objects other than functions) in those tasks are not remembered, so a plan
-never keeps a user's data alive. A plan remembered hands out fresh fragment tasks each time (the
-steps as first made, with the graph's very functions and constants, pickled anew when sent): no
-scheduler state and no pickled bytes of an earlier compute travel with it.
+Like Dask, which reuses a task it holds under the same key, a plan trusts keys to name their work, and
+checks one task of each layer in full (functions by identity, numbers, strings and containers by
+value): a layer named by the user (``map_blocks(name=...)``) that computes something else now is
+planned anew. A graph whose compared tasks hold data (arrays, objects that are not callable) is not
+remembered; a plan remembered holds its fragments' functions and constants (those of the tasks not
+compared too, closures and callable objects with what they hold) until newer plans replace it. A plan
+remembered hands out fresh fragment tasks each time (copies of the fragments as first made, with the
+graph's very functions and constants, pickled anew when sent) and takes the graph's own tasks from the
+compute at hand: no pickled bytes of an earlier compute travel with it. Finding it can never fail a
+compute: a graph whose form has no hash is planned as usual.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def _form(value: Any) -> Hashable:
 
 
 def _node_form(node: GraphNode) -> Hashable:
+    """:func:`_form` of a task of Dask's graph."""
     kind = type(node)
     if kind is Alias:
         return Alias, node.key, node.target
@@ -125,17 +128,16 @@ class _End:
 
 
 def _layer(key: Key) -> Any:
+    """The layer of a key: the name of a block's key ``(name, i, ...)``, else the key itself."""
     return key[0] if type(key) is tuple and key else key
 
 
 @dataclass
 class _Entry:
-    inputs: PlanInputs
-    ends: dict[Key, Hashable]
-    samples: Hashable
-    graph: dict[Hashable, GraphNode | None]  # the plan, its ends by their names (None: the ends' own tasks)
-    picks: dict[Key, GraphNode]  # the picks that its ends' tasks read inline
-    form: Hashable = None  # plan_form(inputs, ends), made when a compute of the same keys comes
+    form: Hashable  # plan_form of the inputs
+    samples: Hashable  # samples of the inputs
+    graph: dict[Hashable, GraphNode | None]  # the plan, its ends by their names (None: the graph's own task)
+    picks: dict[Key, GraphNode]  # the tasks that pick the fragments' results read inline
 
 
 def ends_of(inputs: PlanInputs) -> dict[Key, Hashable] | None:
@@ -160,15 +162,22 @@ def samples(inputs: PlanInputs, ends: Collection[Key]) -> Hashable | None:
                 chosen[layer] = h, k
     try:
         return frozenset((layer, _node_form(inputs.dsk[k])) for layer, (_, k) in chosen.items())
-    except _Data:
+    except (_Data, TypeError):  # (TypeError: a value of no hash, such as a NumPy structured scalar)
         return None
 
 
-def plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
+def plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable | None:
     """What a plan is made from, in a hashable form (``ends`` by their names) but the samples: every key,
-    the kind of its task and the keys it reads, and the other arguments. Only the keys asked for count
-    in their order: Dask lists a graph's tasks, annotations and places in orders that change from one
-    compute to the next, and any order of them makes a valid plan."""
+    the kind of its task and the keys it reads, and the other arguments; ``None`` where one has no hash.
+    Only the keys asked for count in their order: Dask lists a graph's tasks, annotations and places in
+    orders that change from one compute to the next, and any order of them makes a valid plan."""
+    try:
+        return _plan_form(inputs, ends)
+    except TypeError:
+        return None
+
+
+def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
     dsk, dependents = inputs.dsk, inputs.dependents
 
     def name(key: Key) -> Hashable:
@@ -202,42 +211,41 @@ class PlanMemo:
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of the keys of graphs planned once
         self._lock = threading.Lock()
 
-    def plan(self, inputs: PlanInputs,
-             make: Callable[[], tuple[dict[Key, GraphNode], dict[Key, GraphNode]]]) -> dict[Key, GraphNode]:
+    def plan(self, inputs: PlanInputs, make: Callable[[], tuple[dict[Key, GraphNode], dict[Key, GraphNode],
+                                                                 frozenset[Key]]]) -> dict[Key, GraphNode]:
         """The plan remembered for ``inputs`` (:func:`plan_form` and :func:`samples` equal), with fresh
-        fragment tasks and the ends' tasks of ``inputs`` reading its picks, else ``make()``'s (the graph and
-        its picks), remembered where graphs of these keys were planned before (a plan is remembered from
-        the second compute on, and reused from the third: graphs of new keys, computed once, leave only a
-        hash behind). A compute of new keys costs one pass over its keys here."""
+        fragment tasks and the graph's own tasks where the plan kept them (reading its picks as the plan's
+        did), else ``make()``'s (the graph, its picks and the keys whose tasks are the graph's own, those
+        rewritten to read picks included), remembered where graphs of these keys were planned before (a
+        plan is remembered from the second compute on, and reused from the third: graphs of new keys,
+        computed once, leave only a hash behind). A compute of new keys costs one pass over its keys
+        here."""
         size = config.get("fragments.plan-memo")
-        if not size or not (inputs.made_bytes is None or isinstance(inputs.made_bytes, BlockBytes)):
-            return make()[0]
-        ends = ends_of(inputs)
-        if ends is None:
+        ends = ends_of(inputs) if size else None
+        if ends is None or not (inputs.made_bytes is None or isinstance(inputs.made_bytes, BlockBytes)):
             return make()[0]
         outline = frozenset(ends.get(k, k) for k in inputs.dsk)
         with self._lock:
             entry = self._plans.get(outline)
         form = None
         if entry is not None:
-            if entry.form is None:
-                entry.form = plan_form(entry.inputs, entry.ends)
             form = plan_form(inputs, ends)
-            if form == entry.form and samples(inputs, ends) == entry.samples:
+            if form is not None and form == entry.form and samples(inputs, ends) == entry.samples:
                 with self._lock:
                     if outline in self._plans:
                         self._plans.move_to_end(outline)
                 return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()})
-        if entry is None and not self._seen_before(hash(outline), size):  # planned once: maybe never again
+        elif not self._seen_before(hash(outline), size):  # planned once: maybe never again
             return make()[0]
-        out, picks = make()
+        out, picks, own = make()
+        if not ends.keys() <= own:  # an end joined a fragment (under its name of this compute)
+            return out
         found = samples(inputs, ends)
-        if found is not None:  # (copies of the plan and of the mappings: taken before anything changes them)
-            kept = PlanInputs(*map(_copy, inputs))
-            entry = _Entry(kept, ends, found, {ends.get(k, k): None if k in ends else _fresh(v)
-                                               for k, v in out.items()}, dict(picks), form)
+        form = form if form is not None or found is None else plan_form(inputs, ends)
+        if found is not None and form is not None:
+            graph = {ends.get(k, k): None if k in own else _fresh(node) for k, node in out.items()}
             with self._lock:
-                self._plans[outline] = entry
+                self._plans[outline] = _Entry(form, found, graph, dict(picks))
                 self._plans.move_to_end(outline)
                 while len(self._plans) > size:
                     self._plans.popitem(last=False)
@@ -263,21 +271,14 @@ class PlanMemo:
             self._seen.clear()
 
 
-def _copy(value: Any) -> Any:
-    """A copy of one of the inputs, as far as a caller could change it afterwards."""
-    if isinstance(value, Mapping) and not isinstance(value, BlockBytes):  # (a copy of its table already)
-        return dict(value)
-    return frozenset(value) if isinstance(value, (set, frozenset)) else value
-
-
 def _apply(entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Hashable, Key]) -> dict[Key, GraphNode]:
-    """The plan of ``entry`` in its order, with fresh fragment tasks, and the tasks of ``dsk``'s ends (by
-    their names, ``ends``) reading its picks as the plan's ends did."""
+    """The plan of ``entry`` in its order for the graph ``dsk`` (its ends by their names: ``ends``): fresh
+    fragment tasks, and ``dsk``'s own tasks where the plan kept them, reading its picks as the plan's did."""
     out: dict[Key, GraphNode] = {}
     picks = entry.picks
     for k, node in entry.graph.items():
         if node is None:
-            k = ends[k]
+            k = ends.get(k, k)
             node = dsk[k]
             out[k] = node.substitute(picks) if picks.keys() & node.dependencies else node
         else:

@@ -272,8 +272,9 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
                     budgets: Mapping[Any, float | None] | None, retries: Mapping[Key, int] | None,
                     labels: Mapping[Key, Any] | None, made_bytes: Mapping[Key, float] | None,
                     read_through: Collection[Key], roots: list[Key] | None,
-                    ) -> tuple[dict[Key, GraphNode], dict[Key, GraphNode]]:
-    """:func:`fragment_graph`, planned, and the tasks that pick the fragments' results read inline."""
+                    ) -> tuple[dict[Key, GraphNode], dict[Key, GraphNode], frozenset[Key]]:
+    """:func:`fragment_graph`, planned; the tasks that pick the fragments' results read inline; the keys
+    whose tasks are those of ``dsk``, or read those picks in place of what they read."""
     retries = retries or {}
     dependencies = {k: node.dependencies for k, node in dsk.items()}
     wanted = set(keep)
@@ -324,7 +325,7 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
             break
         parts.update((p, 2 * max(1, parts[p], made[p])) for p in over)
     if not fragments:
-        return dict(dsk), {}
+        return dict(dsk), {}, frozenset(dsk)
     inside = {m for fragment in built for m in fragment.members}
     aliases = {k for k in movable if type(dsk[k]) is Alias}
     guards: dict[Key, Key] = {}
@@ -374,4 +375,4 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     for fkey, fragment in made.items():
         out[fkey] = Task(fkey, run_fragment, DataNode(None, fragment),
                          *(TaskRef(given.get(d, d)) for d in fragment.inputs))
-    return out, picks
+    return out, picks, frozenset(k for k in dsk if k not in members_of and k not in kept)
