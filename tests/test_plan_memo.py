@@ -223,6 +223,22 @@ def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
     assert len(planned) == 8
 
 
+def scaled_by(c):
+    return lambda b: b * c
+
+
+def test_lambdas_made_anew_each_compute_are_compared_as_dask_names_them(planned, monkeypatch):
+    forms = []
+    real = memo.plan_form
+    monkeypatch.setattr(memo, "plan_form", lambda *args: forms.append(1) or real(*args))
+    for c in [2.0, 2.0, 2.0, 3.0, 3.0, 3.0]:  # a function object of its own each time
+        out = plan(graph("a", scaled_by(c)))  # the same keys each time
+        assert dask.get(out, "total") == pytest.approx(c * 6.0)
+    # 2.0 planned, remembered, reused; 3.0 (what the lambda closes over differs) planned again, then reused
+    assert len(planned) == 3
+    assert len(forms) == 2 + 2 + 1  # only where the samples matched: the reuses' (and each plan's own, once)
+
+
 def test_keys_of_mixed_types_with_block_sizes_are_remembered(planned):
     dsk = {i: Task(i, chain, float(i)) for i in range(4)} | {("s", 0): Task(("s", 0), chain, 1.0)}
     dsk["total"] = Task("total", add_all, *(TaskRef(k) for k in dsk))

@@ -8,14 +8,16 @@ Dask gives the same collection the same keys each time it is computed (but the f
 :func:`ends_of` names for its kind and the keys it reads), so its fragments come out the same: planning
 them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time.
 Like Dask, which reuses a task it holds under the same key, a plan trusts keys to name their work, and
-checks one task of each layer in full (functions by identity, numbers, strings and containers by
-value): a layer named by the user (``map_blocks(name=...)``) that computes something else now is
-planned anew. A graph whose compared tasks hold data (arrays, objects that are not callable) is not
-remembered; a plan remembered holds its fragments' functions and constants (those of the tasks not
-compared too, closures and callable objects with what they hold) until newer plans replace it. A plan
-remembered hands out fresh fragment tasks each time (copies of the fragments as first made, with the
-graph's very functions and constants, pickled anew when sent) and takes the graph's own tasks from the
-compute at hand: no pickled bytes of an earlier compute travel with it. Finding it can never fail a
+checks one task of each layer in full (functions by identity, but lambdas and local functions, made
+anew each time, by Dask's token of them; numbers, strings and containers by value), before anything
+else (a graph rebuilt with other functions costs no more): a layer named by the user
+(``map_blocks(name=...)``) that computes something else now is planned anew. A graph whose compared
+tasks hold data (arrays, objects that are not callable) is not remembered; a plan remembered holds its
+fragments' functions and constants (those of the tasks not compared too, closures and callable objects
+with what they hold) until newer plans replace it. A plan remembered hands out fresh fragment tasks
+each time (copies of the fragments as first made, with the graph's very functions and constants,
+pickled anew when sent) and takes the graph's own tasks from the compute at hand: no pickled bytes of
+an earlier compute travel with it. Finding it can never fail a
 compute: a graph whose form has no hash is planned as usual.
 """
 
@@ -30,6 +32,7 @@ from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, NamedTuple
 
 import numpy as np
+from dask.base import tokenize
 from dask.typing import Key
 from toolz.functoolz import Compose
 
@@ -85,6 +88,8 @@ def _form(value: Any) -> Hashable:
     """A hashable form of ``value`` that equals another's only where both compute alike; raises
     :class:`_Data` for a value that is neither a plain value, a container of such, nor callable."""
     kind = type(value)
+    if kind is FunctionType and "<" in value.__qualname__:  # a lambda or a local function, made anew each time:
+        return FunctionType, tokenize(value)  # as Dask names its work (its code and what it closes over)
     if kind in _AS_THEY_ARE:
         return value
     if kind in _NUMBERS or isinstance(value, (np.generic, np.dtype)):  # 1, 1.0, True, float32(1) differ
@@ -134,10 +139,18 @@ def _layer(key: Key) -> Any:
 
 @dataclass
 class _Entry:
-    form: Hashable  # plan_form of the inputs
     samples: Hashable  # samples of the inputs
     graph: dict[Hashable, GraphNode | None]  # the plan, its ends by their names (None: the graph's own task)
     picks: dict[Key, GraphNode]  # the tasks that pick the fragments' results read inline
+    inputs: PlanInputs | None  # the plan's inputs, until their form is made (when samples of them come again)
+    ends: dict[Key, Hashable]
+    form: Hashable = None
+
+    def form_of_inputs(self) -> Hashable:
+        """:func:`plan_form` of the plan's inputs (made once; the inputs are dropped then)."""
+        if self.inputs is not None:
+            self.form, self.inputs = plan_form(self.inputs, self.ends), None
+        return self.form
 
 
 def ends_of(inputs: PlanInputs) -> dict[Key, Hashable] | None:
@@ -227,25 +240,26 @@ class PlanMemo:
         outline = frozenset(ends.get(k, k) for k in inputs.dsk)
         with self._lock:
             entry = self._plans.get(outline)
-        form = None
-        if entry is not None:
-            form = plan_form(inputs, ends)
-            if form is not None and form == entry.form and samples(inputs, ends) == entry.samples:
-                with self._lock:
-                    if outline in self._plans:
-                        self._plans.move_to_end(outline)
-                return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()})
+        found = None
+        if entry is not None:  # the samples first: a graph rebuilt with other functions differs there
+            found = samples(inputs, ends)
+            if found is not None and found == entry.samples:
+                form = plan_form(inputs, ends)
+                if form is not None and form == entry.form_of_inputs():
+                    with self._lock:
+                        if outline in self._plans:
+                            self._plans.move_to_end(outline)
+                    return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()})
         elif not self._seen_before(hash(outline), size):  # planned once: maybe never again
             return make()[0]
         out, picks, own = make()
         if not ends.keys() <= own:  # an end joined a fragment (under its name of this compute)
             return out
-        found = samples(inputs, ends)
-        form = form if form is not None or found is None else plan_form(inputs, ends)
-        if found is not None and form is not None:
+        found = found if found is not None else samples(inputs, ends)
+        if found is not None:  # (the callers make the inputs for this call alone: they stay as they are)
             graph = {ends.get(k, k): None if k in own else _fresh(node) for k, node in out.items()}
             with self._lock:
-                self._plans[outline] = _Entry(form, found, graph, dict(picks))
+                self._plans[outline] = _Entry(found, graph, dict(picks), inputs, ends)
                 self._plans.move_to_end(outline)
                 while len(self._plans) > size:
                     self._plans.popitem(last=False)
