@@ -17,8 +17,8 @@ fragments' functions and constants (those of the tasks not compared too, closure
 with what they hold) until newer plans replace it. A plan remembered hands out fresh fragment tasks
 each time (copies of the fragments as first made, with the graph's very functions and constants,
 pickled anew when sent) and takes the graph's own tasks from the compute at hand: no pickled bytes of
-an earlier compute travel with it. Finding it can never fail a
-compute: a graph whose form has no hash is planned as usual.
+an earlier compute travel with it. Finding it can never fail a compute: a graph whose form has no
+hash is planned as usual.
 """
 
 from __future__ import annotations
