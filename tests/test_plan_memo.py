@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import threading
 
 import dask
 import dask.array as da
@@ -227,7 +228,7 @@ def scaled_by(c):
     return lambda b: b * c
 
 
-def test_lambdas_made_anew_each_compute_are_compared_as_dask_names_them(planned, monkeypatch):
+def test_lambdas_made_anew_each_compute_are_compared_by_their_code_and_closure(planned, monkeypatch):
     forms = []
     real = memo.plan_form
     monkeypatch.setattr(memo, "plan_form", lambda *args: forms.append(1) or real(*args))
@@ -237,6 +238,25 @@ def test_lambdas_made_anew_each_compute_are_compared_as_dask_names_them(planned,
     # 2.0 planned, remembered, reused; 3.0 (what the lambda closes over differs) planned again, then reused
     assert len(planned) == 3
     assert len(forms) == 2 + 2 + 1  # only where the samples matched: the reuses' (and each plan's own, once)
+
+
+def scaled_by_setting(setting):
+    return lambda b: b * setting["k"]
+
+
+def test_a_remembered_plan_whose_own_closure_changed_in_place_is_planned_anew(planned):
+    """A reused plan runs the functions of the compute it was made for: where what one of them closes
+    over changed since, it no longer does what the new graph says."""
+    setting = {"k": 2.0}
+    for _ in range(2):  # remembered at the second
+        assert dask.get(plan(graph("a", scaled_by_setting(setting))), "total") == pytest.approx(12.0)
+    setting["k"] = 3.0  # the remembered plan's function now triples
+    out = plan(graph("a", scaled_by_setting({"k": 2.0})))  # equal to the old setting as it was
+    assert dask.get(out, "total") == pytest.approx(12.0) and len(planned) == 3
+    lock = threading.Lock()  # a closure over an object that is neither data nor callable: not remembered
+    for _ in range(3):
+        assert dask.get(plan(graph("b", lambda b: b * 2.0 if lock else 0.0)), "total") == pytest.approx(12.0)
+    assert len(planned) == 6
 
 
 def test_keys_of_mixed_types_with_block_sizes_are_remembered(planned):

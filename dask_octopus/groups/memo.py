@@ -9,16 +9,18 @@ Dask gives the same collection the same keys each time it is computed (but the f
 them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time.
 Like Dask, which reuses a task it holds under the same key, a plan trusts keys to name their work, and
 checks one task of each layer in full (functions by identity, but lambdas and local functions, made
-anew each time, by Dask's token of them; numbers, strings and containers by value), before anything
-else (a graph rebuilt with other functions costs no more): a layer named by the user
-(``map_blocks(name=...)``) that computes something else now is planned anew. A graph whose compared
-tasks hold data (arrays, objects that are not callable) is not remembered; a plan remembered holds its
-fragments' functions and constants (those of the tasks not compared too, closures and callable objects
-with what they hold) until newer plans replace it. A plan remembered hands out fresh fragment tasks
-each time (copies of the fragments as first made, with the graph's very functions and constants,
-pickled anew when sent) and takes the graph's own tasks from the compute at hand: no pickled bytes of
-an earlier compute travel with it. Finding it can never fail a compute: a graph whose form has no
-hash is planned as usual.
+anew each time, by their code, module and what they close over, defaults and attributes; numbers,
+strings and containers by value), before anything else (a graph rebuilt with other functions costs
+no more): a layer named by the user (``map_blocks(name=...)``) that computes something else now is
+planned anew. A reused plan runs the functions and constants of the compute it was made for, so the
+same tasks of that compute are checked again too: one whose closure or constants changed in place
+since no longer matches. A graph whose compared tasks hold data (arrays, objects that are neither
+plain values nor callable) is not remembered; a plan remembered holds its fragments' functions and
+constants (those of the tasks not compared too, closures and callable objects with what they hold),
+and until its form is made its graph, until newer plans replace it. A plan remembered hands out fresh
+fragment tasks each time (copies of the fragments as first made, pickled anew when sent) and takes the
+graph's own tasks from the compute at hand: no pickled bytes of an earlier compute travel with it.
+Finding it can never fail a compute: a graph whose form has no hash is planned as usual.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, NamedTuple
 
 import numpy as np
-from dask.base import tokenize
 from dask.typing import Key
 from toolz.functoolz import Compose
 
@@ -88,8 +89,8 @@ def _form(value: Any) -> Hashable:
     """A hashable form of ``value`` that equals another's only where both compute alike; raises
     :class:`_Data` for a value that is neither a plain value, a container of such, nor callable."""
     kind = type(value)
-    if kind is FunctionType and "<" in value.__qualname__:  # a lambda or a local function, made anew each time:
-        return FunctionType, tokenize(value)  # as Dask names its work (its code and what it closes over)
+    if kind is FunctionType and "<" in value.__qualname__:  # a lambda or a local function, made anew each time
+        return _local_function_form(value)
     if kind in _AS_THEY_ARE:
         return value
     if kind in _NUMBERS or isinstance(value, (np.generic, np.dtype)):  # 1, 1.0, True, float32(1) differ
@@ -113,6 +114,17 @@ def _form(value: Any) -> Hashable:
     if callable(value) and not hasattr(value, "__array__"):
         return _Same(value)
     raise _Data
+
+
+def _local_function_form(func: FunctionType) -> Hashable:
+    """:func:`_form` of a lambda or local function: its code, its module's globals (the same dict, read
+    live by any function of that module), what it closes over, its defaults and attributes."""
+    try:
+        cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
+    except ValueError:  # a cell not filled yet
+        raise _Data from None
+    return (FunctionType, func.__code__, id(func.__globals__), _form(cells), _form(func.__defaults__),
+            _form(func.__kwdefaults__), _form(func.__dict__))
 
 
 def _node_form(node: GraphNode) -> Hashable:
@@ -139,7 +151,8 @@ def _layer(key: Key) -> Any:
 
 @dataclass
 class _Entry:
-    samples: Hashable  # samples of the inputs
+    sampled: dict[Any, GraphNode]  # the sampled tasks of the inputs
+    samples: Hashable  # their forms when the plan was made
     graph: dict[Hashable, GraphNode | None]  # the plan, its ends by their names (None: the graph's own task)
     picks: dict[Key, GraphNode]  # the tasks that pick the fragments' results read inline
     inputs: PlanInputs | None  # the plan's inputs, until their form is made (when samples of them come again)
@@ -148,8 +161,9 @@ class _Entry:
 
     def form_of_inputs(self) -> Hashable:
         """:func:`plan_form` of the plan's inputs (made once; the inputs are dropped then)."""
-        if self.inputs is not None:
-            self.form, self.inputs = plan_form(self.inputs, self.ends), None
+        inputs = self.inputs
+        if inputs is not None:
+            self.form, self.inputs = plan_form(inputs, self.ends), None
         return self.form
 
 
@@ -163,19 +177,24 @@ def ends_of(inputs: PlanInputs) -> dict[Key, Hashable] | None:
     return ends if len(set(ends.values())) == len(ends) else None
 
 
-def samples(inputs: PlanInputs, ends: Collection[Key]) -> Hashable | None:
-    """The forms of one task of each layer of the graph (but its ends), which vouch for the others of
-    their layers: the same one each time in this process, in whatever order the graph lists them (of
-    smallest hash); ``None`` where one holds data."""
+def sampled(inputs: PlanInputs, ends: Collection[Key]) -> dict[Any, GraphNode]:
+    """One task of each layer of the graph (but its ends), by layer, to vouch for the others of their
+    layers: the same one each time in this process, in whatever order the graph lists them (of smallest
+    hash)."""
     chosen: dict[Any, tuple[int, Key]] = {}
     for k in inputs.dsk:
         if k not in ends:
             layer, h = _layer(k), hash(k)
             if layer not in chosen or h < chosen[layer][0]:
                 chosen[layer] = h, k
+    return {layer: inputs.dsk[k] for layer, (_, k) in chosen.items()}
+
+
+def samples(tasks: Mapping[Any, GraphNode]) -> Hashable | None:
+    """The forms of the sampled ``tasks`` (:func:`sampled`), as they are now; ``None`` where one holds data."""
     try:
-        return frozenset((layer, _node_form(inputs.dsk[k])) for layer, (_, k) in chosen.items())
-    except (_Data, TypeError):  # (TypeError: a value of no hash, such as a NumPy structured scalar)
+        return frozenset((layer, _node_form(node)) for layer, node in tasks.items())
+    except (_Data, TypeError, ValueError):  # (TypeError: a value of no hash, such as a NumPy structured scalar)
         return None
 
 
@@ -240,10 +259,11 @@ class PlanMemo:
         outline = frozenset(ends.get(k, k) for k in inputs.dsk)
         with self._lock:
             entry = self._plans.get(outline)
-        found = None
-        if entry is not None:  # the samples first: a graph rebuilt with other functions differs there
-            found = samples(inputs, ends)
-            if found is not None and found == entry.samples:
+        tasks, found = sampled(inputs, ends), None
+        if entry is not None:  # the samples first: a graph rebuilt with other functions differs there; and
+            # the plan's own, whose functions and constants it runs, must be as they were (not changed in place)
+            found = samples(tasks)
+            if found is not None and found == entry.samples and samples(entry.sampled) == entry.samples:
                 form = plan_form(inputs, ends)
                 if form is not None and form == entry.form_of_inputs():
                     with self._lock:
@@ -255,11 +275,11 @@ class PlanMemo:
         out, picks, own = make()
         if not ends.keys() <= own:  # an end joined a fragment (under its name of this compute)
             return out
-        found = found if found is not None else samples(inputs, ends)
+        found = found if found is not None else samples(tasks)
         if found is not None:  # (the callers make the inputs for this call alone: they stay as they are)
             graph = {ends.get(k, k): None if k in own else _fresh(node) for k, node in out.items()}
             with self._lock:
-                self._plans[outline] = _Entry(found, graph, dict(picks), inputs, ends)
+                self._plans[outline] = _Entry(tasks, found, graph, dict(picks), inputs, ends)
                 self._plans.move_to_end(outline)
                 while len(self._plans) > size:
                     self._plans.popitem(last=False)
