@@ -259,7 +259,7 @@ class PlanMemo:
         outline = frozenset(ends.get(k, k) for k in inputs.dsk)
         with self._lock:
             entry = self._plans.get(outline)
-        tasks, found = sampled(inputs, ends), None
+        tasks, found, form = sampled(inputs, ends), None, None
         if entry is not None:  # the samples first: a graph rebuilt with other functions differs there; and
             # the plan's own, whose functions and constants it runs, must be as they were (not changed in place)
             found = samples(tasks)
@@ -279,7 +279,8 @@ class PlanMemo:
         if found is not None:  # (the callers make the inputs for this call alone: they stay as they are)
             graph = {ends.get(k, k): None if k in own else _fresh(node) for k, node in out.items()}
             with self._lock:
-                self._plans[outline] = _Entry(tasks, found, graph, dict(picks), inputs, ends)
+                self._plans[outline] = _Entry(tasks, found, graph, dict(picks), None if form is not None else inputs,
+                                              ends, form)
                 self._plans.move_to_end(outline)
                 while len(self._plans) > size:
                     self._plans.popitem(last=False)
