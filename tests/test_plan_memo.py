@@ -258,6 +258,13 @@ def test_a_remembered_plan_whose_own_closure_changed_in_place_is_planned_anew(pl
         assert dask.get(plan(graph("b", lambda b: b * 2.0 if lock else 0.0)), "total") == pytest.approx(12.0)
     assert len(planned) == 6
 
+    def halve_until(b):  # closes over itself
+        return b if abs(b) < 8 else halve_until(b / 2)
+
+    for _ in range(3):
+        assert dask.get(plan(graph("c", halve_until)), "total") == pytest.approx(6.0)
+    assert len(planned) == 9 and len(plans) == 1  # (the first setting's plan)
+
 
 def test_keys_of_mixed_types_with_block_sizes_are_remembered(planned):
     dsk = {i: Task(i, chain, float(i)) for i in range(4)} | {("s", 0): Task(("s", 0), chain, 1.0)}

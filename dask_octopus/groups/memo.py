@@ -194,8 +194,8 @@ def samples(tasks: Mapping[Any, GraphNode]) -> Hashable | None:
     """The forms of the sampled ``tasks`` (:func:`sampled`), as they are now; ``None`` where one holds data."""
     try:
         return frozenset((layer, _node_form(node)) for layer, node in tasks.items())
-    except (_Data, TypeError, ValueError):  # (TypeError: a value of no hash, such as a NumPy structured scalar)
-        return None
+    except (_Data, TypeError, ValueError, RecursionError):  # (no hash: a NumPy structured scalar; recursion: a
+        return None  # local function that closes over itself, a list that holds itself)
 
 
 def plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable | None:
