@@ -259,9 +259,10 @@ class PlanMemo:
         outline = frozenset(ends.get(k, k) for k in inputs.dsk)
         with self._lock:
             entry = self._plans.get(outline)
-        tasks, found, form = sampled(inputs, ends), None, None
+        found = form = None
         if entry is not None:  # the samples first: a graph rebuilt with other functions differs there; and
             # the plan's own, whose functions and constants it runs, must be as they were (not changed in place)
+            tasks = sampled(inputs, ends)
             found = samples(tasks)
             if found is not None and found == entry.samples and samples(entry.sampled) == entry.samples:
                 form = plan_form(inputs, ends)
@@ -272,6 +273,8 @@ class PlanMemo:
                     return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()})
         elif not self._seen_before(hash(outline), size):  # planned once: maybe never again
             return make()[0]
+        else:
+            tasks = sampled(inputs, ends)
         out, picks, own = make()
         if not ends.keys() <= own:  # an end joined a fragment (under its name of this compute)
             return out
