@@ -1282,6 +1282,67 @@ def test_the_collector_is_paused_while_an_annotated_graph_is_optimized_and_resum
         gc.enable()
 
 
+COLLECTING = []  # whether the garbage collector ran at each call of collecting (the workers run in this process)
+
+
+def collecting(x):
+    import gc
+
+    COLLECTING.append(gc.isenabled())
+    return x + 1
+
+
+async def run_collecting(c, s):
+    """A chain of four steps computed inside ``annotate``: a fragment of three, and the key asked for (a
+    task of its own); returns its result."""
+    await setup(c, s, [1.0])
+    COLLECTING.clear()
+    with dask_octopus.annotate():
+        y = 0
+        for _ in range(4):
+            y = dask.delayed(collecting)(y)
+    return await c.compute(y)
+
+
+@pytest.mark.parametrize("collect_after, seen", [(None, [False, False, False, True]), (0.0, [False, True, True, True])])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_fragment_runs_with_the_collector_paused_on_a_one_thread_worker(c, s, a, monkeypatch,
+                                                                                 collect_after, seen):
+    """On a worker of one thread the cyclic garbage collector is paused while a fragment runs (its steps'
+    specs are freed, never promoted), for ``RunningTask.collect_after`` seconds at most (a longer run
+    collects as Dask's tasks do), and runs again after it."""
+    import gc
+
+    if collect_after is not None:  # paused until the first look at the worker after the first step
+        monkeypatch.setattr(streams.RunningTask, "collect_after", collect_after)
+        monkeypatch.setattr(streams.RunningTask, "every", 0.0)
+    assert gc.isenabled()
+    assert await run_collecting(c, s) == 4
+    assert seen == COLLECTING and gc.isenabled()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_fragment_leaves_the_collector_running_on_a_worker_of_several_threads(c, s, a):
+    """Fragments back to back on several threads would keep the collector paused: it runs."""
+    assert await run_collecting(c, s) == 4
+    assert COLLECTING == [True] * 4
+
+
+def test_the_collector_pause_may_end_early_and_once():
+    import gc
+
+    from dask_octopus.groups.collector import collector_paused
+
+    with collector_paused() as outer:
+        with collector_paused() as inner:
+            inner()
+            inner()  # once: the outer block's share is left
+            assert not gc.isenabled()
+        outer()
+        assert gc.isenabled()
+    assert gc.isenabled()
+
+
 def test_a_fragment_of_functions_defined_in_a_script_runs_in_another_process(tmp_path):
     import subprocess
     import sys
