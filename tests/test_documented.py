@@ -11,6 +11,7 @@ import types
 import dask
 import dask.array as da
 import numpy as np
+import pandas as pd
 import pytest
 from distributed import Client, wait
 from distributed.utils_test import captured_logger, gen_cluster
@@ -516,6 +517,20 @@ def test_graph_cache_never_captures_a_refused_signature():
     cache.add("r", None)  # capture refused
     assert set(cache.refused) == {"r"} and cache.get("r") is None and not cache.graphs
     assert not any(cache.should_capture("r") for _ in range(5)) and "r" not in cache.seen
+
+
+def test_a_groups_signature_tells_shapes_and_dtypes_apart_and_hashes_any_dtype():
+    """Graphs and member classes are kept by signature: equal for equal shapes and dtypes (also made
+    apart, or in another byte order's name), apart otherwise; a dtype that does not hash goes by name."""
+    sig = streams._signature
+    a = np.ones((2, 3), dtype="float32")
+    assert sig("t", [a]) == sig("t", [np.zeros((2, 3), dtype=np.dtype("<f4"))])
+    assert hash(sig("t", [a])) == hash(sig("t", [np.zeros((2, 3), dtype=np.float32)]))
+    others = [a.astype("float64"), a.astype(">f4"), a.T, a[:1], pd.Series([1.0]), pd.Series(["x"], dtype="category"),
+              pd.Series(["x"], dtype="string"), 2.5]
+    assert len({sig("t", [x]) for x in [a, *others]}) == 1 + len(others)
+    odd = types.SimpleNamespace(shape=(2,), dtype=["not", "hashable"])
+    assert hash(sig("t", [odd])) == hash(sig("t", [types.SimpleNamespace(shape=(2,), dtype=["not", "hashable"])]))
 
 
 # -- Errors ----------------------------------------------------------------------------------------
