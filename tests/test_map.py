@@ -225,6 +225,24 @@ async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b,
     assert how == "map" or [i for i, _ in got] == list(range(32))
 
 
+@pytest.mark.parametrize("group", [None, 2])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_futures_of_large_local_items_survive_a_lost_worker(c, s, a, b, group):
+    """The futures of ``gather=False`` are the user's to hold: their large local items travel in the
+    graph, as ``client.map`` sends them, so that Dask runs them again elsewhere when a worker is lost (scattered
+    to their planned worker, they were lost with it, their futures cancelled)."""
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(2**14, float(i)) for i in range(16)]  # 2 MiB in all
+    futs = await call(c, slow_total, items, cost=[1] * 16, group=group, delay=0.2)
+
+    def started_on_a():
+        return [m for _, m in s.get_events("slow-identity") if m["worker"] == a.worker_address]
+
+    await async_poll_for(lambda: len(started_on_a()) >= 2, timeout=30)
+    await a.kill()
+    assert await c.gather(futs) == [float(x.sum()) for x in items]
+
+
 @pytest.mark.parametrize("how", ["map", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)] * 2, Worker=Nanny, timeout=120)
 async def test_local_items_scattered_to_a_worker_lost_before_their_batches_were_submitted_are_sent_again(
@@ -499,6 +517,9 @@ class InputsWhereRun(SchedulerPlugin):
 
 
 def test_large_local_items_go_to_their_planned_worker_not_into_the_graph(recwarn):
+    """Gathered results (and ``imap``'s): the items are scattered to their planned workers, which the run
+    sends again where a worker is lost. (The futures of ``gather=False`` carry them in the graph, as
+    ``client.map`` does: ``test_futures_of_large_local_items_survive_a_lost_worker``.)"""
     items = [np.full(2**18, float(i)) for i in range(60)]  # 2 MiB each: 120 MiB in all
     with dask.config.set({"octopus.refine.min-duration": "1h", **NO_STEALING}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
@@ -507,8 +528,7 @@ def test_large_local_items_go_to_their_planned_worker_not_into_the_graph(recwarn
         rec = InputsWhereRun()
         c.register_plugin(rec)
         rec = cluster.scheduler.plugins[rec.name]
-        futs = dask_octopus.map(np.sum, items, group=4)
-        assert c.gather(futs) == [2**18 * float(i) for i in range(60)]
+        assert dask_octopus.map(np.sum, items, group=4, gather=True) == [2**18 * float(i) for i in range(60)]
     assert sum(n for _, _, n in rec.seen.values()) == 60  # every item is a key: its data is not in the graph
     assert len({worker for _, worker, _ in rec.seen.values()}) == 2
     assert all(holders == {worker} for holders, worker, _ in rec.seen.values())  # and sat where it ran

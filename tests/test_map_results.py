@@ -7,13 +7,14 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import CancelledError
 
 import dask
 import numpy as np
 import pytest
 from distributed import Client, Event, KilledWorker, LocalCluster, Nanny, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import async_poll_for, gen_cluster
+from distributed.utils_test import async_poll_for, gen_cluster, inc
 from test_balance import setup
 from test_map import fails_on_seven, plan_of, slow_identity
 
@@ -180,6 +181,82 @@ async def test_an_item_that_kills_its_worker_fails_alone_and_the_others_keep_the
     assert sorted(got) == [i for i in range(16) if i != 7]  # (was: KilledWorker for the whole call)
     with pytest.raises(KilledWorker):  # raised as that item's error
         await in_thread(dask_octopus.map, ends_its_process_on_seven, [5, 7, 9], client=c, group=4, gather=True)
+
+
+def fails_on_three(x):
+    if x == 3:
+        raise ZeroDivisionError("input 3 failed")
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
+             config={"distributed.scheduler.allowed-failures": 0, "octopus.map.learn-result-size": False,
+                     "distributed.scheduler.worker-saturation": 1.0})
+async def test_an_item_that_kills_its_worker_beside_an_input_that_failed_before_the_map(c, s, a, b):
+    """The items of a batch that killed its worker run again each alone: one given as a future that failed
+    before the map fails alone there too, as in its batch (it failed the whole call with its error)."""
+    await setup(c, s, [1.0, 1.0])
+    failed = c.submit(fails_on_three, 3)
+    await wait(failed)
+    items = [failed if i == 3 else i for i in range(16)]
+    got = await in_thread(dask_octopus.map, ends_its_process_on_seven, items, client=c, group=4, gather=True,
+                          errors="skip")
+    assert sorted(got) == [i for i in range(16) if i not in (3, 7)]
+
+
+def blocked_until(event_name, x):
+    Event(event_name).wait(30)
+    return x
+
+
+@pytest.mark.parametrize("how", ["map", "imap"])
+@pytest.mark.parametrize("group", [None, 2])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_an_input_cancelled_before_the_map_fails_alone_as_client_gather_has_it(c, s, a, b, how, group):
+    """A future item cancelled before the map is an item that failed: skipped with ``errors="skip"``, its
+    ``CancelledError`` raised with ``"raise"``, as ``client.gather`` has it (it cancelled the whole call,
+    or ``who_has`` refused it)."""
+    await setup(c, s, [1.0, 1.0])
+    cancelled = c.submit(blocked_until, "go", 3, pure=False)
+    await c.cancel([cancelled])
+    await Event("go").set()  # (the worker's thread goes on to the map's tasks)
+    assert cancelled.status == "cancelled"
+    items = [cancelled if i == 3 else i for i in range(8)]
+    if how == "map":
+        got = await in_thread(dask_octopus.map, inc, items, client=c, group=group, gather=True, errors="skip")
+    else:
+        got = [r for _, r in await in_thread(lambda: list(dask_octopus.imap(inc, items, client=c, group=group,
+                                                                             errors="skip")))]
+    assert sorted(got) == [i + 1 for i in range(8) if i != 3]
+    with pytest.raises(CancelledError, match=str(cancelled.key)):
+        await in_thread(dask_octopus.map, inc, items, client=c, group=group, gather=True)
+
+
+def slow_plus_one(x):
+    worker = get_worker()
+    worker.log_event("slow-identity", {"worker": worker.address})
+    time.sleep(0.2)
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_items_scattered_by_the_user_and_lost_with_their_worker_fail_alone(c, s, a, b):
+    """Items given as futures of data the user scattered to a worker that is then lost: Dask cancels them
+    (nothing can compute them again) and with them the batches that read them; those batches run again
+    without them, each of them failing alone, as ``client.gather(errors="skip")`` leaves them out (the
+    whole call raised the batch's ``CancelledError``)."""
+    await setup(c, s, [1.0, 1.0])
+    items = (await c.scatter(list(range(8)), workers=[a.worker_address], hash=False)
+             + await c.scatter(list(range(8, 16)), workers=[b.worker_address], hash=False))
+    run = in_thread(dask_octopus.map, slow_plus_one, items, client=c, group=2, gather=True, errors="skip")
+
+    def started_on_a():
+        return [m for _, m in s.get_events("slow-identity") if m["worker"] == a.worker_address]
+
+    await async_poll_for(lambda: len(started_on_a()) >= 2, timeout=30)
+    await a.kill()
+    got = await run
+    assert set(range(9, 17)) <= set(got) <= set(range(1, 17)) and len(got) == len(set(got)) < 16
 
 
 class Annotations(SchedulerPlugin):

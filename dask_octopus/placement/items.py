@@ -12,6 +12,7 @@ import inspect
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError
 from functools import partial
 from typing import Any
 
@@ -137,11 +138,24 @@ def _cost_of(cost: Callable[[Any], float], item: Any) -> tuple[bool, Any]:
         return False, e
 
 
+def _error_of(future: Future) -> BaseException:
+    """What gathering ``future``, which failed or was cancelled, raises (for a cancelled one, Dask's
+    ``FutureCancelledError`` with its reason)."""
+    if future.status == "error":
+        return future.exception()
+    try:
+        future.result()  # (at once: a cancelled future's error is known)
+    except CancelledError as e:
+        return e
+    return FutureCancelledError(future.key, reason=None)  # (submitted again since: cancelled when read)
+
+
 def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
-    """The items that are futures which failed already, as the :class:`ItemError` a batch gives in
-    their place: a batch task that read them would fail every item of the batch with their error."""
-    failed = [(i, it) for i, it in enumerate(items) if isinstance(it, Future) and it.status == "error"]
-    return {i: ItemError(it.exception()) for i, it in failed}
+    """The items that are futures which failed or were cancelled already, as the :class:`ItemError` a
+    batch gives in their place (what gathering them raises): a batch task that read them would fail
+    every item of the batch with their error, or be cancelled with them."""
+    return {i: ItemError(_error_of(it)) for i, it in enumerate(items)
+            if isinstance(it, Future) and it.status in ("error", "cancelled")}
 
 
 def _given_costs(cost: Iterable[float], n: int) -> list[float]:
@@ -388,7 +402,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     # results are its own (it cancels those it does not read): no other run shares their keys
     run = None if per_item and pure else uuid.uuid4().hex
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
-    _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
+    if not per_item:  # (only gathered results can be computed again from the items kept here: _Batches)
+        _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
     name = f"{label}-{MAP_INFIX}-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],
@@ -707,8 +722,10 @@ class _Batches:
         if future.status == "error" and isinstance(result, KilledWorker) and future.key not in self._alone:
             return self._each_alone(self._forget(future))
         if future.status == "error":  # again where an item failed since it was submitted (then it fails alone)
-            if not any(i not in self._failed and i in self._sent and self._sent[i].status == "error" for i in idx):
+            if not self._failed_since(idx, "error"):
                 return None
+        elif isinstance(result, FutureCancelledError) and self._failed_since(idx, "cancelled"):
+            pass  # an item given as a future was cancelled, or lost with the worker holding it: it fails alone
         elif (isinstance(result, FutureCancelledError) and all(self._resent[i] < LOST_ROUNDS for i in idx)
               and (result.reason == "lost dependencies"
                    or (result.reason == "already forgotten" and self._scattered & set(idx)))):
@@ -716,6 +733,10 @@ class _Batches:
         else:
             return None
         return self._submit(self._forget(future))
+
+    def _failed_since(self, indices: list[int], status: str) -> bool:
+        """Whether an item of ``indices`` given as a future (or computed) took ``status`` since it was submitted."""
+        return any(i not in self._failed and i in self._sent and self._sent[i].status == status for i in indices)
 
     def _each_alone(self, indices: list[int]) -> list[Future]:
         """Each item of ``indices`` in a task of its own, not pinned: Dask places them, and queues them
@@ -726,8 +747,9 @@ class _Batches:
         futures = []
         for i in indices:
             item = self._items[i]
-            with dask.annotate(**self._annotations):
-                future = client.submit(run_batch, func, [item], kwargs, resource, group, to_host,
+            with dask.annotate(**self._annotations):  # (an item failed already: its ItemError, as in its batch)
+                future = client.submit(run_batch, func, [_failed_inputs([item]).get(0, item)], kwargs, resource,
+                                       group, to_host,
                                        key=f"{label}-octopus-alone-{uuid.uuid4().hex}")
             if isinstance(item, Future):
                 self._sent[i] = item

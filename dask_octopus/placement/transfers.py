@@ -29,9 +29,9 @@ def item_seconds(client: Client, items: Sequence[Any], nbytes: Sequence[float],
                  workers: Sequence[str]) -> list[list[float]] | None:
     """For each item and worker: the seconds to move the item's data (``nbytes`` of it) there from the
     fastest of the workers that hold it (0 where it is held, for local items, and for futures not
-    computed yet); ``None`` when no item is a future, or there is one worker (nothing to choose, no
-    round trip to the scheduler)."""
-    at = [i for i, it in enumerate(items) if isinstance(it, Future)]
+    computed yet or cancelled, which Dask's ``who_has`` refuses); ``None`` when no item is such a
+    future, or there is one worker (nothing to choose, no round trip to the scheduler)."""
+    at = [i for i, it in enumerate(items) if isinstance(it, Future) and it.status != "cancelled"]
     if not at or len(workers) < 2:
         return None
     who = client.who_has([items[i] for i in at])
