@@ -1285,39 +1285,42 @@ def test_the_collector_is_paused_while_an_annotated_graph_is_optimized_and_resum
 COLLECTING = []  # whether the garbage collector ran at each call of collecting (the workers run in this process)
 
 
-def collecting(x):
+def collecting(x, seconds=0.0):
+    """Notes whether the collector runs as it starts and, after ``seconds``, as it ends."""
     import gc
 
     COLLECTING.append(gc.isenabled())
+    if seconds:
+        time.sleep(seconds)
+        COLLECTING.append(gc.isenabled())
     return x + 1
 
 
-async def run_collecting(c, s):
-    """A chain of four steps computed inside ``annotate``: a fragment of three, and the key asked for (a
-    task of its own); returns its result."""
+async def run_collecting(c, s, seconds=0.0):
+    """A chain of four steps computed inside ``annotate``, the first one ``seconds`` long: a fragment of
+    three, and the key asked for (a task of its own); returns its result."""
     await setup(c, s, [1.0])
     COLLECTING.clear()
     with dask_octopus.annotate():
-        y = 0
-        for _ in range(4):
+        y = dask.delayed(collecting)(0, seconds)
+        for _ in range(3):
             y = dask.delayed(collecting)(y)
     return await c.compute(y)
 
 
-@pytest.mark.parametrize("collect_after, seen", [(None, [False, False, False, True]), (0.0, [False, True, True, True])])
+@pytest.mark.parametrize("collect_after, seconds, seen", [(5.0, 0.0, [False, False, False, True]),
+                                                          (0.3, 1.0, [False, True, True, True, True])])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_fragment_runs_with_the_collector_paused_on_a_one_thread_worker(c, s, a, monkeypatch,
-                                                                                 collect_after, seen):
+                                                                                 collect_after, seconds, seen):
     """On a worker of one thread the cyclic garbage collector is paused while a fragment runs (its steps'
-    specs are freed, never promoted), for ``RunningTask.collect_after`` seconds at most (a longer run
-    collects as Dask's tasks do), and runs again after it."""
+    specs are freed, never promoted), for ``RunningTask.collect_after`` seconds at most, also within a
+    long step (a longer run collects as Dask's tasks do), and runs again after it."""
     import gc
 
-    if collect_after is not None:  # paused until the first look at the worker after the first step
-        monkeypatch.setattr(streams.RunningTask, "collect_after", collect_after)
-        monkeypatch.setattr(streams.RunningTask, "every", 0.0)
+    monkeypatch.setattr(streams.RunningTask, "collect_after", collect_after)
     assert gc.isenabled()
-    assert await run_collecting(c, s) == 4
+    assert await run_collecting(c, s, seconds) == 4
     assert seen == COLLECTING and gc.isenabled()
 
 

@@ -665,7 +665,7 @@ class RunningTask:
     :meth:`check`, which stops the run once Dask released the task, and :meth:`done_share`."""
 
     every = 0.05  #: seconds between two looks at the worker's state
-    collect_after = 0.2  #: seconds of a run with the garbage collector paused (:meth:`collector_paused`)
+    collect_after = 0.2  #: seconds of a run with the garbage collector paused at most (:meth:`collector_paused`)
 
     def __init__(self) -> None:
         from distributed import get_worker
@@ -680,41 +680,33 @@ class RunningTask:
         retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
         self.retries = retries if isinstance(retries, int) and retries > 0 else 0
         self._next = time.perf_counter() + self.every
-        self._resume: Callable[[], None] | None = None  # ends the collector's pause
-        self._resume_at = 0.0
 
     @contextlib.contextmanager
     def collector_paused(self) -> Iterator[None]:
         """Pause Python's cyclic garbage collector (:func:`~dask_octopus.groups.collector.collector_paused`)
-        for the block, on a worker of one thread, until the first :meth:`check` after
-        :attr:`collect_after` seconds: the steps' specs, unpickled as a fragment starts, and each step's
-        short-lived objects are then freed by reference counting instead of being promoted to the oldest
-        generation, whose full collections of the worker's heap otherwise came every few computes of a
-        fragment of small steps. A longer run collects as Dask's tasks do. On a worker of several
-        threads the collector is left running (their runs, back to back, would keep it paused)."""
+        for the block, on a worker of one thread, for :attr:`collect_after` seconds at most (the worker's
+        event loop then ends the pause, also within a long step): the steps' specs, unpickled as a
+        fragment starts, and each step's short-lived objects are then freed by reference counting
+        instead of being promoted to the oldest generation, whose full collections of the worker's heap
+        otherwise came every few computes of a fragment of small steps. A longer run collects as Dask's
+        tasks do. On a worker of several threads the collector is left running (their runs, back to
+        back, would keep it paused)."""
         if self._worker is None or self._worker.state.nthreads != 1:
             yield
             return
         with collector_paused() as resume:
-            self._resume, self._resume_at = resume, time.perf_counter() + self.collect_after
-            try:
-                yield
-            finally:
-                self._resume = None
+            loop = self._worker.loop
+            loop.add_callback(loop.call_later, self.collect_after, resume)  # (add_callback: from any thread)
+            yield
 
     def check(self) -> None:
         """Raise ``distributed.Reschedule`` once the worker no longer wants the task's result (looked up
         every :attr:`every` seconds at most): as a cancelled small task would end, the fragment ends
         within one step instead of running its whole share for nothing. The worker then releases the
-        task, or, where the task was asked for again meanwhile, has the scheduler run it again. Ends the
-        pause of :meth:`collector_paused` once it has lasted :attr:`collect_after` seconds."""
-        now = time.perf_counter()
-        if self._worker is None or now < self._next:
+        task, or, where the task was asked for again meanwhile, has the scheduler run it again."""
+        if self._worker is None or time.perf_counter() < self._next:
             return
-        self._next = now + self.every
-        if self._resume is not None and now >= self._resume_at:
-            self._resume()
-            self._resume = None
+        self._next = time.perf_counter() + self.every
         ts = self._worker.state.tasks.get(self._key)
         if ts is None or ts.state == "cancelled":
             raise Reschedule(f"task {self._key!r} was released while its fragment ran")
