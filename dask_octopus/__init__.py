@@ -50,9 +50,9 @@ def dask_setup(service: Any) -> None:
 
     _log_as_distributed()
     if isinstance(service, Scheduler):
-        from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+        from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin, registered_plugin
 
-        if OctopusSchedulerPlugin.name not in service.plugins:
+        if registered_plugin(service) is None:
             service.add_plugin(OctopusSchedulerPlugin())
     else:
         logger.info("dask_octopus %s available on %s", __version__, getattr(service, "address", service))

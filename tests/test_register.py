@@ -7,6 +7,7 @@ import threading
 import time
 import warnings
 
+import dask.array as da
 import pytest
 from distributed import Client, Worker
 from distributed.utils_test import async_poll_for, captured_logger, cluster, gen_cluster
@@ -55,6 +56,29 @@ async def test_register_twice_is_harmless(c, s, a, b):
     assert [n for n in s.plugins if n.startswith("octopus")] == ["octopus"]
     assert [n for n in s.worker_plugins if "octopus" in n] == ["octopus-worker"]
     assert [n for n in a.plugins if "octopus" in n] == ["octopus-worker"]
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_a_plugin_registered_under_another_name_works_and_a_second_one_is_removed(c, s, a, b):
+    """Dask lets a plugin be registered under any name: it answers, keeps its handlers (it retired itself,
+    not finding itself under its own name), and plans; another one registered beside it, under yet
+    another name, is removed (two would both pin and group tasks)."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False), name="octopus-cpu")
+    first = s.plugins["octopus-cpu"]
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
+    await asyncio.sleep(2 * HISTORY_INTERVAL)  # a weight sample: a plugin not registered retires there
+    assert first.registered() and not first._retired and "octopus_speeds" in s.handlers
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
+    x = da.ones((40, 4), chunks=10)
+    assert await c.compute((await dask_octopus.balance(x, client=c)).sum()) == 160.0
+    with captured_logger("dask_octopus") as log:
+        await c.register_plugin(OctopusSchedulerPlugin(calibrate=False), name="octopus-gpu")
+        await async_poll_for(lambda: "octopus-gpu" not in s.plugins, timeout=5)
+    assert "registered as 'octopus-gpu' is removed" in log.getvalue()
+    assert [n for n, p in s.plugins.items() if isinstance(p, OctopusSchedulerPlugin)] == ["octopus-cpu"]
+    await dask_octopus.register(c)  # idempotent: it finds the one registered
+    assert [n for n, p in s.plugins.items() if isinstance(p, OctopusSchedulerPlugin)] == ["octopus-cpu"]
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
 
 
 def test_cpu_probes_count_flop_and_bytes_as_numpy_and_a_clock_do():

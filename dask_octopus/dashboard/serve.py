@@ -50,9 +50,9 @@ class _OctopusHandler(web.RequestHandler):
         self.server = dask_server
 
     def plugin(self) -> OctopusSchedulerPlugin | None:
-        from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
+        from dask_octopus.plugins.scheduler import registered_plugin
 
-        plugin = self.server.plugins.get(OctopusSchedulerPlugin.name)
+        plugin = registered_plugin(self.server)
         if plugin is None:
             self.set_status(404)
             self.write("dask_octopus is not registered on this scheduler")

@@ -18,7 +18,7 @@ from distributed import Client, Future, as_completed, default_client
 from dask_octopus import config
 from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
-from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin
+from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin, registered_plugin
 from dask_octopus.profiling.speedmodel import check_resource
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,7 +69,7 @@ def _settings_error(dask_scheduler: Any) -> str | None:
 async def _registered_options(dask_scheduler: Any) -> dict[str, Any] | None:
     """The options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker plugin
     set up again where that was unregistered alone."""
-    plugin = dask_scheduler.plugins.get(OctopusSchedulerPlugin.name)
+    plugin = registered_plugin(dask_scheduler)
     if plugin is None:
         return None
     if plugin.worker_plugin.name not in dask_scheduler.worker_plugins:
@@ -150,7 +150,7 @@ def wait_for(client: Client, futures: list[Future]) -> None:
 
 
 def _has_plugin(dask_scheduler: Any) -> bool:
-    return OctopusSchedulerPlugin.name in dask_scheduler.plugins
+    return registered_plugin(dask_scheduler) is not None
 
 
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:

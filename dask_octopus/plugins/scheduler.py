@@ -209,19 +209,29 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         # registrations at once (two clients) both start. One start at a time; a later one that finds
         # the first registered installs nothing, and Dask drops it (the plugin is idempotent)
         async with _starts.setdefault(scheduler, asyncio.Lock()):
-            current = scheduler.plugins.get(self.name)
-            if isinstance(current, OctopusSchedulerPlugin) and current is not self:
-                # registered with idempotent=False, Dask installs it anyway, unstarted, as this returns
-                self._adopted = asyncio.ensure_future(self._start_if_installed(scheduler))
+            current = registered_plugin(scheduler)
+            if current is not None and current is not self:
+                # registered with idempotent=False, or under another name, Dask installs it anyway,
+                # unstarted, as this returns
+                self._adopted = asyncio.ensure_future(self._start_if_installed(scheduler, current))
                 return
             await self._start(scheduler)
 
-    async def _start_if_installed(self, scheduler: Scheduler) -> None:
-        """Start this plugin where Dask installed it in place of another one without starting it (a
-        registration with ``idempotent=False``): the other retires at its next weight sample, as when
-        unregistered."""
-        if scheduler.plugins.get(self.name) is self and self.scheduler is None:
-            await self.start(scheduler)
+    async def _start_if_installed(self, scheduler: Scheduler, current: OctopusSchedulerPlugin) -> None:
+        """Start this plugin where Dask installed it in place of ``current`` without starting it (a
+        registration with ``idempotent=False``): ``current`` retires at its next weight sample, as when
+        unregistered. Installed beside ``current``, under another name (``client.register_plugin(plugin,
+        name=...)``), it is removed: one scheduler runs one plugin (two would both pin and group tasks)."""
+        names = [name for name, p in list(scheduler.plugins.items()) if p is self]
+        if not names or self.scheduler is not None:
+            return
+        if any(p is current for p in list(scheduler.plugins.values())):
+            logger.warning("dask_octopus: the scheduler plugin is registered already; the one registered as "
+                           "%s is removed", " and ".join(map(repr, names)))
+            for name in names:
+                scheduler.remove_plugin(name=name)
+            return
+        await self.start(scheduler)
 
     async def _start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -298,7 +308,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def registered(self) -> bool:
         """Whether this plugin is the one registered on its scheduler (Dask closes a plugin when its
         scheduler closes, not when it is unregistered or replaced)."""
-        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
+        return self.scheduler is not None and registered_plugin(self.scheduler) is self
 
     def _retire(self) -> None:
         """Stop everything this plugin runs beside Dask's hooks: grouping, its filter of the scheduler's
@@ -724,3 +734,12 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         except Exception:
             self.placement.loosen(self.scheduler, stimulus_id)
             raise
+
+
+def registered_plugin(scheduler: Scheduler) -> OctopusSchedulerPlugin | None:
+    """The plugin registered on ``scheduler``: under its own name (``"octopus"``), else under the name it
+    was given (``client.register_plugin(plugin, name=...)``); ``None`` where none is."""
+    plugin = scheduler.plugins.get(OctopusSchedulerPlugin.name)
+    if isinstance(plugin, OctopusSchedulerPlugin):
+        return plugin
+    return next((p for p in list(scheduler.plugins.values()) if isinstance(p, OctopusSchedulerPlugin)), None)
