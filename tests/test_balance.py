@@ -11,6 +11,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.core import flatten
 from dask.sizeof import sizeof
 from dask.utils import key_split
 from distributed import Event, Nanny, Worker, get_worker, wait
@@ -655,6 +656,41 @@ async def test_a_worker_is_planned_no_more_than_its_memory_allows(c, s, a, b):
     with dask.config.set({"octopus.balance.memory-fraction": 0.3}), \
             pytest.raises(PlanningError, match="does not fit in the workers' memory"):
         await run_balance(c, x, per_worker=1)  # 2 x 1.8 MB < 6.4 MB
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"memory_limit": "2 MB"}),
+                                    ("127.0.0.1", 1, {"memory_limit": "4 GB"})],
+             config={"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+                     "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False})
+async def test_a_worker_too_small_for_one_block_gets_none_and_the_others_all(c, s, a, b):
+    """A worker whose share of memory is below its fewest rows (one block, ``per_worker`` blocks, ``align``
+    rows each) gets no blocks, with a warning naming it; the others take them all (it failed the whole
+    plan: "a cap is below its minimum"). Where none can hold its fewest rows, the error says so."""
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.ones((40, 2**18), chunks=(10, 2**18))  # rows of 2 MiB; a may hold 0.6 x 2 MB: no row
+    for options in ({}, {"per_worker": 2}, {"align": 4}):
+        with pytest.warns(UserWarning, match=f"balance: {a.address} can hold 0.0 B .* it gets no blocks"):
+            y = await run_balance(c, x, **options)
+        assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {b.address}, options
+        z = c.persist(y + 1)
+        assert await c.compute(z.sum()) == 2 * 40 * 2**18
+        assert {rec.worker[k] for k in flatten(z.__dask_keys__())} == {b.address}, options
+        del z
+    fits = da.ones((1144, 2**18), chunks=(286, 2**18))  # what b may hold: 0.6 x 4 GB in rows of 2 MiB
+    with pytest.raises(PlanningError, match=r"no worker can hold its fewest rows \(1200, 2.34 GiB\)"):
+        await run_balance(c, fits, per_worker=2, align=600)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_gpu_worker_with_no_free_memory_gets_no_blocks(c, s, a, b):
+    """A GPU worker calibrated with its memory all taken (by another process) may hold nothing: it gets no
+    blocks (with no cap known it would have been planned as if its memory had no end)."""
+    await setup(c, s, [1.0, 1.0])
+    s.plugins["octopus"].profiles[a.address].update(device="gpu", memory_free=0)
+    with pytest.warns(UserWarning, match=f"balance: {a.address} can hold 0.0 B"):
+        y = await run_balance(c, da.ones((40, 8), chunks=10))
+    assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {b.address}
+    assert await c.compute(y.sum()) == 320
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.max-plans": 2})

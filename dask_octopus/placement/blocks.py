@@ -65,7 +65,7 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
     for w in workers:
         p = profiles[w]
         memory = plannable_memory(p)
-        caps.append(int(memory * fraction // row_bytes) if memory and row_bytes > 0 else None)
+        caps.append(int(memory * fraction // row_bytes) if memory is not None and row_bytes > 0 else None)  # 0: full
         ratio = p.get("working_set")
         # never below the smallest block whose working set is learned: tasks of smaller ones are not measured
         limits.append(max(math.ceil(MIN_BASIS / row_bytes), int(memory * fraction / (ratio * p.get("threads", 1)
@@ -92,10 +92,6 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     ``source``); with it, a warning where a block is not. ``axis`` names the rows in errors."""
     row_bytes = nbytes / total if total else 0.0
     workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
-    if total < len(workers) * (per_worker or 1):
-        rows = "rows" if axis == 0 else f"entries along axis {axis}"
-        raise PlanningError(f"{total} {rows} are fewer than the {len(workers)} workers x "
-                            f"per_worker={per_worker or 1} blocks")
     if all(c is not None for c in caps) and sum(caps) < total:
         fraction = config.get("balance.memory-fraction")
         raise PlanningError(
@@ -103,6 +99,12 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
             f"{format_bytes(sum(caps) * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
             "add workers or process it in pieces"
         )
+    workers, weights, caps, limits = _without_small(workers, weights, caps, limits, (per_worker or 1) * align,
+                                                    row_bytes)
+    if total < len(workers) * (per_worker or 1):
+        rows = "rows" if axis == 0 else f"entries along axis {axis}"
+        raise PlanningError(f"{total} {rows} are fewer than the {len(workers)} workers x "
+                            f"per_worker={per_worker or 1} blocks")
     index = {w: i for i, w in enumerate(workers)}
     held = [index.get(h) for h in holders]
     if None in held:  # a block not in memory, or on a worker without a profile: the workers' own order
@@ -139,6 +141,30 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
 class WorkingSetWarning(UserWarning):
     """``balance(..., per_worker=k)`` makes blocks larger than a worker can process at once, by the
     working set learned from earlier runs on blocks of the same input."""
+
+
+def _without_small(workers: list[str], weights: list[float], caps: list[int | None], limits: list[int],
+                   minimum: int, row_bytes: float) -> tuple[list[str], list[float], list[int | None], list[int]]:
+    """The workers (with their weights, caps and limits) that can hold ``minimum`` rows (their blocks'
+    fewest), with a warning naming those left out, which get no blocks; ``PlanningError`` where none can."""
+    small = [i for i, c in enumerate(caps) if c is not None and c < minimum]
+    if not small:
+        return workers, weights, caps, limits
+    fraction = config.get("balance.memory-fraction")
+    largest = max(caps[i] for i in small)  # (every cap is known here: the others are small)
+    if len(small) == len(workers):
+        raise PlanningError(
+            f"no worker can hold its fewest rows ({minimum}, {format_bytes(minimum * row_bytes)}): the largest "
+            f"share is {format_bytes(largest * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
+            "lower per_worker or align, or add memory")
+    for i in small:
+        warnings.warn(
+            f"balance: {workers[i]} can hold {format_bytes(caps[i] * row_bytes)} of this collection at "
+            f"octopus.balance.memory-fraction={fraction}, less than its fewest rows ({minimum}, "
+            f"{format_bytes(minimum * row_bytes)}): it gets no blocks", UserWarning, stacklevel=6)
+    keep = [i for i in range(len(workers)) if i not in small]
+    return ([workers[i] for i in keep], [weights[i] for i in keep], [caps[i] for i in keep],
+            [limits[i] for i in keep])
 
 
 def _warn_over_working_set(workers: list[str], plan: list[list[int]], limits: list[int], row_bytes: float,
