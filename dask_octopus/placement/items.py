@@ -9,6 +9,7 @@ import asyncio
 import functools
 import hashlib
 import inspect
+import math
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item'
 SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
 ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
+TAIL_PRIORITY = 1e-9  # how far below the user's priority the stealable tail runs (more where floats are coarser)
 Cost = Callable[[Any], float] | Iterable[float] | None  # map's cost: a callable of an item, numbers, or None
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
 RESULT_SIZE = 1.0  # bytes of result per byte of items, until a function's batches have shown theirs
@@ -415,8 +417,10 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     priority: dict[Any, float] = {}
     keys: list[Any] = [None] * len(items)
     for b, (_, idx, stealable) in enumerate(batches):
-        # a worker runs its own tasks first, the stealable ones last
-        priority[(name, b)] = (user((name, b)) if callable(user) else user) - stealable
+        # a worker runs its own tasks first, the stealable ones last: just after, at the user's priority
+        # (a whole step lower, they tied with the user's work of the next priority, which then ran first)
+        level = user((name, b)) if callable(user) else user
+        priority[(name, b)] = level - max(TAIL_PRIORITY, 16 * math.ulp(level)) if stealable else level
         if not batched:
             (i,) = idx
             keys[i] = (name, b)
