@@ -676,6 +676,12 @@ async def test_a_worker_too_small_for_one_block_gets_none_and_the_others_all(c, 
         assert await c.compute(z.sum()) == 2 * 40 * 2**18
         assert {rec.worker[k] for k in flatten(z.__dask_keys__())} == {b.address}, options
         del z
+    # rows of 1 MiB: a may hold one, b 2288; a row more than b may hold fits both, but a's one row is not
+    # the two blocks of per_worker=2: a is left out, and what is left does not fit
+    with pytest.warns(UserWarning, match="it gets no blocks"), pytest.raises(
+            PlanningError, match=r"does not fit in the workers' memory \(of those that can hold a block\): they can "
+                                 r"hold 2.23 GiB"):
+        await run_balance(c, da.ones((2289, 2**17), chunks=(327, 2**17)), per_worker=2)
     fits = da.ones((1144, 2**18), chunks=(286, 2**18))  # what b may hold: 0.6 x 4 GB in rows of 2 MiB
     with pytest.raises(PlanningError, match=r"no worker can hold its fewest rows \(1200, 2.34 GiB\)"):
         await run_balance(c, fits, per_worker=2, align=600)

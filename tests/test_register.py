@@ -71,6 +71,8 @@ async def test_a_plugin_registered_under_another_name_works_and_a_second_one_is_
     assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
     x = da.ones((40, 4), chunks=10)
     assert await c.compute((await dask_octopus.balance(x, client=c)).sum()) == 160.0
+    with pytest.warns(UserWarning, match=r"first call client\.unregister_scheduler_plugin\('octopus-cpu'\)"):
+        await dask_octopus.register(c, calibration_seconds=0.5)  # other options: the remedy names it as it is
     with captured_logger("dask_octopus") as log:
         await c.register_plugin(OctopusSchedulerPlugin(calibrate=False), name="octopus-gpu")
         await async_poll_for(lambda: "octopus-gpu" not in s.plugins, timeout=5)

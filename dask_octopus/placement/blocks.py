@@ -92,15 +92,10 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     ``source``); with it, a warning where a block is not. ``axis`` names the rows in errors."""
     row_bytes = nbytes / total if total else 0.0
     workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
-    if all(c is not None for c in caps) and sum(caps) < total:
-        fraction = config.get("balance.memory-fraction")
-        raise PlanningError(
-            f"the collection ({format_bytes(nbytes)}) does not fit in the workers' memory: they can hold "
-            f"{format_bytes(sum(caps) * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
-            "add workers or process it in pieces"
-        )
-    workers, weights, caps, limits = _without_small(workers, weights, caps, limits, (per_worker or 1) * align,
-                                                    row_bytes)
+    _check_fits(caps, total, nbytes, row_bytes, "")
+    kept = _without_small(workers, weights, caps, limits, (per_worker or 1) * align, row_bytes)
+    _check_fits(kept[2], total, nbytes, row_bytes, " (of those that can hold a block)" * (len(kept[0]) < len(workers)))
+    workers, weights, caps, limits = kept
     if total < len(workers) * (per_worker or 1):
         rows = "rows" if axis == 0 else f"entries along axis {axis}"
         raise PlanningError(f"{total} {rows} are fewer than the {len(workers)} workers x "
@@ -141,6 +136,18 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
 class WorkingSetWarning(UserWarning):
     """``balance(..., per_worker=k)`` makes blocks larger than a worker can process at once, by the
     working set learned from earlier runs on blocks of the same input."""
+
+
+def _check_fits(caps: list[int | None], total: int, nbytes: float, row_bytes: float, which: str) -> None:
+    """Raise ``PlanningError`` where the workers' ``caps`` (rows; ``None``: unknown) hold fewer than ``total``
+    rows (``which`` says which workers they are, after "the workers' memory")."""
+    if all(c is not None for c in caps) and sum(caps) < total:
+        fraction = config.get("balance.memory-fraction")
+        raise PlanningError(
+            f"the collection ({format_bytes(nbytes)}) does not fit in the workers' memory{which}: they can "
+            f"hold {format_bytes(sum(caps) * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
+            "add workers or process it in pieces"
+        )
 
 
 def _without_small(workers: list[str], weights: list[float], caps: list[int | None], limits: list[int],

@@ -43,7 +43,7 @@ ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item'
 SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
 ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
-TAIL_PRIORITY = 1e-9  # how far below the user's priority the stealable tail runs (more where floats are coarser)
+TAIL_PRIORITY = 1e-9  # how far below the user's priority the stealable tail runs (:func:`_just_below`)
 Cost = Callable[[Any], float] | Iterable[float] | None  # map's cost: a callable of an item, numbers, or None
 LOST_ROUNDS = 3  # map(gather=True) and imap send an item lost with a worker again this many times at most
 RESULT_SIZE = 1.0  # bytes of result per byte of items, until a function's batches have shown theirs
@@ -323,6 +323,13 @@ def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batc
             items[i] = fut
 
 
+def _just_below(priority: float) -> float:
+    """A priority just below ``priority``: :data:`TAIL_PRIORITY` below, or the next float down where
+    floats are coarser (below infinity: the largest float)."""
+    below = priority - TAIL_PRIORITY
+    return below if below < priority else math.nextafter(priority, -math.inf)
+
+
 def _mean(costs: list[float], idx: list[int]) -> float:
     return sum(costs[i] for i in idx) / len(idx)
 
@@ -420,7 +427,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
         # a worker runs its own tasks first, the stealable ones last: just after, at the user's priority
         # (a whole step lower, they tied with the user's work of the next priority, which then ran first)
         level = user((name, b)) if callable(user) else user
-        priority[(name, b)] = level - max(TAIL_PRIORITY, 16 * math.ulp(level)) if stealable else level
+        priority[(name, b)] = _just_below(level) if stealable else level
         if not batched:
             (i,) = idx
             keys[i] = (name, b)

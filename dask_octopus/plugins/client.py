@@ -66,15 +66,16 @@ def _settings_error(dask_scheduler: Any) -> str | None:
     return None
 
 
-async def _registered_options(dask_scheduler: Any) -> dict[str, Any] | None:
-    """The options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker plugin
-    set up again where that was unregistered alone."""
+async def _registered_options(dask_scheduler: Any) -> tuple[str, dict[str, Any]] | None:
+    """The name and options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker
+    plugin set up again where that was unregistered alone."""
     plugin = registered_plugin(dask_scheduler)
     if plugin is None:
         return None
     if plugin.worker_plugin.name not in dask_scheduler.worker_plugins:
         await plugin.set_up_workers()
-    return plugin.options()
+    name = next(n for n, p in list(dask_scheduler.plugins.items()) if p is plugin)
+    return name, plugin.options()
 
 
 @awaitable_on_async_clients
@@ -126,11 +127,12 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         raise ValueError(f"on the scheduler at {client.scheduler.address}: {error}")
     client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
-    if current is not None and current != plugin.options():
+    if current is not None and current[1] != plugin.options():
+        name, options = current
         warnings.warn(
-            f"dask_octopus is already registered on this scheduler with {current}; register() with "
+            f"dask_octopus is already registered on this scheduler with {options}; register() with "
             f"{plugin.options()} changes nothing. To change them, first call "
-            "client.unregister_scheduler_plugin('octopus')",
+            f"client.unregister_scheduler_plugin({name!r})",
             UserWarning, stacklevel=3)
 
 
