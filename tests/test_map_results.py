@@ -210,7 +210,7 @@ def blocked_until(event_name, x):
     return x
 
 
-@pytest.mark.parametrize("how", ["map", "imap"])
+@pytest.mark.parametrize("how", ["map", "imap", "imap-async"])
 @pytest.mark.parametrize("group", [None, 2])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_an_input_cancelled_before_the_map_fails_alone_as_client_gather_has_it(c, s, a, b, how, group):
@@ -225,9 +225,11 @@ async def test_an_input_cancelled_before_the_map_fails_alone_as_client_gather_ha
     items = [cancelled if i == 3 else i for i in range(8)]
     if how == "map":
         got = await in_thread(dask_octopus.map, inc, items, client=c, group=group, gather=True, errors="skip")
-    else:
+    elif how == "imap":
         got = [r for _, r in await in_thread(lambda: list(dask_octopus.imap(inc, items, client=c, group=group,
                                                                              errors="skip")))]
+    else:  # the client's own loop: an asynchronous iterator
+        got = [r async for _, r in dask_octopus.imap(inc, items, client=c, group=group, errors="skip")]
     assert sorted(got) == [i + 1 for i in range(8) if i != 3]
     with pytest.raises(CancelledError, match=str(cancelled.key)):
         await in_thread(dask_octopus.map, inc, items, client=c, group=group, gather=True)

@@ -40,7 +40,7 @@ from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
 
 ITEM_PREFIX = "octopus-item"  # the key prefix of the tasks that pick each item's result from its batch
-SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter
+SCATTER_BYTES = 2**20  # local items above this many bytes in all go to their planned worker by scatter (gathered runs)
 ERRORS = ("raise", "skip")  # what map(gather=True) and imap do with an item that raised
 TAIL_TASKS = 2  # the stealable tail of a worker's list of items is split into this many tasks
 TAIL_PRIORITY = 1e-9  # how far below the user's priority the stealable tail runs (:func:`_just_below`)
