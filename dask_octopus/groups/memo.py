@@ -40,7 +40,6 @@ from toolz.functoolz import Compose
 from dask_octopus import config
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef
 from dask_octopus.groups.blocksizes import BlockBytes
-from dask_octopus.groups.fragment import Fragment
 
 _NUMBERS = (bool, int, float, complex)
 _AS_THEY_ARE = (str, bytes, type(None), type(Ellipsis), FunctionType, BuiltinFunctionType, MethodType, type,
@@ -244,11 +243,13 @@ class PlanMemo:
         self._lock = threading.Lock()
 
     def plan(self, inputs: PlanInputs, make: Callable[[], tuple[dict[Key, GraphNode], dict[Key, GraphNode],
-                                                                 frozenset[Key]]]) -> dict[Key, GraphNode]:
+                                                                 frozenset[Key]]],
+             fresh: Callable[[GraphNode], GraphNode]) -> dict[Key, GraphNode]:
         """The plan remembered for ``inputs`` (:func:`plan_form` and :func:`samples` equal), with fresh
-        fragment tasks and the graph's own tasks where the plan kept them (reading its picks as the plan's
-        did), else ``make()``'s (the graph, its picks and the keys whose tasks are the graph's own, those
-        rewritten to read picks included), remembered where graphs of these keys were planned before (a
+        tasks (``fresh(node)``: a fragment task's with a copy of its fragment, any other as it is) and the
+        graph's own tasks where the plan kept them (reading its picks as the plan's did), else ``make()``'s
+        (the graph, its picks and the keys whose tasks are the graph's own, those rewritten to read picks
+        included), remembered where graphs of these keys were planned before (a
         plan is remembered from the second compute on, and reused from the third: graphs of new keys,
         computed once, leave only a hash behind). A compute of new keys costs one pass over its keys
         here."""
@@ -270,7 +271,7 @@ class PlanMemo:
                     with self._lock:
                         if outline in self._plans:
                             self._plans.move_to_end(outline)
-                    return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()})
+                    return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()}, fresh)
         elif not self._seen_before(hash(outline), size):  # planned once: maybe never again
             return make()[0]
         else:
@@ -280,7 +281,7 @@ class PlanMemo:
             return out
         found = found if found is not None else samples(tasks)
         if found is not None:  # (the callers make the inputs for this call alone: they stay as they are)
-            graph = {ends.get(k, k): None if k in own else _fresh(node) for k, node in out.items()}
+            graph = {ends.get(k, k): None if k in own else fresh(node) for k, node in out.items()}
             with self._lock:
                 self._plans[outline] = _Entry(tasks, found, graph, dict(picks), None if form is not None else inputs,
                                               ends, form)
@@ -309,9 +310,10 @@ class PlanMemo:
             self._seen.clear()
 
 
-def _apply(entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Hashable, Key]) -> dict[Key, GraphNode]:
+def _apply(entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Hashable, Key],
+           fresh: Callable[[GraphNode], GraphNode]) -> dict[Key, GraphNode]:
     """The plan of ``entry`` in its order for the graph ``dsk`` (its ends by their names: ``ends``): fresh
-    fragment tasks, and ``dsk``'s own tasks where the plan kept them, reading its picks as the plan's did."""
+    tasks (``fresh``), and ``dsk``'s own tasks where the plan kept them, reading its picks as the plan's did."""
     out: dict[Key, GraphNode] = {}
     picks = entry.picks
     for k, node in entry.graph.items():
@@ -320,15 +322,8 @@ def _apply(entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Hashable, 
             node = dsk[k]
             out[k] = node.substitute(picks) if picks.keys() & node.dependencies else node
         else:
-            out[k] = _fresh(node)
+            out[k] = fresh(node)
     return out
-
-
-def _fresh(node: GraphNode) -> GraphNode:
-    """``node``, or for a fragment task a copy holding a copy of its fragment (:meth:`Fragment.copy`)."""
-    if type(node) is Task and node.args and type(arg := node.args[0]) is DataNode and type(arg.value) is Fragment:
-        return Task(node.key, node.func, DataNode(None, arg.value.copy()), *node.args[1:])
-    return node
 
 
 #: the plans of this process (the scheduler's optimizer, its plugin, a client without the plugin)

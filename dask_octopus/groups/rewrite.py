@@ -263,7 +263,14 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     """
     inputs = PlanInputs(dsk, specs, keep, dependents, places, parts, pullable, sizes, budgets, retries, labels,
                         made_bytes, read_through, None if roots is None else list(roots))
-    return plans.plan(inputs, lambda: _fragment_graph(*inputs))
+    return plans.plan(inputs, lambda: _fragment_graph(*inputs), _fresh)
+
+
+def _fresh(node: GraphNode) -> GraphNode:
+    """``node``, or for a fragment task a copy holding a copy of its fragment (:meth:`Fragment.copy`): a plan
+    remembered hands out its own fragments to each compute."""
+    fragment = fragment_of(node)
+    return node if fragment is None else Task(node.key, run_fragment, DataNode(None, fragment.copy()), *node.args[1:])
 
 
 def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
