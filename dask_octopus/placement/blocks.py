@@ -94,7 +94,8 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
     _check_fits(caps, total, nbytes, row_bytes, "")
     kept = _without_small(workers, weights, caps, limits, (per_worker or 1) * align, row_bytes)
-    _check_fits(kept[2], total, nbytes, row_bytes, " (of those that can hold a block)" * (len(kept[0]) < len(workers)))
+    if len(kept[0]) < len(workers):  # what is left must fit too
+        _check_fits(kept[2], total, nbytes, row_bytes, " (of those that can hold a block)")
     workers, weights, caps, limits = kept
     if total < len(workers) * (per_worker or 1):
         rows = "rows" if axis == 0 else f"entries along axis {axis}"
