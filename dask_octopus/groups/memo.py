@@ -40,6 +40,7 @@ from toolz.functoolz import Compose
 from dask_octopus import config
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef
 from dask_octopus.groups.blocksizes import BlockBytes
+from dask_octopus.groups.planning import layer_of
 
 _NUMBERS = (bool, int, float, complex)
 _AS_THEY_ARE = (str, bytes, type(None), type(Ellipsis), FunctionType, BuiltinFunctionType, MethodType, type,
@@ -143,11 +144,6 @@ class _End:
     ``(_End, kind, keys)``, never a Dask key."""
 
 
-def _layer(key: Key) -> Any:
-    """The layer of a key: the name of a block's key ``(name, i, ...)``, else the key itself."""
-    return key[0] if type(key) is tuple and key else key
-
-
 @dataclass
 class _Entry:
     sampled: dict[Any, GraphNode]  # the sampled tasks of the inputs
@@ -183,7 +179,7 @@ def sampled(inputs: PlanInputs, ends: Collection[Key]) -> dict[Any, GraphNode]:
     chosen: dict[Any, tuple[int, Key]] = {}
     for k in inputs.dsk:
         if k not in ends:
-            layer, h = _layer(k), hash(k)
+            layer, h = layer_of(k), hash(k)
             if layer not in chosen or h < chosen[layer][0]:
                 chosen[layer] = h, k
     return {layer: inputs.dsk[k] for layer, (_, k) in chosen.items()}
@@ -226,8 +222,8 @@ def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
             items(inputs.places), items(inputs.parts),
             None if inputs.pullable is None else frozenset(map(name, inputs.pullable)), items(inputs.sizes),
             items(inputs.budgets), items(inputs.retries), items(inputs.labels),
-            made.layouts({_layer(k) for k in dsk if k not in ends}
-                         | {_layer(d) for node in dsk.values() for d in node.dependencies})
+            made.layouts({layer_of(k) for k in dsk if k not in ends}
+                         | {layer_of(d) for node in dsk.values() for d in node.dependencies})
             if isinstance(made, BlockBytes) else None,
             frozenset(map(name, inputs.read_through)),
             None if inputs.roots is None else frozenset(map(name, inputs.roots)))

@@ -67,6 +67,11 @@ def topological(order: Sequence[Hashable], dependencies: Mapping[Hashable, Colle
     return out
 
 
+def layer_of(key: Hashable) -> Hashable:
+    """The layer of a key: the name of a block's key ``(name, *index)``, else the key itself."""
+    return key[0] if type(key) is tuple and key else key
+
+
 def layer_order(keys: Iterable[Hashable]) -> list[Hashable]:
     """``keys`` with the blocks of each layer (tuple keys ``(name, *index)`` of one ``name``) in index
     order, from the place of the layer's first key; layers and other keys keep their order. A

@@ -25,7 +25,7 @@ from dask.utils import key_split
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.memo import PlanInputs, plans
-from dask_octopus.groups.planning import layer_order, plan_fragments, pull_upstream, topological
+from dask_octopus.groups.planning import layer_of, layer_order, plan_fragments, pull_upstream, topological
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
 
@@ -130,7 +130,7 @@ def timing_prefix(prefix: str, node: Any) -> str:
     fragment = fragment_of(node) if prefix == FRAGMENT_PREFIX else None
     if fragment is None:
         return prefix
-    names = dict.fromkeys(k[0] if type(k) is tuple and k else k for k in fragment.members)
+    names = dict.fromkeys(map(layer_of, fragment.members))
     prefixes = sorted({key_split(n) for n in names})
     more = f"+{len(prefixes) - 4} more" if len(prefixes) > 4 else ""  # (50 delayed functions: 400 letters)
     return f"{FRAGMENT_PREFIX}({'+'.join(prefixes[:4])}{more})"

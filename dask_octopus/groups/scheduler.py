@@ -55,7 +55,7 @@ from dask_octopus._compat import (
     running_schedulers,
 )
 from dask_octopus.groups.blocksizes import block_bytes
-from dask_octopus.groups.planning import ANNOTATION
+from dask_octopus.groups.planning import ANNOTATION, layer_of
 from dask_octopus.groups.rewrite import (
     FRAGMENT_PREFIX,
     fragment_graph,
@@ -686,7 +686,7 @@ def _named_for(key: Key, fkey: Key, prefix: str, j: int) -> Key:
     do (root tasks are queued: a worker that goes down takes few of them with it); for keys of other kinds, ``key``'s
     prefix and ``j``; for a fragment task (a reader: no user's name to keep), ``fkey``'s and ``j``."""
     name = fkey[0].replace(FRAGMENT_PREFIX, prefix, 1)
-    head = key[0] if type(key) is tuple and key else key
+    head = layer_of(key)
     if isinstance(head, str) and head.startswith(FRAGMENT_PREFIX):
         return (name, fkey[1], j)
     if isinstance(key, str):

@@ -23,6 +23,7 @@ from dask.utils import key_split
 from distributed.core import Status
 
 from dask_octopus._compat import expected_duration
+from dask_octopus.groups.planning import layer_of
 from dask_octopus.groups.rewrite import inner_keys, picks_a_result
 from dask_octopus.placement.planning import reassign
 from dask_octopus.profiling.working_set import MEASURE
@@ -50,10 +51,6 @@ class Plan:
     nbytes: list[float] | None = None  # ... and the bytes of each block (of a map plan: of its items)
     pieces: str | None = None  # ... and the key name of its re-chunk's slices of input blocks
     moved: set[int] = field(default_factory=set)  # blocks moved off workers that left (Placement.rehome)
-
-
-def _key_name(key: Any) -> Any:
-    return key[0] if isinstance(key, tuple) else key
 
 
 def _pinnable(ts: TaskState) -> bool:
@@ -133,7 +130,7 @@ class Placement:
 
     def _costed(self, key: Key) -> Plan | None:
         """The plan of ``key``'s collection, also one gone with its tasks lately (their timings come later)."""
-        name = _key_name(key)
+        name = layer_of(key)
         return self.plans.get(name) or self._retired.get(name)
 
     def items_bytes_of(self, key: Key) -> float | None:
@@ -172,9 +169,9 @@ class Placement:
         if not self.plans:  # (no fused keys to walk then)
             return
         for k in inner_keys(key, run_spec):
-            plan = self.plans.get(_key_name(k))
+            plan = self.plans.get(layer_of(k))
             if plan is not None and isinstance(k, tuple) and len(k) > plan.index:
-                yield (_key_name(k), k[plan.index])
+                yield (layer_of(k), k[plan.index])
 
     def planned_block(self, key: Key, run_spec: Any) -> Block | None:
         """The first planned block whose key the task ``key`` (run spec ``run_spec``) is, or has fused or
@@ -212,7 +209,7 @@ class Placement:
                 origin[ts.key] = block = self._origin(ts, origin, owned)
                 if block is not None:
                     pinned += self._pin(ts, block, origin, owned)
-                elif _key_name(ts.key) in pieces:
+                elif layer_of(ts.key) in pieces:
                     pinned += _pin_where_held(ts)
         return pinned
 
