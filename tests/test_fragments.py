@@ -901,12 +901,16 @@ def test_array_blocks_are_sized_from_the_chunks_and_dtype_of_their_layer(monkeyp
     sizes = blocksizes.block_bytes()
     assert [sizes[(x.name, i, 0)] for i in range(3)] == [96.0, 96.0, 48.0]
     assert [sizes.get((x.name, i, 0)) for i in range(3)] == [96.0, 96.0, 48.0]
-    for key in [(x.name, 3, 0), (x.name, -1, 0), (x.name, 0), (x.name, 0, 0, 0), (unknown.name, 0, 0),
-                (objects.name, 0), (masked.name, 0, 0), "x", ("other", 0, 0)]:
+    unsized = [(x.name, 3, 0), (x.name, -1, 0), (x.name, 0), (x.name, 0, 0, 0), (x.name, 0.0, 0), (x.name, True, 0),
+               (unknown.name, 0, 0), (objects.name, 0), (masked.name, 0, 0), "x", ("other", 0, 0), ()]
+    for key in unsized:
         assert key not in sizes, key  # past its blocks, other shapes, unknown chunks, objects, other types, layers
         assert sizes.get(key) is None and sizes.get(key, -1.0) == -1.0, key
         with pytest.raises(KeyError):
             sizes[key]
+    blocks = {(x.name, 2, 0): 48.0, (x.name, 0, 0): 96.0}  # in one pass, as a fragment looks up its steps
+    assert sizes.known([*blocks, *unsized]) == blocks == blocksizes.known_bytes(sizes, [*unsized, *blocks])
+    assert blocksizes.known_bytes({"a": 1.0, "b": None}, ["a", "b", "c"]) == {"a": 1.0}  # any mapping
     assert len(sizes) == len(list(sizes)) >= 3 and (x.name, 2, 0) in list(sizes)
     later = blocksizes.block_bytes()
     monkeypatch.setattr(blocksizes, "LAYERS", 2)

@@ -67,6 +67,28 @@ def remember(dsk: Any) -> None:
             _layers.popitem(last=False)
 
 
+def _block_bytes(key: tuple, layout: Layout) -> float | None:
+    """The bytes of the block ``key`` of a layer of ``layout`` (``None``: not one of its blocks)."""
+    chunks, nbytes = layout
+    if len(key) != len(chunks) + 1:
+        return None
+    at = 1
+    for dim in chunks:  # (indexed, without zip and a slice of the key: a call per step of a fragment)
+        i = key[at]
+        if type(i) is not int or not 0 <= i < len(dim):
+            return None
+        nbytes *= dim[i]
+        at += 1
+    return float(nbytes)
+
+
+def known_bytes(made: Mapping[Key, float], keys: Iterable[Key]) -> dict[Key, float]:
+    """The bytes ``made`` (a :class:`BlockBytes` or any mapping) knows of each of ``keys`` that it sizes."""
+    if isinstance(made, BlockBytes):
+        return made.known(keys)
+    return {k: b for k in keys if (b := made.get(k)) is not None}
+
+
 class BlockBytes(Mapping[Key, float]):
     """The bytes of the blocks of the layers remembered when it was made (:func:`block_bytes`), by key
     ``(name, i, j, ...)``, each computed when it is looked up."""
@@ -81,17 +103,21 @@ class BlockBytes(Mapping[Key, float]):
         return nbytes
 
     def get(self, key: Key, default: Any = None) -> Any:
-        """The bytes of block ``key``, else ``default`` (without raising: fragments look up every step's
-        name, most of which name no block)."""
+        """The bytes of block ``key``, else ``default`` (without raising)."""
         layout = self._layers.get(key[0]) if type(key) is tuple and key and type(key[0]) is str else None
-        if layout is None or len(key) != len(layout[0]) + 1:
-            return default
-        nbytes = layout[1]
-        for dim, i in zip(layout[0], key[1:], strict=True):
-            if type(i) is not int or not 0 <= i < len(dim):
-                return default
-            nbytes *= dim[i]
-        return float(nbytes)
+        nbytes = None if layout is None else _block_bytes(key, layout)
+        return default if nbytes is None else nbytes
+
+    def known(self, keys: Iterable[Key]) -> dict[Key, float]:
+        """The bytes of the blocks among ``keys`` (fragments look up every step's name, most of which name
+        no block: one pass here, without a call per key)."""
+        layers = self._layers
+        out = {}
+        for key in keys:
+            if (type(key) is tuple and key and type(key[0]) is str and (layout := layers.get(key[0])) is not None
+                    and (nbytes := _block_bytes(key, layout)) is not None):
+                out[key] = nbytes
+        return out
 
     def layouts(self, names: Iterable[Any]) -> frozenset[tuple[Any, Layout | None]]:
         """The chunks and item size of each layer of ``names`` (``None`` where not remembered), by name:

@@ -30,6 +30,7 @@ from dask.typing import Key
 from distributed.protocol.pickle import dumps
 
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
+from dask_octopus.groups.blocksizes import known_bytes
 from dask_octopus.groups.planning import interleave, live_peak, topological
 
 
@@ -228,8 +229,9 @@ class Fragment:
         slot.update((name, first + i) for i, name in enumerate(names))
         self.names: tuple[Key, ...] = tuple(names)
         self.reads: tuple[tuple[int, ...], ...] = tuple(tuple(slot[v] for v in reads[name]) for name in names)
-        self.deps: tuple[tuple[int, ...], ...] = tuple(tuple(sorted({s - first for s in r if s >= first}))
-                                                       for r in self.reads)
+        self.deps: tuple[tuple[int, ...], ...] = tuple(
+            ((r[0] - first,) if r[0] >= first else ()) if len(r) == 1  # (most steps read one value)
+            else tuple(sorted({s - first for s in r if s >= first})) for r in self.reads)
         self.results: tuple[int, ...] = tuple(slot[o] for o in self.outputs)
         last: dict[int, int] = {}
         for i, r in enumerate(self.reads):
@@ -247,7 +249,7 @@ class Fragment:
         self._specs: bytes | tuple = specs
         self._structure: str | None = None
         self.read_before: dict[Key, frozenset[Key]] = {}
-        self.made: dict[Key, float] = {name: b for name in (*self.inputs, *names) if (b := made.get(name)) is not None}
+        self.made: dict[Key, float] = known_bytes(made, (*self.inputs, *names))
 
     def split(self) -> list[Fragment]:
         """The fragment as one fragment per member, in the order of the members' first steps: each holds

@@ -205,7 +205,9 @@ def inner_marks(graph: Mapping[Key, Any], specs: Mapping[Key, Mapping[str, Any]]
     """The marks of the tasks of an optimized graph: their own, or that of a task fused into them."""
     out = {}
     for k, node in graph.items():
-        spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
+        spec = specs.get(k)  # (its own first: inner_keys lists it first)
+        if spec is None:
+            spec = next((specs[i] for i in inner_keys(k, node) if i in specs), None)
         if spec is not None:
             out[k] = spec
     return out

@@ -360,12 +360,18 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             marks = {k: m for k, m in marks.items() if k not in failing}
         sizes = _sizes(had.values())
         coerce = functools.lru_cache(maxsize=None)(scheduler.coerce_address)  # (it may look a host name up)
+        homes: dict[str | None, Hashable] = {}  # the place of an unannotated task, by its inputs' home
         for k in marks:
             node = graph[k]
             worker = placement.planned_worker(k, node)
             held = [had[d] for d in node.dependencies if d in had]
-            places[k] = (_place_of([worker]) if worker is not None
-                         else _place_of(*annotated_restrictions(annotations.get(k, {}), coerce), _home(held)))
+            if worker is not None:
+                places[k] = _place_of([worker])
+            elif k in annotations:
+                places[k] = _place_of(*annotated_restrictions(annotations[k], coerce), _home(held))
+            else:
+                home = _home(held)
+                places[k] = homes[home] if home in homes else homes.setdefault(home, _place_of(home=home))
         kinds = set(places.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
