@@ -6,6 +6,7 @@ docs/tested-behaviour.md maps every row of the README's two tables to the test(s
 import asyncio
 import logging
 import sys
+import threading
 import types
 
 import dask
@@ -502,6 +503,36 @@ def test_a_graph_larger_than_max_graph_bytes_is_replayed_once_then_its_shapes_ru
     got = [streams._cached_graph(cache, "large", ("b",), lambda in_place: next(made)) for _ in range(4)]
     assert got == [None, large, None, None] and "large" in cache.refused
     assert list(cache.graphs.values()) == [kept] and cache.bytes == 60
+
+
+def test_the_graphs_of_a_thread_that_ended_are_dropped_and_its_replays_stay_counted():
+    """Dask replaces a worker's threads (a task that secedes leaves its slot to a new thread): the graphs
+    of a thread that ended are never replayed again, and would hold device memory beyond any cache's
+    max-graph-bytes."""
+    rt = streams.StreamRuntime()
+    graph = types.SimpleNamespace(inputs=None, streams=1, held_bytes=lambda: 100)
+    made = []
+
+    def capture(signature):
+        cache = rt.graph_cache()
+        cache.add(signature, graph, 100)
+        cache.replays += 2
+        made.append(cache)
+
+    capture("here")
+    ended = threading.Thread(target=capture, args=("ended",))
+    ended.start()
+    ended.join()
+    here, gone = made
+    assert gone is not here and rt.graph_cache() is here  # one cache a thread
+    assert rt.stats() | {"last_refusal": None} == {
+        "groups": 0, "members": 0, "graphs": 1, "graphs_in_place": 1, "graph_bytes": 100, "graphs_on_streams": 0,
+        "refused": 0, "replays": 4, "last_refusal": None}
+    assert not gone.graphs and gone.bytes == 0 and list(here.graphs) == ["here"]
+    later = threading.Thread(target=capture, args=("later",))  # a new thread's cache: the live ones are kept
+    later.start()
+    later.join()
+    assert list(here.graphs) == ["here"] and rt.stats()["graphs"] == 1 and rt.stats()["replays"] == 6
 
 
 def test_the_graph_cache_reads_max_graph_bytes_from_dask_config():

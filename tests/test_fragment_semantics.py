@@ -1526,6 +1526,38 @@ async def test_partial_sums_of_pinned_blocks_join_their_fragments(c, s, a, b, gr
     assert fragments == sorted([a.address, b.address]), fragments
 
 
+def test_each_reader_raises_an_error_of_its_own():
+    """Readers of one failed step (threads of a worker, at once) each raise a copy of its error with the
+    step's frames: Python adds the frames an exception passes through to the object raised, so readers
+    raising one object would stack their frames onto one another's traceback."""
+    import traceback
+
+
+    def failed_step():
+        try:
+            raise_at(2)
+        except ValueError as e:
+            return StepFailed(e, "raised by task 'x'")
+
+    held = failed_step()
+
+    def reader():
+        pick([held], 0)
+
+    errors = []
+    for _ in range(2):
+        try:
+            reader()
+        except ValueError as e:
+            errors.append(e)
+    first, second = errors
+    assert first is not second and first is not held.error
+    for e in errors:  # the first keeps its frames after the second was raised
+        frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+        assert frames[1:] == ["reader", "pick", "failed_step", "raise_at"], frames
+        assert repr(e) == "ValueError('boom at 2')" and e.__notes__ == ["raised by task 'x'"]
+
+
 class OneStream:
     """Stands in for a CUDA stream: a context, events that are nothing."""
 
@@ -1552,8 +1584,9 @@ def test_a_captured_launch_never_runs_a_step_again_a_running_task_does():
     layout = streams.FragmentLayout(frag, 1)
     FLAKY.clear()
     values = {}
-    streams.launch(frag, frag.specs(), layout, values, [OneStream()])  # as captured: no task, no retries
-    assert type(values[1]) is StepFailed and FLAKY == {"captured": 1}  # the failed launch is not repeated
+    with pytest.raises(OSError, match="captured: transient fault 1"):  # as captured: no task, no retries; the
+        streams.launch(frag, frag.specs(), layout, values, [OneStream()])  # error ends it (the capture's reason)
+    assert 1 not in values and FLAKY == {"captured": 1}  # the failed launch is not repeated
     task = streams.RunningTask()  # outside a worker: the fragment's own retries only
     values = {}
     streams.launch(frag, frag.specs(), layout, values, [OneStream()], task)

@@ -105,3 +105,34 @@ def test_a_capture_whose_input_copies_do_not_fit_is_refused(how):
             replay.capture_fragment(cp, lambda v, st: None, {0: x}, [0], [0], [Stream()], in_place=False)
         else:
             replay.capture(cp, [lambda a: a * 2], [[x]], [0], [Stream()])
+
+
+class Invalidating(Stream):
+    """A stream whose capture a refused call invalidated: ending it raises, as CUDA's does."""
+
+    def end_capture(self):
+        self.capturing = False
+        raise RuntimeError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error")
+
+
+def refused_while_captured(x):
+    raise RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("stream", [Stream, Invalidating])
+def test_a_step_that_raises_while_captured_is_the_capture_s_reason_to_refuse(stream):
+    """The debug line and the dashboard's last refusal say why: the step's error, not that its output (a
+    held error) is no CuPy array, nor CUDA's message on ending the capture it invalidated."""
+    from dask_octopus._compat import Task, TaskRef
+    from dask_octopus.groups import streams
+    from dask_octopus.groups.fragment import Fragment
+
+    frag = Fragment({"a": Task("a", refused_while_captured, TaskRef("x")), "b": Task("b", np.negative, TaskRef("a"))},
+                    ["b"], {"a": "memory", "b": "memory"})
+    layout = streams.FragmentLayout(frag, 1)
+    specs = frag.specs()
+    origin = stream()
+    with pytest.raises(replay.CaptureRefused, match=r"^RuntimeError: cudaErrorStreamCaptureUnsupported"):
+        replay.capture_fragment(fake_cupy(), lambda v, st: streams.launch(frag, specs, layout, v, st),
+                                {0: np.ones(4)}, [0], frag.results, [origin], in_place=True)
+    assert not origin.capturing  # the capture ended

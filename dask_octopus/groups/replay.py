@@ -15,6 +15,7 @@ running eagerly.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -84,8 +85,11 @@ def _capture(cp: Any, streams: Sequence[Any], launch: Callable[[], Any]) -> tupl
                 launched = launch()
                 for s in streams[1:]:
                     origin.wait_event(s.record())
-            finally:
-                graph = origin.end_capture()
+            except BaseException:  # the capture ends; the launch's error is the reason (CUDA's own, on ending
+                with contextlib.suppress(Exception):  # a capture that a refused call invalidated, says less)
+                    origin.end_capture()
+                raise
+            graph = origin.end_capture()
     except Exception as e:
         raise CaptureRefused(f"{type(e).__name__}: {e}") from e
     if ffts[0]:

@@ -117,7 +117,8 @@ class StreamRuntime:
         self.last_refusal = None
         self.groups = self.members = 0
         self._local = threading.local()
-        self._caches: list[GraphCache] = []
+        self._caches: list[tuple[threading.Thread, GraphCache]] = []  # each thread's (graph_cache)
+        self._replays_gone = 0  # replays of the caches of threads that ended
         self._lock = threading.Lock()
 
     def streams(self, cp: Any, n: int, fresh: bool = False) -> list[Any]:
@@ -176,28 +177,44 @@ class StreamRuntime:
         return full if spread else self.layout(fragment, 1)
 
     def graph_cache(self) -> GraphCache:
-        """This thread's captured groups."""
+        """This thread's captured groups (those of threads that ended are dropped: :meth:`_live_caches`)."""
         cache = getattr(self._local, "graphs", None)
         if cache is None:
             cache = self._local.graphs = GraphCache(self.max_graphs, self.capture_after, self.max_graph_bytes)
             with self._lock:
-                self._caches.append(cache)
+                self._live_caches()
+                self._caches.append((threading.current_thread(), cache))
         return cache
+
+    def _live_caches(self) -> list[GraphCache]:
+        """The graph caches of the threads alive, those of threads that ended being dropped (with the lock
+        held): Dask replaces a worker's threads (a task that secedes, as ``worker_client`` does, leaves
+        its slot to a new thread and its own ends), and their graphs, never replayed again, would hold
+        device memory beyond any cache's ``max-graph-bytes``. Their replays stay counted."""
+        live = []
+        for thread, cache in self._caches:
+            if thread.is_alive():
+                live.append((thread, cache))
+            else:
+                self._replays_gone += cache.replays
+                cache.drop_graphs()
+        self._caches = live
+        return [cache for _, cache in live]
 
     def stats(self) -> dict[str, Any]:
         """Groups run and their tasks, captured group signatures (those read in place, those forked over
         several streams, the bytes they hold) and refused ones, graph replays on this worker (all
-        threads), and why the latest capture was refused. The worker plugin sends it to the scheduler
-        with each heartbeat, for the dashboard."""
+        threads, those that ended included), and why the latest capture was refused. The worker plugin
+        sends it to the scheduler with each heartbeat, for the dashboard."""
         with self._lock:
-            caches = list(self._caches)
-            groups, members = self.groups, self.members
+            caches = self._live_caches()
+            groups, members, replays = self.groups, self.members, self._replays_gone
         graphs = [g for c in caches for g in list(c.graphs.values())]  # a copy: worker threads change them
         return {"groups": groups, "members": members, "graphs": len(graphs),
                 "graphs_in_place": sum(g.inputs is None for g in graphs),
                 "graph_bytes": sum(g.held_bytes() for g in graphs),
                 "graphs_on_streams": sum(g.streams > 1 for g in graphs),
-                "refused": sum(len(c.refused) for c in caches), "replays": sum(c.replays for c in caches),
+                "refused": sum(len(c.refused) for c in caches), "replays": replays + sum(c.replays for c in caches),
                 "last_refusal": self.last_refusal}
 
     def count(self, members: int) -> None:
@@ -233,7 +250,7 @@ class StreamRuntime:
         learned (the worker plugin's teardown; used again, the runtime learns them afresh, and keeps
         counting groups and refusals)."""
         with self._lock:
-            for cache in self._caches:
+            for _, cache in self._caches:
                 cache.drop_graphs()
             self._caches.clear()
             self.layouts.clear()
@@ -475,9 +492,12 @@ class HeldError:
         return _held, (type(self), self._sent, self.traceback)
 
     def exception(self) -> BaseException:
-        """``error`` with a traceback made from the copy, for a reader to raise (each its own: raising
-        the one traceback again would stack every reader's frames onto it)."""
-        return self.error.with_traceback(self.traceback.as_traceback() if self.traceback is not None else None)
+        """A copy of ``error`` (:func:`detached`, its notes kept) with a traceback made from the copy of its
+        frames, for a reader to raise: each reader its own exception and traceback, since Python adds
+        the frames an exception passes through to the object raised, and readers raising one object,
+        one after another or in threads at once, would stack their frames onto one another's."""
+        tb = self.traceback.as_traceback() if self.traceback is not None else None
+        return detached(self.error).with_traceback(tb)
 
 
 def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback | None) -> HeldError:
@@ -749,9 +769,10 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
            streams: Sequence[Any], task: RunningTask | None = None) -> list[Any]:
     """Launch the steps (``specs``: :meth:`Fragment.specs`) on their streams into ``values`` (slots to
     values), waiting on an event where a step reads another stream's result (with ``task``, retries and
-    release as in :func:`walk`; without, as when captured, a step that raises is not run again: its
-    launches would stay in the graph); returns the values kept alive for other streams (the caller holds
-    them until those streams are done)."""
+    release as in :func:`walk`; without, as when captured, a step that raises ends the launches, its
+    exception the capture's reason to refuse: run again, its launches would stay in the graph, and held
+    as a value, the capture would fail later for a reason that hides it); returns the values kept alive
+    for other streams (the caller holds them until those streams are done)."""
     events: dict[int, Any] = {}
     held = []
     first = len(fragment.inputs)
@@ -762,7 +783,10 @@ def launch(fragment: Fragment, specs: Sequence[Any], layout: FragmentLayout, val
             if j in layout.shared and layout.streams[j] != layout.streams[i]:
                 s.wait_event(events[j])
         with s:
-            values[first + i] = _step(name, spec, reads, values, again[i], task)
+            if task is None:
+                values[first + i] = evaluate(spec, [values[v] for v in reads])
+            else:
+                values[first + i] = _step(name, spec, reads, values, again[i], task)
             if i in layout.shared:
                 events[i] = s.record()
         for d in drop:
