@@ -13,6 +13,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask._task_spec import fuse_linear_task_spec
 from dask.utils import key_split
 from distributed import wait
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
@@ -20,7 +21,7 @@ from test_balance import setup
 from test_fragment_semantics import grouped_by  # noqa: F401 (a fixture)
 
 import dask_octopus
-from dask_octopus._compat import Task, TaskRef
+from dask_octopus._compat import Task, TaskRef, resolve_aliases
 from dask_octopus.groups import memo, rewrite
 from dask_octopus.groups.blocksizes import block_bytes
 from dask_octopus.groups.memo import plans
@@ -264,6 +265,44 @@ def test_a_remembered_plan_whose_own_closure_changed_in_place_is_planned_anew(pl
     for _ in range(3):
         assert dask.get(plan(graph("c", halve_until)), "total") == pytest.approx(6.0)
     assert len(planned) == 9 and len(plans) == 1  # (the first setting's plan)
+
+
+DASK_NAMED = "b-" + "0" * 32  # a layer name as Dask makes them: its prefix and the hash of what it computes
+
+
+def user_named(constants, fused):
+    """Tasks under keys named by the user (``("a", i)``, as ``dask_key_name`` names them), each of its own
+    constant, and their total; ``fused``: each read by a task of a layer that Dask named, which low-level
+    fusion fuses it into (keeping its key inside)."""
+    dsk = {("a", i): Task(("a", i), chain, c) for i, c in enumerate(constants)}
+    if not fused:
+        dsk["total"] = Task("total", add_all, *(TaskRef(k) for k in dsk))
+        return dsk, list(dsk)[:-1]
+    dsk |= {(DASK_NAMED, i): Task((DASK_NAMED, i), twice, TaskRef(("a", i))) for i in range(len(constants))}
+    dsk["total"] = Task("total", add_all, *(TaskRef((DASK_NAMED, i)) for i in range(len(constants))))
+    fused = fuse_linear_task_spec(dsk, ["total"])
+    dsk = resolve_aliases(fused, {"total"}, rewrite.dependents_of(fused))
+    assert all(type(node) is Task for node in dsk.values()) and len(dsk) == 5  # four fused tasks
+    return dsk, [k for k in dsk if k != "total"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_task_named_by_the_user_is_compared_also_inside_a_fused_one(planned, fused):
+    """A reused plan runs the functions and constants of the compute it was made for. Dask names a layer
+    by hashing what it computes, so one task of it vouches for the others; keys named by the user may hold
+    other constants from one compute to the next (Dask, having released the tasks, runs what it is given):
+    each such task is compared, also where fusion put it inside a task of a layer Dask named."""
+    runs = 0
+    for changed in range(4):  # whichever of the tasks changed, it is seen
+        constants = [float(i) for i in range(4)]
+        for now in [*[list(constants)] * 3, [c + 10.0 * (i == changed) for i, c in enumerate(constants)]]:
+            dsk, marked = user_named(now, fused)
+            factor = 2.0 if fused else 1.0
+            got = dask.get(plan(dsk, marked=marked, keep=["total"]), "total")
+            assert got == pytest.approx(factor * sum(chain(c) for c in now)), (changed, now)
+            runs += 1
+    assert len(planned) == 2 + 1 + 3 * 1 + 3  # remembered once; each change planned anew (and remembered)
+    assert runs == 16
 
 
 def test_keys_of_mixed_types_with_block_sizes_are_remembered(planned):

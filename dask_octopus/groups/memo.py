@@ -7,15 +7,18 @@ made computes of new keys 2-8 ms slower on the 2-core machine, more than the 1 m
 Dask gives the same collection the same keys each time it is computed (but the final task's, which
 :func:`ends_of` names for its kind and the keys it reads), so its fragments come out the same: planning
 them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time.
-Like Dask, which reuses a task it holds under the same key, a plan trusts keys to name their work, and
-checks one task of each layer in full (functions by identity, but lambdas and local functions, made
-anew each time, by their code, module and what they close over, defaults and attributes; numbers,
-strings and containers by value), before anything else (a graph rebuilt with other functions costs
-no more): a layer named by the user (``map_blocks(name=...)``) that computes something else now is
-planned anew. A reused plan runs the functions and constants of the compute it was made for, so the
-same tasks of that compute are checked again too: one whose closure or constants changed in place
-since no longer matches. A graph whose compared tasks hold data (arrays, objects that are neither
-plain values nor callable) is not remembered; a plan remembered holds its fragments' functions and
+Like Dask, which reuses a task it holds under the same key, a plan trusts a layer name that Dask made
+by hashing what the layer computes (``sum-`` and 32 hex digits) to name its work, and checks one task
+of each such layer in full (functions by identity, but lambdas and local functions, made anew each
+time, by their code, module and what they close over, defaults and attributes; numbers, strings and
+containers by value), and every task under a key named by the user (``dask_key_name``,
+``map_blocks(name=...)``; also one that low-level fusion put inside another task), which may hold
+other constants from one compute to the next, before anything else (a graph rebuilt with other
+functions costs no more): what computes something else now is planned anew. A reused plan runs the
+functions and constants of the compute it was made for, so the same tasks of that compute are checked
+again too: one whose closure or constants changed in place since no longer matches. A graph whose
+compared tasks hold data (arrays, objects that are neither plain values nor callable) is not
+remembered; a plan remembered holds its fragments' functions and
 constants (those of the tasks not compared too, closures and callable objects with what they hold),
 and until its form is made its graph, until newer plans replace it. A plan remembered hands out fresh
 fragment tasks each time (copies of the fragments as first made, pickled anew when sent) and takes the
@@ -26,6 +29,7 @@ Finding it can never fail a compute: a graph whose form has no hash is planned a
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -38,7 +42,7 @@ from dask.typing import Key
 from toolz.functoolz import Compose
 
 from dask_octopus import config
-from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
 from dask_octopus.groups.blocksizes import BlockBytes
 from dask_octopus.groups.planning import layer_of
 
@@ -144,6 +148,10 @@ class _End:
     ``(_End, kind, keys)``, never a Dask key."""
 
 
+class _Key:
+    """A task sampled alone (:func:`sampled`): ``(_Key, key)``, never a layer's name."""
+
+
 @dataclass
 class _Entry:
     sampled: dict[Any, GraphNode]  # the sampled tasks of the inputs
@@ -172,17 +180,68 @@ def ends_of(inputs: PlanInputs) -> dict[Key, Hashable] | None:
     return ends if len(set(ends.values())) == len(ends) else None
 
 
+_TOKEN = re.compile(r"-[0-9a-f]{32}$")  # the end of a layer name that Dask made by hashing what it computes
+
+
+def _inner_graph(node: GraphNode) -> Mapping[Key, GraphNode] | None:
+    """The graph a task made by Dask's fusion runs (``None`` for any other node)."""
+    if isinstance(node, Task) and node.func is execute_subgraph:
+        inner = node.args[0]
+        return inner.value if isinstance(inner, DataNode) else inner
+    return None
+
+
+class _Vouched:
+    """Whether a task of a graph is vouched for by its layer's sampled task: a task of a layer that Dask
+    named by hashing what it computes (its name ends in ``-`` and 32 hex digits: the same name, the
+    same work, as Dask trusts it) does what any other task of its layer does, but for its inputs (keys,
+    compared in full). A task named by the user (``dask_key_name``, ``map_blocks(name=...)``, any other
+    key) may hold other constants under the same key from one compute to the next, and so may a task
+    fused into another (low-level fusion keeps their keys inside it): those are compared each. A
+    graph that blockwise fusion made is shared by every task of its layer (made-up inner names), and
+    vouched for by the sample."""
+
+    def __init__(self, dsk: Mapping[Key, GraphNode]):
+        seen: set[int] = set()
+        self._shared: set[int] = set()  # the fused graphs run by several tasks
+        for node in dsk.values():
+            inner = _inner_graph(node)
+            if inner is not None:
+                (self._shared if id(inner) in seen else seen).add(id(inner))
+        self._names: dict[Any, bool] = {}
+
+    def _named_by_dask(self, key: Key) -> bool:
+        layer = layer_of(key)
+        known = self._names.get(layer)
+        if known is None:
+            known = self._names[layer] = type(layer) is str and _TOKEN.search(layer) is not None
+        return known
+
+    def __call__(self, key: Key, node: GraphNode) -> bool:
+        if not self._named_by_dask(key):
+            return False
+        inner = _inner_graph(node)
+        return inner is None or id(inner) in self._shared or all(self(k, child) for k, child in inner.items())
+
+
 def sampled(inputs: PlanInputs, ends: Collection[Key]) -> dict[Any, GraphNode]:
-    """One task of each layer of the graph (but its ends), by layer, to vouch for the others of their
-    layers: the same one each time in this process, in whatever order the graph lists them (of smallest
-    hash)."""
+    """The tasks of the graph (but its ends) whose forms a plan is checked against: one task of each layer
+    to vouch for the others of their layers (:class:`_Vouched`), the same one each time in this process,
+    in whatever order the graph lists them (of smallest hash), by layer; and each task not vouched for so,
+    by ``(_Key, key)``."""
     chosen: dict[Any, tuple[int, Key]] = {}
-    for k in inputs.dsk:
-        if k not in ends:
+    each: dict[Any, GraphNode] = {}
+    vouched = _Vouched(inputs.dsk)
+    for k, node in inputs.dsk.items():
+        if k in ends:
+            continue
+        if vouched(k, node):
             layer, h = layer_of(k), hash(k)
             if layer not in chosen or h < chosen[layer][0]:
                 chosen[layer] = h, k
-    return {layer: inputs.dsk[k] for layer, (_, k) in chosen.items()}
+        else:
+            each[(_Key, k)] = node
+    return {layer: inputs.dsk[k] for layer, (_, k) in chosen.items()} | each
 
 
 def samples(tasks: Mapping[Any, GraphNode]) -> Hashable | None:
