@@ -187,6 +187,37 @@ async def test_a_failed_task_a_client_holds_fails_only_what_reads_it(c, s, a, gr
     assert any(key_split(k) == FRAGMENT_PREFIX for k in rec.worker)
 
 
+def slow_load_unless(i, bad):
+    time.sleep(0.2)
+    return load_unless(i, bad)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
+async def test_an_input_still_running_that_fails_fails_no_output_wrongly_and_once_waited_its_readers_only(
+        c, s, a, b, grouped_by):
+    """Futures still running when the annotated graph comes, one of which then fails: each output is its
+    exact value or that input's error, and its reader fails (Dask fails a task's dependents before they
+    run: a fragment reading it fails whole, docs/fragments.md, Failures). Waited for first, the failed
+    input is held: only its reader fails, as without fragments."""
+    rec = await setup(c, s, [1.0, 1.0])
+    for waited in (False, True):
+        loads = [c.submit(slow_load_unless, i, 3, key=f"load-{waited}-{i}") for i in range(8)]
+        if waited:
+            await wait(loads)
+        with dask_octopus.annotate():
+            parts = [dask.delayed(inc)(f, dask_key_name=f"part-{waited}-{i}") for i, f in enumerate(loads)]
+        futures = c.compute([dask.delayed(inc)(p, dask_key_name=f"out-{waited}-{i}") for i, p in enumerate(parts)])
+        await asyncio.wait_for(wait(futures), 30)
+        for i, f in enumerate(futures):
+            if f.status == "finished":
+                assert await f == i + 2
+            else:
+                assert repr(await f.exception()) == "OSError('cannot read part 3')", i
+        statuses = [f.status for f in futures]
+        assert statuses[3] == "error" and (not waited or statuses.count("error") == 1), statuses
+    assert any(key_split(k) == FRAGMENT_PREFIX for k in rec.worker)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_graphs_optimized_beside_the_cluster_of_this_process_do_not_read_its_state(c, s, a):
     """The optimizer reads the scheduler's state only where the scheduler optimizes the graphs it gets:
