@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from collections.abc import Callable
 
@@ -70,6 +71,10 @@ def demo(kind: str, part: str, rows: int | None, cols: int | None, width: int | 
     if where.balance and rows is not None and rows < workers:
         raise click.BadParameter(f"the balance part gives each of its {workers} workers a block: at least "
                                  f"{workers} rows", param_hint="--rows")
+    try:  # (the PNGs come after the runs: a folder that cannot be made is said before them)
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot make the folder {out!r}: {e.strerror or e}", param_hint="--out") from None
     try:
         run_demo(where, gpus=gpus, rows=rows, cols=cols, width=width, passes=passes, balance_runs=balance_runs,
                  blocks=blocks, runs=runs, group=group, out=out, cotenant=cotenant, console=console())

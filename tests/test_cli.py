@@ -123,10 +123,15 @@ def test_demo_without_matplotlib_says_to_install_the_bench_extra_before_it_start
         "Error: the demo draws its charts with matplotlib: pip install 'dask-octopus[bench]'\n"), result.output
 
 
-def test_demo_refuses_an_out_folder_that_is_a_file(tmp_path):
+def test_demo_refuses_an_out_folder_that_is_a_file_or_cannot_be_made(tmp_path):
     (tmp_path / "a-file").write_text("")
     result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path / "a-file")])
     assert result.exit_code == 2 and "is a file" in result.output, result.output
+    inside = tmp_path / "a-file" / "charts"  # under a file: said before any cluster starts, not a traceback
+    result = CliRunner().invoke(main, ["demo", "--type", "cpu", "--out", str(inside)])
+    assert result.exit_code == 2 and "Invalid value for --out: cannot make the folder" in result.output, (
+        result.output)
+    assert "Not a directory" in result.output and not inside.exists()
 
 
 @pytest.mark.parametrize("kind, gpus, part, asked, ucx, used", [

@@ -113,16 +113,17 @@ def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(
 
 
 def test_a_scheduler_without_the_package_says_to_install_it(tmp_path):
-    """A scheduler whose environment lacks dask_octopus: ``speeds`` raises ``NotRegisteredError`` saying
-    so, and ``dask-octopus profile`` prints it in one line, not a traceback."""
+    """A scheduler whose environment lacks dask_octopus: ``register`` and ``speeds`` raise
+    ``NotRegisteredError`` saying so, and ``dask-octopus profile`` prints it in one line, not a traceback."""
     sched_file = tmp_path / "scheduler.json"
     hidden = "import sys; sys.modules['dask_octopus'] = None; from distributed.cli.dask_scheduler import main; main()"
     command = [sys.executable, "-c", hidden, "--scheduler-file", str(sched_file), "--port", "0", "--host",
                "127.0.0.1", "--no-dashboard"]
     with scheduler_process(command, sched_file, ENV, subprocess.DEVNULL):
         with Client(scheduler_file=str(sched_file), timeout="30s") as c:
-            with pytest.raises(NotRegisteredError, match="not installed where the scheduler runs"):
-                dask_octopus.speeds(c)
+            for call in (dask_octopus.register, dask_octopus.speeds):
+                with pytest.raises(NotRegisteredError, match="not installed where the scheduler runs"):
+                    call(c)
             out = subprocess.run([sys.executable, "-m", "dask_octopus", "profile", "--scheduler-address",
                                   c.scheduler.address], env=ENV, capture_output=True, text=True, timeout=60)
         assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr

@@ -106,6 +106,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         Client.
     RuntimeError
         When ``client`` is closed.
+    NotRegisteredError
+        When dask_octopus is not installed where the scheduler runs (a ``RuntimeError``).
     ValueError
         For a ``calibration_seconds`` or ``device`` that the setting of the same name does not take,
         or a setting under ``octopus`` in ``dask.config`` that is not what its key takes (naming the key),
@@ -122,7 +124,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         raise TypeError(f"unknown register options: {sorted(unknown)}")
     check_flag(calibrate, "calibrate")
     plugin = OctopusSchedulerPlugin(calibrate=calibrate, **options)  # (checks this process's settings)
-    error = client.run_on_scheduler(_settings_error)
+    error = _run_on_scheduler(client, _settings_error)
     if error is not None:  # the plugin would only log it there, and leave fragments unmade
         raise ValueError(f"on the scheduler at {client.scheduler.address}: {error}")
     client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
@@ -155,18 +157,24 @@ def _has_plugin(dask_scheduler: Any) -> bool:
     return registered_plugin(dask_scheduler) is not None
 
 
-def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
-    """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
-    client = client_of(client)
+def _run_on_scheduler(client: Client, func: Callable[..., Any]) -> Any:
+    """``client.run_on_scheduler(func)``, a function of this package: ``NotRegisteredError`` saying to
+    install it where the scheduler's environment lacks it (unpickling ``func`` there imports it)."""
     try:
-        registered = client.run_on_scheduler(_has_plugin)
-    except ModuleNotFoundError as e:  # (the check itself imports dask_octopus there)
+        return client.run_on_scheduler(func)
+    except ModuleNotFoundError as e:
         if not (e.name or "").startswith("dask_octopus"):
             raise
         raise NotRegisteredError(
             "dask_octopus is not installed where the scheduler runs: install it in the scheduler's and "
             "the workers' environments, then start the scheduler with --preload dask_octopus"
         ) from e
+
+
+def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
+    """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
+    client = client_of(client)
+    registered = _run_on_scheduler(client, _has_plugin)
     if not registered:
         raise NotRegisteredError(
             "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
