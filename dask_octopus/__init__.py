@@ -43,16 +43,23 @@ def _log_as_distributed() -> None:
 
 def dask_setup(service: Any) -> None:
     """Preload hook: ``dask scheduler --preload dask_octopus`` installs the scheduler plugin (once,
-    however many times the module is preloaded); ``dask worker --preload dask_octopus`` only checks that
+    however many times the module is preloaded; a bad ``octopus`` setting of the scheduler's process
+    fails the preload, as distributed lets a preload fail, and the clients' calls that need the plugin
+    say so); ``dask worker --preload dask_octopus`` only checks that
     the package imports on the worker (the scheduler plugin sends the worker plugin itself). Both log
     as distributed does (:func:`_log_as_distributed`)."""
     from distributed import Scheduler
 
     _log_as_distributed()
     if isinstance(service, Scheduler):
-        from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin, registered_plugin
+        from dask_octopus.plugins.scheduler import PRELOAD_ERROR, OctopusSchedulerPlugin, registered_plugin
 
         if registered_plugin(service) is None:
-            service.add_plugin(OctopusSchedulerPlugin())
+            try:
+                plugin = OctopusSchedulerPlugin()  # (checks the process's settings)
+            except ValueError as e:  # distributed logs it and starts the scheduler without the plugin: clients
+                setattr(service, PRELOAD_ERROR, str(e))  # asking for it are told why
+                raise
+            service.add_plugin(plugin)
     else:
         logger.info("dask_octopus %s available on %s", __version__, getattr(service, "address", service))

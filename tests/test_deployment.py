@@ -99,6 +99,22 @@ def test_register_refuses_a_scheduler_whose_own_octopus_setting_is_bad(tmp_path)
         assert "octopus" not in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
 
 
+def test_a_preload_that_failed_on_a_bad_setting_is_named_to_the_clients(tmp_path):
+    """``dask scheduler --preload dask_octopus`` with a bad ``octopus`` setting in the scheduler's process:
+    distributed logs the preload's error and starts the scheduler without the plugin; the calls that need
+    it say that the preload failed and why, not to start the scheduler with the preload."""
+    sched_file = tmp_path / "scheduler.json"
+    command = [*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host", "127.0.0.1",
+               "--no-dashboard", "--preload", "dask_octopus"]
+    with (open(tmp_path / "scheduler.log", "w") as log,
+          scheduler_process(command, sched_file, {**ENV, "DASK_OCTOPUS__FRAGMENTS__MAX_BYTES": "lots"}, log),
+          Client(scheduler_file=str(sched_file), timeout="30s") as client,
+          pytest.raises(NotRegisteredError, match=r"its --preload dask_octopus failed there: "
+                                                  r"octopus\.fragments\.max-bytes")):
+        dask_octopus.speeds(client)
+    assert "Failed to start preload: dask_octopus" in (tmp_path / "scheduler.log").read_text()
+
+
 def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(tmp_path):
     """``--preload dask_octopus`` given twice installs one plugin without Dask's warning about overwriting
     it, and the package's INFO lines appear in the processes' logs, formatted as distributed's."""

@@ -18,7 +18,7 @@ from distributed import Client, Future, as_completed, default_client
 from dask_octopus import config
 from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
-from dask_octopus.plugins.scheduler import ERROR, OctopusSchedulerPlugin, registered_plugin
+from dask_octopus.plugins.scheduler import ERROR, PRELOAD_ERROR, OctopusSchedulerPlugin, registered_plugin
 from dask_octopus.profiling.speedmodel import check_resource
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -153,8 +153,10 @@ def wait_for(client: Client, futures: list[Future]) -> None:
         pass
 
 
-def _has_plugin(dask_scheduler: Any) -> bool:
-    return registered_plugin(dask_scheduler) is not None
+def _missing_plugin(dask_scheduler: Any) -> str | None:
+    """``None`` where the plugin is registered, else why not: the error of a ``--preload dask_octopus``
+    that failed there, or ``""``."""
+    return None if registered_plugin(dask_scheduler) is not None else getattr(dask_scheduler, PRELOAD_ERROR, "")
 
 
 def _run_on_scheduler(client: Client, func: Callable[..., Any]) -> Any:
@@ -174,8 +176,11 @@ def _run_on_scheduler(client: Client, func: Callable[..., Any]) -> Any:
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
     client = client_of(client)
-    registered = _run_on_scheduler(client, _has_plugin)
-    if not registered:
+    missing = _run_on_scheduler(client, _missing_plugin)
+    if missing:
+        raise NotRegisteredError(f"dask_octopus is not registered on this scheduler: its --preload dask_octopus "
+                                 f"failed there: {missing}")
+    if missing is not None:
         raise NotRegisteredError(
             "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
             "or start the scheduler with --preload dask_octopus"

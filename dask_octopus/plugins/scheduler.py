@@ -75,6 +75,8 @@ HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the da
 HISTORY_SHARE = 0.02
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
+#: attribute of a scheduler whose ``--preload dask_octopus`` failed (a bad setting): the error, for clients
+PRELOAD_ERROR = "_dask_octopus_preload_error"
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
