@@ -182,13 +182,16 @@ def expected_duration(scheduler: Any, ts: Any) -> float:
     return scheduler._get_prefix_duration(ts.prefix)
 
 
-async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> None:
+async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> dict[str, str]:
     """Set the pickled worker ``plugin`` up on every worker, replacing one of the same ``name``, and on
     those that join later, as ``Scheduler.register_worker_plugin(idempotent=False)`` does, but a worker
     that fails or leaves meanwhile is skipped (Dask logs it) rather than failing the call while the
-    others still set it up."""
+    others still set it up. Returns the error of each worker where it failed (a worker that cannot
+    unpickle it, its environment lacking the plugin's package, answers with the error)."""
     scheduler.worker_plugins[name] = plugin
-    await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="ignore")
+    replies = await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="ignore")
+    return {address: str(reply.get("exception_text") or reply.get("exception")) for address, reply in replies.items()
+            if isinstance(reply, dict) and reply.get("status") == "error"}
 
 
 def annotated_restrictions(annotation: Mapping[str, Any], coerce: Callable[[Any], str]

@@ -7,6 +7,7 @@ import threading
 import time
 import warnings
 
+import dask
 import dask.array as da
 import pytest
 from distributed import Client, Worker
@@ -669,8 +670,9 @@ async def test_a_worker_that_calibrated_and_left_before_register_returned_is_for
     from dask_octopus.plugins import scheduler as plugin_module
 
     async def then_b_leaves(*args):
-        await add_worker_plugin(*args)  # both calibrated and reported
+        failed = await add_worker_plugin(*args)  # both calibrated and reported
         await b.close()
+        return failed
 
     add_worker_plugin = plugin_module.add_worker_plugin
     monkeypatch.setattr(plugin_module, "add_worker_plugin", then_b_leaves)
@@ -825,3 +827,29 @@ def test_register_reads_no_options_where_the_plugin_was_unregistered_meanwhile()
     from dask_octopus.plugins.client import _registered_options
 
     assert asyncio.run(_registered_options(Stub(plugins={}, worker_plugins={}))) is None
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_where_the_worker_plugin_does_not_load_is_named_and_not_waited_for(c, s, a, b):
+    """A worker whose environment lacks dask_octopus answers the plugin's setup with the error (Dask logs
+    it): register() warns naming it, its profile holds the error, and speeds answer at once (it is not
+    waited for octopus.calibration.wait) with the mean weight for it."""
+    from distributed.core import error_message
+
+    def missing(plugin, name=None, catch_errors=True):  # as a worker that cannot unpickle the plugin answers
+        try:
+            raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+        except ModuleNotFoundError as e:
+            return error_message(e)
+
+    b.handlers["plugin-add"] = missing
+    with (dask.config.set({"octopus.calibration.wait": "30s"}),
+          pytest.warns(UserWarning, match=rf"worker plugin did not load on {b.address} "
+                                          r"\(ModuleNotFoundError\(\"No module named 'dask_octopus'\"\)\): install")):
+        await dask_octopus.register(c, calibration_seconds=0.05)
+    start = time.monotonic()
+    weights = await dask_octopus.speeds(c)
+    assert time.monotonic() - start < 5 and weights[b.address] == pytest.approx(0.5)
+    profiles = await dask_octopus.profiles(c)
+    assert profiles[b.address]["error"].startswith("the worker plugin did not load there: ModuleNotFoundError")
+    assert profiles[a.address]["error"] is None and profiles[a.address]["compute"] > 0

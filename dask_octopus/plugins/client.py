@@ -18,7 +18,13 @@ from distributed import Client, Future, as_completed, default_client
 from dask_octopus import config
 from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
-from dask_octopus.plugins.scheduler import ERROR, PRELOAD_ERROR, OctopusSchedulerPlugin, registered_plugin
+from dask_octopus.plugins.scheduler import (
+    ERROR,
+    PRELOAD_ERROR,
+    OctopusSchedulerPlugin,
+    not_loaded,
+    registered_plugin,
+)
 from dask_octopus.profiling.speedmodel import check_resource
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -66,16 +72,16 @@ def _settings_error(dask_scheduler: Any) -> str | None:
     return None
 
 
-async def _registered_options(dask_scheduler: Any) -> tuple[str, dict[str, Any]] | None:
+async def _registered_options(dask_scheduler: Any) -> tuple[str, dict[str, Any], dict[str, str]] | None:
     """The name and options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker
-    plugin set up again where that was unregistered alone."""
+    plugin set up again where that was unregistered alone, and the live workers where that did not load."""
     plugin = registered_plugin(dask_scheduler)
     if plugin is None:
         return None
     if plugin.worker_plugin.name not in dask_scheduler.worker_plugins:
         await plugin.set_up_workers()
     name = next(n for n, p in list(dask_scheduler.plugins.items()) if p is plugin)
-    return name, plugin.options()
+    return name, plugin.options(), not_loaded(plugin.profiles)
 
 
 @awaitable_on_async_clients
@@ -129,12 +135,20 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         raise ValueError(f"on the scheduler at {client.scheduler.address}: {error}")
     client.register_plugin(plugin)  # (where one is registered already, it stays: the plugin is idempotent)
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
-    if current is not None and current[1] != plugin.options():
-        name, options = current
+    if current is None:
+        return
+    name, options, failed = current
+    if options != plugin.options():
         warnings.warn(
             f"dask_octopus is already registered on this scheduler with {options}; register() with "
             f"{plugin.options()} changes nothing. To change them, first call "
             f"client.unregister_scheduler_plugin({name!r})",
+            UserWarning, stacklevel=3)
+    if failed:
+        warnings.warn(
+            f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} "
+            f"({next(iter(failed.values()))}): install dask_octopus in those workers' "
+            "environments (they get the mean weight, and fragments and map batches fail there)",
             UserWarning, stacklevel=3)
 
 

@@ -77,6 +77,13 @@ HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Schedule
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
 #: attribute of a scheduler whose ``--preload dask_octopus`` failed (a bad setting): the error, for clients
 PRELOAD_ERROR = "_dask_octopus_preload_error"
+NOT_LOADED = "the worker plugin did not load there: "  #: the start of the profile error of such a worker
+
+
+def not_loaded(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The workers of ``profiles`` where the worker plugin did not load, with the error."""
+    return {w: p["error"][len(NOT_LOADED):] for w, p in profiles.items()
+            if isinstance(p.get("error"), str) and p["error"].startswith(NOT_LOADED)}
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
@@ -276,8 +283,15 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Set this plugin's worker plugin up on every worker (they calibrate, with this plugin's
         options) and on those that join later, replacing the one they have (Dask keeps a worker plugin
         when the scheduler plugin is unregistered: a plugin registered again calibrates them anew). A
-        worker that leaves meanwhile is skipped: the others calibrate, and this returns once they did."""
-        await add_worker_plugin(self.scheduler, dumps(self.worker_plugin), self.worker_plugin.name)
+        worker that leaves meanwhile is skipped: the others calibrate, and this returns once they did. A
+        worker where it does not load (its environment lacks dask_octopus) has that error for profile,
+        is logged, and is not waited for (:func:`not_loaded`)."""
+        failed = await add_worker_plugin(self.scheduler, dumps(self.worker_plugin), self.worker_plugin.name)
+        for address, error in failed.items():
+            if address in self.scheduler.workers:
+                self.profiles[address] = {"error": NOT_LOADED + error}
+                logger.warning("dask_octopus: the worker plugin did not load on %s (%s): install dask_octopus in "
+                               "its environment; it gets the mean weight", address, error)
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
