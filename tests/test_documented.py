@@ -533,6 +533,8 @@ def test_the_graphs_of_a_thread_that_ended_are_dropped_and_its_replays_stay_coun
     later.start()
     later.join()
     assert list(here.graphs) == ["here"] and rt.stats()["graphs"] == 1 and rt.stats()["replays"] == 6
+    rt.close()  # the graphs go, and their replays with them, those of ended threads too
+    assert (rt.stats()["graphs"], rt.stats()["replays"]) == (0, 0) and not here.graphs
 
 
 def test_the_graph_cache_reads_max_graph_bytes_from_dask_config():

@@ -349,3 +349,21 @@ def test_forms_tell_numbers_of_other_types_and_functions_apart_and_refuse_data()
         f(np.arange(3))
     with pytest.raises(memo._Data):
         f([1, object()])
+
+
+@pytest.mark.parametrize("axis", [None, 1])
+def test_a_graph_of_layers_dask_named_is_vouched_for_by_one_task_a_layer(axis):
+    """Dask's array optimizer fuses a chain of blocks into one graph shared by every block (its inner names
+    made up), and for ``sum(axis=1)`` fuses that task into another of its own: one task of each layer still
+    vouches for the others (comparing all of them made finding the plan slower than planning anew)."""
+    from types import SimpleNamespace
+
+    from dask.array.optimization import optimize
+
+    from dask_octopus._compat import convert_legacy_graph
+
+    y = da.ones((64 * 4, 6), chunks=(4, 6)).map_blocks(chain).sum(axis=axis)
+    dsk = convert_legacy_graph(dict(optimize(y.__dask_graph__(), y.__dask_keys__())))
+    sampled = memo.sampled(SimpleNamespace(dsk=dsk), ())
+    assert len(dsk) > 64 and not [k for k in sampled if type(k) is tuple and k[:1] == (memo._Key,)]
+    assert len(sampled) == len({memo.layer_of(k) for k in dsk})

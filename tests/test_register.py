@@ -853,3 +853,19 @@ async def test_a_worker_where_the_worker_plugin_does_not_load_is_named_and_not_w
     profiles = await dask_octopus.profiles(c)
     assert profiles[b.address]["error"].startswith("the worker plugin did not load there: ModuleNotFoundError")
     assert profiles[a.address]["error"] is None and profiles[a.address]["compute"] > 0
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_a_plugin_registered_after_a_failed_preload_clears_the_preload_s_error(c, s, a, b):
+    """After a ``--preload dask_octopus`` that failed (its error recorded on the scheduler), a plugin
+    registered since stands: once it is unregistered, clients hear to register, not of the old preload."""
+    from dask_octopus.plugins.scheduler import PRELOAD_ERROR
+
+    setattr(s, PRELOAD_ERROR, "octopus.fragments.max-bytes: 'lots' is not a size")
+    with pytest.raises(NotRegisteredError, match=r"its --preload dask_octopus failed there: octopus\.fragments"):
+        await dask_octopus.speeds(c)
+    await dask_octopus.register(c, calibrate=False)
+    assert not hasattr(s, PRELOAD_ERROR)
+    await c.unregister_scheduler_plugin("octopus")
+    with pytest.raises(NotRegisteredError, match=r"call dask_octopus\.register\(client\)"):
+        await dask_octopus.speeds(c)

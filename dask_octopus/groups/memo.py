@@ -7,23 +7,23 @@ made computes of new keys 2-8 ms slower on the 2-core machine, more than the 1 m
 Dask gives the same collection the same keys each time it is computed (but the final task's, which
 :func:`ends_of` names for its kind and the keys it reads), so its fragments come out the same: planning
 them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time.
-Like Dask, which reuses a task it holds under the same key, a plan trusts a layer name that Dask made
-by hashing what the layer computes (``sum-`` and 32 hex digits) to name its work, and checks one task
-of each such layer in full (functions by identity, but lambdas and local functions, made anew each
-time, by their code, module and what they close over, defaults and attributes; numbers, strings and
-containers by value), and every task under a key named by the user (``dask_key_name``,
-``map_blocks(name=...)``; also one that low-level fusion put inside another task), which may hold
-other constants from one compute to the next, before anything else (a graph rebuilt with other
-functions costs no more): what computes something else now is planned anew. A reused plan runs the
-functions and constants of the compute it was made for, so the same tasks of that compute are checked
-again too: one whose closure or constants changed in place since no longer matches. A graph whose
-compared tasks hold data (arrays, objects that are neither plain values nor callable) is not
-remembered; a plan remembered holds its fragments' functions and
-constants (those of the tasks not compared too, closures and callable objects with what they hold),
-and until its form is made its graph, until newer plans replace it. A plan remembered hands out fresh
-fragment tasks each time (copies of the fragments as first made, pickled anew when sent) and takes the
-graph's own tasks from the compute at hand: no pickled bytes of an earlier compute travel with it.
-Finding it can never fail a compute: a graph whose form has no hash is planned as usual.
+Like Dask, which reuses a task it holds under the same key, a plan trusts a layer name that Dask made by
+hashing what the layer computes (``sum-`` and 32 hex digits) to name its work, and checks one task of
+each such layer in full (functions by identity, but lambdas and local functions, made anew each time, by
+their code, module and what they close over, defaults and attributes; numbers, strings and containers by
+value), and every task under a key named by the user (``dask_key_name``, ``map_blocks(name=...)``; also
+one that low-level fusion put inside another task; a name the user gave that ends as Dask's do counts as
+Dask's), which may hold other constants from one compute to the next, before anything else (a graph
+rebuilt with other functions costs no more): what computes something else now is planned anew. A reused
+plan runs the functions and constants of the compute it was made for, so the same tasks of that compute
+are checked again too: one whose closure or constants changed in place since no longer matches. A graph
+whose compared tasks hold data (arrays, objects that are neither plain values nor callable) is not
+remembered; a plan remembered holds its fragments' functions and constants (those of the tasks not
+compared too, closures and callable objects with what they hold), and until its form is made its graph,
+until newer plans replace it. A plan remembered hands out fresh fragment tasks each time (copies of the
+fragments as first made, pickled anew when sent) and takes the graph's own tasks from the compute at
+hand: no pickled bytes of an earlier compute travel with it. Finding it can never fail a compute: a
+graph whose form has no hash is planned as usual.
 """
 
 from __future__ import annotations
@@ -203,11 +203,17 @@ class _Vouched:
 
     def __init__(self, dsk: Mapping[Key, GraphNode]):
         seen: set[int] = set()
-        self._shared: set[int] = set()  # the fused graphs run by several tasks
-        for node in dsk.values():
-            inner = _inner_graph(node)
-            if inner is not None:
-                (self._shared if id(inner) in seen else seen).add(id(inner))
+        self._shared: set[int] = set()  # the fused graphs run by several tasks, at any depth (low-level
+        stack = list(dsk.values())  # fusion puts a blockwise-fused task, and its shared graph, inside its own)
+        while stack:
+            inner = _inner_graph(stack.pop())
+            if inner is None:
+                continue
+            if id(inner) in seen:
+                self._shared.add(id(inner))
+            else:
+                seen.add(id(inner))
+                stack.extend(inner.values())
         self._names: dict[Any, bool] = {}
 
     def _named_by_dask(self, key: Key) -> bool:

@@ -247,12 +247,13 @@ class StreamRuntime:
 
     def close(self) -> None:
         """Drop the captured graphs and stream pools, and forget the layouts and member classes
-        learned (the worker plugin's teardown; used again, the runtime learns them afresh, and keeps
-        counting groups and refusals)."""
+        learned (the worker plugin's teardown; used again, the runtime learns them afresh, counts
+        replays and refused signatures anew, and keeps counting groups and its latest refusal)."""
         with self._lock:
             for _, cache in self._caches:
                 cache.drop_graphs()
             self._caches.clear()
+            self._replays_gone = 0  # (the replays went with the caches)
             self.layouts.clear()
             self.spreads.clear()
             self.classes.clear()

@@ -244,6 +244,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     async def _start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        if hasattr(scheduler, PRELOAD_ERROR):  # registered after all: what a client hears of it from now on
+            delattr(scheduler, PRELOAD_ERROR)
         self._started = time.monotonic()
         self._handlers = {
             "octopus_report": self.report,
