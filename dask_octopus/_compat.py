@@ -235,6 +235,15 @@ def _key_set(text: str) -> set[Any]:
     return set(keys)
 
 
+def fused_graph_of(node: Any) -> Mapping[Any, Any] | None:
+    """The graph that ``node``, a task made by Dask's fusion (``_execute_subgraph``: low-level fusion's,
+    and blockwise fusion's, whose graph every block of the layer shares), runs; ``None`` for any other node."""
+    if isinstance(node, Task) and node.func is execute_subgraph:
+        inner = node.args[0]
+        return inner.value if isinstance(inner, DataNode) else inner
+    return None
+
+
 def fused_name_of(key: Any, name: Any) -> bool:
     """Whether ``name`` is a name that Dask's low-level fusion gives a chain of tasks ending at ``key``
     (``dask.optimization.default_fused_keys_renamer``, whose ``key`` stays as an alias of it: the other

@@ -42,7 +42,7 @@ from dask.typing import Key
 from toolz.functoolz import Compose
 
 from dask_octopus import config
-from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, fused_graph_of
 from dask_octopus.groups.blocksizes import BlockBytes
 from dask_octopus.groups.planning import layer_of
 
@@ -183,14 +183,6 @@ def ends_of(inputs: PlanInputs) -> dict[Key, Hashable] | None:
 _TOKEN = re.compile(r"-[0-9a-f]{32}$")  # the end of a layer name that Dask made by hashing what it computes
 
 
-def _inner_graph(node: GraphNode) -> Mapping[Key, GraphNode] | None:
-    """The graph a task made by Dask's fusion runs (``None`` for any other node)."""
-    if isinstance(node, Task) and node.func is execute_subgraph:
-        inner = node.args[0]
-        return inner.value if isinstance(inner, DataNode) else inner
-    return None
-
-
 class _Vouched:
     """Whether a task of a graph is vouched for by its layer's sampled task: a task of a layer that Dask
     named by hashing what it computes (its name ends in ``-`` and 32 hex digits: the same name, the
@@ -206,7 +198,7 @@ class _Vouched:
         self._shared: set[int] = set()  # the fused graphs run by several tasks, at any depth (low-level
         stack = list(dsk.values())  # fusion puts a blockwise-fused task, and its shared graph, inside its own)
         while stack:
-            inner = _inner_graph(stack.pop())
+            inner = fused_graph_of(stack.pop())
             if inner is None:
                 continue
             if id(inner) in seen:
@@ -226,7 +218,7 @@ class _Vouched:
     def __call__(self, key: Key, node: GraphNode) -> bool:
         if not self._named_by_dask(key):
             return False
-        inner = _inner_graph(node)
+        inner = fused_graph_of(node)
         return inner is None or id(inner) in self._shared or all(self(k, child) for k, child in inner.items())
 
 

@@ -22,7 +22,7 @@ from dask.core import reverse_dict
 from dask.typing import Key
 from dask.utils import key_split
 
-from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, execute_subgraph
+from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, fused_graph_of
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.memo import PlanInputs, plans
 from dask_octopus.groups.planning import layer_of, layer_order, plan_fragments, pull_upstream, topological
@@ -38,8 +38,8 @@ def inner_keys(key: Key, node: Any) -> list[Key]:
     fusion; for a fragment task, its members' keys and those fused into them."""
     if not isinstance(node, Task):
         return [key]
-    if node.func is execute_subgraph:  # fused graphs may nest
-        inner = node.args[0].value if isinstance(node.args[0], DataNode) else node.args[0]
+    inner = fused_graph_of(node)
+    if inner is not None:  # fused graphs may nest
         return [key, *(k for i, child in inner.items() for k in inner_keys(i, child))]
     if node.func is run_fragment:
         return list(fragment_of(node).covers)
