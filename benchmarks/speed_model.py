@@ -42,6 +42,13 @@ def _step(sigma: float, at: int, before: float = 1.0, after: float = 2.0, warm_u
                             for i in range(n)])
 
 
+def _pause(sigma: float, start: int, length: int, factor: float) -> Timings:
+    """``b`` as fast as ``a`` but ``factor`` times slower for ``length`` timings from ``start`` (a pause, a
+    co-tenant's burst); lognormal noise of ``sigma``."""
+    return lambda rng, n: ([_noisy(rng, sigma) for _ in range(n)],
+                           [(factor if start <= i < start + length else 1.0) * _noisy(rng, sigma) for i in range(n)])
+
+
 def _mixed(p: float, until: int | None = None) -> Timings:
     """``b``'s tasks take three times longer at random with probability ``p`` (a co-tenant's slices), until
     timing ``until`` (then none) or throughout."""
@@ -129,6 +136,8 @@ STEPS: dict[str, tuple[Timings, int, float, float]] = {
     "b slows down 2x, 25% noise": (_step(0.25, 50), 50, 1.0, 2.0),
     "b's first task 5x (a warm-up), then 2x slower from its 9th": (_step(0.05, 8, warm_up=5.0), 8, 1.0, 2.0),
     "b 3x slower on 30% of tasks, then on none": (_mixed(0.3, until=100), 100, 1.6, 1.0),
+    "b's tasks 50 and 51 100x (a pause), 5% noise": (_pause(0.05, 50, 2, 100.0), 52, 1.0, 1.0),
+    "b 4x slower for 10 tasks from its 50th, 10% noise": (_pause(0.10, 50, 10, 4.0), 60, 1.0, 1.0),
 }
 
 

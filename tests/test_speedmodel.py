@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from dask_octopus.profiling.speedmodel import CHANGE, RARE, SpeedModel
+from dask_octopus.profiling.speedmodel import CHANGE, RARE, STALE, SpeedModel
 
 
 def test_priors_give_weights_per_resource():
@@ -65,6 +65,74 @@ def test_a_finished_computation_s_prefixes_give_way_to_the_work_running_now():
         m.observe("b", "add", 1e6, 0.02)
     assert m.weights(["a", "b"])["a"] == pytest.approx(0.25, abs=0.005)  # a third of b's speed
     assert m.weights(["a", "b"], prefix="matmul") == pytest.approx({"a": 0.5, "b": 0.5})  # its own speeds kept
+
+
+def test_a_worker_that_no_longer_runs_a_prefix_fades_toward_the_others_and_runs_it_again():
+    """``a`` was 3x slower on ``f`` (a co-tenant): a map of few items gives it none, and only ``b``
+    runs ``f`` from then on. After STALE timings without ``a``, ``a``'s difference on ``f`` halves every
+    STALE more, so that it gets items again; back on ``f``, its timings count in full from the third,
+    which can show a change (one timing is a fluke)."""
+    m = SpeedModel()
+    for _ in range(5):
+        m.observe("a", "f", 100, 3.0)
+        m.observe("b", "f", 100, 1.0)
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.25)
+    for _ in range(STALE - 1):  # (b's fifth timing came after a's last)
+        m.observe("b", "f", 100, 1.0)
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.25)  # not yet
+    for _ in range(STALE):
+        m.observe("b", "f", 100, 1.0)
+    half = 1 / (1 + math.sqrt(3))  # a's log speed against b's halved: 3 ** -0.5
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(half)
+    assert m.weights("ab")["a"] == pytest.approx(half)  # the weights over all prefixes alike
+    for _ in range(10 * STALE):
+        m.observe("b", "f", 100, 1.0)
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.5, abs=1e-3)
+    for _ in range(2):  # still as slow: not yet
+        m.observe("a", "f", 100, 3.0)
+        assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.5, abs=1e-3)
+    m.observe("a", "f", 100, 3.0)
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.25)
+
+
+def test_a_worker_new_to_a_prefix_the_others_ran_long_is_not_stale():
+    """A worker that joins late (or runs a prefix for the first time) never fell behind on it: its
+    timings count as soon as there are ``confidence_samples`` of them."""
+    m = SpeedModel(confidence_samples=1)
+    for _ in range(4 * STALE):
+        m.observe("a", "f", 100, 1.0)
+    m.observe("c", "f", 100, 3.0)
+    assert m.weights("ac", prefix="f")["c"] == pytest.approx(0.25)
+
+
+def test_a_worker_back_on_a_prefix_as_fast_as_the_others_counts_as_fast_from_its_third_timing():
+    m = SpeedModel()
+    for _ in range(8):
+        m.observe("a", "f", 100, 3.0)
+        m.observe("b", "f", 100, 1.0)
+    for _ in range(STALE + 16):
+        m.observe("b", "f", 100, 1.0)
+    faded = m.weights("ab", prefix="f")["a"]
+    assert 0.25 < faded < 0.5
+    weights = []
+    for _ in range(3):  # a's co-tenant left: a as fast as b again
+        m.observe("a", "f", 100, 1.0)
+        weights.append(m.weights("ab", prefix="f")["a"])
+    assert faded <= weights[0] <= weights[1] < 0.5 and weights[2] == pytest.approx(0.5)
+
+
+def test_a_worker_whose_calibration_differs_fades_toward_its_calibrated_difference():
+    """Stale evidence fades toward what the prior predicts (here ``a`` calibrated 2x ``b``), not toward equal."""
+    m = SpeedModel()
+    m.set_prior("a", {"compute": 2.0, "memory": 2.0})
+    m.set_prior("b", {"compute": 1.0, "memory": 1.0})
+    for _ in range(5):
+        m.observe("a", "f", 100, 1.0)  # a 8x b on f: the calibration contradicted
+        m.observe("b", "f", 100, 8.0)
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(8 / 9)
+    for _ in range(12 * STALE):
+        m.observe("b", "f", 100, 8.0)
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(2 / 3, abs=1e-3)
 
 
 def test_a_prefix_whose_weight_underflows_counts_no_more_but_keeps_its_own_speeds(monkeypatch):
@@ -324,6 +392,56 @@ def test_one_fluke_timing_does_not_move_the_rate_and_steady_ones_change_it():
     m.observe("a", "p", 100, 3.0)  # three: a change; the earlier timings are dropped
     assert m.table()["p"]["a"] == (pytest.approx(100 / 3), 3.0, 23)
     assert m.weights(["a", "b"]) == pytest.approx({"a": 0.25, "b": 0.75})
+
+
+def test_a_worker_back_at_its_level_after_a_pause_has_its_earlier_timings_again():
+    """Two tasks 100x slower (a pause) are a change (the documented rule); three timings back at the
+    earlier level restore it with its timings, the pause dropped: 0.5 again from the third (the change
+    test would wait for as many timings as the pause's and more)."""
+    m = SpeedModel()
+    for _ in range(30):
+        m.observe("a", "p", 100, 1.0)
+        m.observe("b", "p", 100, 1.0)
+    weights = []
+    for i in range(6):
+        m.observe("a", "p", 100, 100.0 if i < 2 else 1.0)
+        m.observe("b", "p", 100, 1.0)
+        weights.append(m.weights("ab")["a"])
+    assert weights[1] < 0.02 and weights[3] < 0.05  # the pause counted, then two timings back: not yet
+    assert weights[4:] == pytest.approx([0.5, 0.5])
+    assert m.table()["p"]["a"] == (pytest.approx(100), 1.0, 36)
+    assert len(m.rates["p"]["a"].recent) == 34  # the 30 before the pause and the four after it
+
+
+def test_a_return_after_more_timings_at_the_new_level_than_the_change_test_compares_is_a_change_of_its_own():
+    """The timings dropped at a change are kept aside for RECENT[-1] (24) timings since: back at the earlier
+    level after 30, the worker's rate is that of the returning timings alone."""
+    m = SpeedModel()
+    for slow in (1.0, 4.0):
+        for _ in range(30):
+            m.observe("a", "p", 100, slow)
+            m.observe("b", "p", 100, 1.0)
+    for _ in range(3):
+        m.observe("a", "p", 100, 1.0)
+        m.observe("b", "p", 100, 1.0)
+    assert m.weights("ab")["a"] == pytest.approx(0.5)
+    assert len(m.rates["p"]["a"].recent) == 3
+
+
+def test_a_lasting_change_stays_and_a_return_to_a_third_level_is_a_change_of_its_own():
+    m = SpeedModel()
+    for _ in range(30):
+        m.observe("a", "p", 100, 1.0)
+        m.observe("b", "p", 100, 1.0)
+    for _ in range(40):  # a slows down 4x, for good
+        m.observe("a", "p", 100, 4.0)
+        m.observe("b", "p", 100, 1.0)
+    assert m.weights("ab")["a"] == pytest.approx(0.2)
+    for _ in range(2):  # then 1.5x: nearer to the level before, but a level of its own (two of three)
+        m.observe("a", "p", 100, 1.5)
+        m.observe("b", "p", 100, 1.0)
+    assert m.weights("ab")["a"] == pytest.approx(0.4)
+    assert len(m.rates["p"]["a"].recent) == 2
 
 
 @pytest.mark.parametrize("factor, changes", [(0.99, False), (1.01, True)])

@@ -3,30 +3,39 @@
 No Dask here. Each worker has a prior speed per resource (``"compute"``: FLOP/s of a GEMM probe,
 ``"memory"``: bytes/s of a streaming probe). Finished tasks add observations per (worker, task prefix):
 a rate (work units per second, units being the bytes it read and wrote) of one over the mean time per
-unit of its timings since the rate last changed, at most :data:`WINDOW` of them, winsorized: the
-fastest and the slowest tenth, rounded up (:data:`OUTER`; of three timings, one each: their median),
-count as the nearest of the others. The mean time, since that is what a worker's share of the work
-takes, slow tasks included (a co-tenant slowing one task in three); winsorized, so that a first task
-that also loads a library or plans an FFT, or one fluke 100x faster or slower than the others, does not
-move it; since the rate last changed, so that it gets more precise the longer a worker runs at one
-speed. A rate has changed when the median of its last few timings (:data:`RECENT`) departs from the
-median of the earlier ones by more than :data:`CHANGE` standard errors of their noise, and more of them
-lie past the midpoint between the two medians than the earlier timings' share there makes likely
-(:data:`RARE`: a level the earlier ones showed often is a mix of fast and slow tasks, not a change);
-the earlier timings are then dropped. For a prefix seen on several workers, each worker's rate relative
-to the geometric mean of the others is its observed relative speed. Prefixes count in proportion to the
-time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum of partial results, which
-latency dominates), and that weight halves with every :data:`HALF_LIFE` timings taken since the prefix
-last ran: a finished computation's prefixes give way to the work running now (a worker that slows down
-on new, shorter tasks loses weight even after long tasks of other prefixes ran equally everywhere). A
-prefix counts only on workers that ran it ``confidence_samples`` times: one-off tasks (a rechunk while
-data moves) say little about the steady work. The model keeps the timings of the ``max_prefixes``
-prefixes that ran last (tasks submitted under keys of their own, ``job_17``, make a prefix each): a
-prefix dropped for a newer one had been unseen for that many timings at least, so its weight had halved
-``max_prefixes / HALF_LIFE`` times. The observed speed then replaces the prior, so a worker that slows
-down mid-run loses weight within a few tasks of each prefix (two, after a long steady run). Asked
-for one prefix, the model answers with that prefix's speeds alone once every worker has them (``map``
-plans a function by its own speeds).
+unit of its timings since the rate last changed, at most :data:`WINDOW` of them, winsorized: the fastest
+and the slowest tenth, rounded up (:data:`OUTER`; of three timings, one each: their median), count as
+the nearest of the others. The mean time, since that is what a worker's share of the work takes, slow
+tasks included (a co-tenant slowing one task in three); winsorized, so that a first task that also loads
+a library or plans an FFT, or one fluke 100x faster or slower than the others, does not move it; since
+the rate last changed, so that it gets more precise the longer a worker runs at one speed. A rate has
+changed when the median of its last few timings (:data:`RECENT`) departs from the median of the earlier
+ones by more than :data:`CHANGE` standard errors of their noise, and more of them lie past the midpoint
+between the two medians than the earlier timings' share there makes likely (:data:`RARE`: a level the
+earlier ones showed often is a mix of fast and slow tasks, not a change); the earlier timings are then
+dropped, and kept aside while the timings since number RECENT[-1] at most: when the newest timings are
+back at that earlier level (:meth:`_Rate._back_before_change`), those timings count again, and the ones
+since the change are dropped (a worker paused for a task or two has its rate back within three timings;
+the change test would wait for as many timings at the new level as before it). For a prefix seen on
+several workers, each worker's rate relative to the geometric mean of the others is its observed
+relative speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about
+a worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with every
+:data:`HALF_LIFE` timings taken since the prefix last ran: a finished computation's prefixes give way to
+the work running now (a worker that slows down on new, shorter tasks loses weight even after long tasks
+of other prefixes ran equally everywhere). A prefix counts only on workers that ran it
+``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the steady
+work. The model keeps the timings of the ``max_prefixes`` prefixes that ran last (tasks submitted under
+keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one had been unseen for
+that many timings at least, so its weight had halved ``max_prefixes / HALF_LIFE`` times. The observed
+speed then replaces the prior, so a worker that slows down mid-run loses weight within a few tasks of
+each prefix (two, after a long steady run). Asked for one prefix, the model answers with that prefix's
+speeds alone once every worker has them (``map`` plans a function by its own speeds). A worker that no
+longer runs a prefix the others still run (a map of fewer items than the workers would take gives a slow
+worker none) does not keep, for ever, the speed it had when it last ran it: once :data:`STALE` timings
+were taken after its latest timing of the prefix and before the prefix's latest, its difference there
+halves every :data:`STALE` timings more, toward what the other workers and its prior predict, until it
+gets work of that prefix again and is timed; its first two timings back leave the fading on (to the
+change test one timing is a fluke), the third ends it.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import operator
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from dask_octopus._checks import check_finite, is_finite
 
@@ -55,6 +65,7 @@ RECENT = (3, 8, 24)  # the last timings whose median is compared with the earlie
 CHANGE = 4.0  # standard errors between those medians that make a change
 RARE = 0.005  # ... if the earlier timings' share past the midpoint makes that many of the last ones past it this rare
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
+STALE = 32  # timings after which a worker's difference on a prefix that ran since without it halves, and again
 MEDIAN_ERROR = math.sqrt(math.pi / 2)  # standard error of the median of n normal values, in sigma / sqrt(n)
 CHANGE_SPREAD = 0.954  # median |x - y| of two values of N(0, sigma^2), in sigma
 
@@ -83,6 +94,10 @@ class _Rate:
     value: float = 0.0
     seconds: float = 0.0  # one task's duration: the median of theirs
     count: int = 0  # timings ever taken
+    # the model's clock at the latest of them, but for the first RECENT[0] after the prefix ran STALE timings
+    # elsewhere: their clock stays at the timing before those (the worker's difference fades on, see _faded)
+    at: int = 0
+    returning: int = RECENT[0]  # timings since then, up to RECENT[0]
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
     times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
@@ -93,6 +108,9 @@ class _Rate:
     # the noise the evidence counts: the larger of ``steps`` and the relative spread of the winsorized times,
     # which a lasting mix of fast and slow timings widens where most successive changes are within one kind
     noise: float = 0.0
+    # after a change: the timings dropped (log rates and seconds), their noise (``steps``), their median
+    # and the median of the timings that made the change, while RECENT[-1] timings at most are kept since
+    before: tuple[list[float], list[float], float, float, float] | None = None
 
     def add(self, log_rate: float, seconds: float, first: int) -> None:
         """Add one timing; once more than ``first`` are known, drop the earlier timings when the last
@@ -104,7 +122,7 @@ class _Rate:
         self.durations.append(seconds)
         self.count += 1
         self.steps = self._steps()
-        if self.count > first:
+        if self.count > first and not self._back_before_change():
             self._drop_before_change()
         self._locate()
         self.seconds = _median(self.durations)
@@ -140,14 +158,48 @@ class _Rate:
                 kept = k
                 while abs(values[n - kept] - last) > abs(values[n - kept] - last + gap):
                     kept -= 1
-                for _ in range(n - kept):
-                    self.recent.popleft()
-                    self.times.popleft()
-                    self.durations.popleft()
-                while len(self.changes) > kept - 1:
-                    self.changes.popleft()
-                self.steps = self._steps()
+                self.before = (values[:n - kept], list(self.durations)[:n - kept], self.steps, last - gap, last)
+                self._keep([], [], kept)
                 return
+
+    def _back_before_change(self) -> bool:
+        """Whether the last timings are back at the level before the last change, and if so, keep that
+        level's timings and theirs (the ones since the change dropped): of the last ``RECENT[0]``
+        timings, the newest and more than the timings since the change make likely (:func:`_rare`) lie
+        nearer to that level than to the change's, and their median lies within :data:`CHANGE` standard
+        errors of the level's noise. A worker slowed down for a task or two (a pause) is back within three
+        timings, where the change test would wait for as many timings at the new level as before it."""
+        if self.before is None:
+            return False
+        if len(self.recent) > RECENT[-1]:  # a level of its own, which the change test follows
+            self.before = None
+            return False
+        log_rates, durations, steps, level, changed = self.before
+        if abs(self.recent[-1] - level) >= abs(self.recent[-1] - changed):  # (this runs for every timing)
+            return False
+        k = RECENT[0]
+        values = list(self.recent)
+        if len(values) <= k:
+            return False
+        recent, since = values[-k:], values[:-k]
+        back = _median(recent) - level
+        if (abs(back) > CHANGE * MEDIAN_ERROR * steps * math.sqrt(1 / k + 1 / len(log_rates))
+                or not _rare(since, recent, (level + changed) / 2, level > changed)):
+            return False
+        self._keep(log_rates, durations, k)
+        return True
+
+    def _keep(self, log_rates: list[float], durations: list[float], last: int) -> None:
+        """Keep ``log_rates`` (with their ``durations``) and the ``last`` timings only."""
+        values = [*log_rates, *list(self.recent)[-last:]][-WINDOW:]
+        seconds = [*durations, *list(self.durations)[-last:]][-WINDOW:]
+        self.recent = deque(values, maxlen=WINDOW)
+        self.times = deque((math.exp(-v) for v in values), maxlen=WINDOW)
+        self.durations = deque(seconds, maxlen=WINDOW)
+        self.changes = deque((abs(y - x) for x, y in pairwise(values)), maxlen=WINDOW - 1)
+        if log_rates:
+            self.before = None
+        self.steps = self._steps()
 
     def estimate(self) -> tuple[float, float]:
         """The log rate (of the winsorized mean time per unit since it last changed) and its standard
@@ -200,14 +252,20 @@ class SpeedModel:
         if not is_finite(rate, positive=True):  # (the message is made only then: this runs for every task)
             check_finite(rate, f"task rate ({units!r} units in {seconds!r} s)")
         self.clock += 1
+        latest = self.last_seen.get(prefix)
         if prefix in self.last_seen:
             self.last_seen.move_to_end(prefix)
         elif len(self.last_seen) >= self.max_prefixes:
             del self.rates[self.last_seen.popitem(last=False)[0]]
         self.last_seen[prefix] = self.clock
         per_worker = self.rates[prefix]
-        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate())
+        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate(at=self.clock))
+        if current.returning == RECENT[0] and latest is not None and latest - current.at > STALE:
+            current.returning = 0
         current.add(math.log(rate), seconds, self.confidence_samples)
+        current.returning = min(current.returning + 1, RECENT[0])
+        if current.returning == RECENT[0]:  # (the timings of a worker back on the prefix show a change first)
+            current.at = self.clock
 
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
@@ -228,12 +286,11 @@ class SpeedModel:
             if len(seen) < 2:
                 continue
             n = len(seen)
-            mean = sum(math.log(r.value) for r in seen.values()) / n
             duration = sum(r.seconds for r in seen.values()) / n
             expected = {w: (prior or {}).get(w, 0.0) for w in seen}
             expected_mean = sum(expected.values()) / n
             expected = {w: e - expected_mean for w, e in expected.items()}
-            difference = self._difference(seen, expected)
+            difference = self._difference(seen, expected) or self._faded(seen, expected, self.last_seen[prefix])
             # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
             age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
             for w, r in seen.items():
@@ -241,8 +298,7 @@ class SpeedModel:
                 if not weight > 0:  # (underflow: ~34,000 timings since the prefix ran) it counts no more
                     continue
                 # on the prior's scale: the workers that ran the prefix keep their prior mean
-                logsum[w] += weight * (expected_mean + (math.log(r.value) - mean if difference is None
-                                                        else difference[w]))
+                logsum[w] += weight * (expected_mean + difference[w])
                 wsum[w] += weight
                 samples[w] += r.count
         return {w: math.exp(logsum[w] / wsum[w]) for w in wsum}, dict(samples)
@@ -267,6 +323,28 @@ class SpeedModel:
             return expected
         equal = dict.fromkeys(seen, 0.0)
         return None if departs(equal) else equal
+
+    @staticmethod
+    def _faded(seen: dict[str, _Rate], expected: dict[str, float], latest: int) -> dict[str, float]:
+        """The workers' observed log speeds relative to their mean on one prefix, each worker's faded
+        toward what the others' and the prior (``expected``) predict for it once :data:`STALE` timings
+        were taken between that worker's latest timing of the prefix and the prefix's latest (``latest``,
+        on the model's clock), halving every :data:`STALE` timings more: a worker given none of a function's
+        items (a map of fewer items than it would take) gets some again, and is timed again, instead of
+        keeping the speed it had when it last ran them."""
+        logs = {w: math.log(r.value) for w, r in seen.items()}
+        base = {w: logs[w] - expected[w] for w in seen}  # (each worker's speed on the prior's scale)
+        total = sum(base.values())
+        faded = {}
+        for w, r in seen.items():
+            stale = latest - r.at - STALE
+            if stale > 0:
+                predicted = (total - base[w]) / (len(seen) - 1) + expected[w]
+                faded[w] = predicted + 0.5 ** (stale / STALE) * (logs[w] - predicted)
+            else:
+                faded[w] = logs[w]
+        mean = sum(faded.values()) / len(faded)
+        return {w: v - mean for w, v in faded.items()}
 
     def table(self) -> dict[str, dict[str, tuple[float, float, int]]]:
         """Observed ``(units per second, seconds per task, count)`` per prefix and worker."""
