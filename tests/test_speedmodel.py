@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from dask_octopus.profiling.speedmodel import CHANGE, RARE, STALE, SpeedModel
+from dask_octopus.profiling.speedmodel import CHANGE, HALF_LIFE, RARE, STALE, SpeedModel
 
 
 def test_priors_give_weights_per_resource():
@@ -47,8 +47,6 @@ def test_a_worker_that_slows_down_loses_weight_within_a_few_tasks():
 def test_a_finished_computation_s_prefixes_give_way_to_the_work_running_now():
     """Long tasks ran equally on both workers; then ``a`` is three times slower on new, shorter tasks.
     The old prefix's weight halves every HALF_LIFE timings since it last ran: the new prefix decides."""
-    from dask_octopus.profiling.speedmodel import HALF_LIFE
-
     m = SpeedModel()
     for _ in range(20):
         m.observe("a", "matmul", 1e8, 0.3)
@@ -237,6 +235,58 @@ def test_a_prefix_run_on_some_workers_moves_them_against_each_other_only(b_secon
         m.observe("a", "p", 100, 1.0)
         m.observe("b", "p", 100, b_seconds)
     assert m.weights("abcd") == pytest.approx(dict(zip("abcd", expected)))
+
+
+def test_workers_that_ran_different_prefixes_are_fitted_together():
+    """``b`` and ``c`` as fast, ``a`` half as fast; ``p1`` ran on ``a`` and ``b``, ``p2`` on ``b`` and ``c``:
+    ``b`` links them (each worker's own prefixes averaged gave 0.241, 0.418, 0.341)."""
+    m = SpeedModel()
+    for w in "abc":
+        m.set_prior(w, {"compute": 1.0, "memory": 1.0})
+    for _ in range(20):
+        m.observe("a", "p1", 1.0, 0.2)
+        m.observe("b", "p1", 1.0, 0.1)
+        m.observe("b", "p2", 1.0, 0.1)
+        m.observe("c", "p2", 1.0, 0.1)
+    assert m.weights("abc") == pytest.approx({"a": 0.2, "b": 0.4, "c": 0.4})
+
+
+def test_workers_fitted_together_keep_the_mean_of_their_calibrations_against_the_others():
+    """``a``, ``b``, ``c`` linked by ``p1`` (long tasks, ``b`` 2x ``a``) and ``p2`` (short ones, ``b`` 2x
+    ``c``), ``d`` ran nothing: all calibrated alike, the three keep ``d``'s speed as their geometric mean."""
+    m = SpeedModel()
+    for w in "abcd":
+        m.set_prior(w, {"compute": 1.0, "memory": 1.0})
+    for _ in range(3):
+        m.observe("a", "p1", 1.0, 2.0)
+        m.observe("b", "p1", 1.0, 1.0)
+    for _ in range(5):
+        m.observe("b", "p2", 1.0, 0.01)
+        m.observe("c", "p2", 1.0, 0.02)
+    speeds = {"a": 2 ** (-1 / 3), "b": 2 ** (2 / 3), "c": 2 ** (-1 / 3), "d": 1.0}
+    total = sum(speeds.values())
+    assert m.weights("abcd") == pytest.approx({w: v / total for w, v in speeds.items()})
+
+
+def test_workers_linked_by_no_prefix_keep_their_groups_calibrated_means():
+    """``p1`` on ``a`` (2x slower) and ``b``, ``p2`` on ``c`` and ``d`` (as fast), ``p3`` on ``c`` and ``d``
+    (``c`` 4x faster, longer tasks): each pair keeps the mean of its calibrations, 1 and 2."""
+    m = SpeedModel()
+    for w, speed in zip("abcd", [1.0, 1.0, 2.0, 2.0]):
+        m.set_prior(w, {"compute": speed, "memory": speed})
+    for _ in range(5):
+        m.observe("a", "p1", 1.0, 0.2)
+        m.observe("b", "p1", 1.0, 0.1)
+        m.observe("c", "p2", 1.0, 0.1)
+        m.observe("d", "p2", 1.0, 0.1)
+        m.observe("c", "p3", 1.0, 0.1)
+        m.observe("d", "p3", 1.0, 0.4)
+    # c and d: p2 says equal, p3 4x; p3 weighs its tasks' 0.25 s, p2 its 0.1 s, aged by the 2 timings since
+    p2 = 0.1 * 0.5 ** (2 / HALF_LIFE)
+    ratio = 4 ** (0.25 / (0.25 + p2))
+    speeds = {"a": 1 / math.sqrt(2), "b": math.sqrt(2), "c": 2 * math.sqrt(ratio), "d": 2 / math.sqrt(ratio)}
+    total = sum(speeds.values())
+    assert m.weights("abcd") == pytest.approx({w: v / total for w, v in speeds.items()})
 
 
 def test_noisy_timings_that_agree_with_the_calibration_on_some_workers_leave_it_in_place():
@@ -688,8 +738,6 @@ def test_a_prefix_counts_by_the_duration_of_its_tasks_not_by_how_many_workers_ra
     m.observe("b", "gemm", 100, 1.0)
     for w in "abc":  # on sum, as long per task, the three are equal
         m.observe(w, "sum", 100, 1.0)
-    from dask_octopus.profiling.speedmodel import HALF_LIFE
-
     gemm = 0.5 ** (3 / HALF_LIFE)  # three timings ago: its weight against sum's
     share = 0.5 * gemm / (1 + gemm)  # a and b: the weighted mean of their two prefixes (equal: 0.25)
     raw = {"a": 2 ** share, "b": 2 ** -share, "c": 1.0}
