@@ -13,29 +13,31 @@ changed when the median of its last few timings (:data:`RECENT`) departs from th
 ones by more than :data:`CHANGE` standard errors of their noise, and more of them lie past the midpoint
 between the two medians than the earlier timings' share there makes likely (:data:`RARE`: a level the
 earlier ones showed often is a mix of fast and slow tasks, not a change); the earlier timings are then
-dropped, and kept aside while the timings since number RECENT[-1] at most: when the newest timings are
-back at that earlier level (:meth:`_Rate._back_before_change`), those timings count again, and the ones
-since the change are dropped (a worker paused for a task or two has its rate back within three timings;
-the change test would wait for as many timings at the new level as before it). For a prefix seen on
-several workers, each worker's rate relative to the geometric mean of the others is its observed
-relative speed. Prefixes count in proportion to the time their tasks take (a 300 ms GEMM says more about
-a worker than a 3 ms sum of partial results, which latency dominates), and that weight halves with every
-:data:`HALF_LIFE` timings taken since the prefix last ran: a finished computation's prefixes give way to
-the work running now (a worker that slows down on new, shorter tasks loses weight even after long tasks
-of other prefixes ran equally everywhere). A prefix counts only on workers that ran it
-``confidence_samples`` times: one-off tasks (a rechunk while data moves) say little about the steady
-work. The model keeps the timings of the ``max_prefixes`` prefixes that ran last (tasks submitted under
-keys of their own, ``job_17``, make a prefix each): a prefix dropped for a newer one had been unseen for
-that many timings at least, so its weight had halved ``max_prefixes / HALF_LIFE`` times. The observed
-speed then replaces the prior, so a worker that slows down mid-run loses weight within a few tasks of
-each prefix (two, after a long steady run). Asked for one prefix, the model answers with that prefix's
-speeds alone once every worker has them (``map`` plans a function by its own speeds). A worker that no
-longer runs a prefix the others still run (a map of fewer items than the workers would take gives a slow
-worker none) does not keep, for ever, the speed it had when it last ran it: once :data:`STALE` timings
-were taken after its latest timing of the prefix and before the prefix's latest, its difference there
-halves every :data:`STALE` timings more, toward what the other workers and its prior predict, until it
-gets work of that prefix again and is timed; its first two timings back leave the fading on (to the
-change test one timing is a fluke), the third ends it.
+dropped, and kept aside while the timings since the change (those that showed it included) number
+RECENT[-1] at most: when the newest timings are back at that earlier level
+(:meth:`_Rate._back_before_change`), those timings count again, and the ones since the change are
+dropped (a worker paused for a task or two has its rate back within three timings; the change test would
+wait for as many timings at the new level as before it). For a prefix seen on several workers, each
+worker's rate relative to the geometric mean of the others is its observed relative speed. Prefixes
+count in proportion to the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum
+of partial results, which latency dominates), and that weight halves with every :data:`HALF_LIFE`
+timings taken since the prefix last ran: a finished computation's prefixes give way to the work running
+now (a worker that slows down on new, shorter tasks loses weight even after long tasks of other prefixes
+ran equally everywhere). A prefix counts only on workers that ran it ``confidence_samples`` times:
+one-off tasks (a rechunk while data moves) say little about the steady work. The model keeps the timings
+of the ``max_prefixes`` prefixes that ran last (tasks submitted under keys of their own, ``job_17``,
+make a prefix each): a prefix dropped for a newer one had been unseen for that many timings at least, so
+its weight had halved ``max_prefixes / HALF_LIFE`` times. The observed speed then replaces the prior, so
+a worker that slows down mid-run loses weight within a few tasks of each prefix (two, after a long
+steady run). Asked for one prefix, the model answers with that prefix's speeds alone once every worker
+has them (``map`` plans a function by its own speeds). A worker that no longer runs a prefix the others
+still run (a map of fewer items than the workers would take gives a slow worker none) does not keep, for
+ever, the speed it had when it last ran it: once it missed more than :data:`STALE` of the prefix's
+timings at its share of the workers' rates (of the timings of that prefix since its latest), its
+difference there halves every :data:`STALE` more, toward what its prior and the workers that missed none
+predict, until it gets work of that prefix again and is timed: a first timing that agrees with its rate
+(nearer to it than to the others' mean) ends the fading, one that does not leaves it on until the third
+(to the change test one timing is a fluke).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ RECENT = (3, 8, 24)  # the last timings whose median is compared with the earlie
 CHANGE = 4.0  # standard errors between those medians that make a change
 RARE = 0.005  # ... if the earlier timings' share past the midpoint makes that many of the last ones past it this rare
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
-STALE = 32  # timings after which a worker's difference on a prefix that ran since without it halves, and again
+STALE = 8  # timings of a prefix a worker missed (at its share) after which its difference there halves, and again
 FIT_ROUNDS = 100  # rounds of alternating means at most (one where every worker ran every prefix alike)
 FIT_TOLERANCE = 1e-9  # ... until no worker's log speed moves more than this
 MEDIAN_ERROR = math.sqrt(math.pi / 2)  # standard error of the median of n normal values, in sigma / sqrt(n)
@@ -88,6 +90,12 @@ def _rare(earlier: list[float], recent: list[float], middle: float, above: bool)
     p = (sum(map(past, earlier)) + 0.5) / (len(earlier) + 1)
     k, x = len(recent), sum(map(past, recent))
     return sum(math.comb(k, j) * p**j * (1 - p) ** (k - j) for j in range(x, k + 1)) < RARE
+
+
+def _missed(per_worker: dict[str, _Rate], rate: _Rate, ran: int) -> float:
+    """The timings of a prefix that a worker of ``rate`` would have taken, at its share of the rates of
+    ``per_worker`` (all the workers that ran the prefix), of those since its latest (``ran``: all of them)."""
+    return (ran - rate.at) * rate.value / sum(r.value for r in per_worker.values())
 
 
 def _fit_workers(entries: list[tuple[Hashable, str, float, float]], prior: dict[str, float]) -> dict[str, float]:
@@ -141,10 +149,10 @@ class _Rate:
     value: float = 0.0
     seconds: float = 0.0  # one task's duration: the median of theirs
     count: int = 0  # timings ever taken
-    # the model's clock at the latest of them, but for the first RECENT[0] after the prefix ran STALE timings
-    # elsewhere: their clock stays at the timing before those (the worker's difference fades on, see _faded)
+    # the prefix's timings (all workers) at the latest of them, but for a worker back from missing STALE:
+    # at the one before it came back, until its timings agree with its rate or RECENT[0] of them came
     at: int = 0
-    returning: int = RECENT[0]  # timings since then, up to RECENT[0]
+    returning: int = RECENT[0]  # timings since it came back, up to RECENT[0]
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
     times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
@@ -211,11 +219,12 @@ class _Rate:
 
     def _back_before_change(self) -> bool:
         """Whether the last timings are back at the level before the last change, and if so, keep that
-        level's timings and theirs (the ones since the change dropped): of the last ``RECENT[0]``
-        timings, the newest and more than the timings since the change make likely (:func:`_rare`) lie
-        nearer to that level than to the change's, and their median lies within :data:`CHANGE` standard
-        errors of the level's noise. A worker slowed down for a task or two (a pause) is back within three
-        timings, where the change test would wait for as many timings at the new level as before it."""
+        level's timings and theirs (the ones since the change dropped): the last ``RECENT[0]`` timings all
+        lie nearer to that level than to the median of the timings since the change, more of them than
+        those make likely (:func:`_rare`), and their median lies within :data:`CHANGE` standard errors of
+        that level's noise and beyond as many of the noise since the change (as the change test has it).
+        A worker slowed down for a task or two (a pause) is back within three timings, where the change
+        test would wait for as many timings at the new level as before it."""
         if self.before is None:
             return False
         if len(self.recent) > RECENT[-1]:  # a level of its own, which the change test follows
@@ -229,8 +238,12 @@ class _Rate:
         if len(values) <= k:
             return False
         recent, since = values[-k:], values[:-k]
-        back = _median(recent) - level
-        if (abs(back) > CHANGE * MEDIAN_ERROR * steps * math.sqrt(1 / k + 1 / len(log_rates))
+        changed = _median(since) if since else changed  # (the change's own timings: a median biased outward)
+        if any(abs(v - level) >= abs(v - changed) for v in recent):
+            return False
+        last = _median(recent)
+        if (abs(last - level) > CHANGE * MEDIAN_ERROR * steps * math.sqrt(1 / k + 1 / len(log_rates))
+                or abs(last - changed) <= CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / len(since))
                 or not _rare(since, recent, (level + changed) / 2, level > changed)):
             return False
         self._keep(log_rates, durations, k)
@@ -275,6 +288,7 @@ class SpeedModel:
     clock: int = 0  # timings observed
     # the clock at each prefix's latest timing, the least recent first
     last_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    ran: dict[str, int] = field(default_factory=dict)  # timings of each prefix kept, all workers
 
     def set_prior(self, worker: str, speeds: dict[str, float]) -> None:
         """Record the calibrated speeds of ``worker``; non-finite or non-positive ones are refused."""
@@ -289,7 +303,7 @@ class SpeedModel:
         for prefix, per_worker in list(self.rates.items()):
             per_worker.pop(worker, None)
             if not per_worker:
-                del self.rates[prefix], self.last_seen[prefix]
+                del self.rates[prefix], self.last_seen[prefix], self.ran[prefix]
 
     def observe(self, worker: str, prefix: str, units: float, seconds: float) -> None:
         """Add one finished task of ``prefix`` that processed ``units`` in ``seconds`` on ``worker``."""
@@ -299,20 +313,28 @@ class SpeedModel:
         if not is_finite(rate, positive=True):  # (the message is made only then: this runs for every task)
             check_finite(rate, f"task rate ({units!r} units in {seconds!r} s)")
         self.clock += 1
-        latest = self.last_seen.get(prefix)
         if prefix in self.last_seen:
             self.last_seen.move_to_end(prefix)
         elif len(self.last_seen) >= self.max_prefixes:
-            del self.rates[self.last_seen.popitem(last=False)[0]]
+            dropped = self.last_seen.popitem(last=False)[0]
+            del self.rates[dropped], self.ran[dropped]
         self.last_seen[prefix] = self.clock
+        ran = self.ran.get(prefix, 0)
+        self.ran[prefix] = ran + 1
         per_worker = self.rates[prefix]
-        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate(at=self.clock))
-        if current.returning == RECENT[0] and latest is not None and latest - current.at > STALE:
-            current.returning = 0
-        current.add(math.log(rate), seconds, self.confidence_samples)
+        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate(at=ran))
+        log_rate = math.log(rate)
+        if current.returning == RECENT[0] and ran - current.at > STALE and _missed(per_worker, current, ran) > STALE:
+            current.returning = 0  # back from missing its share: its difference fades on (see _faded) ...
+        if current.returning < RECENT[0]:
+            others = [math.log(r.value) for r in per_worker.values() if r is not current and r.value > 0]
+            mean = sum(others) / len(others) if others else log_rate
+            if abs(log_rate - math.log(current.value)) <= abs(log_rate - mean):
+                current.returning = RECENT[0] - 1  # ... unless its timings agree with its rate
+        current.add(log_rate, seconds, self.confidence_samples)
         current.returning = min(current.returning + 1, RECENT[0])
-        if current.returning == RECENT[0]:  # (the timings of a worker back on the prefix show a change first)
-            current.at = self.clock
+        if current.returning == RECENT[0]:  # ... or RECENT[0] came, which can show a change
+            current.at = ran + 1
 
     def _observed(self, workers: list[str], prefixes: Iterable[str] | None = None,
                   prior: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, int]]:
@@ -339,7 +361,7 @@ class SpeedModel:
             expected = {w: (prior or {}).get(w, 0.0) for w in seen}
             expected_mean = sum(expected.values()) / n
             expected = {w: e - expected_mean for w, e in expected.items()}
-            difference = self._difference(seen, expected) or self._faded(seen, expected, self.last_seen[prefix])
+            difference = self._difference(seen, expected) or self._faded(per_worker, seen, expected, self.ran[prefix])
             # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
             age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
             weight = self.confidence_samples * duration * age  # (every worker seen ran it that often at least)
@@ -378,24 +400,22 @@ class SpeedModel:
         return None if departs(equal) else equal
 
     @staticmethod
-    def _faded(seen: dict[str, _Rate], expected: dict[str, float], latest: int) -> dict[str, float]:
+    def _faded(per_worker: dict[str, _Rate], seen: dict[str, _Rate], expected: dict[str, float],
+               ran: int) -> dict[str, float]:
         """The workers' observed log speeds relative to their mean on one prefix, each worker's faded
-        toward what the others' and the prior (``expected``) predict for it once :data:`STALE` timings
-        were taken between that worker's latest timing of the prefix and the prefix's latest (``latest``,
-        on the model's clock), halving every :data:`STALE` timings more: a worker given none of a function's
-        items (a map of fewer items than it would take) gets some again, and is timed again, instead of
-        keeping the speed it had when it last ran them."""
+        toward what the prior (``expected``) and the others that missed none predict for it once it missed
+        more than :data:`STALE` of the prefix's timings (:func:`_missed`; ``ran``: the prefix's timings,
+        ``per_worker``: the rates of all the workers that ran it), halving every :data:`STALE` more: a
+        worker given none of a function's items (a map of fewer items than it would take) gets some again,
+        and is timed again, instead of keeping the speed it had when it last ran them."""
         logs = {w: math.log(r.value) for w, r in seen.items()}
-        base = {w: logs[w] - expected[w] for w in seen}  # (each worker's speed on the prior's scale)
-        total = sum(base.values())
-        faded = {}
-        for w, r in seen.items():
-            stale = latest - r.at - STALE
-            if stale > 0:
-                predicted = (total - base[w]) / (len(seen) - 1) + expected[w]
-                faded[w] = predicted + 0.5 ** (stale / STALE) * (logs[w] - predicted)
-            else:
-                faded[w] = logs[w]
+        missed = {w: _missed(per_worker, r, ran) - STALE for w, r in seen.items()}
+        fresh = [logs[w] - expected[w] for w in seen if missed[w] <= 0]  # (their speeds on the prior's scale)
+        faded = dict(logs)
+        for w in seen:
+            if missed[w] > 0 and fresh:
+                predicted = sum(fresh) / len(fresh) + expected[w]
+                faded[w] = predicted + 0.5 ** (missed[w] / STALE) * (logs[w] - predicted)
         mean = sum(faded.values()) / len(faded)
         return {w: v - mean for w, v in faded.items()}
 
