@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from concurrent.futures import CancelledError
+from decimal import Decimal
 
 import dask
 import numpy as np
@@ -313,6 +314,12 @@ async def test_bad_input(c, s, a, b):
         ([Sized(8), Sized(-1)], {}, ValueError, "cost of item 1 must be"),
         (items, dict(cost="big"), TypeError, "cost must be a callable, one number per item or None, got str 'big'"),
         (items, dict(cost=3), TypeError, "cost must be a callable, one number per item or None, got int 3"),
+        (items, dict(cost={0: 1.0, 1: 5.0, 2: 1.0}), TypeError,
+         r"cost must be a callable, one number per item or None, got dict \{0: 1.0"),
+        (items, dict(cost=[1, "2", 3]), TypeError,
+         r"^cost of item 1 must be a real number \(int, float or a NumPy one\), got str '2'$"),
+        (items, dict(cost=[1, 2, Decimal(3)]), TypeError, r"cost of item 2 must be a real number .* got Decimal"),
+        (items, dict(cost=lambda x: "big"), TypeError, "cost of item 0 must be a real number"),
         (items, dict(to_host="no"), TypeError, "to_host must be True or False, got 'no'"),
         (items, dict(pure=None), TypeError, "pure must be True or False, got None"),
         (items, dict(retries=2), TypeError,  # client.map's keyword: map's other keywords go to func

@@ -162,8 +162,9 @@ def _failed_inputs(items: list[Any]) -> dict[int, ItemError]:
 
 def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
-    a cost that is not a finite number >= 0."""
-    if isinstance(cost, str | bytes) or not isinstance(cost, Iterable):
+    a cost that is not a finite number >= 0, ``TypeError`` for a mapping (its keys would be read as the
+    costs) or a cost that is not a number."""
+    if isinstance(cost, str | bytes | Mapping) or not isinstance(cost, Iterable):
         raise TypeError(f"cost must be a callable, one number per item or None, got {type(cost).__name__} {cost!r}")
     out = list(cost)
     if len(out) != n:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Real
 
 from dask_octopus._checks import check_finite, is_finite
 
@@ -37,8 +38,12 @@ class Packing:
 
 
 def check_costs(costs: Sequence[float]) -> None:
-    """Raise ``ValueError`` naming the first item whose cost is not a finite number >= 0."""
+    """Raise ``TypeError`` naming the first item whose cost is not a real number (``bool``, ``Decimal``
+    and strings are not), ``ValueError`` the first whose cost is not finite and >= 0."""
     for i, c in enumerate(costs):
+        if isinstance(c, bool) or not isinstance(c, Real):
+            raise TypeError(f"cost of item {i} must be a real number (int, float or a NumPy one), "
+                            f"got {type(c).__name__} {c!r}")
         check_finite(c, f"cost of item {i}", positive=False)
 
 
