@@ -715,6 +715,25 @@ async def test_blocks_of_a_dropped_plan_run_again_elsewhere_when_their_worker_le
     assert not s.unrunnable
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.max-plans": 4})
+async def test_maps_whose_tasks_the_user_restricted_push_no_plan_out(c, s, a, b):
+    """``map`` under ``dask.annotate(workers=...)``: no task of it is pinned, so no pin retires its plan;
+    kept, such plans pushed a balanced collection's plan out (``octopus.max-plans``)."""
+    await setup(c, s, [1.0, 1.0])
+    y = await c.persist(await run_balance(c, da.arange(40, chunks=10)))
+    placement = s.plugins["octopus"].placement
+
+    def restricted(k):
+        with dask.annotate(workers=[a.address]):  # (in the thread that calls map: annotations are per thread)
+            return dask_octopus.map(abs, [-k, -2, -3], client=c, gather=True)
+
+    for k in range(4):
+        assert await asyncio.get_running_loop().run_in_executor(None, restricted, k) == [k, 2, 3]
+        assert not any(name.startswith("abs-octopus-map") for name, _ in placement.pins.values())
+    await async_poll_for(lambda: list(placement.plans) == [y.name], timeout=10)  # (the last map's tasks: released)
+    assert any(name.startswith("abs-octopus-map") for name in placement._retired)  # (their timings: costs)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_blocks_pinned_by_an_unregistered_plugin_run_again_elsewhere(c, s, a, b):
     await setup(c, s, [1.0, 1.0])

@@ -211,7 +211,20 @@ class Placement:
                     pinned += self._pin(ts, block, origin, owned)
                 elif layer_of(ts.key) in pieces:
                     pinned += _pin_where_held(ts)
+        self._retire_unpinned(todo)
         return pinned
+
+    def _retire_unpinned(self, todo: list[TaskState]) -> None:
+        """Retire the ``map`` plans whose graph came (tasks among ``todo``) and got no pin (the user's own
+        restrictions or resources on every task): no pin would ever retire them, and they would push
+        older plans out (``octopus.max-plans``)."""
+        waiting = {name for name in self._unpinned if (plan := self.plans.get(name)) and plan.counts is not None}
+        if not waiting:  # (most graphs: no map plan waits for its graph)
+            return
+        for name in waiting & {layer_of(ts.key) for ts in todo}:
+            if not self._pins_of[name]:
+                self._unpinned.discard(name)
+                self._retire(name)
 
     def _origin(self, ts: TaskState, origin: dict[Key, Block | None], owned: dict[Key, int]) -> Block | None:
         if ts.key in self.pins:
@@ -288,9 +301,13 @@ class Placement:
             plan = self.plans.get(name)
             # (not one given again under this name since, whose graph is to come: a map of the same items)
             if plan is not None and plan.counts is not None and name not in self._unpinned:
-                self._retired[name] = self.plans.pop(name)
-                while len(self._retired) > RETIRED:
-                    self._retired.popitem(last=False)
+                self._retire(name)
+
+    def _retire(self, name: str) -> None:
+        """Keep the ``map`` plan ``name`` among the retired ones only (for its timings that come later)."""
+        self._retired[name] = self.plans.pop(name)
+        while len(self._retired) > RETIRED:
+            self._retired.popitem(last=False)
 
     def _set_pin(self, key: Key, block: Block) -> None:
         old = self.pins.get(key)
