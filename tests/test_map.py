@@ -153,6 +153,30 @@ async def test_a_paused_worker_gets_no_items_not_even_scattered_ones(c, s, a, b)
     assert set(plan.workers) == {a.address}
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60,
+             config={"distributed.worker.memory.pause": False})
+async def test_items_planned_on_workers_all_paused_wait_for_them_unscattered(c, s, a, b):
+    """Every worker paused: the items are planned on them all the same (Dask sends tasks to none), and
+    the map waits, as Dask's ``client.map`` does, for them to run again (scattered to them, its 4 MiB
+    of items failed with "No valid workers found" after the connect timeout)."""
+    await setup(c, s, [1.0, 1.0])
+    for w in (a, b):
+        w.status = Status.paused
+    await async_poll_for(lambda: all(ws.status == Status.paused for ws in s.workers.values()), timeout=5)
+    info = await c.scheduler.octopus_workers()
+    assert all(values[6] is True for values in info.values())  # held
+    items = [np.full(2**15, float(i)) for i in range(16)]
+    scattered, scatter = [], c.scatter
+    c.scatter = lambda *args, **kwargs: scattered.append(kwargs.get("workers")) or scatter(*args, **kwargs)
+    run = call(c, np.sum, items, gather=True)
+    await asyncio.sleep(2)
+    assert not run.done()
+    for w in (a, b):
+        w.status = Status.running
+    assert await asyncio.wait_for(run, 20) == [x.sum() for x in items]
+    assert scattered == []
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_a_map_plan_goes_with_its_tasks(c, s, a, b):
     await setup(c, s, [1.0, 1.0])

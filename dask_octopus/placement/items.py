@@ -309,16 +309,19 @@ def _item_bytes(client: Client, items: list[Any], wait: bool) -> list[float]:
 
 
 def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batches: list[tuple[str, list[int]]],
-                     ) -> None:
+                     held: Collection[str]) -> None:
     """Replace the local items by futures of their data on the worker planned for them (one scatter per
     worker), when they hold :data:`SCATTER_BYTES` or more in all (``nbytes`` each): the graph then
-    carries keys, not data."""
+    carries keys, not data. Not to the ``held`` workers (paused or retiring: planned on only when all
+    are): Dask's scatter refuses them and fails after its connect timeout, where the graph carrying the
+    items waits for a worker, as Dask's ``client.map`` does."""
     local = [i for i, it in enumerate(items) if not isinstance(it, Future)]
     if sum(nbytes[i] for i in local) < SCATTER_BYTES:
         return
     planned: dict[str, list[int]] = {}
     for worker, idx in batches:
-        planned.setdefault(worker, []).extend(i for i in idx if not isinstance(items[i], Future))
+        if worker not in held:
+            planned.setdefault(worker, []).extend(i for i in idx if not isinstance(items[i], Future))
     for worker, idx in planned.items():
         for i, fut in zip(idx, client.scatter([items[i] for i in idx], workers=[worker], hash=False)):
             items[i] = fut
@@ -413,7 +416,8 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     run = None if per_item and pure else uuid.uuid4().hex
     token = tokenize(func, items, costs, kwargs, group, workers, batches, to_host, per_item, run)
     if not per_item:  # (only gathered results can be computed again from the items kept here: _Batches)
-        _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches])
+        _scatter_to_plan(client, items, nbytes, [(workers[j], idx) for j, idx, _ in batches],
+                         {w for w, i in zip(workers, info) if i.held})
     name = f"{label}-{MAP_INFIX}-{token}"
     call_scheduler(client, "octopus_add_plan", name=name, workers=[workers[j] for j, _, _ in batches],
                    costs=[sum(costs[i] for i in idx) for _, idx, _ in batches],

@@ -68,9 +68,10 @@ class WorkerInfo(NamedTuple):
     rate: float | None  #: observed work units per second of the function there, once it ran there
     budget: float | None  #: bytes one task there may hold (``octopus.fragments.max-bytes``), if known
     result_size: float | None  #: bytes of result per byte of items of the function's recent batches, if any
+    held: bool  #: paused or retiring: Dask sends it no task, and its scatter refuses it
 
     @classmethod
     def of(cls, values: Sequence[Any]) -> WorkerInfo:
         """Rebuild one from what came over the wire."""
-        weight, threads, fit, rate, budget, result_size = values
-        return cls(weight, threads, None if fit is None else (fit[0], fit[1]), rate, budget, result_size)
+        weight, threads, fit, rate, budget, result_size, held = values
+        return cls(weight, threads, None if fit is None else (fit[0], fit[1]), rate, budget, result_size, held)

@@ -475,7 +475,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
             out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
-                                   rate, scheduler_groups.thread_budget(ws, self.profiles.get(addr, {})), result_size)
+                                   rate, scheduler_groups.thread_budget(ws, self.profiles.get(addr, {})), result_size,
+                                   ws.status in HELD)
         return out
 
     def get_profiles(self, resource: str = "compute", source: str | None = None) -> dict[str, Profile]:
