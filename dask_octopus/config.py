@@ -51,6 +51,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "map.item-cost-alpha": _FRACTION,
     "map.steal-min-seconds": ("a duration such as 50ms", _parses(parse_timedelta)),
     "map.learn-result-size": ("true or false", lambda v: isinstance(v, bool)),
+    "map.learn-result-wait": ("a duration such as 5s", _parses(parse_timedelta)),
     "max-plans": ("an integer >= 1", _integer(1)),
     "fragments.max-bytes": ("auto or a size such as 2GiB", lambda v: v == "auto" or _parses(parse_bytes)(v)),
     "fragments.plan-memo": ("an integer >= 0", _integer(0)),

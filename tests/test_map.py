@@ -647,9 +647,12 @@ def test_local_items_small_in_all_travel_in_the_graph_and_large_ones_are_scatter
 
     client = Stub(scatter=scatter)
     items = ["a", "b", "c"]
-    _scatter_to_plan(client, items, [100.0, 100.0, 100.0], [("w1", [0, 1]), ("w2", [2])])
+    _scatter_to_plan(client, items, [100.0, 100.0, 100.0], [("w1", [0, 1]), ("w2", [2])], set())
     assert items == ["a", "b", "c"] and scattered == []
-    _scatter_to_plan(client, items, [SCATTER_BYTES / 2, SCATTER_BYTES / 4, SCATTER_BYTES / 4],
-                     [("w1", [0, 1]), ("w2", [2])])
+    large = [SCATTER_BYTES / 2, SCATTER_BYTES / 4, SCATTER_BYTES / 4]
+    _scatter_to_plan(client, items, large, [("w1", [0, 1]), ("w2", [2])], {"w2"})  # w2 paused: c stays here
+    assert items == ["future-a", "future-b", "c"] and scattered == [(["a", "b"], ["w1"])]
+    items = ["a", "b", "c"]
+    _scatter_to_plan(client, items, large, [("w1", [0, 1]), ("w2", [2])], set())
     assert items == ["future-a", "future-b", "future-c"]
-    assert scattered == [(["a", "b"], ["w1"]), (["c"], ["w2"])]
+    assert scattered[1:] == [(["a", "b"], ["w1"]), (["c"], ["w2"])]

@@ -13,7 +13,7 @@ from concurrent.futures import CancelledError
 import dask
 import numpy as np
 import pytest
-from distributed import Client, Event, KilledWorker, LocalCluster, Nanny, get_worker, wait
+from distributed import Client, Event, KilledWorker, LocalCluster, Nanny, Worker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, gen_cluster, inc
 from test_balance import setup
@@ -752,6 +752,28 @@ async def test_two_lambdas_learn_their_result_sizes_apart(c, s, a, b):
     counts = [list(p.counts) for _, p in s.plugins["octopus"].placement.made]
     # this one's first item alone first, then batches of 3 of its 1 MiB results in 4 MiB (was: 12 a batch)
     assert counts[-2] == [1] and sum(counts[-1]) == 23 and max(counts[-1]) == 3, counts
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={
+    "octopus.map.learn-result-size": True, "octopus.map.learn-result-wait": "300ms"})
+async def test_a_first_item_that_cannot_run_yet_holds_map_back_no_longer_than_learn_result_wait(c, s, a, b):
+    """Under resources no worker has yet, the item run alone first cannot run: ``map`` returns its futures
+    after ``octopus.map.learn-result-wait``, the others planned as they are without it (``map`` waited
+    for ever, where ``client.map`` returns at once), and they all run once such a worker comes."""
+    await setup(c, s, [1.0, 1.0])
+
+    def under_resources():
+        with dask.annotate(resources={"GPU": 1}):  # (in the thread that calls map: annotations are per thread)
+            return dask_octopus.map(inc, list(range(6)), client=c, group=2)
+
+    start = time.monotonic()
+    futures = await asyncio.wait_for(in_thread(under_resources), 15)
+    assert time.monotonic() - start < 5
+    assert [f.status for f in futures] == ["pending"] * 6
+    counts = [list(p.counts) for _, p in s.plugins["octopus"].placement.made]
+    assert counts[0] == [1] and sum(counts[1]) == 5, counts
+    async with Worker(s.address, nthreads=1, resources={"GPU": 1}):
+        assert await asyncio.wait_for(c.gather(futures), 15) == [inc(i) for i in range(6)]
 
 
 def render_but_the_first(i):

@@ -152,8 +152,8 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
             UserWarning, stacklevel=3)
 
 
-def wait_for(client: Client, futures: list[Future]) -> None:
-    """Wait until ``futures`` finish or fail.
+def wait_for(client: Client, futures: list[Future], timeout: float | None = None) -> bool:
+    """Wait until ``futures`` finish or fail, or ``timeout`` seconds pass.
 
     Parameters
     ----------
@@ -161,10 +161,21 @@ def wait_for(client: Client, futures: list[Future]) -> None:
         Their client, which need not be the default client.
     futures
         The futures to wait for; those done already cost nothing.
+    timeout
+        Seconds to wait at most (``None``: no limit).
+
+    Returns
+    -------
+    bool
+        Whether they all finished or failed (``False``: the time ran out first).
     """
     pending = [f for f in futures if not f.done()]  # (as_completed costs 90 us a future, done or not)
-    for _ in as_completed(pending, loop=client.loop) if pending else ():
-        pass
+    try:
+        for _ in as_completed(pending, loop=client.loop, timeout=timeout) if pending else ():
+            pass
+    except TimeoutError:
+        return False
+    return True
 
 
 def _missing_plugin(dask_scheduler: Any) -> str | None:
