@@ -134,20 +134,33 @@ async def test_refine_confidence_samples_default_needs_three_timings(c, s, a, b)
 
 
 @gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.min-duration": "500ms"})
-async def test_refine_min_duration_from_dask_config_drops_shorter_timings(c, s, a, b):
+async def test_refine_min_duration_from_dask_config_drops_prefixes_mostly_shorter(c, s, a, b):
+    """A timing counts while most of its prefix's recent timings on that worker before it (an average
+    weighing each a quarter) lasted 500 ms or more; a first timing, when it does itself. A prefix that
+    began short counts once its long timings outweigh the short ones, its short ones too from then on."""
     await dask_octopus.register(c, calibrate=False)
     p = plugin(s)
     assert p.min_duration == 0.5
-    timing(s, a.address, "gemm", 100, 0.4)  # a GPU event timing below the minimum
     await c.submit(sum, [1, 2], key="t")
-    p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",  # a task-stream timing
-                 startstops=[{"action": "compute", "start": 0.0, "stop": 0.4}])
+
+    def task_stream(seconds):  # a task-stream timing of "t"
+        p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",
+                     startstops=[{"action": "compute", "start": 0.0, "stop": seconds}])
+
+    timing(s, a.address, "gemm", 100, 0.4)  # a GPU event timing below the minimum
+    task_stream(0.4)
+    assert p.model.table() == {}
+    for _ in range(3):  # the share of short timings: 1, then 0.75, 0.56, 0.42
+        timing(s, a.address, "gemm", 100, 0.6)
+        task_stream(0.6)
     assert p.model.table() == {}
     timing(s, a.address, "gemm", 100, 0.6)
-    p.transition("t", "processing", "memory", worker=a.address, stimulus_id="x",
-                 startstops=[{"action": "compute", "start": 0.0, "stop": 0.6}])
+    task_stream(0.6)
+    timing(s, a.address, "gemm", 100, 0.4)  # short, after mostly long ones: it counts
     assert set(p.model.table()) == {"gemm", "t"}
-    assert p.model.table()["gemm"][a.address][2] == 1
+    assert p.model.table()["gemm"][a.address][2] == 2
+    timing(s, b.address, "gemm", 100, 0.6)  # b's first: long, it counts
+    assert p.model.table()["gemm"][b.address][2] == 1
 
 
 @gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.significance": 1000.0})

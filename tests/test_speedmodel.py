@@ -902,3 +902,40 @@ def test_two_timings_each_show_no_noise_so_any_difference_counts():
         m.observe("a", "p", units, 1.0)
         m.observe("b", "p", 4 * units, 1.0)
     assert m.weights(["a", "b"]) == pytest.approx({"a": 0.2, "b": 0.8})
+
+
+def test_a_prefix_straddling_the_minimum_duration_weighs_its_workers_without_bias():
+    """``a`` twice as fast as ``b``, ``a``'s tasks 1-3 ms, the minimum 2 ms: dropping each short timing kept
+    ``a``'s slow half only; counting a prefix on a worker while most of its timings before were long keeps
+    a fair sample of them: the weights of all the timings (those of the model's window: 0.647 for 0.667)."""
+    from dask_octopus.profiling.short_tasks import ShortTasks
+
+    def weights(keep):
+        rng = random.Random(0)
+        m = SpeedModel()
+        for _ in range(400):
+            ta = rng.uniform(1.0, 3.0) / 1e3
+            for w, t in (("a", ta), ("b", 2 * rng.uniform(1.0, 3.0) / 1e3)):
+                if keep(w, t):
+                    m.observe(w, "p", 1e6, t)
+        return m.weights("ab")["a"]
+
+    everything = weights(lambda w, t: True)
+    short = ShortTasks(10)
+    assert weights(lambda w, t: short.counts("p", w, t < 0.002)) == pytest.approx(everything, abs=0.005)
+    assert weights(lambda w, t: t >= 0.002) < everything - 0.04  # each timing alone: biased (0.598)
+
+
+def test_short_tasks_decide_per_prefix_and_worker_from_the_timings_before():
+    from dask_octopus.profiling.short_tasks import SHORT_WEIGHT, ShortTasks
+
+    short = ShortTasks(2)
+    assert short.counts("p", "a", False) and not short.counts("q", "a", True)  # first timings: themselves
+    assert short.counts("p", "a", True)  # mostly long before: a short one counts
+    assert short.shares["p"]["a"] == pytest.approx(SHORT_WEIGHT)
+    assert [short.counts("q", "a", False) for _ in range(4)] == [False, False, False, True]  # 1, .75, .56, .42
+    assert short.counts("p", "b", False)  # b's own share
+    short.remove("a")
+    assert "a" not in short.shares["p"] and not short.counts("q", "a", True)  # forgotten: first again
+    short.counts("r", "a", False)  # a third prefix: the least recently used one is dropped
+    assert set(short.shares) == {"q", "r"}

@@ -39,6 +39,7 @@ from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
 from dask_octopus.profiling.recent import RecentlyUsed
+from dask_octopus.profiling.short_tasks import ShortTasks
 from dask_octopus.profiling.speedmodel import SpeedModel, check_resource
 from dask_octopus.profiling.working_set import TOPIC as WORKING_SETS
 from dask_octopus.profiling.working_set import WorkingSets
@@ -142,8 +143,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     worker_plugin: OctopusWorkerPlugin
     #: calibration priors refined by task timings
     model: SpeedModel
-    #: shorter tasks are dominated by overhead and do not refine the speeds (seconds)
+    #: shorter tasks are dominated by overhead: a prefix mostly that short on a worker does not refine its
+    #: speed (seconds)
     min_duration: float
+    #: per task prefix and worker, the share of its recent timings shorter than ``min_duration``
+    short_tasks: ShortTasks
     #: balance and map plans, and the pins of their tasks
     placement: Placement
     #: per task prefix and worker: the per-item cost fit of ``map`` batches (the ``refine.max-prefixes``
@@ -184,6 +188,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                 significance=config.get("refine.significance"),
                                 max_prefixes=config.get("refine.max-prefixes"))
         self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
+        self.short_tasks = ShortTasks(self.model.max_prefixes)
         plans = config.get("max-plans", max_plans)
         self.working_sets = WorkingSets(max_sources=plans)
         self.placement = Placement(plans, measure=self.working_sets.wants)
@@ -643,13 +648,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if not computed:
             return  # it ran nothing here (no compute interval): no timing, not a bad one
         seconds = sum(computed)
-        if 0 < seconds < self.min_duration:
-            return  # most tasks: skip the bytes count (_observe would drop the timing anyway); bad
-            # timings (zero, negative, NaN) go on to _observe, which warns about them
+        prefix = timing_prefix(ts.prefix.name, ts.run_spec)
+        counted = is_finite(seconds, positive=True)  # (bad timings go on to _observe, which warns about them)
+        if counted and not self.short_tasks.counts(prefix, worker, seconds < self.min_duration):
+            return  # most short tasks: no bytes count
         nbytes = kwargs.get("nbytes")
         units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
         units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
-        self._observe(worker, key, timing_prefix(ts.prefix.name, ts.run_spec), units, seconds / share)
+        self._observe(worker, key, prefix, units, seconds / share, counted=counted)
 
     @_guarded
     def _learn_result_size(self, key: Any, nbytes: Any) -> None:
@@ -695,8 +701,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 if block is not None:
                     self.working_sets.add(block[0], key_split(key), block[1], peak)
 
-    def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float) -> None:
-        """Feed one task timing to the model; a planned task's cost (in the user's units, whatever their
+    def _observe(self, worker: str, key: Any, prefix: str, units: float, seconds: float,
+                 counted: bool = False) -> None:
+        """Feed one task timing to the model, where it counts (:mod:`dask_octopus.profiling.short_tasks`;
+        ``counted``: found to count already); a planned task's cost (in the user's units, whatever their
         scale) replaces its bytes as work units."""
         if not is_finite(seconds, positive=True):
             if worker not in self.bad_timings:
@@ -704,7 +712,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 logger.warning("dask_octopus: ignoring task timings of %s that are not finite and > 0 "
                                "(got %r for %s)", worker, seconds, prefix)
             return
-        if seconds >= self.min_duration:
+        if counted or self.short_tasks.counts(prefix, worker, seconds < self.min_duration):
             planned = self.placement.cost_of(key)
             cost, count = planned if planned is not None else (None, None)
             if cost is None and prefix.endswith(f"-{MAP_INFIX}"):
@@ -734,6 +742,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self.unreported.discard(worker)
             self.joined.pop(worker, None)
             self.model.remove(worker)
+            self.short_tasks.remove(worker)
             for prefix, fits in list(self.item_costs.items()):
                 fits.pop(worker, None)
                 if not fits:
