@@ -136,7 +136,7 @@ async def test_refine_confidence_samples_default_needs_three_timings(c, s, a, b)
 @gen_cluster(client=True, nthreads=TWO, config={"octopus.refine.min-duration": "500ms"})
 async def test_refine_min_duration_from_dask_config_drops_prefixes_mostly_shorter(c, s, a, b):
     """A timing counts while most of its prefix's recent timings on that worker before it (an average
-    weighing each a quarter) lasted 500 ms or more; a first timing, when it does itself. A prefix that
+    weighing each a half) lasted 500 ms or more; a first timing, when it does itself. A prefix that
     began short counts once its long timings outweigh the short ones, its short ones too from then on."""
     await dask_octopus.register(c, calibrate=False)
     p = plugin(s)
@@ -150,7 +150,7 @@ async def test_refine_min_duration_from_dask_config_drops_prefixes_mostly_shorte
     timing(s, a.address, "gemm", 100, 0.4)  # a GPU event timing below the minimum
     task_stream(0.4)
     assert p.model.table() == {}
-    for _ in range(3):  # the share of short timings: 1, then 0.75, 0.56, 0.42
+    for _ in range(2):  # the share of short timings: 1, then 0.5, 0.25
         timing(s, a.address, "gemm", 100, 0.6)
         task_stream(0.6)
     assert p.model.table() == {}

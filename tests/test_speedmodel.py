@@ -67,22 +67,26 @@ def test_a_finished_computation_s_prefixes_give_way_to_the_work_running_now():
 
 def test_a_worker_that_no_longer_runs_a_prefix_fades_toward_the_others_and_runs_it_again():
     """``a`` was 3x slower on ``f`` (a co-tenant): a map of few items gives it none, and only ``b``
-    runs ``f`` from then on. Once ``a`` missed more than STALE timings at its share (a quarter: one in
-    every four of ``b``'s), its difference on ``f`` halves every STALE more, so that it gets items
-    again; back on ``f`` as slow as before, its first timing agrees with its rate and ends the fading."""
+    runs ``f`` from then on. Once ``a`` missed more than STALE timings at the share it took (5 of the
+    prefix's first 9), its difference on ``f`` halves every STALE more, so that it gets items again;
+    back on ``f`` as slow as before, its first timing agrees with its rate and ends the fading."""
     m = SpeedModel()
     for _ in range(5):
         m.observe("a", "f", 100, 3.0)
         m.observe("b", "f", 100, 1.0)
     assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.25)
-    for _ in range(4 * STALE - 1):  # (b's fifth timing came after a's last)
+
+    def faded(since):  # a's weight, ``since`` timings of f after a's latest
+        fade = 0.5 ** (max(0.0, since * 5 / 9 - STALE) / STALE)
+        return 1 / (1 + 3**fade)
+
+    for _ in range(13):  # (b's fifth timing came after a's last)
         m.observe("b", "f", 100, 1.0)
-    assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.25)  # not yet
-    for _ in range(4 * STALE):
+    assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.25) == pytest.approx(faded(14))  # not yet
+    for _ in range(15):
         m.observe("b", "f", 100, 1.0)
-    half = 1 / (1 + math.sqrt(3))  # a's log speed against b's halved: 3 ** -0.5
-    assert m.weights("ab", prefix="f")["a"] == pytest.approx(half)
-    assert m.weights("ab")["a"] == pytest.approx(half)  # the weights over all prefixes alike
+    assert 0.3 < m.weights("ab", prefix="f")["a"] == pytest.approx(faded(29))
+    assert m.weights("ab")["a"] == pytest.approx(faded(29))  # the weights over all prefixes alike
     for _ in range(40 * STALE):
         m.observe("b", "f", 100, 1.0)
     assert m.weights("ab", prefix="f")["a"] == pytest.approx(0.5, abs=1e-3)
@@ -127,7 +131,7 @@ def test_a_worker_whose_calibration_differs_fades_toward_its_calibrated_differen
         m.observe("a", "f", 100, 1.0)  # a 8x b on f: the calibration contradicted
         m.observe("b", "f", 100, 8.0)
     assert m.weights("ab", prefix="f")["a"] == pytest.approx(8 / 9)
-    for _ in range(12 * STALE):
+    for _ in range(20 * STALE):
         m.observe("b", "f", 100, 8.0)
     assert m.weights("ab", prefix="f")["a"] == pytest.approx(2 / 3, abs=1e-3)
 
@@ -146,6 +150,24 @@ def test_a_slow_worker_that_keeps_running_its_share_is_not_stale_among_many(work
         m.observe(w, "f", 100, seconds[w])
     truth = 0.25 / (0.25 + workers - 1)
     assert m.weights(seconds, prefix="f")["w0"] == pytest.approx(truth, rel=0.01)
+
+
+def test_a_worker_of_few_threads_running_its_share_is_not_stale():
+    """``a`` (one thread, 2x slower per task) and ``b`` (32 threads) take the next task when a thread is
+    free: ``a`` runs one task in 65 or so, its share; its weight stays at the truth, 1/3 (a share taken
+    from the rates alone made it stale: up to 0.446)."""
+    m = SpeedModel()
+    seconds = {"a": 2.0, "b": 1.0}
+    free = [(0.0, "a", 0)] + [(0.0, "b", t) for t in range(32)]
+    weights = []
+    for i in range(3000):
+        at, w, t = min(free)
+        free.remove((at, w, t))
+        free.append((at + seconds[w], w, t))
+        m.observe(w, "f", 100, seconds[w])
+        if i > 300:
+            weights.append(m.weights("ab", prefix="f")["a"])
+    assert min(weights) == pytest.approx(1 / 3) == pytest.approx(max(weights))
 
 
 def test_other_prefixes_and_pauses_do_not_make_a_worker_stale():
@@ -922,7 +944,7 @@ def test_a_prefix_straddling_the_minimum_duration_weighs_its_workers_without_bia
 
     everything = weights(lambda w, t: True)
     short = ShortTasks(10)
-    assert weights(lambda w, t: short.counts("p", w, t < 0.002)) == pytest.approx(everything, abs=0.005)
+    assert weights(lambda w, t: short.counts("p", w, t < 0.002)) == pytest.approx(everything, abs=0.01)
     assert weights(lambda w, t: t >= 0.002) < everything - 0.04  # each timing alone: biased (0.598)
 
 
@@ -933,7 +955,7 @@ def test_short_tasks_decide_per_prefix_and_worker_from_the_timings_before():
     assert short.counts("p", "a", False) and not short.counts("q", "a", True)  # first timings: themselves
     assert short.counts("p", "a", True)  # mostly long before: a short one counts
     assert short.shares["p"]["a"] == pytest.approx(SHORT_WEIGHT)
-    assert [short.counts("q", "a", False) for _ in range(4)] == [False, False, False, True]  # 1, .75, .56, .42
+    assert [short.counts("q", "a", False) for _ in range(4)] == [False, False, True, True]  # 1, .5, .25, .125
     assert short.counts("p", "b", False)  # b's own share
     short.remove("a")
     assert "a" not in short.shares["p"] and not short.counts("q", "a", True)  # forgotten: first again

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dask_octopus.profiling.recent import RecentlyUsed
 
-SHORT_WEIGHT = 0.25  # weight of the latest timing in a prefix's share of short timings on a worker
+SHORT_WEIGHT = 0.5  # weight of the latest timing in a prefix's share of short timings on a worker
 
 
 class ShortTasks:

@@ -33,11 +33,11 @@ steady run). Asked for one prefix, the model answers with that prefix's speeds a
 has them (``map`` plans a function by its own speeds). A worker that no longer runs a prefix the others
 still run (a map of fewer items than the workers would take gives a slow worker none) does not keep, for
 ever, the speed it had when it last ran it: once it missed more than :data:`STALE` of the prefix's
-timings at its share of the workers' rates (of the timings of that prefix since its latest), its
-difference there halves every :data:`STALE` more, toward what its prior and the workers that missed none
-predict, until it gets work of that prefix again and is timed: a first timing that agrees with its rate
-(nearer to it than to the others' mean) ends the fading, one that does not leaves it on until the third
-(to the change test one timing is a fluke).
+timings since its latest at the share of them it took from its first to its latest, its difference there
+halves every :data:`STALE` more, toward what its prior and the workers that missed none predict, until
+it gets work of that prefix again and is timed: a first timing that agrees with its rate (nearer to it
+than to the others' mean) ends the fading, one that does not leaves it on until the third (to the change
+test one timing is a fluke).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
+
+import numpy as np
 
 from dask_octopus._checks import check_finite, is_finite
 
@@ -68,8 +70,6 @@ CHANGE = 4.0  # standard errors between those medians that make a change
 RARE = 0.005  # ... if the earlier timings' share past the midpoint makes that many of the last ones past it this rare
 HALF_LIFE = 32  # timings (of any prefix, on any worker) after which a prefix not seen since counts half
 STALE = 8  # timings of a prefix a worker missed (at its share) after which its difference there halves, and again
-FIT_ROUNDS = 100  # rounds of alternating means at most (one where every worker ran every prefix alike)
-FIT_TOLERANCE = 1e-9  # ... until no worker's log speed moves more than this
 MEDIAN_ERROR = math.sqrt(math.pi / 2)  # standard error of the median of n normal values, in sigma / sqrt(n)
 CHANGE_SPREAD = 0.954  # median |x - y| of two values of N(0, sigma^2), in sigma
 
@@ -92,36 +92,27 @@ def _rare(earlier: list[float], recent: list[float], middle: float, above: bool)
     return sum(math.comb(k, j) * p**j * (1 - p) ** (k - j) for j in range(x, k + 1)) < RARE
 
 
-def _missed(per_worker: dict[str, _Rate], rate: _Rate, ran: int) -> float:
-    """The timings of a prefix that a worker of ``rate`` would have taken, at its share of the rates of
-    ``per_worker`` (all the workers that ran the prefix), of those since its latest (``ran``: all of them)."""
-    return (ran - rate.at) * rate.value / sum(r.value for r in per_worker.values())
+def _missed(rate: _Rate, ran: int) -> float:
+    """The timings of a prefix that a worker of ``rate`` would have taken of those since its latest
+    (``ran``: the prefix's timings, all workers), at the share of them it took from its first to its
+    latest (which its threads, its speed and how its tasks come, one by one or in batches, all set)."""
+    return (ran - rate.at) * rate.count / max(1, rate.at - rate.first)
 
 
 def _fit_workers(entries: list[tuple[Hashable, str, float, float]], prior: dict[str, float]) -> dict[str, float]:
     """Each worker's log speed ``b[w]`` of the additive fit ``y = a[prefix] + b[worker]`` to the entries
-    ``(prefix, worker, weight, y)`` (a prefix: any key), weighted least squares (by alternating weighted means, at most
-    :data:`FIT_ROUNDS` rounds), the workers linked by the prefixes they share keeping the mean of their
-    ``prior`` (log, missing: 0). Averaging each worker's own entries instead biased workers that ran
-    other prefixes than the rest: ``b`` and ``c`` as fast, ``a`` half as fast, ``p1`` on ``a`` and ``b``,
-    ``p2`` on ``b`` and ``c`` gave 0.241, 0.418, 0.341 for 0.2, 0.4, 0.4."""
-    by_worker: dict[str, list[tuple[Hashable, float, float]]] = defaultdict(list)
+    ``(prefix, worker, weight, y)`` (a prefix: any key), by weighted least squares: the prefixes' levels
+    eliminated, the normal equations of each group of workers linked by the prefixes they share are
+    solved at once, and each group keeps the mean of its workers' ``prior`` (log, missing: 0). Averaging
+    each worker's own entries instead biased workers that ran other prefixes than the rest: ``b`` and
+    ``c`` as fast, ``a`` half as fast, ``p1`` on ``a`` and ``b``, ``p2`` on ``b`` and ``c`` gave 0.241,
+    0.418, 0.341 for 0.2, 0.4, 0.4."""
+    if not entries:
+        return {}
     by_prefix: dict[Hashable, list[tuple[str, float, float]]] = defaultdict(list)
     for prefix, worker, weight, y in entries:
-        by_worker[worker].append((prefix, weight, y))
         by_prefix[prefix].append((worker, weight, y))
-    speed = {w: sum(wt * y for _, wt, y in rows) / sum(wt for _, wt, _ in rows) for w, rows in by_worker.items()}
-    if len(by_prefix) > 1:
-        for _ in range(FIT_ROUNDS):
-            offset = {p: sum(wt * (y - speed[w]) for w, wt, y in rows) / sum(wt for _, wt, _ in rows)
-                      for p, rows in by_prefix.items()}
-            before = speed
-            speed = {w: sum(wt * (y - offset[p]) for p, wt, y in rows) / sum(wt for _, wt, _ in rows)
-                     for w, rows in by_worker.items()}
-            if max(abs(speed[w] - before[w]) for w in speed) < FIT_TOLERANCE:
-                break
-    # each group of linked workers keeps the mean of their priors
-    group = {w: w for w in by_worker}
+    group = {worker: worker for _, worker, _, _ in entries}
 
     def root(w: str) -> str:
         while group[w] != w:
@@ -133,13 +124,29 @@ def _fit_workers(entries: list[tuple[Hashable, str, float, float]], prior: dict[
         first = root(rows[0][0])
         for w, _, _ in rows[1:]:
             group[root(w)] = first
-    members: dict[str, list[str]] = defaultdict(list)
-    for w in by_worker:
-        members[root(w)].append(w)
-    for ws in members.values():
-        shift = sum(prior.get(w, 0.0) - speed[w] for w in ws) / len(ws)
-        for w in ws:
-            speed[w] += shift
+    members: dict[str, list[int]] = defaultdict(list)
+    workers = list(group)
+    for i, w in enumerate(workers):
+        members[root(w)].append(i)
+    # the weighted normal equations of all the workers, each prefix's level eliminated: weights per worker
+    # and prefix (a matrix), each prefix's weighted mean
+    index = {w: i for i, w in enumerate(workers)}
+    at = np.array([index[w] for rows in by_prefix.values() for w, _, _ in rows])
+    of = np.array([j for j, rows in enumerate(by_prefix.values()) for _ in rows])
+    wt = np.array([weight for rows in by_prefix.values() for _, weight, _ in rows])
+    y = np.array([v for rows in by_prefix.values() for _, _, v in rows])
+    weights = np.zeros((len(workers), len(by_prefix)))
+    np.add.at(weights, (at, of), wt)
+    totals = weights.sum(axis=0)
+    means = np.bincount(of, wt * y, len(by_prefix)) / totals
+    normal = np.diag(weights.sum(axis=1)) - (weights / totals) @ weights.T
+    rhs = np.bincount(at, wt * (y - means[of]), len(workers))
+    speed: dict[str, float] = {}
+    for ids in members.values():
+        fitted = np.zeros(len(ids))
+        fitted[1:] = np.linalg.solve(normal[np.ix_(ids[1:], ids[1:])], rhs[ids[1:]])  # (the first one at 0)
+        fitted += sum(prior.get(workers[i], 0.0) for i in ids) / len(ids) - fitted.mean()  # the group's prior mean
+        speed.update(zip((workers[i] for i in ids), fitted.tolist()))
     return speed
 
 
@@ -153,6 +160,7 @@ class _Rate:
     # at the one before it came back, until its timings agree with its rate or RECENT[0] of them came
     at: int = 0
     returning: int = RECENT[0]  # timings since it came back, up to RECENT[0]
+    first: int = 0  # the prefix's timings before this worker's first
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
     times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
@@ -322,9 +330,9 @@ class SpeedModel:
         ran = self.ran.get(prefix, 0)
         self.ran[prefix] = ran + 1
         per_worker = self.rates[prefix]
-        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate(at=ran))
+        current = per_worker.get(worker) or per_worker.setdefault(worker, _Rate(at=ran, first=ran))
         log_rate = math.log(rate)
-        if current.returning == RECENT[0] and ran - current.at > STALE and _missed(per_worker, current, ran) > STALE:
+        if current.returning == RECENT[0] and _missed(current, ran) > STALE:
             current.returning = 0  # back from missing its share: its difference fades on (see _faded) ...
         if current.returning < RECENT[0]:
             others = [math.log(r.value) for r in per_worker.values() if r is not current and r.value > 0]
@@ -361,7 +369,7 @@ class SpeedModel:
             expected = {w: (prior or {}).get(w, 0.0) for w in seen}
             expected_mean = sum(expected.values()) / n
             expected = {w: e - expected_mean for w, e in expected.items()}
-            difference = self._difference(seen, expected) or self._faded(per_worker, seen, expected, self.ran[prefix])
+            difference = self._difference(seen, expected) or self._faded(seen, expected, self.ran[prefix])
             # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
             age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
             weight = self.confidence_samples * duration * age  # (every worker seen ran it that often at least)
@@ -400,16 +408,15 @@ class SpeedModel:
         return None if departs(equal) else equal
 
     @staticmethod
-    def _faded(per_worker: dict[str, _Rate], seen: dict[str, _Rate], expected: dict[str, float],
-               ran: int) -> dict[str, float]:
+    def _faded(seen: dict[str, _Rate], expected: dict[str, float], ran: int) -> dict[str, float]:
         """The workers' observed log speeds relative to their mean on one prefix, each worker's faded
         toward what the prior (``expected``) and the others that missed none predict for it once it missed
-        more than :data:`STALE` of the prefix's timings (:func:`_missed`; ``ran``: the prefix's timings,
-        ``per_worker``: the rates of all the workers that ran it), halving every :data:`STALE` more: a
+        more than :data:`STALE` of the prefix's timings (:func:`_missed`; ``ran``: the prefix's timings),
+        halving every :data:`STALE` more: a
         worker given none of a function's items (a map of fewer items than it would take) gets some again,
         and is timed again, instead of keeping the speed it had when it last ran them."""
         logs = {w: math.log(r.value) for w, r in seen.items()}
-        missed = {w: _missed(per_worker, r, ran) - STALE for w, r in seen.items()}
+        missed = {w: _missed(r, ran) - STALE for w, r in seen.items()}
         fresh = [logs[w] - expected[w] for w in seen if missed[w] <= 0]  # (their speeds on the prior's scale)
         faded = dict(logs)
         for w in seen:
