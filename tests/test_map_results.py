@@ -776,6 +776,27 @@ async def test_a_first_item_that_cannot_run_yet_holds_map_back_no_longer_than_le
         assert await asyncio.wait_for(c.gather(futures), 15) == [inc(i) for i in range(6)]
 
 
+def raises_late_below_three(x):
+    time.sleep(0.8)
+    if x < 3:
+        raise ValueError(x)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60, config={
+    "octopus.map.learn-result-size": True, "octopus.map.learn-result-wait": "1s"})
+async def test_learn_result_wait_bounds_all_the_items_run_alone_first_together(c, s, a, b):
+    """The cheapest items raise after 0.8 s each: the first alone, then the next, whose wait ends with the
+    1 s the first began (each waited its own second: three alone, 2.4 s, before the others)."""
+    await setup(c, s, [1.0, 1.0])
+    futures = await in_thread(dask_octopus.map, raises_late_below_three, list(range(8)), client=c, group=2,
+                              cost=[1, 2, 3, 4, 5, 6, 7, 8])
+    counts = [list(p.counts) for _, p in s.plugins["octopus"].placement.made]
+    assert len(counts) <= 3 and sum(map(sum, counts)) == 8, counts
+    results = await c.gather(futures, errors="skip")
+    assert results == [3, 4, 5, 6, 7]
+
+
 def render_but_the_first(i):
     if i == 0:
         raise ValueError("no frame 0")

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import inspect
 import math
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
@@ -466,8 +467,8 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
     as large as the items, and a batch cut to the worker's budget by that count would hold many times
     more, until the worker dies running it. An item that raises teaches nothing (its error is no
     result): the next cheapest runs alone then, up to :data:`PROBES` items, and after as many errors the
-    others count :data:`RESULT_SIZE`; so they do where an item alone does not end within
-    ``octopus.map.learn-result-wait`` (behind other work, or waiting for resources no worker has yet:
+    others count :data:`RESULT_SIZE`; so they do where the items alone have not ended within
+    ``octopus.map.learn-result-wait``, all of them (behind other work, or waiting for resources no worker has yet:
     ``map`` would not return its futures meanwhile, where ``client.map`` returns at once). Items
     scattered to their workers on the way replace those of ``items``, as :func:`_submit` does."""
     parts: list[tuple[list[int], tuple[list[Future], list[list[int]], set[int]]]] = []
@@ -482,7 +483,7 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
         return part[0]
 
     left = list(range(len(items)))
-    wait = parse_timedelta(config.get("map.learn-result-wait"))
+    deadline = time.monotonic() + parse_timedelta(config.get("map.learn-result-wait"))  # (for all the items)
     for _ in range(PROBES):
         candidates = [i for i in left if i in usable]
         if not candidates or len(left) < 2:
@@ -490,7 +491,8 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
         first = min(candidates, key=costs.__getitem__)
         left.remove(first)
         (future,) = submit([first], probe=False)
-        if not wait_for(client, [future], timeout=wait) or not _failed_alone(future, per_item):
+        ended = wait_for(client, [future], timeout=max(0.0, deadline - time.monotonic()))
+        if not ended or not _failed_alone(future, per_item):
             break  # (not done in time: the others count RESULT_SIZE, as they would without it)
     if left:  # (after PROBES failed items, counted RESULT_SIZE)
         submit(left, probe=False)
