@@ -734,6 +734,38 @@ async def test_maps_whose_tasks_the_user_restricted_push_no_plan_out(c, s, a, b)
     assert any(name.startswith("abs-octopus-map") for name in placement._retired)  # (their timings: costs)
 
 
+def waits_for_go(x):
+    Event("go").wait()
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1)], config={"octopus.max-plans": 4})
+async def test_a_map_whose_tasks_the_user_restricted_keeps_its_plan_while_they_run(c, s, a, b, monkeypatch):
+    """Its plan retires when Dask forgot its tasks, not as they arrive: retired at once, maps that ended
+    meanwhile pushed it out of the retired plans (the latest 64), and its own timings found no cost."""
+    from dask_octopus.placement import pins
+
+    monkeypatch.setattr(pins, "RETIRED", 1)
+    await setup(c, s, [1.0, 1.0])
+    placement = s.plugins["octopus"].placement
+
+    def restricted():
+        with dask.annotate(workers=[a.address]):  # (in the thread that calls map: annotations are per thread)
+            return dask_octopus.map(waits_for_go, [1], client=c)
+
+    (future,) = await asyncio.get_running_loop().run_in_executor(None, restricted)
+    for k in range(3):
+        assert await asyncio.get_running_loop().run_in_executor(
+            None, lambda k=k: dask_octopus.map(abs, [-k, -2, -3], client=c, gather=True)) == [k, 2, 3]
+    assert placement.cost_of(future.key) == (1.0, 1)
+    assert not any(name.startswith("waits_for_go") for name, _ in placement.pins.values())
+    await Event("go").set()
+    assert await future == 1
+    del future
+    await async_poll_for(lambda: not any(n.startswith("waits_for_go") for n in placement.plans), timeout=10)
+    assert any(n.startswith("waits_for_go") for n in placement._retired) and not placement._unpinned_tasks
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_blocks_pinned_by_an_unregistered_plugin_run_again_elsewhere(c, s, a, b):
     await setup(c, s, [1.0, 1.0])

@@ -99,6 +99,10 @@ class Placement:
         self.pins: dict[Key, Block] = {}
         self._pins_of: Counter[str] = Counter()  # pins per plan name
         self._unpinned: set[str] = set()  # plans given since their last pin was set (their graph to come)
+        # the tasks of map plans whose graph came without any pin (the user's restrictions), by key: such a
+        # plan retires when Dask forgot them all, as a pinned one with its last pin
+        self._unpinned_tasks: dict[Key, str] = {}
+        self._unpinned_count: Counter[str] = Counter()
         # map plans gone with their tasks, the latest RETIRED: their costs for timings that come later
         # (a GPU worker sends its tasks' timings every 200 ms, after Dask forgot the tasks)
         self._retired: OrderedDict[str, Plan] = OrderedDict()
@@ -215,16 +219,23 @@ class Placement:
         return pinned
 
     def _retire_unpinned(self, todo: list[TaskState]) -> None:
-        """Retire the ``map`` plans whose graph came (tasks among ``todo``) and got no pin (the user's own
-        restrictions or resources on every task): no pin would ever retire them, and they would push
-        older plans out (``octopus.max-plans``)."""
+        """Follow the tasks (among ``todo``) of the ``map`` plans whose graph came and got no pin (the user's
+        own restrictions or resources on every task): no pin would retire such a plan, and it would push
+        older plans out (``octopus.max-plans``); it retires when Dask forgot its tasks (:meth:`forget`),
+        keeping its costs for their timings until then."""
         waiting = {name for name in self._unpinned if (plan := self.plans.get(name)) and plan.counts is not None}
         if not waiting:  # (most graphs: no map plan waits for its graph)
             return
-        for name in waiting & {layer_of(ts.key) for ts in todo}:
+        came = {}
+        for ts in todo:
+            if (name := layer_of(ts.key)) in waiting:
+                came.setdefault(name, []).append(ts.key)
+        for name, keys in came.items():
             if not self._pins_of[name]:
                 self._unpinned.discard(name)
-                self._retire(name)
+                for key in keys:
+                    self._unpinned_tasks[key] = name
+                self._unpinned_count[name] += len(keys)
 
     def _origin(self, ts: TaskState, origin: dict[Key, Block | None], owned: dict[Key, int]) -> Block | None:
         if ts.key in self.pins:
@@ -293,6 +304,7 @@ class Placement:
         self._index(key, None)
         self.stealable_keys.discard(key)
         if block is None:
+            self._forget_unpinned(key)
             return
         name = block[0]
         self._pins_of[name] -= 1
@@ -301,6 +313,18 @@ class Placement:
             plan = self.plans.get(name)
             # (not one given again under this name since, whose graph is to come: a map of the same items)
             if plan is not None and plan.counts is not None and name not in self._unpinned:
+                self._retire(name)
+
+    def _forget_unpinned(self, key: Key) -> None:
+        """Retire the unpinned ``map`` plan of ``key`` once Dask forgot its last task."""
+        name = self._unpinned_tasks.pop(key, None)
+        if name is None:
+            return
+        self._unpinned_count[name] -= 1
+        if self._unpinned_count[name] <= 0:
+            del self._unpinned_count[name]
+            # (not one given again under this name since: its graph is to come)
+            if name in self.plans and name not in self._unpinned and not self._pins_of[name]:
                 self._retire(name)
 
     def _retire(self, name: str) -> None:
@@ -443,6 +467,8 @@ class Placement:
         self.pins.clear()
         self._pins_of.clear()
         self._unpinned.clear()
+        self._unpinned_tasks.clear()
+        self._unpinned_count.clear()
         self._pinned.clear()
         self._pinned_on.clear()
         self.stealable_keys.clear()
