@@ -12,7 +12,7 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
-from dask_octopus._checks import is_finite
+from dask_octopus._checks import is_count, is_finite
 
 with open(os.path.join(os.path.dirname(__file__), "octopus.yaml")) as f:
     defaults = yaml.safe_load(f)
@@ -26,14 +26,14 @@ def _parses(parse: Callable[[Any], Any]) -> Callable[[Any], bool]:
             return False
         try:
             return is_finite(parse(value))
-        except (TypeError, ValueError, KeyError):
+        except (TypeError, ValueError, KeyError, AttributeError):  # (Dask's parsers: AttributeError for None, lists)
             return False
 
     return ok
 
 
 def _integer(minimum: int) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+    return lambda v: is_count(v, minimum)
 
 
 _FRACTION = ("a number in (0, 1]", lambda v: is_finite(v, positive=True) and v <= 1)

@@ -256,9 +256,24 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.switch-interval", "1ns", "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
     ("streams.switch-interval", "on", "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
     ("streams.switch-interval", 0, "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
+    # an empty YAML value (None), or a list, where a size or duration belongs: Dask's parsers raise AttributeError
+    ("fragments.max-bytes", None, "octopus.fragments.max-bytes must be auto or a size such as 2GiB, got None"),
+    ("streams.large-bytes", None, "octopus.streams.large-bytes must be a size such as 128MiB, got None"),
+    ("streams.max-graph-bytes", [1], r"octopus.streams.max-graph-bytes must be a size such as 4GiB, got \[1\]"),
+    ("calibration.wait", [1], r"octopus.calibration.wait must be a duration such as 30s, got \[1\]"),
+    ("refine.min-duration", None, "octopus.refine.min-duration must be a duration such as 2ms, got None"),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
+        config.get(key)
+
+
+@pytest.mark.parametrize("key", ["max-plans", "refine.confidence-samples", "streams.max-streams",
+                                 "fragments.plan-memo"])
+def test_integer_settings_take_numpy_integers_as_the_public_calls_do(key):
+    with dask.config.set({f"octopus.{key}": np.int64(4)}):
+        assert config.get(key) == 4
+    with dask.config.set({f"octopus.{key}": np.float64(4)}), pytest.raises(ValueError, match=f"octopus.{key} must be"):
         config.get(key)
 
 
