@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dask_octopus import config  # noqa: F401  (registers the dask.config defaults)
+from dask_octopus import config  # (importing it registers the dask.config defaults)
 from dask_octopus.groups.marks import annotate
 from dask_octopus.placement.blocks import WorkingSetWarning, balance
 from dask_octopus.placement.items import imap, map
@@ -46,7 +46,8 @@ def dask_setup(service: Any) -> None:
     however many times the module is preloaded; a bad ``octopus`` setting of the scheduler's process
     fails the preload, as distributed lets a preload fail, and the clients' calls that need the plugin
     say so); ``dask worker --preload dask_octopus`` only checks that
-    the package imports on the worker (the scheduler plugin sends the worker plugin itself). Both log
+    the package imports on the worker and that the worker's ``octopus`` settings are good (the scheduler
+    plugin sends the worker plugin itself). Both log
     as distributed does (:func:`_log_as_distributed`)."""
     from distributed import Scheduler
 
@@ -61,5 +62,6 @@ def dask_setup(service: Any) -> None:
                 setattr(service, PRELOAD_ERROR, str(e))  # asking for it are told why
                 raise
             service.add_plugin(plugin)
-    else:
+    else:  # a bad setting of the worker's process fails the preload (distributed logs it, naming the key):
+        config.check_all()  # the worker plugin would not set up there
         logger.info("dask_octopus %s available on %s", __version__, getattr(service, "address", service))

@@ -186,12 +186,19 @@ async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> dict[st
     """Set the pickled worker ``plugin`` up on every worker, replacing one of the same ``name``, and on
     those that join later, as ``Scheduler.register_worker_plugin(idempotent=False)`` does, but a worker
     that fails or leaves meanwhile is skipped (Dask logs it) rather than failing the call while the
-    others still set it up. Returns the error of each worker where it failed (a worker that cannot
-    unpickle it, its environment lacking the plugin's package, answers with the error)."""
+    others still set it up. Returns the error of each worker still there where it failed: one whose
+    ``setup`` raised answers with the error; one that cannot unpickle it (its environment lacks the
+    plugin's package) raises it in the handler (``Worker.plugin_add`` unpickles outside its ``try``),
+    which the broadcast returns, as it returns a lost connection (skipped where the worker left)."""
     scheduler.worker_plugins[name] = plugin
-    replies = await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="ignore")
-    return {address: str(reply.get("exception_text") or reply.get("exception")) for address, reply in replies.items()
-            if isinstance(reply, dict) and reply.get("status") == "error"}
+    replies = await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="return")
+    failed = {}
+    for address, reply in replies.items():
+        if isinstance(reply, Exception) and address in scheduler.workers:  # (a worker's error comes as an
+            failed[address] = str(reply) if type(reply) is Exception else repr(reply)  # Exception of its repr)
+        elif isinstance(reply, dict) and reply.get("status") == "error":
+            failed[address] = str(reply.get("exception_text") or reply.get("exception"))
+    return failed
 
 
 def annotated_restrictions(annotation: Mapping[str, Any], coerce: Callable[[Any], str]

@@ -115,6 +115,28 @@ def test_a_preload_that_failed_on_a_bad_setting_is_named_to_the_clients(tmp_path
     assert "Failed to start preload: dask_octopus" in (tmp_path / "scheduler.log").read_text()
 
 
+def test_a_worker_preload_with_a_bad_setting_names_the_key_in_the_worker_s_log(tmp_path):
+    """``dask worker --preload dask_octopus`` in a process whose own ``octopus`` setting is bad: distributed
+    logs the preload's error, naming the key, as the worker starts (the worker plugin would not set up there)."""
+    sched_file = tmp_path / "scheduler.json"
+    command = [*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host", "127.0.0.1",
+               "--no-dashboard"]
+    worker = [*DASK, "worker", "--scheduler-file", str(sched_file), "--nthreads", "1", "--no-nanny", "--host",
+              "127.0.0.1", "--no-dashboard", "--preload", "dask_octopus"]
+    with (open(tmp_path / "scheduler.log", "w") as log, open(tmp_path / "worker.log", "w") as worker_log,
+          scheduler_process(command, sched_file, ENV, log),
+          Client(scheduler_file=str(sched_file), timeout="30s") as client):
+        proc = subprocess.Popen(worker, env={**ENV, "DASK_OCTOPUS__STREAMS__MAX_GRAPHS": "0"}, stderr=worker_log)
+        try:
+            client.wait_for_workers(1, timeout=60)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    text = (tmp_path / "worker.log").read_text()
+    assert "Failed to start preload: dask_octopus" in text, text
+    assert "octopus.streams.max-graphs must be an integer >= 1, got 0" in text, text
+
+
 def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(tmp_path):
     """``--preload dask_octopus`` given twice installs one plugin without Dask's warning about overwriting
     it, and the package's INFO lines appear in the processes' logs, formatted as distributed's."""

@@ -835,13 +835,8 @@ async def test_a_worker_where_the_worker_plugin_does_not_load_is_named_and_not_w
     """A worker whose environment lacks dask_octopus answers the plugin's setup with the error (Dask logs
     it): register() warns naming it, its profile holds the error, and speeds answer at once (it is not
     waited for octopus.calibration.wait) with the mean weight for it."""
-    from distributed.core import error_message
-
-    def missing(plugin, name=None, catch_errors=True):  # as a worker that cannot unpickle the plugin answers
-        try:
-            raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
-        except ModuleNotFoundError as e:
-            return error_message(e)
+    def missing(plugin, name=None, catch_errors=True):  # as a worker that cannot unpickle the plugin: its
+        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")  # handler raises
 
     b.handlers["plugin-add"] = missing
     with (dask.config.set({"octopus.calibration.wait": "30s"}),
@@ -854,6 +849,42 @@ async def test_a_worker_where_the_worker_plugin_does_not_load_is_named_and_not_w
     profiles = await dask_octopus.profiles(c)
     assert profiles[b.address]["error"].startswith("the worker plugin did not load there: ModuleNotFoundError")
     assert profiles[a.address]["error"] is None and profiles[a.address]["compute"] > 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_plugin_that_fails_to_set_up_otherwise_is_named_with_its_error(c, s, a, b):
+    """A worker whose plugin setup fails for another reason than a missing package (its own settings):
+    register() names it and its error, and does not tell to install dask_octopus."""
+    def bad(plugin, name=None, catch_errors=True):
+        raise ValueError("octopus.streams.max-graphs must be an integer >= 1, got 0")
+
+    b.handlers["plugin-add"] = bad
+    with pytest.warns(UserWarning, match=rf"did not load on {b.address} \(ValueError\('octopus\.streams\.max-graphs "
+                                         r"must be .*\)\): fix that worker's setup") as record:
+        await dask_octopus.register(c, calibration_seconds=0.05)
+    assert not any("install" in str(w.message) for w in record)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_whose_calibration_hangs_holds_register_no_longer_than_the_wait(c, s, a, b):
+    """One worker's plugin setup (its calibration) never ends: register() returns after
+    octopus.calibration.wait with a warning naming it, speeds answer at once with the mean weight for it,
+    and the other worker is calibrated."""
+    async def hanging(plugin, name=None, catch_errors=True):
+        await asyncio.sleep(3600)
+
+    b.handlers["plugin-add"] = hanging
+    start = time.monotonic()
+    with (dask.config.set({"octopus.calibration.wait": "1s"}),
+          pytest.warns(UserWarning, match=rf"no calibration report from {b.address} within "
+                                          r"octopus\.calibration\.wait=1s: they get the mean weight")):
+        await dask_octopus.register(c, calibration_seconds=0.05)
+    assert time.monotonic() - start < 10
+    start = time.monotonic()
+    weights = await dask_octopus.speeds(c)
+    assert time.monotonic() - start < 1 and weights[b.address] == pytest.approx(0.5)
+    profiles = await dask_octopus.profiles(c)
+    assert profiles[a.address]["compute"] > 0 and profiles[b.address]["error"] == "not calibrated"
 
 
 @gen_cluster(client=True, config=FAST)

@@ -24,6 +24,7 @@ from dask_octopus.plugins.scheduler import (
     OctopusSchedulerPlugin,
     not_loaded,
     registered_plugin,
+    remedy,
 )
 from dask_octopus.profiling.speedmodel import check_resource
 
@@ -72,16 +73,21 @@ def _settings_error(dask_scheduler: Any) -> str | None:
     return None
 
 
-async def _registered_options(dask_scheduler: Any) -> tuple[str, dict[str, Any], dict[str, str]] | None:
+async def _registered_options(dask_scheduler: Any
+                              ) -> tuple[str, dict[str, Any], dict[str, str], list[str], float] | None:
     """The name and options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker
-    plugin set up again where that was unregistered alone, and the live workers where that did not load."""
+    plugin set up again where that was unregistered alone, the live workers where that did not load, and,
+    once the others calibrated, those that did not report within ``octopus.calibration.wait`` seconds
+    (and those seconds)."""
     plugin = registered_plugin(dask_scheduler)
     if plugin is None:
         return None
     if plugin.worker_plugin.name not in dask_scheduler.worker_plugins:
         await plugin.set_up_workers()
+    await plugin.calibrations()
     name = next(n for n, p in list(dask_scheduler.plugins.items()) if p is plugin)
-    return name, plugin.options(), not_loaded(plugin.profiles)
+    late = sorted(plugin.unreported & dask_scheduler.workers.keys() - plugin.profiles.keys())
+    return name, plugin.options(), not_loaded(plugin.profiles), late, plugin.calibration_wait
 
 
 @awaitable_on_async_clients
@@ -137,7 +143,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
     if current is None:
         return
-    name, options, failed = current
+    name, options, failed, late, wait = current
     if options != plugin.options():
         warnings.warn(
             f"dask_octopus is already registered on this scheduler with {options}; register() with "
@@ -145,11 +151,15 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
             f"client.unregister_scheduler_plugin({name!r})",
             UserWarning, stacklevel=3)
     if failed:
+        first = failed[min(failed)]
         warnings.warn(
-            f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} "
-            f"({next(iter(failed.values()))}): install dask_octopus in those workers' "
-            "environments (they get the mean weight, and fragments and map batches fail there)",
+            f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} ({first}): "
+            f"{remedy(first)} (they get the mean weight, and fragments and map batches fail there)",
             UserWarning, stacklevel=3)
+    if late:
+        warnings.warn(
+            f"dask_octopus: no calibration report from {', '.join(late)} within octopus.calibration.wait={wait}s: "
+            "they get the mean weight until they report", UserWarning, stacklevel=3)
 
 
 def wait_for(client: Client, futures: list[Future], timeout: float | None = None) -> bool:

@@ -81,6 +81,13 @@ PRELOAD_ERROR = "_dask_octopus_preload_error"
 NOT_LOADED = "the worker plugin did not load there: "  #: the start of the profile error of such a worker
 
 
+def remedy(error: str) -> str:
+    """What to do about a worker where the worker plugin did not load with ``error``."""
+    if error.startswith(("ModuleNotFoundError", "ImportError")):
+        return "install dask_octopus in its environment"
+    return "fix that worker's setup (its own octopus settings, for one)"
+
+
 def not_loaded(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """The workers of ``profiles`` where the worker plugin did not load, with the error."""
     return {w: p["error"][len(NOT_LOADED):] for w, p in profiles.items()
@@ -290,15 +297,39 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Set this plugin's worker plugin up on every worker (they calibrate, with this plugin's
         options) and on those that join later, replacing the one they have (Dask keeps a worker plugin
         when the scheduler plugin is unregistered: a plugin registered again calibrates them anew). A
-        worker that leaves meanwhile is skipped: the others calibrate, and this returns once they did. A
-        worker where it does not load (its environment lacks dask_octopus) has that error for profile,
-        is logged, and is not waited for (:func:`not_loaded`)."""
-        failed = await add_worker_plugin(self.scheduler, dumps(self.worker_plugin), self.worker_plugin.name)
+        worker that leaves meanwhile is skipped: the others calibrate, and this returns once they did,
+        or after :attr:`calibration_wait` seconds (a worker still calibrating then, hung or slow, is
+        waited for no more, as :meth:`calibrations` has it). A worker where it does not load (its
+        environment lacks dask_octopus, or its own settings are bad) has that error for profile, is
+        logged, and is not waited for (:func:`not_loaded`), also where the error comes later."""
+        setting_up = asyncio.ensure_future(
+            add_worker_plugin(self.scheduler, dumps(self.worker_plugin), self.worker_plugin.name))
+        try:
+            await asyncio.wait({setting_up}, timeout=self.calibration_wait)
+        except BaseException:  # (cancelled: the scheduler closes)
+            setting_up.cancel()
+            raise
+        if setting_up.done():
+            self._not_loaded(setting_up.result())  # (its error raised: the plugin does not start)
+        else:
+            setting_up.add_done_callback(self._set_up_late)
+
+    def _set_up_late(self, setting_up: asyncio.Future) -> None:
+        """:meth:`_not_loaded` once the setup that :meth:`set_up_workers` stopped waiting for ends."""
+        if setting_up.cancelled() or self._retired:
+            return
+        if setting_up.exception() is not None:
+            logger.error("dask_octopus: setting the worker plugin up failed: %r", setting_up.exception())
+        else:
+            self._not_loaded(setting_up.result())
+
+    def _not_loaded(self, failed: Mapping[str, str]) -> None:
+        """Record the workers still here where the worker plugin failed to set up, with their errors."""
         for address, error in failed.items():
             if address in self.scheduler.workers:
                 self.profiles[address] = {"error": NOT_LOADED + error}
-                logger.warning("dask_octopus: the worker plugin did not load on %s (%s): install dask_octopus in "
-                               "its environment; it gets the mean weight", address, error)
+                logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
+                               address, error, remedy(error))
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
