@@ -351,6 +351,30 @@ def test_forms_tell_numbers_of_other_types_and_functions_apart_and_refuse_data()
         f([1, object()])
 
 
+@pytest.mark.parametrize("one, other", [
+    (0.0, -0.0), (complex(0.0, 1), complex(-0.0, 1)), (np.float32(0.0), np.float32(-0.0)),
+    (np.timedelta64(1, "D"), np.timedelta64(24, "h")), (np.datetime64("2026-01-01"), np.datetime64("2026-01-01T00")),
+    (np.float64(1.0), np.float32(1.0)),
+])
+def test_forms_tell_apart_numbers_that_compare_equal_but_compute_otherwise(one, other):
+    """``0.0 == -0.0`` (and a timedelta of a day equals one of 24 hours): a plan made for one would
+    compute with the other constant."""
+    assert one == other and memo._form(one) != memo._form(other)
+    assert memo._form(one) == memo._form(type(one)(one) if not isinstance(one, np.generic) else one.copy())
+
+
+def test_a_user_named_constant_changed_from_zero_to_negative_zero_is_planned_anew(planned):
+    """The reviewer's case: ``map_blocks(np.multiply, c, name=...)`` computed with ``c = 0.0`` three times
+    (the third reuses the plan), then with ``-0.0``: the result has the sign bit set, as without annotate."""
+    x = da.arange(16, chunks=4, dtype="f8")
+    with dask.config.set(scheduler="sync"):
+        for const in [0.0, 0.0, 0.0, -0.0]:
+            with dask_octopus.annotate():
+                z = x.map_blocks(np.multiply, const, name="scaled") * 1
+            assert np.signbit(z.compute()).all() == np.signbit(const)
+    assert len(planned) == 3  # the third compute reused the second's plan; the fourth was planned anew
+
+
 @pytest.mark.parametrize("axis", [None, 1])
 def test_a_graph_of_layers_dask_named_is_vouched_for_by_one_task_a_layer(axis):
     """Dask's array optimizer fuses a chain of blocks into one graph shared by every block (its inner names

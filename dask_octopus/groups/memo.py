@@ -10,8 +10,8 @@ them again (places, run order, steps) costs a compute of 1024 small blocks about
 Like Dask, which reuses a task it holds under the same key, a plan trusts a layer name that Dask made by
 hashing what the layer computes (``sum-`` and 32 hex digits) to name its work, and checks one task of
 each such layer in full (functions by identity, but lambdas and local functions, made anew each time, by
-their code, module and what they close over, defaults and attributes; numbers, strings and containers by
-value), and every task under a key named by the user (``dask_key_name``, ``map_blocks(name=...)``; also
+their code, module and what they close over, defaults and attributes; numbers by type and bits, so
+that ``0.0`` and ``-0.0`` differ; strings and containers by value), and every task under a key named by the user (``dask_key_name``, ``map_blocks(name=...)``; also
 one that low-level fusion put inside another task; a name the user gave that ends as Dask's do counts as
 Dask's), which may hold other constants from one compute to the next, before anything else (a graph
 rebuilt with other functions costs no more): what computes something else now is planned anew. A reused
@@ -97,8 +97,14 @@ def _form(value: Any) -> Hashable:
         return _local_function_form(value)
     if kind in _AS_THEY_ARE:
         return value
-    if kind in _NUMBERS or isinstance(value, (np.generic, np.dtype)):  # 1, 1.0, True, float32(1) differ
+    if kind is float:  # by its bits: 0.0 == -0.0, and a plan made for one would compute the other
+        return kind, value.hex()
+    if kind is complex:
+        return kind, value.real.hex(), value.imag.hex()
+    if kind in _NUMBERS or kind is np.dtype or isinstance(value, np.dtype):  # 1, 1.0, True differ
         return kind, value
+    if isinstance(value, np.generic):  # by dtype and bits: float32(-0.0) == 0.0, timedelta64(1, 'D') == (24, 'h')
+        return kind, value.dtype.str, value.tobytes()
     if kind is tuple or kind is list:
         return (kind, *[_form(v) for v in value])
     if kind is dict:
