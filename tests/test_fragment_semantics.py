@@ -487,6 +487,26 @@ async def test_a_split_fragment_s_keys_computed_again_unannotated_are_not_taken_
     assert "Detected different `run_spec`" not in log.getvalue()
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_result_held_from_a_plain_compute_computed_again_annotated_logs_no_collision(c, s, a):
+    """A plain compute's result held (its final keys are aliases of the tasks Dask's fusion made), then
+    the same collection computed inside annotate (our graph resolves those aliases: the fused work under
+    the keys): exact, and no warning that a key came with another run spec. The helper review's case."""
+    await setup(c, s, [1.0])
+    x = await c.persist(da.random.default_rng(2).random((64, 8), chunks=(4, 8)))
+
+    def build():
+        return (x * 2 + 1).sum(axis=1)
+
+    with captured_logger("distributed.scheduler") as log:
+        held = c.compute(build())
+        expected = await held
+        with dask_octopus.annotate():
+            y = build()
+        np.testing.assert_array_equal(await c.compute(y), expected)
+    assert "Detected different `run_spec`" not in log.getvalue()
+
+
 DOUBLED = []
 
 

@@ -519,11 +519,17 @@ def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
     task or a fused task run whole when its fragment was split, the one key that Dask's fusion names a
     chain of tasks ending at the task's key (its own work under the alias that Dask's graph gives it;
     our graph resolved that alias: :func:`~dask_octopus._compat.fused_name_of`). A plain task of one
-    key is never taken for grouped, whatever its new dependency's name."""
+    key is never taken for grouped, whatever its new dependency's name. The other way round, a task
+    that is such an alias (computed without annotations) is the same work as the fused task it names,
+    which our graph put under its key: the new run spec reads what that task read."""
     new = set(dependencies)
     if (len(new) == 1 and fused_name_of(ts.key, next(iter(new)))  # a member kept as a task, or run whole
             and (picks_a_result(ts.run_spec) or len(inner_keys(ts.key, ts.run_spec)) > 1)):
         return True
+    if type(ts.run_spec) is Alias and len(ts.dependencies) == 1:  # Dask's alias held, its target resolved now
+        (target,) = ts.dependencies
+        if fused_name_of(ts.key, target.key) and {d.key for d in target.dependencies} == new:
+            return True
     before = _read_before(ts)
     return before is not None and new == before
 
