@@ -11,8 +11,9 @@ Like Dask, which reuses a task it holds under the same key, a plan trusts a laye
 hashing what the layer computes (``sum-`` and 32 hex digits) to name its work, and checks one task of
 each such layer in full (functions by identity, but lambdas and local functions, made anew each time, by
 their code, module and what they close over, defaults and attributes; numbers by type and bits, so
-that ``0.0`` and ``-0.0`` differ; strings and containers by value), and every task under a key named by the user (``dask_key_name``, ``map_blocks(name=...)``; also
-one that low-level fusion put inside another task; a name the user gave that ends as Dask's do counts as
+that ``0.0`` and ``-0.0`` differ; strings and containers by value), and every task under a key named
+by the user (``dask_key_name``, ``map_blocks(name=...)``; also one that low-level fusion put inside
+another task; a name the user gave that ends as Dask's do counts as
 Dask's), which may hold other constants from one compute to the next, before anything else (a graph
 rebuilt with other functions costs no more): what computes something else now is planned anew. A reused
 plan runs the functions and constants of the compute it was made for, so the same tasks of that compute
