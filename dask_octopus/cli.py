@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+import warnings
 from collections.abc import Callable
 
 import click
@@ -163,17 +164,19 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
             raise click.ClickException(f"lost the scheduler at {scheduler_address}: {e!r}") from None
 
     try:
-        resolve_address(scheduler_address)  # before a Client: one given a bad address stays half made
-        if parse_address(scheduler_address)[0] == "tls" and not Security().get_connection_args("client").get(
-                "ssl_context"):  # (a Client would raise a TypeError, half made)
-            raise ValueError("TLS needs Dask's TLS settings (distributed.comm.tls.ca-file, .client.cert, "
-                             ".client.key: DASK_DISTRIBUTED__COMM__TLS__... variables)")
-        client = Client(scheduler_address, timeout=timeout)
+        with warnings.catch_warnings():  # (ucx:// without distributed-ucxx: distributed warns, then raises it)
+            warnings.simplefilter("ignore", FutureWarning)
+            resolve_address(scheduler_address)  # before a Client: one given a bad address stays half made
+            if parse_address(scheduler_address)[0] == "tls" and not Security().get_connection_args("client").get(
+                    "ssl_context"):  # (a Client would raise a TypeError, half made)
+                raise ValueError("TLS needs Dask's TLS settings (distributed.comm.tls.ca-file, .client.cert, "
+                                 ".client.key: DASK_DISTRIBUTED__COMM__TLS__... variables)")
+            client = Client(scheduler_address, timeout=timeout)
     except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
         raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None
     except (ValueError, ImportError, FutureWarning) as e:  # not an address (no port, say); tls:// without Dask's
         # TLS settings; ucx:// without distributed-ucxx (distributed raises a FutureWarning saying to install it)
-        raise click.ClickException(f"cannot connect to {scheduler_address!r}: {e}") from None
+        raise click.ClickException(f"cannot connect to {scheduler_address!r}: {' '.join(str(e).split())}") from None
     with client:
         if watching:
             watch(make, interval, console())

@@ -1,6 +1,7 @@
 """The command line: demo (small), profile, and the module entry point."""
 
 import gc
+import importlib.util
 import os
 import re
 import subprocess
@@ -224,6 +225,16 @@ def test_a_worker_that_joined_between_the_two_calls_shows_no_memory_weight():
     profile = {"name_on_scheduler": "w", "device": "cpu", "weight": 0.5, "samples": 0}
     table = profile_table({"tcp://a:1": profile, "tcp://b:2": profile}, {"tcp://a:1": 0.5}, "t")
     assert table.columns[7]._cells == ["0.500", "-"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("distributed_ucxx") is not None, reason="needs no distributed-ucxx")
+def test_profile_of_a_ucx_address_without_distributed_ucxx_says_so_on_one_line():
+    """distributed warns and then raises that the ucx protocol needs distributed-ucxx: one line, exit code 1."""
+    result = subprocess.run([sys.executable, "-m", "dask_octopus", "profile", "--scheduler-address",
+                             "ucx://127.0.0.1:1", "--timeout", "1s"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == "", result
+    assert result.stderr.startswith("Error: cannot connect to 'ucx://127.0.0.1:1': The 'ucx' protocol was removed")
+    assert "distributed-ucxx" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
 def test_profile_of_an_address_without_a_scheduler_says_so():
