@@ -153,6 +153,25 @@ async def test_a_paused_worker_gets_no_items_not_even_scattered_ones(c, s, a, b)
     assert set(plan.workers) == {a.address}
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_worker_where_the_worker_plugin_did_not_load_gets_no_items(c, s, a, b):
+    """A worker whose plugin setup failed (its environment lacks dask_octopus: the batches would fail
+    there) is planned on no more: every item runs on the other, results exact."""
+    def missing(plugin, name=None, catch_errors=True):
+        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+
+    b.handlers["plugin-add"] = missing
+    rec = await setup(c, s, [1.0, 1.0])
+    assert s.plugins["octopus"].profiles[b.address]["error"].startswith("the worker plugin did not load there")
+    items = [np.full(64, float(i)) for i in range(16)]
+    for gather in (True, False):
+        out = await call(c, np.sum, items, gather=gather, group=2)
+        assert (out if gather else await c.gather(out)) == [x.sum() for x in items]
+        _, plan = plan_of(s)
+        assert set(plan.workers) == {a.address}
+    assert {k: w for k, w in rec.worker.items() if w != a.address} == {}
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60,
              config={"distributed.worker.memory.pause": False})
 async def test_items_planned_on_workers_all_paused_wait_for_them_unscattered(c, s, a, b):

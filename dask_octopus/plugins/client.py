@@ -154,7 +154,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         first = failed[min(failed)]
         warnings.warn(
             f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} ({first}): "
-            f"{remedy(first)} (they get the mean weight, and fragments and map batches fail there)",
+            f"{remedy(first)} (they get the mean weight and no map items; fragments placed there fail)",
             UserWarning, stacklevel=3)
     if late:
         warnings.warn(

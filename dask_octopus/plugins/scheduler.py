@@ -493,7 +493,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return self.model.weights(self.scheduler.workers, resource, prefix)
 
     def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
-        """Per live worker that takes tasks (not paused nor retiring, unless all are): its weight, as
+        """Per live worker that takes tasks (not paused nor retiring, unless all are) and has the worker
+        plugin (one where it did not load, :func:`not_loaded`, would fail ``map``'s batches; unless it
+        failed on all): its weight, as
         :meth:`speeds` gives it, its number of threads, the
         ``(fixed, per_unit)`` seconds per item of ``prefix``'s items there, once fitted
         (:mod:`dask_octopus.profiling.itemcosts`), the units per second observed of ``prefix``, the
@@ -507,7 +509,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         out = {}
         # (Dask sends a held worker no task, and its scatter refuses it: items planned there would wait)
         running = {a: ws for a, ws in self.scheduler.workers.items() if ws.status not in HELD}
-        for addr, ws in (running or self.scheduler.workers).items():
+        failed = not_loaded(self.profiles)
+        loaded = {a: ws for a, ws in (running or self.scheduler.workers).items() if a not in failed}
+        for addr, ws in (loaded or running or self.scheduler.workers).items():
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
             out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
@@ -536,7 +540,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                  sizes: list[float] | None = None, resource: str = "compute", source: str | None = None,
                  nbytes: list[float] | None = None, pieces: str | None = None) -> None:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
-        ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``).
+        ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``, but none while a
+        worker where the worker plugin did not load is there).
         ``sizes[i]`` (rows) and the weights of ``resource`` now give the dashboard the plan's
         predicted finish per worker (``costs`` when ``sizes`` is not given). A ``balance`` plan names
         its input's key prefix, ``source``, and its blocks' bytes, ``nbytes``: the working sets of
@@ -565,6 +570,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             raise ValueError("plan has item counts without costs")
         if source is not None and nbytes is None:
             raise ValueError("plan has a source without block bytes")
+        if stealable is not None and not_loaded(self.profiles).keys() & self.scheduler.workers.keys():
+            stealable = None  # Dask's work stealing would move a loosely pinned tail there, where batches fail
         self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
