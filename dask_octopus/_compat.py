@@ -189,13 +189,15 @@ async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> dict[st
     others still set it up. Returns the error of each worker still there where it failed: one whose
     ``setup`` raised answers with the error; one that cannot unpickle it (its environment lacks the
     plugin's package) raises it in the handler (``Worker.plugin_add`` unpickles outside its ``try``),
-    which the broadcast returns, as it returns a lost connection (skipped where the worker left)."""
+    which the broadcast returns, as it returns a lost connection (skipped: the worker is leaving)."""
     scheduler.worker_plugins[name] = plugin
     replies = await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="return")
     failed = {}
     for address, reply in replies.items():
-        if isinstance(reply, Exception) and address in scheduler.workers:  # (a worker's error comes as an
-            failed[address] = str(reply) if type(reply) is Exception else repr(reply)  # Exception of its repr)
+        if isinstance(reply, Exception) and not isinstance(reply, OSError) and address in scheduler.workers:
+            # (a worker's error comes as an Exception of its repr; a lost connection, an OSError, is a worker
+            # leaving, which Dask handles)
+            failed[address] = str(reply) if type(reply) is Exception else repr(reply)
         elif isinstance(reply, dict) and reply.get("status") == "error":
             failed[address] = str(reply.get("exception_text") or reply.get("exception"))
     return failed
