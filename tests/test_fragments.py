@@ -755,11 +755,14 @@ def test_results_of_the_pool_s_streams_are_handed_over_on_the_task_s_stream_wher
 
     monkeypatch.setattr(streams, "_several_threads", lambda: threads > 1)
     block = Block()
-    got = streams.handed_over(cp, [block, 7, None])
+    # Dask's reductions' chunk functions return dicts of arrays: those are handed over too
+    chunk = {"n": Block(), "total": Block(), "count": 3}
+    got = streams.handed_over(cp, [block, 7, None, chunk, (Block(), "x"), [Block()]])
     if threads > 1:  # a reader on another thread frees it into the task stream's part of the pool
-        assert got == ["copy", 7, None] and copied_on == ["task's own"]
+        assert got == ["copy", 7, None, {"n": "copy", "total": "copy", "count": 3}, ("copy", "x"), ["copy"]]
+        assert copied_on == ["task's own"] * 5
     else:  # this thread's next run waits for the task's stream as it starts: no copy needed
-        assert got[0] is block and got[1:] == [7, None] and copied_on == []
+        assert got[0] is block and got[1:3] == [7, None] and got[3] is chunk and copied_on == []
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

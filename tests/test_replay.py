@@ -37,6 +37,9 @@ class Stream:
 
 
 class Pool:
+    def __init__(self, allocator=None):
+        self.allocator = allocator
+
     def malloc(self, nbytes):
         raise AssertionError("not allocated from here")
 
@@ -136,3 +139,34 @@ def test_a_step_that_raises_while_captured_is_the_capture_s_reason_to_refuse(str
         replay.capture_fragment(fake_cupy(), lambda v, st: streams.launch(frag, specs, layout, v, st),
                                 {0: np.ones(4)}, [0], frag.results, [origin], in_place=True)
     assert not origin.capturing  # the capture ended
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def test_a_graph_s_pool_refuses_the_capture_where_device_memory_runs_out():
+    """The private pool's allocator turns CUDA's out-of-memory error into a refused capture: CuPy's pool,
+    given that error, frees its free blocks (intermediates freed inside the capture, which recorded kernels
+    still use) and tries again."""
+    cp, made = fake_cupy(), []
+
+    def memory(nbytes):
+        if nbytes > 100:
+            raise CUDARuntimeError("cudaErrorMemoryAllocation: out of memory")
+        made.append(nbytes)
+        return ("memory", nbytes)
+
+    cp.cuda.Memory, cp.cuda.MemoryPointer = memory, lambda mem, offset: (mem, offset)
+    cp.cuda.runtime = types.SimpleNamespace(CUDARuntimeError=CUDARuntimeError)
+    malloc = replay._allocator(cp)
+    assert malloc(64) == (("memory", 64), 0) and made == [64]
+    with pytest.raises(replay.CaptureRefused, match=r"^device memory ran out while capturing \(cudaErrorMemory"):
+        malloc(512)
+    pools = []
+    cp.cuda.MemoryPool = lambda allocator=None: pools.append(allocator) or Pool(allocator)
+    stream = Stream()
+    replay._capture(cp, [stream], lambda: None)
+    assert len(pools) == 1 and pools[0] is not None
+    with pytest.raises(replay.CaptureRefused, match="device memory ran out"):
+        pools[0](512)

@@ -74,7 +74,7 @@ def _capture(cp: Any, streams: Sequence[Any], launch: Callable[[], Any]) -> tupl
     allocations from a pool private to the graph; returns the graph, the pool and what ``launch``
     returned, or raises :class:`CaptureRefused` when CUDA or CuPy refuses."""
     origin = streams[0]
-    pool = cp.cuda.MemoryPool()
+    pool = cp.cuda.MemoryPool(allocator=_allocator(cp))
     try:
         with cp.cuda.using_allocator(pool.malloc), origin, counting_ffts() as ffts:
             origin.begin_capture()
@@ -95,6 +95,21 @@ def _capture(cp: Any, streams: Sequence[Any], launch: Callable[[], Any]) -> tupl
     if ffts[0]:
         raise CaptureRefused(f"{ffts[0]} FFTs: a CUDA graph does not hold the cuFFT plans it reads")
     return graph, pool, launched
+
+
+def _allocator(cp: Any) -> Callable[[int], Any]:
+    """The allocator of a graph's private pool: ``cudaMalloc``, whose failure refuses the capture
+    (:class:`CaptureRefused`). Given CUDA's out-of-memory error, CuPy's pool would free its free blocks
+    and try again, but a private pool's free blocks are intermediates freed inside the capture, whose
+    memory the kernels recorded so far still use: another allocation, or another process, could then
+    be handed that memory, and every replay would write into it."""
+    def malloc(nbytes: int) -> Any:
+        try:
+            return cp.cuda.MemoryPointer(cp.cuda.Memory(nbytes), 0)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise CaptureRefused(f"device memory ran out while capturing ({e})") from None
+
+    return malloc
 
 
 def _copies(xs: Any) -> list[Any]:

@@ -863,17 +863,29 @@ def handed_over(cp: Any, results: list[Any]) -> list[Any]:
     the memory is used again; on a worker of several threads, a reader on another thread could still
     be reading when this thread's run uses it. There, each device array is copied on the task's stream
     (one at a time: the copies hold one result more than the results), whose part of the pool orders
-    its reuse after the reader's work."""
+    its reuse after the reader's work; so is each device array inside a dict, list or tuple (Dask's
+    reductions' chunks return dicts of arrays)."""
     if not _several_threads():
         return results
     current = cp.cuda.get_current_stream()
     for i, value in enumerate(results):
-        if isinstance(value, cp.ndarray):
-            with current:
-                results[i] = value.copy()
-            del value  # (its memory goes back to its stream's part: the next run there waits for the copy)
+        results[i] = _copied(cp, current, value)
+        del value  # (its memory goes back to its stream's part: the next run there waits for the copy)
     current.record().synchronize()
     return results
+
+
+def _copied(cp: Any, stream: Any, value: Any) -> Any:
+    """``value`` with each device array in it (itself, or inside dicts, lists and tuples) copied on ``stream``."""
+    if isinstance(value, cp.ndarray):
+        with stream:
+            return value.copy()
+    kind = type(value)
+    if kind is dict:
+        return {k: _copied(cp, stream, v) for k, v in value.items()}
+    if kind is list or kind is tuple:
+        return kind(_copied(cp, stream, v) for v in value)
+    return value
 
 
 def _several_threads() -> bool:
