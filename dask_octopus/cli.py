@@ -129,9 +129,12 @@ def watch(make: Callable[[], RenderableType], interval: float, out: Console) -> 
 
 def _duration(value: str) -> float:
     try:
-        return parse_timedelta(value)
+        seconds = parse_timedelta(value)
     except (ValueError, KeyError, TypeError):
-        raise click.BadParameter(f"a duration such as 10s or 500ms, got {value!r}") from None
+        seconds = None
+    if seconds is None or not seconds > 0:
+        raise click.BadParameter(f"a duration > 0 such as 10s or 500ms, got {value!r}")
+    return seconds
 
 
 @main.command()

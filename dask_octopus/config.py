@@ -4,8 +4,9 @@ one place that reads and checks them."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import dask.config
@@ -78,12 +79,14 @@ _MISSING = object()
 _checked: set[tuple[str, type, Any]] = set()  # (key, type, value) of the values that passed their check
 
 
-def get(key: str, override: Any = None) -> Any:
+def get(key: str, override: Any = None, argument: str | None = None) -> Any:
     """``override`` if given, else ``octopus.<key>`` from ``dask.config``, else the package's default
     (Dask's test utilities, for one, replace the whole configuration); raises ``ValueError`` naming
-    the key when the value is not what the key takes."""
+    the key, or the ``argument`` that passed ``override``, when the value is not what the key takes."""
+    name = f"octopus.{key}"
     if override is not None:
         value = override
+        name = f"{argument or 'the value given for ' + name} (as octopus.{key})"
     else:
         value = dask.config.get(f"octopus.{key}", default=_MISSING)
         if value is _MISSING:
@@ -96,18 +99,35 @@ def get(key: str, override: Any = None) -> Any:
         pass
     what, ok = CHECKS[key]
     if not ok(value):
-        raise ValueError(f"octopus.{key} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     with contextlib.suppress(TypeError):
         _checked.add((key, type(value), value))
     return value
 
 
+def _check_keys(given: Any, known: dict[str, Any], path: str) -> None:
+    """Raise ``ValueError`` for a key under ``path`` that dask_octopus does not read (with the nearest
+    known one), or a value where a section of settings belongs."""
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{path} must be a section of settings ({', '.join(known)}), got {given!r}")
+    for key, value in given.items():
+        name = str(key).replace("_", "-")  # (as dask.config reads them: max_bytes is max-bytes)
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {path}.{near[0]}?" if near else f" (it reads {', '.join(known)})"
+            raise ValueError(f"{path}.{key} is not a dask_octopus setting{hint}")
+        if isinstance(known[name], dict):
+            _check_keys(value, known[name], f"{path}.{name}")
+
+
 def check_all() -> None:
     """Check every ``octopus`` setting now (each is checked again only when its value changes): raises
-    ``ValueError`` naming the first key whose value is not what the key takes, or a renamed key that is
-    set, with its new name."""
+    ``ValueError`` naming the first key whose value is not what the key takes, a renamed key that is
+    set, with its new name, a key that dask_octopus does not read (a misspelt one would be ignored), or
+    a value where a section of settings belongs."""
     for old, (new, why) in RENAMED.items():
         if dask.config.get(f"octopus.{old}", default=_MISSING) is not _MISSING:
             raise ValueError(f"octopus.{old} was renamed octopus.{new} ({why})")
+    _check_keys(dask.config.get("octopus", default={}), defaults["octopus"], "octopus")
     for key in CHECKS:
         get(key)

@@ -252,7 +252,10 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     assert result.exit_code == 1 and "Traceback" not in result.output  # (a FutureWarning without distributed-ucxx)
     assert result.output.startswith(("Error: cannot connect to 'ucx://127.0.0.1:1': ", "Error: no scheduler reachable"))
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
-    assert result.exit_code == 2 and "a duration such as 10s or 500ms, got 'soon'" in result.output
+    assert result.exit_code == 2 and "a duration > 0 such as 10s or 500ms, got 'soon'" in result.output
+    for timeout in ("0", "-1s"):  # (a Client given 0 would fail at once, saying it timed out)
+        result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", timeout])
+        assert result.exit_code == 2 and f"a duration > 0 such as 10s or 500ms, got '{timeout}'" in result.output
     # no half-made Client left: one given a bad address stays "connecting"; collected later, its __del__
     # takes distributed's LoopRunner lock, which a sync cluster holds while its loop thread starts, and
     # where the collection runs in that thread the cluster gives up after 10 s ("assert loop is not None")

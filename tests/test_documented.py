@@ -290,6 +290,30 @@ def test_the_renamed_refine_alpha_is_refused_naming_its_new_key():
     config.check_all()  # unset: nothing to say
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"octopus.fragment.max-bytes": "1GiB"}, r"^octopus\.fragment is not a dask_octopus setting; did you mean "
+                                             r"octopus\.fragments\?$"),
+    ({"octopus.fragments.max-byte": "1GiB"}, r"^octopus\.fragments\.max-byte is not a dask_octopus setting; "
+                                             r"did you mean octopus\.fragments\.max-bytes\?$"),
+    ({"octopus.colour": "red"}, r"^octopus\.colour is not a dask_octopus setting \(it reads calibration, refine, "),
+    ({"octopus.calibration": 5}, r"^octopus\.calibration must be a section of settings \(seconds, device, wait\), "
+                                 r"got 5$"),
+    ({"octopus": "on"}, r"^octopus must be a section of settings \(calibration, refine, .*\), got 'on'$"),
+])
+def test_a_misspelt_key_or_a_value_in_place_of_a_section_is_refused_naming_it(settings, message):
+    """Dask reads only the keys it is asked for: a misspelt one (``fragment.max-bytes``) would be ignored
+    without a word, and a value where a section belongs hides the section's keys. ``register`` and
+    ``annotate`` refuse both, naming the key and the nearest one dask_octopus reads."""
+    with dask.config.set(settings):
+        with pytest.raises(ValueError, match=message):
+            config.check_all()
+        with pytest.raises(ValueError, match=message), dask_octopus.annotate():
+            pass
+    with dask.config.set({"octopus.fragments.max_bytes": "1GiB", "octopus.streams.max_graphs": 4}):
+        config.check_all()  # underscores read as hyphens, as dask.config reads them
+        assert config.get("fragments.max-bytes") == "1GiB"
+
+
 def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():
     """Settings are checked once per value: ``False`` passing does not let ``0`` (equal to it) pass, nor
     ``True`` passing ``1``."""

@@ -239,6 +239,11 @@ def test_speeds_before_register_and_unknown_resource(loop):
             dask_octopus.register(c, calibrate_seconds=1)
         with pytest.raises(TypeError, match="calibrate must be True or False, got 'no'"):
             dask_octopus.register(c, calibrate="no")
+        message = r"^calibration_seconds \(as octopus\.calibration\.seconds\) must be a number > 0, got 0$"
+        with pytest.raises(ValueError, match=message):
+            dask_octopus.register(c, calibration_seconds=0)
+        with pytest.raises(ValueError, match=r"^device \(as octopus\.calibration\.device\) must be one of auto"):
+            dask_octopus.register(c, device="tpu")
         assert not c.run_on_scheduler(lambda dask_scheduler: "octopus" in dask_scheduler.plugins)
 
 
@@ -815,8 +820,11 @@ def test_bad_settings_raise_a_value_error_naming_the_key(key, value, message):
 
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
         config.get(key)
-    with pytest.raises(ValueError, match=r"octopus\.map\.item-cost-alpha must be"):
-        OctopusSchedulerPlugin(item_cost_alpha=1.5)  # arguments are checked like the configuration
+    # arguments are checked like the configuration, naming the argument
+    with pytest.raises(ValueError, match=r"^item_cost_alpha \(as octopus\.map\.item-cost-alpha\) must be a number in"):
+        OctopusSchedulerPlugin(item_cost_alpha=1.5)
+    with pytest.raises(ValueError, match=r"^max_plans \(as octopus\.max-plans\) must be an integer >= 1, got 0$"):
+        OctopusSchedulerPlugin(max_plans=0)
 
 
 def test_register_reads_no_options_where_the_plugin_was_unregistered_meanwhile():

@@ -106,8 +106,8 @@ class StreamRuntime:
 
     def __init__(self, max_graphs: int | None = None, capture_after: int | None = None,
                  max_classes: int = 4096, bandwidth: float = 100e9):
-        self.max_graphs = config.get("streams.max-graphs", max_graphs)
-        self.capture_after = config.get("streams.capture-after", capture_after)
+        self.max_graphs = config.get("streams.max-graphs", max_graphs, "max_graphs")
+        self.capture_after = config.get("streams.capture-after", capture_after, "capture_after")
         self.max_graph_bytes = _bytes(config.get("streams.max-graph-bytes"))
         self.max_classes = max_classes
         self.bandwidth = bandwidth

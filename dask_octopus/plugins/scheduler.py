@@ -190,13 +190,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                  min_duration: str | float | None = None, max_plans: int | None = None):
         config.check_all()  # (the settings read later too: a bad one fails here, naming its key)
         self.worker_plugin = OctopusWorkerPlugin(calibration_seconds, device, calibrate)
-        item_cost_alpha = config.get("map.item-cost-alpha", item_cost_alpha)
-        self.model = SpeedModel(confidence_samples=config.get("refine.confidence-samples", confidence_samples),
+        item_cost_alpha = config.get("map.item-cost-alpha", item_cost_alpha, "item_cost_alpha")
+        samples = config.get("refine.confidence-samples", confidence_samples, "confidence_samples")
+        self.model = SpeedModel(confidence_samples=samples,
                                 significance=config.get("refine.significance"),
                                 max_prefixes=config.get("refine.max-prefixes"))
-        self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration))
+        self.min_duration = parse_timedelta(config.get("refine.min-duration", min_duration, "min_duration"))
         self.short_tasks = ShortTasks(self.model.max_prefixes)
-        plans = config.get("max-plans", max_plans)
+        plans = config.get("max-plans", max_plans, "max_plans")
         self.working_sets = WorkingSets(max_sources=plans)
         self.placement = Placement(plans, measure=self.working_sets.wants)
         self.item_costs = RecentlyUsed(self.model.max_prefixes,

@@ -59,8 +59,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
 
     def __init__(self, seconds: float | None = None, device: str | None = None, calibrate: bool = True):
         self.calibrate = calibrate
-        self.seconds = config.get("calibration.seconds", seconds)
-        self.device = config.get("calibration.device", device)
+        self.seconds = config.get("calibration.seconds", seconds, "calibration_seconds")
+        self.device = config.get("calibration.device", device, "device")
         self.timer = None
         self.meter = None
         self.worker = None
