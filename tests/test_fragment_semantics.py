@@ -15,13 +15,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import cloudpickle
 import dask
 import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
 from distributed import Client, Nanny, Reschedule, get_worker, wait
-from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
 
@@ -86,6 +87,50 @@ def load_part(i):
 
 
 LOADED = []  # the parts load_part was called for (the workers run in this process)
+
+
+class Executed(WorkerPlugin):
+    """Records the run spec of each task its worker starts, pickled as the worker received it."""
+
+    def __init__(self):
+        self.specs = {}
+
+    def setup(self, worker):
+        self.worker = worker
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish == "executing":
+            self.specs[key] = cloudpickle.dumps(self.worker.state.tasks[key].run_spec)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_no_task_of_dask_octopus_s_code_runs_where_the_worker_plugin_did_not_load(c, s, a, b, grouped_by):
+    """A worker where the worker plugin did not load (its environment lacks dask_octopus) could not
+    unpickle a fragment task, nor a task that picks a fragment's result: the tasks of an annotated
+    compute that run dask_octopus's code run on the other workers, also where the inputs are held
+    there (blocks persisted on both, chains of delayed calls); exact results, and the worker still
+    runs the compute's plain tasks."""
+    def missing(plugin, name=None, catch_errors=True):
+        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+
+    b.handlers["plugin-add"] = missing
+    await setup(c, s, [1.0, 1.0])
+    assert s.plugins["octopus"].profiles[b.address]["error"].startswith("the worker plugin did not load there")
+    executed = Executed()
+    b.plugins["executed"] = executed
+    executed.setup(b)
+    x = c.persist(da.arange(64, chunks=4))
+    await wait(x)
+    assert {ws.address for ts in s.tasks.values() for ws in ts.who_has or ()} == {a.address, b.address}
+    with dask_octopus.annotate():
+        total = ((x + 1) * 2).sum()
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
+    plain = (x - 1).sum()  # built outside annotate, computed beside them: its tasks may run on b
+    assert await c.gather(c.compute([total, plain, *chains])) == [4160, 1952, *range(2, 18)]
+    assert any(key_split(k) == FRAGMENT_PREFIX for k in s.plugins["where-ran"].worker)  # it made fragments
+    ran_on_b = {k: spec for k, spec in executed.specs.items() if k not in x.__dask_keys__()}
+    assert ran_on_b.keys() & dict(plain.__dask_graph__()).keys()  # b still runs plain tasks
+    assert not [k for k, spec in ran_on_b.items() if b"dask_octopus" in spec]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])

@@ -14,7 +14,7 @@ inside the graph join a fragment: an output of the computation keeps its own tas
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dask.base import tokenize
@@ -54,22 +54,24 @@ def picks_a_result(node: Any) -> bool:
     return isinstance(node, Task) and node.func is pick
 
 
-def _nested_picks(node: GraphNode) -> list[Task]:
-    """The tasks nested in ``node`` that pick a result of a fragment task (:func:`picks_a_result`)."""
-    out: list[Task] = []
+def nested_tasks(node: GraphNode) -> Iterator[Task]:
+    """``node``, where it is a task, and the tasks nested in its arguments (as Dask nests them in a run spec)."""
     stack: list[Any] = [node]
     while stack:
         item = stack.pop()
-        if picks_a_result(item) and item is not node:
-            out.append(item)
-        elif isinstance(item, Task):
+        if isinstance(item, Task):
+            yield item
             stack.extend(item.args)
             stack.extend(item.kwargs.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
-    return out
+
+
+def _nested_picks(node: GraphNode) -> list[Task]:
+    """The tasks nested in ``node`` that pick a result of a fragment task (:func:`picks_a_result`)."""
+    return [t for t in nested_tasks(node) if t is not node and picks_a_result(t)]
 
 
 def read_before_grouping(node: GraphNode) -> frozenset[Key] | None:

@@ -595,6 +595,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             unread += grouped
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
+        if failed := not_loaded(self.profiles).keys() & scheduler.workers.keys():
+            scheduler_groups.keep_off(scheduler, chain(tasks, made), failed)
         if unread:  # after update_graph: later plugins are still given these keys
             scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
         if pinned:  # a new run of these plans, for the dashboard: the pinned tasks that will run
