@@ -117,7 +117,9 @@ def test_a_preload_that_failed_on_a_bad_setting_is_named_to_the_clients(tmp_path
 
 def test_a_worker_preload_with_a_bad_setting_names_the_key_in_the_worker_s_log(tmp_path):
     """``dask worker --preload dask_octopus`` in a process whose own ``octopus`` setting is bad: distributed
-    logs the preload's error, naming the key, as the worker starts (the worker plugin would not set up there)."""
+    logs the preload's error, naming the key, as the worker starts; the worker plugin does not set up there,
+    and ``register`` names the worker and the key, and its profile holds the error (a setting that the setup
+    itself does not read, such as this one, let it set up before)."""
     sched_file = tmp_path / "scheduler.json"
     command = [*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host", "127.0.0.1",
                "--no-dashboard"]
@@ -126,15 +128,22 @@ def test_a_worker_preload_with_a_bad_setting_names_the_key_in_the_worker_s_log(t
     with (open(tmp_path / "scheduler.log", "w") as log, open(tmp_path / "worker.log", "w") as worker_log,
           scheduler_process(command, sched_file, ENV, log),
           Client(scheduler_file=str(sched_file), timeout="30s") as client):
-        proc = subprocess.Popen(worker, env={**ENV, "DASK_OCTOPUS__STREAMS__MAX_GRAPHS": "0"}, stderr=worker_log)
+        proc = subprocess.Popen(worker, env={**ENV, "DASK_OCTOPUS__BALANCE__MEMORY_FRACTION": "7"}, stderr=worker_log)
         try:
             client.wait_for_workers(1, timeout=60)
+            (address,) = client.scheduler_info()["workers"]
+            message = (rf"did not load on {address} \(ValueError\('octopus\.balance\.memory-fraction must be a "
+                       r"number in \(0, 1\], got 7'\)\): fix that worker's setup")
+            with pytest.warns(UserWarning, match=message):
+                dask_octopus.register(client, calibrate=False)
+            error = dask_octopus.profiles(client)[address]["error"]
+            assert error.startswith("the worker plugin did not load there") and "memory-fraction" in error, error
         finally:
             proc.terminate()
             proc.wait(timeout=10)
     text = (tmp_path / "worker.log").read_text()
     assert "Failed to start preload: dask_octopus" in text, text
-    assert "octopus.streams.max-graphs must be an integer >= 1, got 0" in text, text
+    assert "octopus.balance.memory-fraction must be a number in (0, 1], got 7" in text, text
 
 
 def test_preloaded_twice_the_cli_cluster_has_one_plugin_and_logs_as_distributed(tmp_path):

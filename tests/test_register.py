@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import math
+import statistics
 import threading
 import time
 import warnings
@@ -88,15 +89,15 @@ def test_cpu_probes_count_flop_and_bytes_as_numpy_and_a_clock_do():
     from dask_octopus.profiling.probes import run_probes
 
     # probe and reference alternated five times in one thread, so the same cores and BLAS threads serve
-    # both; the best rate of each within a few times of the other's, not a factor of n (FLOP) or of the
-    # element size (bytes) off
+    # both; the median rate of each within a few times of the other's, not a factor of n (FLOP) or of the
+    # element size (bytes) off (medians: on a loaded machine one short reference timing came out 5x the others)
     probes, references = [], []
     for _ in range(5):
         p = run_probes(0.2, "cpu")
         probes.append((p["compute"], p["memory"]))
         references.append(numpy_rates(0.1))
     for probe, reference in zip(zip(*probes), zip(*references)):
-        assert 1 / 3 < max(probe) / max(reference) < 3
+        assert 1 / 3 < statistics.median(probe) / statistics.median(reference) < 3
 
 
 @gen_cluster(client=True, config=FAST)

@@ -37,7 +37,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
     extension ``octopus-streams`` and drops it on teardown.
 
     Arguments left ``None`` come from ``dask.config`` (``octopus.calibration.*``), read once here, on
-    the client or scheduler that makes the plugin.
+    the client or scheduler that makes the plugin. :meth:`setup` checks the worker's own ``octopus``
+    settings first (its fragments and batches read them): a bad one fails the setup there, naming the key.
     """
 
     name = "octopus-worker"
@@ -68,6 +69,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self._torn_down = False
 
     async def setup(self, worker: Worker) -> None:
+        config.check_all()  # this worker's own settings, which its fragments and batches read: a bad one fails here
         self.worker = worker
         runtime = worker.extensions.setdefault(EXTENSION, StreamRuntime())
         # sent with each heartbeat, for the dashboard. A new dict, not an update in place: a heartbeat may be
