@@ -1134,3 +1134,40 @@ def test_the_workers_speed_for_memory_plans_is_rows_per_second(monkeypatch):
     assert blocks._workers_caps_and_speed(None, "memory", 8.0, "x")[3] == 6e9 / 8.0
     assert blocks._workers_caps_and_speed(None, "memory", 8e3, "x")[3] == 6e9 / 8e3
     assert blocks._workers_caps_and_speed(None, "compute", 8.0, "x")[3] is None
+
+
+def slow_rows(b, per_row):
+    """``b + 1`` after sleeping ``per_row[worker]`` seconds per row."""
+    time.sleep(len(b) * per_row[get_worker().address])
+    return b + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_the_tasks_of_a_balanced_block_count_its_bytes_however_they_get_their_rows(c, s, a, b):
+    """A collection balanced from an input that is not persisted: its blocks are re-chunked from pieces
+    of the input's blocks (some read pieces that other tasks cut, some make their rows inside, fused),
+    and the work on them is fused into those tasks. Each such timing counts its block's bytes: counted
+    by what the task read, the rates depended on which worker got the blocks that straddle the input's,
+    and the slow worker's weight swung between 0.07 and 0.85 from one compute to the next. A worker 3x
+    slower per row settles at a quarter of the weight."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    plugin = s.plugins["octopus"]
+    units = []
+    observe = plugin._observe
+
+    def spy(worker, key, prefix, n, seconds, counted=False):
+        if plugin.placement.pins.get(key) is not None:
+            units.append(n)
+        return observe(worker, key, prefix, n, seconds, counted)
+
+    plugin._observe = spy
+    per_row = {a.address: 6e-4, b.address: 2e-4}
+    x = da.zeros((2000, 10), chunks=(100, 10))
+    weights = []
+    for _ in range(4):
+        y = await run_balance(c, x)
+        units.clear()
+        assert await c.compute(y.map_blocks(slow_rows, per_row, dtype=y.dtype).sum()) == 20000
+        assert units and set(units) <= {rows * 10 * 8 for rows in y.chunks[0]}, (units, y.chunks[0])
+        weights.append((await dask_octopus.speeds(c))[a.address])
+    assert all(0.2 < w < 0.32 for w in weights[1:]), weights

@@ -693,9 +693,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         counted = is_finite(seconds, positive=True)  # (bad timings go on to _observe, which warns about them)
         if counted and not self.short_tasks.counts(prefix, worker, seconds < self.min_duration):
             return  # most short tasks: no bytes count
-        nbytes = kwargs.get("nbytes")
-        units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
-        units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
+        block = self.placement.measured_block(key)
+        if block is not None:  # a task of a balanced block: the block's bytes (what it reads may be pieces
+            units = block[1]  # of other blocks, or nothing where the block is made inside it, fused)
+        else:
+            nbytes = kwargs.get("nbytes")
+            units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
+            units += nbytes if isinstance(nbytes, int) and nbytes > 0 else 0
         self._observe(worker, key, prefix, units, seconds / share, counted=counted)
 
     @_guarded
