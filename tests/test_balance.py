@@ -1120,8 +1120,8 @@ def test_a_worker_whose_memory_is_not_known_gets_no_cap(monkeypatch):
     profiles = {"gpu": {"weight": 2.0, "device": "gpu", "threads": 1},
                 "cpu": {"weight": 1.0, "memory_total": 8 * 2**20, "threads": 1}}
     monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
-    workers, weights, caps, speed, limits = blocks._workers_caps_and_speed(None, "compute", 8.0, "x")
-    assert workers == ["cpu", "gpu"] and weights == [1.0, 2.0]
+    workers, weights, caps, speed, limits, threads = blocks._workers_caps_and_speed(None, "compute", 8.0, "x")
+    assert workers == ["cpu", "gpu"] and weights == [1.0, 2.0] and threads == {"cpu": 1, "gpu": 1}
     assert caps[1] is None and caps[0] > 0 and limits == [sys.maxsize, sys.maxsize] and speed is None
 
 
@@ -1171,3 +1171,23 @@ async def test_the_tasks_of_a_balanced_block_count_its_bytes_however_they_get_th
         assert units and set(units) <= {rows * 10 * 8 for rows in y.chunks[0]}, (units, y.chunks[0])
         weights.append((await dask_octopus.speeds(c))[a.address])
     assert all(0.2 < w < 0.32 for w in weights[1:]), weights
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2)])
+async def test_a_worker_of_two_threads_gets_twice_the_rows_where_both_threads_get_blocks(c, s, a, b):
+    """A worker's weight is one thread's speed: of two workers as fast per thread, the one of two threads
+    runs two blocks at once and gets twice the rows, where it has two blocks or more (the default's
+    blocks no larger than the user's, ``per_worker=2``); with one block each (``per_worker=1``) it runs
+    one at a time, and they get as many rows. The dashboard predicts both to finish together. Exact
+    results throughout."""
+    await setup(c, s, [1.0, 1.0])
+    x = da.ones((1200, 4), chunks=(100, 4))
+    placement = s.plugins["octopus"].placement
+    for kwargs, want in [({}, [400, 800]), ({"per_worker": 2}, [400, 800]), ({"per_worker": 1}, [600, 600])]:
+        y = await run_balance(c, x, **kwargs)
+        plan = placement.plans[y.name]
+        rows = {w: sum(n for o, n in zip(plan.workers, y.chunks[0]) if o == w) for w in (a.address, b.address)}
+        assert [rows[a.address], rows[b.address]] == want, kwargs
+        predicted = s.plugins["octopus"].plan_records.get(y.name).predicted()  # (the dashboard's)
+        assert predicted == {a.address: pytest.approx(1.0), b.address: pytest.approx(1.0)}, kwargs
+        assert await c.compute(y.sum()) == 4800

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dask_octopus.placement.planning import (
     PlanningError,
+    at_once,
     axis_order,
     block_sizes,
     block_sizes_within,
@@ -309,6 +310,30 @@ def test_blocks_within_the_largest_block_exactly():
     assert block_sizes_within(4, [1, 1], 1) == [[1, 1], [1, 1]]  # blocks of one row are allowed
     # the remainder (5 rows) rides on the last block and does not count against the largest
     assert block_sizes_within(105, [1, 1], 50, align=10) == [[50], [55]]
+
+
+def test_a_worker_of_more_threads_gets_the_rows_its_threads_run_at_once():
+    assert block_sizes_within(1200, [1, 1], 100, threads=[1, 2]) == [[100] * 4, [100] * 8]  # both threads busy
+    assert block_sizes_within(1200, [1, 1], 1200, threads=[1, 2]) == [[600], [600]]  # one block: one thread
+    assert block_sizes_within(1200, [1, 1], 700, threads=[1, 4]) == [[400], [400, 400]]  # two blocks: two threads
+    assert block_sizes_within(1200, [1, 3], 100, threads=[3, 1]) == [[100] * 6, [100] * 6]  # 3 x 1 against 1 x 3
+    assert at_once([0.5, 0.5], [1, 4], [3, 2]) == [0.5, 1.0]
+    with pytest.raises(PlanningError, match=r"^threads and blocks must be integers >= 1, got \[0\] and \[1\]$"):
+        at_once([1.0], [0], [1])
+    with pytest.raises(PlanningError, match=r"^2 weights, 1 thread counts and 2 block counts$"):
+        at_once([1.0, 1.0], [1], [1, 1])
+
+
+@settings(deadline=None)
+@given(total=st.integers(2, 5_000), pairs=st.lists(st.tuples(st.floats(0.05, 20), st.integers(1, 8)), min_size=1,
+                                                   max_size=6), largest=st.integers(1, 2_000))
+def test_blocks_within_the_largest_block_count_each_worker_s_threads(total, pairs, largest):
+    weights, threads = [w for w, _ in pairs], [t for _, t in pairs]
+    try:
+        plan = block_sizes_within(total, weights, largest, threads=threads)
+    except PlanningError:
+        return  # too few rows for the blocks that would fit
+    assert sum(map(sum, plan)) == total and max(b for blocks in plan for b in blocks) <= largest
 
 
 def test_blocks_within_the_largest_block_under_a_memory_cap():

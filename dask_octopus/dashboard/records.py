@@ -102,7 +102,7 @@ class PlanRecord:
     made: float  #: when the plan arrived (seconds since the epoch)
     workers: list[str]  #: the worker of each block
     loads: list[float]  #: the work of each block (rows, or ``map``'s item costs)
-    weights: dict[str, float]  #: each worker's weight when the plan was made
+    weights: dict[str, float]  #: each worker's weight when the plan was made, times the blocks it runs at once
     current: Run | None = None  #: the latest run
     done: Run | None = None  #: the latest complete run
 

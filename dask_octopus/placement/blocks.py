@@ -28,6 +28,7 @@ from dask_octopus import config
 from dask_octopus._checks import is_count
 from dask_octopus.placement.planning import (
     PlanningError,
+    at_once,
     axis_order,
     block_sizes,
     block_sizes_within,
@@ -45,10 +46,11 @@ from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
 
 
-def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
-                            source: str) -> tuple[list[str], list[float], list[int | None], float | None, list[int]]:
-    """Sorted worker addresses, their weights, how many rows each may hold, the time scale of a pass
-    and how many rows each may process at once.
+def _workers_caps_and_speed(
+    client: Client, resource: str, row_bytes: float, source: str,
+) -> tuple[list[str], list[float], list[int | None], float | None, list[int], dict[str, int]]:
+    """Sorted worker addresses, their weights, how many rows each may hold, the time scale of a pass,
+    how many rows each may process at once and each one's threads.
 
     The time scale is, for ``resource="memory"``, the workers' total speed in rows per second, each
     row read once at the calibrated streaming speeds; ``None`` for ``"compute"`` (the work per row is
@@ -73,7 +75,8 @@ def _workers_caps_and_speed(client: Client, resource: str, row_bytes: float,
                       if memory and ratio and row_bytes > 0 else sys.maxsize)
     streams = [profiles[w].get("memory") for w in workers]
     speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
-    return workers, [profiles[w]["weight"] for w in workers], caps, speed, limits
+    threads = {w: max(1, int(profiles[w].get("threads") or 1)) for w in workers}
+    return workers, [profiles[w]["weight"] for w in workers], caps, speed, limits, threads
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
@@ -91,7 +94,7 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     current one and within what the worker can process at once (the working set learned for
     ``source``); with it, a warning where a block is not. ``axis`` names the rows in errors."""
     row_bytes = nbytes / total if total else 0.0
-    workers, weights, caps, speed, limits = _workers_caps_and_speed(client, resource, row_bytes, source)
+    workers, weights, caps, speed, limits, threads_of = _workers_caps_and_speed(client, resource, row_bytes, source)
     _check_fits(caps, total, nbytes, row_bytes, "")
     kept = _without_small(workers, weights, caps, limits, (per_worker or 1) * align, row_bytes)
     if len(kept[0]) < len(workers):  # what is left must fit too
@@ -109,11 +112,15 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     workers, weights, caps, limits = ([seq[i] for i in order] for seq in (workers, weights, caps, limits))
     rank = {w: r for r, w in enumerate(order)}
     held = [None if h is None else rank[h] for h in held]
-    if per_worker is None:
-        plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps)
+    threads = [threads_of[w] for w in workers]  # (a worker's weight is one thread's speed: it runs its blocks
+    if per_worker is None:  # on as many threads at once as it has, or as it has blocks where fewer)
+        plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps,
+                                  threads=threads)
         per_worker = len(current) // len(workers)  # the current blocks, if kept: this many per worker
+        weights = at_once(weights, threads, [max(1, per_worker)] * len(workers))
         reference = _plan_or_none(total, weights, per_worker, align, caps) if len(current) % len(workers) == 0 else None
     else:
+        weights = at_once(weights, threads, [per_worker] * len(workers))
         plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
         _warn_over_working_set(workers, plan, limits, row_bytes, source)
     groups = kept_groups(held, len(workers), per_worker)

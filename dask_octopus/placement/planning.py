@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import pairwise
 
-from dask_octopus._checks import check_finite, is_finite
+from dask_octopus._checks import check_finite, is_count, is_finite
 
 
 class PlanningError(ValueError):
@@ -149,12 +149,35 @@ def check_align(align: int) -> None:
         raise PlanningError(f"align must be an integer >= 1, got {align!r}")
 
 
+def at_once(weights: Sequence[float], threads: Sequence[int], blocks: Sequence[int]) -> list[float]:
+    """Each worker's weight (the speed of one of its threads) times the blocks it runs at once: its
+    ``threads``, or its ``blocks`` where it has fewer."""
+    if not len(weights) == len(threads) == len(blocks):
+        raise PlanningError(f"{len(weights)} weights, {len(threads)} thread counts and {len(blocks)} block counts")
+    if any(not is_count(t) for t in threads) or any(not is_count(n) for n in blocks):
+        raise PlanningError(f"threads and blocks must be integers >= 1, got {list(threads)} and {list(blocks)}")
+    return [w * min(t, n) for w, t, n in zip(weights, threads, blocks)]
+
+
 def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequence[int], *, align: int = 1,
-                       caps: Sequence[int | None] | None = None) -> list[list[int]]:
+                       caps: Sequence[int | None] | None = None, threads: Sequence[int] | None = None,
+                       ) -> list[list[int]]:
     """:func:`block_sizes` with, for each worker, the fewest blocks that keep each of its blocks within
     ``largest`` units (one bound for all, or one per worker), e.g. the largest block of the collection
     as its user chunked it: a plan never asks a worker to hold a block larger than the user's own (the
-    last block may also hold the ``total % align`` remainder)."""
+    last block may also hold the ``total % align`` remainder). With ``threads`` (per worker), ``weights``
+    are one thread's speeds, and each worker's share counts the blocks it runs at once (:func:`at_once`:
+    a worker of two threads gets twice the rows of one as fast with one thread where both of its threads
+    get a block), found again from the blocks it is given until they agree (a few rounds)."""
+    if threads is not None:
+        scaled = at_once(weights, threads, threads)
+        for _ in range(8):
+            plan = block_sizes_within(total, scaled, largest, align=align, caps=caps)
+            again = at_once(weights, threads, [len(blocks) for blocks in plan])
+            if again == scaled:
+                break
+            scaled = again
+        return plan
     w = _check_weights(weights)
     check_align(align)
     bounds = list(largest) if isinstance(largest, Sequence) else [largest] * len(w)

@@ -575,8 +575,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             stealable = None  # Dask's work stealing would move a loosely pinned tail there, where batches fail
         self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
-        self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads],
-                                         self.speeds(resource)))
+        blocks = Counter(workers)  # a worker runs as many of its blocks at once as it has threads
+        threads = {w: ws.nthreads for w, ws in self.scheduler.workers.items()}
+        speeds = {w: v * max(1, min(threads.get(w, 1), blocks[w])) for w, v in self.speeds(resource).items()}
+        self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads], speeds))
 
     # -- hooks --------------------------------------------------------------------------------
 
