@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import click
 from dask.utils import format_bytes, parse_timedelta
@@ -130,11 +132,31 @@ def watch(make: Callable[[], RenderableType], interval: float, out: Console) -> 
 def _duration(value: str) -> float:
     try:
         seconds = parse_timedelta(value)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # (OverflowError: 1e400)
         seconds = None
     if seconds is None or not seconds > 0:
         raise click.BadParameter(f"a duration > 0 such as 10s or 500ms, got {value!r}")
     return seconds
+
+
+def _answers(address: str, timeout: float, connection_args: dict[str, Any]) -> None:
+    """Raise ``OSError`` where no Dask server at the ``tcp://`` or ``tls://`` ``address`` answers within
+    ``timeout`` seconds: distributed's handshake waits for ever on something else that listens there
+    (a dashboard's HTTP port), and a ``Client`` with it."""
+    from distributed.comm import connect, parse_address
+
+    if parse_address(address)[0] not in ("tcp", "tls"):
+        return
+
+    async def reach() -> None:
+        comm = await connect(address, timeout=timeout, **connection_args)
+        await comm.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(reach(), timeout))
+    except TimeoutError:
+        raise OSError(f"nothing answered as a Dask server within {timeout:g} s (the scheduler's address, "
+                      "not its dashboard's?)") from None
 
 
 @main.command()
@@ -170,10 +192,12 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
         with warnings.catch_warnings():  # (ucx:// without distributed-ucxx: distributed warns, then raises it)
             warnings.simplefilter("ignore", FutureWarning)
             resolve_address(scheduler_address)  # before a Client: one given a bad address stays half made
-            if parse_address(scheduler_address)[0] == "tls" and not Security().get_connection_args("client").get(
+            connection_args = Security().get_connection_args("client")
+            if parse_address(scheduler_address)[0] == "tls" and not connection_args.get(
                     "ssl_context"):  # (a Client would raise a TypeError, half made)
                 raise ValueError("TLS needs Dask's TLS settings (distributed.comm.tls.ca-file, .client.cert, "
                                  ".client.key: DASK_DISTRIBUTED__COMM__TLS__... variables)")
+            _answers(scheduler_address, timeout, connection_args)
             client = Client(scheduler_address, timeout=timeout)
     except OSError as e:  # no scheduler there (distributed's timeout is an OSError): say so, exit 1
         raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None

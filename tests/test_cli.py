@@ -253,13 +253,31 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     assert result.output.startswith(("Error: cannot connect to 'ucx://127.0.0.1:1': ", "Error: no scheduler reachable"))
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
     assert result.exit_code == 2 and "a duration > 0 such as 10s or 500ms, got 'soon'" in result.output
-    for timeout in ("0", "-1s"):  # (a Client given 0 would fail at once, saying it timed out)
+    for timeout in ("0", "-1s", "1e400"):  # (a Client given 0 would fail at once, saying it timed out)
         result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", timeout])
         assert result.exit_code == 2 and f"a duration > 0 such as 10s or 500ms, got '{timeout}'" in result.output
     # no half-made Client left: one given a bad address stays "connecting"; collected later, its __del__
     # takes distributed's LoopRunner lock, which a sync cluster holds while its loop thread starts, and
     # where the collection runs in that thread the cluster gives up after 10 s ("assert loop is not None")
     assert not [c for c in gc.get_objects() if isinstance(c, Client) and c.status == "connecting"]
+
+
+def test_profile_of_an_address_where_something_else_listens_says_so_within_the_timeout():
+    """Something that is not a Dask server listens at the address (a dashboard's HTTP port): distributed's
+    handshake would wait for its answer for ever, and a Client with it, past ``--timeout``."""
+    import socket
+    import time
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        result = CliRunner().invoke(main, ["profile", "--scheduler-address", address, "--timeout", "1s"])
+        took = time.monotonic() - start
+    assert result.exit_code == 1 and took < 15, (result.output, took)
+    assert result.output == (f"Error: no scheduler reachable at {address}: nothing answered as a Dask server "
+                             "within 1 s (the scheduler's address, not its dashboard's?)\n")
 
 
 def test_module_entry_point():
@@ -300,6 +318,39 @@ def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tm
                             "--rows", "20000", "--passes", "1", "--runs", "1", "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "timeline written" in again.stdout, again.stdout + again.stderr
+
+
+def test_ctrl_c_while_the_demo_s_workers_start_stops_it_once_they_are_up(tmp_path):
+    """A Ctrl-C while the worker processes start (they must not see it: each would print a traceback) is
+    held, not dropped: the demo stops once they are up, exit code 130, and no process is left."""
+    import signal
+    import time
+
+    import psutil
+
+    def as_a_terminal_runs_it():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setsid()
+
+    proc = subprocess.Popen([sys.executable, "-m", "dask_octopus", "demo", "--type", "cpu", "--part", "balance",
+                             "--rows", "20000", "--passes", "1", "--runs", "1", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=as_a_terminal_runs_it)
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the first worker process starts (not the sentinel, sleep)
+        if [p for p in parent.children() if p.name().startswith("python")]:
+            break
+        time.sleep(0.01)
+    children = parent.children(recursive=True)
+    assert [p for p in children if p.name().startswith("python")], "no worker process started"
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to every process of the terminal's group
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted: the local cluster and the co-tenant load are stopped" in out
+    assert "Traceback" not in out and "timeline written" not in out, out
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 def test_demo_with_ucx_and_one_gpu_names_the_parts_that_can_use_it(monkeypatch):

@@ -1,6 +1,7 @@
 """Registration, calibration, speeds/profiles, join/leave and bad input (in-process clusters)."""
 
 import asyncio
+import contextlib
 import logging
 import math
 import statistics
@@ -910,3 +911,17 @@ async def test_a_plugin_registered_after_a_failed_preload_clears_the_preload_s_e
     await c.unregister_scheduler_plugin("octopus")
     with pytest.raises(NotRegisteredError, match=r"call dask_octopus\.register\(client\)"):
         await dask_octopus.speeds(c)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_worker_closed_while_it_calibrates_logs_no_traceback(c, s, a, b):
+    """A worker closed while its probes run (a Ctrl-C in the demo, a cluster closed): the setup that
+    waited for them ends quietly, where distributed logged its CancelledError with a traceback."""
+    with captured_logger("distributed", level=logging.ERROR) as log:
+        registering = asyncio.ensure_future(dask_octopus.register(c, calibration_seconds=3))
+        await async_poll_for(lambda: "octopus-worker" in b.plugins, timeout=10)
+        await asyncio.sleep(0.3)  # (its probes run)
+        await b.close()
+        with contextlib.suppress(Exception):
+            await registering
+    assert "CancelledError" not in log.getvalue(), log.getvalue()

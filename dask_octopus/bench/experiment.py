@@ -14,10 +14,12 @@ import contextlib
 import copy
 import signal
 import statistics
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import dask.array as da
 from distributed import Client, LocalCluster
@@ -72,19 +74,41 @@ class Variant:
         return {w: n / busy[w] for w, n in self.row_passes.items() if busy.get(w)}
 
 
-@contextlib.contextmanager
-def _ctrl_c_ignored() -> Iterator[None]:
-    """SIGINT ignored here (in the main thread) while worker processes start, which keep ignoring it: a
-    Ctrl-C in a terminal, sent to every process of its group, then reaches this process alone, which
-    stops the cluster (each worker printed a KeyboardInterrupt traceback on its way down)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+class _CtrlCHeld:
+    """Within ``with``, SIGINT is ignored here (in the main thread) while worker processes start, which
+    inherit that and keep ignoring it (a Ctrl-C, which a terminal sends to every process of its group,
+    made each print a KeyboardInterrupt traceback on its way down). One that comes meanwhile is held,
+    not lost: a sentinel process started before (``sleep``, in the same group, SIGINT's default kept)
+    dies of it, and :meth:`check` raises it once the cluster is there to stop. Elsewhere than in the
+    main thread it does nothing."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+        self._sentinel: subprocess.Popen | None = None
+
+    def __enter__(self) -> _CtrlCHeld:
+        if threading.current_thread() is threading.main_thread():
+            self._sentinel = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL)  # (before SIG_IGN, which it would inherit)
+            self._previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is None:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        self._previous = None
+        sentinel, self._sentinel = self._sentinel, None
+        if sentinel.poll() is None:
+            sentinel.kill()
+        self.pressed = self.pressed or sentinel.wait() == -signal.SIGINT
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` for a Ctrl-C held meanwhile."""
+        if self.pressed:
+            self.pressed = False
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -97,7 +121,8 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
     protocol = resolve_protocol(protocol, gpus)
     names = [d.strip() for d in devs.split(",")] if gpu and devs else []
     distinct = list(dict.fromkeys(names))
-    with _ctrl_c_ignored():
+    held = _CtrlCHeld()
+    with held:
         if gpu:
             from dask_cuda import LocalCUDACluster
 
@@ -107,13 +132,15 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
             cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
                                    dashboard_address=":0", protocol=protocol)
     with cluster, Client(cluster) as client:
+        held.check()
         # LocalCUDACluster starts one worker per distinct device: a GPU named again gets a copy of its spec
         specs = {str(name): spec for name, spec in cluster.worker_spec.items()}
         for k, d in enumerate(d for i, d in enumerate(names) if d in names[:i]):
             cluster.worker_spec[f"{d}-shared-{k}"] = copy.deepcopy(specs[d])
-        with _ctrl_c_ignored():
+        with held:
             cluster.scale(len(cluster.worker_spec))  # starts the added workers (a no-op otherwise)
-            client.wait_for_workers(len(cluster.worker_spec), timeout=120)  # (Ctrl-C is ignored meanwhile)
+            client.wait_for_workers(len(cluster.worker_spec), timeout=120)  # (a Ctrl-C is held meanwhile)
+        held.check()
         if not gpu:
             pin_workers(client)
         yield client

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import Status
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import pickle
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 logger = logging.getLogger(__name__)
+
+_CLOSING = (Status.closing, Status.closing_gracefully, Status.closed, Status.failed)
 
 
 class OctopusWorkerPlugin(WorkerPlugin):
@@ -83,6 +86,10 @@ class OctopusWorkerPlugin(WorkerPlugin):
             try:
                 profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, device)
                 profile["error"] = None
+            except asyncio.CancelledError:
+                if worker.status in _CLOSING:  # closed while it calibrates (a Ctrl-C, a cluster closed): no
+                    return  # report, and no traceback logged for a setup that had nothing left to do
+                raise
             except Exception as e:  # reported to the scheduler; the worker keeps working
                 logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
                 profile = {"device": device, "error": f"{type(e).__name__}: {e}"}
