@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import time
 import warnings
@@ -205,7 +206,8 @@ def profile(scheduler_address: str, watching: bool, interval: float, timeout: fl
         # TLS settings; ucx:// without distributed-ucxx (distributed raises a FutureWarning saying to install it)
         raise click.ClickException(f"cannot connect to {scheduler_address!r}: {' '.join(str(e).split())}") from None
     with client:
-        if watching:
+        if watching:  # (distributed's client logs that it failed to reconnect: this command says so itself)
+            logging.getLogger("distributed.client").setLevel(logging.CRITICAL)
             watch(make, interval, console())
         else:
             console().print(make())

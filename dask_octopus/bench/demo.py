@@ -125,8 +125,8 @@ def run_balance(*, gpu: bool, rows: int, cols: int, width: int, passes: int, out
     its table and write its timeline PNG under ``out``; returns the figures."""
     with local_cluster(gpu, protocol=protocol) as client:
         slow, load = slowest_target(client, gpu)
-        console.print(f"cluster: {len(workers_info(client))} "
-                      f"{'GPU' if gpu else 'CPU'} workers; co-tenant on {slow}: {load if cotenant else 'none'}")
+        where = f"co-tenant on {slow}: {load}" if cotenant else "no co-tenant"
+        console.print(f"cluster: {len(workers_info(client))} {'GPU' if gpu else 'CPU'} workers; {where}")
         with CoTenant(**load) if cotenant else contextlib.nullcontext():
             dask_octopus.register(client)
             weights = dask_octopus.speeds(client)
