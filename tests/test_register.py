@@ -228,7 +228,7 @@ async def test_no_workers(c, s):
             await dask_octopus.speeds(c)
         with pytest.raises(ValueError, match="the cluster has no workers"):
             await dask_octopus.profiles(c)
-        with pytest.raises(ValueError, match="^the cluster has no workers$"):  # (client.map would queue them)
+        with pytest.raises(ValueError, match=r"^the cluster has no workers$"):  # (client.map would queue them)
             await dask_octopus.map(abs, [1, 2], client=c)
     assert log.getvalue() == ""  # a clear error for the caller, no traceback in the scheduler's log
 

@@ -124,7 +124,11 @@ def local_cluster(gpu: bool, devs: str | None = None, n_workers: int = 2, protoc
     held = _CtrlCHeld()
     with held:
         if gpu:
-            from dask_cuda import LocalCUDACluster
+            try:
+                from dask_cuda import LocalCUDACluster
+            except ImportError as e:
+                raise ImportError(f"GPU workers run in a dask-cuda LocalCUDACluster: pip install dask-cuda "
+                                  f"({e})") from e
 
             cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(distinct) or None, dashboard_address=":0",
                                        protocol=protocol)
