@@ -107,7 +107,10 @@ def get(key: str, override: Any = None, argument: str | None = None) -> Any:
 
 def _check_keys(given: Any, known: dict[str, Any], path: str) -> None:
     """Raise ``ValueError`` for a key under ``path`` that dask_octopus does not read (with the nearest
-    known one), or a value where a section of settings belongs."""
+    known one), or a value where a section of settings belongs (but ``None``: a YAML section whose keys are
+    all commented out, read as the defaults)."""
+    if given is None:
+        return
     if not isinstance(given, Mapping):
         raise ValueError(f"{path} must be a section of settings ({', '.join(known)}), got {given!r}")
     for key, value in given.items():

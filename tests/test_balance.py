@@ -1191,3 +1191,47 @@ async def test_a_worker_of_two_threads_gets_twice_the_rows_where_both_threads_ge
         predicted = s.plugins["octopus"].plan_records.get(y.name).predicted()  # (the dashboard's)
         assert predicted == {a.address: pytest.approx(1.0), b.address: pytest.approx(1.0)}, kwargs
         assert await c.compute(y.sum()) == 4800
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_fragment_over_several_balanced_blocks_counts_what_it_reads(c, s, a, b):
+    """A fragment (``annotate``) runs all of a worker's balanced blocks in one task: its timing counts the
+    bytes of all of them, not the one block that pins it (counted so, the worker of 18 blocks looked 3x
+    slower than the one of 6, and the weights flipped from 0.75 / 0.25 to 0.26 / 0.74)."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    plugin = s.plugins["octopus"]
+    for w, v in zip(sorted(s.workers), [3.0, 1.0]):
+        plugin.model.set_prior(w, {"compute": v, "memory": v})
+    units = {}
+    observe = plugin._observe
+
+    def spy(worker, key, prefix, n, seconds, counted=False):
+        units[key] = n
+        return observe(worker, key, prefix, n, seconds, counted)
+
+    plugin._observe = spy
+    x = c.persist(da.arange(24000.0, chunks=1000).reshape(2400, 10).rechunk((100, 10)))  # (zeros hold 8 bytes)
+    y = c.persist(await run_balance(c, x))
+    await wait(y)
+    assert max(y.chunks[0]) == 100
+    with dask_octopus.annotate():
+        z = y.map_blocks(slow_rows, {a.address: 1e-5, b.address: 1e-5}, dtype=y.dtype)
+    assert await c.compute(z.sum()) == sum(range(24000)) + 24000
+    fragments = {k: n for k, n in units.items() if key_split(k) == FRAGMENT_PREFIX}
+    assert len(fragments) == 2 and all(n >= 6 * 100 * 10 * 8 for n in fragments.values()), fragments
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_where_the_worker_plugin_did_not_load_gets_no_balanced_blocks(c, s, a, b):
+    """A worker where the worker plugin did not load (its environment lacks dask_octopus) would get the
+    mean weight's share of the blocks, and the fragments over them (``annotate``) pinned there would
+    fail: ``balance`` plans on the other workers, as ``map`` does; ``profiles`` still lists it."""
+    def missing(plugin, name=None, catch_errors=True):
+        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+
+    b.handlers["plugin-add"] = missing
+    await setup(c, s, [1.0, 1.0])
+    y = await run_balance(c, da.ones((400, 4), chunks=(100, 4)))
+    assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {a.address}
+    assert await c.compute(y.sum()) == 1600
+    assert set(await dask_octopus.profiles(c)) == {a.address, b.address}

@@ -21,7 +21,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.utils import key_split
-from distributed import Client, Nanny, Reschedule, get_worker, wait
+from distributed import Client, Event, Nanny, Reschedule, Worker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import WhereRan, run_balance, setup
@@ -131,6 +131,36 @@ async def test_no_task_of_dask_octopus_s_code_runs_where_the_worker_plugin_did_n
     ran_on_b = {k: spec for k, spec in executed.specs.items() if k not in x.__dask_keys__()}
     assert ran_on_b.keys() & dict(plain.__dask_graph__()).keys()  # b still runs plain tasks
     assert not [k for k, spec in ran_on_b.items() if b"dask_octopus" in spec]
+
+
+def gated(name):
+    """0, once the distributed Event ``name`` is set."""
+    Event(name).wait()
+    return 0
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_tasks_kept_off_a_worker_where_the_plugin_did_not_load_run_once_their_workers_left(c, s, a, b,
+                                                                                                grouped_by):
+    """The tasks kept off a worker where the worker plugin did not load are restricted loosely to the
+    others: once those have all left, they run on the workers that are there (a worker that joined since),
+    where strict restrictions to the workers of the moment left them waiting for ever."""
+    def missing(plugin, name=None, catch_errors=True):
+        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+
+    b.handlers["plugin-add"] = missing
+    await setup(c, s, [1.0, 1.0])
+    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the compute waits for it
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    async with Worker(s.address, nthreads=1) as w3:
+        await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
+        await Event("gate").set()
+        await a.close()
+        assert await asyncio.wait_for(c.gather(futures), 20) == list(range(2, 10))
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])

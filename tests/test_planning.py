@@ -326,14 +326,27 @@ def test_a_worker_of_more_threads_gets_the_rows_its_threads_run_at_once():
 
 @settings(deadline=None)
 @given(total=st.integers(2, 5_000), pairs=st.lists(st.tuples(st.floats(0.05, 20), st.integers(1, 8)), min_size=1,
-                                                   max_size=6), largest=st.integers(1, 2_000))
-def test_blocks_within_the_largest_block_count_each_worker_s_threads(total, pairs, largest):
+                                                   max_size=6), largest=st.integers(1, 2_000),
+       align=st.sampled_from([1, 1, 5]))
+def test_blocks_within_the_largest_block_count_each_worker_s_threads(total, pairs, largest, align):
+    """Counting threads never refuses what one thread each plans (a first version, scaling a slow worker
+    of 8 threads by 8 at once, refused align over the share it then left another), and keeps the rows
+    and the bound."""
     weights, threads = [w for w, _ in pairs], [t for _, t in pairs]
     try:
-        plan = block_sizes_within(total, weights, largest, threads=threads)
+        block_sizes_within(total, weights, largest, align=align)
     except PlanningError:
         return  # too few rows for the blocks that would fit
-    assert sum(map(sum, plan)) == total and max(b for blocks in plan for b in blocks) <= largest
+    plan = block_sizes_within(total, weights, largest, align=align, threads=threads)
+    sizes = [b for blocks in plan for b in blocks]
+    assert sum(sizes) == total
+    sizes[-1] -= total % align
+    assert max(sizes) <= max(largest, align)
+
+
+def test_counting_threads_keeps_a_plan_that_one_thread_each_makes_where_all_busy_cannot_be_planned():
+    # the 8-thread worker scaled by 8 at once leaves the others shares under align=5
+    assert block_sizes_within(36, [0.87, 1.91, 1.14, 1.24], 28, align=5, threads=[8, 1, 1, 1]) == [[5], [15], [5], [11]]
 
 
 def test_blocks_within_the_largest_block_under_a_memory_cap():

@@ -588,8 +588,10 @@ def _runs_octopus_code(node: Any) -> bool:
 def keep_off(scheduler: Scheduler, keys: Iterable[Key], workers: Collection[str]) -> None:
     """Keep the new tasks of ``keys`` that run dask_octopus's code (:func:`_runs_octopus_code`) off
     ``workers`` (where the worker plugin did not load: without the package, or with bad settings, they
-    fail there): restricted to the other workers they may run on. Tasks restricted to hosts, or to
-    ``workers`` alone, are left as they are."""
+    fail there): restricted to the other workers they may run on, loosely where they were not
+    restricted (should those all leave, such a task runs where Dask finds room, as before, rather than
+    waiting for ever for workers that are gone). Tasks restricted to hosts, or to ``workers`` alone, are
+    left as they are."""
     workers = set(workers)
     for key in keys:
         ts = scheduler.tasks.get(key)
@@ -597,6 +599,7 @@ def keep_off(scheduler: Scheduler, keys: Iterable[Key], workers: Collection[str]
             continue
         allowed = set(ts.worker_restrictions or scheduler.workers) - workers
         if allowed:
+            ts.loose_restrictions = ts.loose_restrictions or not ts.worker_restrictions
             ts.worker_restrictions = allowed
 
 

@@ -59,7 +59,7 @@ def _workers_caps_and_speed(
     the working set per byte of block learned from earlier runs on blocks of inputs named like this
     one (``source``, a key prefix), and never below :data:`~dask_octopus.profiling.working_set.MIN_BASIS`
     bytes; no limit (``sys.maxsize``) before any such run."""
-    profiles = call_scheduler(client, "octopus_profiles", resource=resource, source=source)
+    profiles = call_scheduler(client, "octopus_profiles", resource=resource, source=source, planning=True)
     workers = sorted(profiles)
     fraction = config.get("balance.memory-fraction")
     caps: list[int | None] = []
@@ -113,7 +113,8 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     rank = {w: r for r, w in enumerate(order)}
     held = [None if h is None else rank[h] for h in held]
     threads = [threads_of[w] for w in workers]  # (a worker's weight is one thread's speed: it runs its blocks
-    if per_worker is None:  # on as many threads at once as it has, or as it has blocks where fewer)
+    single = sum(weights)  # on as many threads at once as it has, or as it has blocks where fewer)
+    if per_worker is None:
         plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps,
                                   threads=threads)
         per_worker = len(current) // len(workers)  # the current blocks, if kept: this many per worker
@@ -123,6 +124,8 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
         weights = at_once(weights, threads, [per_worker] * len(workers))
         plan = reference = block_sizes(total, weights, per_worker=per_worker, align=align, caps=caps)
         _warn_over_working_set(workers, plan, limits, row_bytes, source)
+    if speed is not None:  # (one thread each: the speed of the threads that run the kept blocks at once)
+        speed *= sum(weights) / single
     groups = kept_groups(held, len(workers), per_worker)
     keepable = groups is not None and all(len(g) == per_worker for g in groups)
     keepable = keepable and all(n % align == 0 for n in current[:-1])  # kept blocks must also honour align

@@ -107,6 +107,7 @@ class Placement:
         # (a GPU worker sends its tasks' timings every 200 ms, after Dask forgot the tasks)
         self._retired: OrderedDict[str, Plan] = OrderedDict()
         self.stealable_keys: set[Key] = set()
+        self.one_block: set[Key] = set()  # the pinned tasks that do the work of one balance block (or read it alone)
         self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
         self._pinned: dict[str, set[Key]] = {}  # the pinned keys by the worker they are pinned to (for hold)
         self._pinned_on: dict[Key, str] = {}
@@ -153,6 +154,13 @@ class Placement:
         if plan is None or plan.source is None or plan.nbytes is None or block[1] >= len(plan.nbytes):
             return None
         return plan.source, plan.nbytes[block[1]]
+
+    def one_block_bytes(self, key: Key) -> float | None:
+        """The bytes of the block of the balance plan whose work the task ``key`` does, where it does one
+        block's work (it is the block, or reads it alone; not a task reading several blocks, nor a
+        fragment of several)."""
+        found = self.measured_block(key) if key in self.one_block else None
+        return None if found is None else found[1]
 
     def worker_of(self, block: Block) -> str | None:
         plan = self.plans.get(block[0])
@@ -274,10 +282,14 @@ class Placement:
         ts.worker_restrictions = {worker}
         self._index(ts.key, worker)
         plan = self.plans[block[0]]
-        if (self.measure is not None and plan.source is not None and plan.nbytes is not None  # balance plans only
-                and block[1] < len(plan.nbytes) and not picks_a_result(ts.run_spec)
-                and self._blocks_read(ts, origin, owned) == 1
-                and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]])):
+        one = (plan.source is not None and plan.nbytes is not None  # balance plans only
+               and block[1] < len(plan.nbytes) and not picks_a_result(ts.run_spec)
+               and self._blocks_read(ts, origin, owned) == 1)
+        if one:
+            self.one_block.add(ts.key)
+        else:
+            self.one_block.discard(ts.key)
+        if one and self.measure is not None and self.measure(plan.source, key_split(ts.key), plan.nbytes[block[1]]):
             # a new dict: a layer's tasks may share one
             ts.annotations = {**(ts.annotations or {}), MEASURE: True}
         ts.loose_restrictions = self._loose(block, worker)
@@ -303,6 +315,7 @@ class Placement:
         block = self.pins.pop(key, None)
         self._index(key, None)
         self.stealable_keys.discard(key)
+        self.one_block.discard(key)
         if block is None:
             self._forget_unpinned(key)
             return
@@ -465,6 +478,7 @@ class Placement:
                 ts.loose_restrictions = True
                 changed.append(ts)
         self.pins.clear()
+        self.one_block.clear()
         self._pins_of.clear()
         self._unpinned.clear()
         self._unpinned_tasks.clear()

@@ -7,6 +7,7 @@ water-filling between the bounds and rounded with the largest-remainder method.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections import Counter
@@ -168,16 +169,27 @@ def block_sizes_within(total: int, weights: Sequence[float], largest: int | Sequ
     last block may also hold the ``total % align`` remainder). With ``threads`` (per worker), ``weights``
     are one thread's speeds, and each worker's share counts the blocks it runs at once (:func:`at_once`:
     a worker of two threads gets twice the rows of one as fast with one thread where both of its threads
-    get a block), found again from the blocks it is given until they agree (a few rounds)."""
+    get a block), found again from the blocks it is given until they agree (a few rounds; a round that
+    cannot be planned keeps the last plan made). Of the plans so reached from one thread each and from
+    all threads busy, the one of the shorter makespan (both agree with their own block counts)."""
     if threads is not None:
-        scaled = at_once(weights, threads, threads)
-        for _ in range(8):
-            plan = block_sizes_within(total, scaled, largest, align=align, caps=caps)
-            again = at_once(weights, threads, [len(blocks) for blocks in plan])
-            if again == scaled:
-                break
-            scaled = again
-        return plan
+        def settled(plan: list[list[int]]) -> list[list[int]]:
+            for _ in range(8):
+                scaled = at_once(weights, threads, [len(blocks) for blocks in plan])
+                try:
+                    again = block_sizes_within(total, scaled, largest, align=align, caps=caps)
+                except PlanningError:  # (align over the share that a slow worker's scaling left)
+                    break
+                if again == plan:
+                    break
+                plan = again
+            return plan
+
+        plans = [settled(block_sizes_within(total, weights, largest, align=align, caps=caps))]
+        with contextlib.suppress(PlanningError):  # (the plan of one thread each is the one that must exist)
+            plans.append(settled(block_sizes_within(total, at_once(weights, threads, threads), largest,
+                                                    align=align, caps=caps)))
+        return min(plans, key=lambda p: makespan(p, at_once(weights, threads, [len(b) for b in p])))
     w = _check_weights(weights)
     check_align(align)
     bounds = list(largest) if isinstance(largest, Sequence) else [largest] * len(w)

@@ -154,7 +154,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         first = failed[min(failed)]
         warnings.warn(
             f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} ({first}): "
-            f"{remedy(first)} (they get the mean weight, no map items and no fragments)",
+            f"{remedy(first)} (they get the mean weight, no map items, balanced blocks or fragments)",
             UserWarning, stacklevel=3)
     if late:
         warnings.warn(

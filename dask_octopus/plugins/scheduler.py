@@ -510,9 +510,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         out = {}
         # (Dask sends a held worker no task, and its scatter refuses it: items planned there would wait)
         running = {a: ws for a, ws in self.scheduler.workers.items() if ws.status not in HELD}
-        failed = not_loaded(self.profiles)
-        loaded = {a: ws for a, ws in (running or self.scheduler.workers).items() if a not in failed}
-        for addr, ws in (loaded or running or self.scheduler.workers).items():
+        for addr, ws in self._loaded(running or self.scheduler.workers).items():
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
             out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
@@ -520,14 +518,22 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                    ws.status in HELD)
         return out
 
-    def get_profiles(self, resource: str = "compute", source: str | None = None) -> dict[str, Profile]:
+    def _loaded(self, workers: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``workers`` but those where the worker plugin did not load (:func:`not_loaded`: a ``map`` batch or
+        a fragment fails there), unless it loaded on none of them."""
+        failed = not_loaded(self.profiles)
+        return {a: ws for a, ws in workers.items() if a not in failed} or workers
+
+    def get_profiles(self, resource: str = "compute", source: str | None = None,
+                     planning: bool = False) -> dict[str, Profile]:
         """Per live worker: calibration figures, memory, threads, current weight and refining samples,
-        and the working set per byte of block learned for the balanced input ``source`` (a key prefix)."""
+        and the working set per byte of block learned for the balanced input ``source`` (a key prefix);
+        ``planning`` (``balance``): only the workers where the worker plugin loaded (:meth:`_loaded`)."""
         weights = self.speeds(resource)
         working_set = self.working_sets.ratio(source) if source is not None else None
         samples = self.model.samples()
         out = {}
-        for addr, ws in self.scheduler.workers.items():
+        for addr, ws in (self._loaded(self.scheduler.workers) if planning else self.scheduler.workers).items():
             profile = Profile(**self.profiles.get(addr, {"error": "not calibrated"}))
             if profile.get("device") != "gpu" and ws.memory_limit:
                 profile["memory_total"] = profile["memory_free"] = ws.memory_limit
@@ -695,9 +701,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         counted = is_finite(seconds, positive=True)  # (bad timings go on to _observe, which warns about them)
         if counted and not self.short_tasks.counts(prefix, worker, seconds < self.min_duration):
             return  # most short tasks: no bytes count
-        block = self.placement.measured_block(key)
-        if block is not None:  # a task of a balanced block: the block's bytes (what it reads may be pieces
-            units = block[1]  # of other blocks, or nothing where the block is made inside it, fused)
+        block = self.placement.one_block_bytes(key)
+        if block is not None:  # a task that does one balanced block's work: the block's bytes (what it reads
+            units = block  # may be pieces of other blocks, or nothing where the block is made inside it, fused)
         else:
             nbytes = kwargs.get("nbytes")
             units = sum(d.nbytes for d in ts.dependencies if d.nbytes > 0)
