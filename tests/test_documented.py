@@ -312,6 +312,9 @@ def test_a_misspelt_key_or_a_value_in_place_of_a_section_is_refused_naming_it(se
     with dask.config.set({"octopus.fragments.max_bytes": "1GiB", "octopus.streams.max_graphs": 4}):
         config.check_all()  # underscores read as hyphens, as dask.config reads them
         assert config.get("fragments.max-bytes") == "1GiB"
+    with dask.config.set({"octopus.fragments": None}):  # a YAML section whose keys are all commented out
+        config.check_all()
+        assert config.get("fragments.max-bytes") == "auto"
 
 
 def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():

@@ -89,17 +89,20 @@ class _CtrlCHeld:
 
     def __enter__(self) -> _CtrlCHeld:
         if threading.current_thread() is threading.main_thread():
-            self._sentinel = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL)  # (before SIG_IGN, which it would inherit)
+            # (before SIG_IGN, which it would inherit; 300 s: longer than workers take to start, and not left
+            # behind for long where this process is killed meanwhile)
+            self._sentinel = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL)
             self._previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is None:
-            return
-        signal.signal(signal.SIGINT, self._previous)
-        self._previous = None
         sentinel, self._sentinel = self._sentinel, None
+        if sentinel is None:
+            return
+        # (a handler that Python did not set reads as None: SIG_DFL is what a Ctrl-C then does, as before)
+        signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
+        self._previous = None
         if sentinel.poll() is None:
             sentinel.kill()
         self.pressed = self.pressed or sentinel.wait() == -signal.SIGINT
