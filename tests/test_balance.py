@@ -1114,14 +1114,14 @@ def test_rehome_without_weights_changes_nothing():
     assert placement.plans["y"].workers == ["gone"] and tasks[("y", 0)].worker_restrictions == {"gone"}
 
 
-def test_a_worker_whose_memory_is_not_known_gets_no_cap(monkeypatch):
+def test_a_worker_whose_memory_is_not_known_gets_no_cap_and_a_gpu_worker_counts_one_thread(monkeypatch):
     """A GPU worker whose free memory was not measured plans blocks without a cap, rather than failing
-    balance."""
-    profiles = {"gpu": {"weight": 2.0, "device": "gpu", "threads": 1},
-                "cpu": {"weight": 1.0, "memory_total": 8 * 2**20, "threads": 1}}
+    balance; its two threads count as one (its weight is its device's speed), a CPU worker's three as three."""
+    profiles = {"gpu": {"weight": 2.0, "device": "gpu", "threads": 2},  # (its threads share the device)
+                "cpu": {"weight": 1.0, "memory_total": 8 * 2**20, "threads": 3}}
     monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
     workers, weights, caps, speed, limits, threads = blocks._workers_caps_and_speed(None, "compute", 8.0, "x")
-    assert workers == ["cpu", "gpu"] and weights == [1.0, 2.0] and threads == {"cpu": 1, "gpu": 1}
+    assert workers == ["cpu", "gpu"] and weights == [1.0, 2.0] and threads == {"cpu": 3, "gpu": 1}
     assert caps[1] is None and caps[0] > 0 and limits == [sys.maxsize, sys.maxsize] and speed is None
 
 

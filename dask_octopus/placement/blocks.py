@@ -75,7 +75,9 @@ def _workers_caps_and_speed(
                       if memory and ratio and row_bytes > 0 else sys.maxsize)
     streams = [profiles[w].get("memory") for w in workers]
     speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
-    threads = {w: max(1, int(profiles[w].get("threads") or 1)) for w in workers}
+    # (a GPU worker's weight is its device's speed, which its threads share: one block at a time counts)
+    threads = {w: 1 if profiles[w].get("device") == "gpu" else max(1, int(profiles[w].get("threads") or 1))
+               for w in workers}
     return workers, [profiles[w]["weight"] for w in workers], caps, speed, limits, threads
 
 
