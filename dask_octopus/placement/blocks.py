@@ -114,8 +114,10 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     workers, weights, caps, limits = ([seq[i] for i in order] for seq in (workers, weights, caps, limits))
     rank = {w: r for r, w in enumerate(order)}
     held = [None if h is None else rank[h] for h in held]
-    threads = [threads_of[w] for w in workers]  # (a worker's weight is one thread's speed: it runs its blocks
-    single = sum(weights)  # on as many threads at once as it has, or as it has blocks where fewer)
+    # a worker's weight is one thread's speed: it runs its blocks on as many threads at once as it has, or
+    # as it has blocks where fewer
+    threads = [threads_of[w] for w in workers]
+    single = sum(weights)
     if per_worker is None:
         plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps,
                                   threads=threads)
