@@ -41,7 +41,7 @@ from dask_octopus.placement.planning import (
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.placement.unfused import UnfusedTask
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, wait_for
-from dask_octopus.plugins.messages import plannable_memory
+from dask_octopus.plugins.messages import parallel_threads, plannable_memory
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
 
@@ -75,9 +75,7 @@ def _workers_caps_and_speed(
                       if memory and ratio and row_bytes > 0 else sys.maxsize)
     streams = [profiles[w].get("memory") for w in workers]
     speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
-    # (a GPU worker's weight is its device's speed, which its threads share: one block at a time counts)
-    threads = {w: 1 if profiles[w].get("device") == "gpu" else max(1, int(profiles[w].get("threads") or 1))
-               for w in workers}
+    threads = {w: parallel_threads(profiles[w], profiles[w].get("threads") or 1) for w in workers}
     return workers, [profiles[w]["weight"] for w in workers], caps, speed, limits, threads
 
 

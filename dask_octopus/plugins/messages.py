@@ -59,6 +59,25 @@ def plannable_memory(profile: Mapping[str, Any], memory_limit: int | None = None
     return memory_limit or profile.get("memory_total")
 
 
+def parallel_threads(profile: Mapping[str, Any], nthreads: int) -> int:
+    """How many of a worker's blocks run at once at its weight's speed each.
+
+    Parameters
+    ----------
+    profile
+        The worker's calibration (:class:`Profile`).
+    nthreads
+        Its threads.
+
+    Returns
+    -------
+    int
+        1 on a GPU worker (its weight is its device's speed, which its threads share); else its threads
+        (its weight is one thread's speed), at least 1.
+    """
+    return 1 if profile.get("device") == "gpu" else max(1, int(nthreads or 1))
+
+
 class WorkerInfo(NamedTuple):
     """What ``map`` needs to know of one worker (``octopus_workers``)."""
 

@@ -34,7 +34,7 @@ from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import timing_prefix
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
-from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo
+from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo, parallel_threads
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
@@ -518,6 +518,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                    ws.status in HELD)
         return out
 
+    def _not_loaded_here(self) -> set[str]:
+        """The live workers where the worker plugin did not load (:func:`not_loaded`)."""
+        return not_loaded(self.profiles).keys() & self.scheduler.workers.keys()
+
     def _loaded(self, workers: Mapping[str, Any]) -> Mapping[str, Any]:
         """``workers`` but those where the worker plugin did not load (:func:`not_loaded`: a ``map`` batch or
         a fragment fails there), unless it loaded on none of them."""
@@ -577,12 +581,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             raise ValueError("plan has item counts without costs")
         if source is not None and nbytes is None:
             raise ValueError("plan has a source without block bytes")
-        if stealable is not None and not_loaded(self.profiles).keys() & self.scheduler.workers.keys():
+        if stealable is not None and self._not_loaded_here():
             stealable = None  # Dask's work stealing would move a loosely pinned tail there, where batches fail
         self.placement.add_plan(name, workers, axis, costs, counts, stealable, source, nbytes, pieces)
         loads = sizes if sizes is not None else costs if costs is not None else [1.0] * len(workers)
-        blocks = Counter(workers)  # a worker runs as many of its blocks at once as it has threads
-        threads = {w: ws.nthreads for w, ws in self.scheduler.workers.items()}
+        blocks = Counter(workers)  # a worker runs as many of its blocks at once as its threads (parallel_threads)
+        threads = {w: parallel_threads(self.profiles.get(w, {}), ws.nthreads)
+                   for w, ws in self.scheduler.workers.items()}
         speeds = {w: v * max(1, min(threads.get(w, 1), blocks[w])) for w, v in self.speeds(resource).items()}
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads], speeds))
 
@@ -603,7 +608,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             unread += grouped
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
-        if failed := not_loaded(self.profiles).keys() & scheduler.workers.keys():
+        if failed := self._not_loaded_here():
             scheduler_groups.keep_off(scheduler, chain(tasks, made), failed)
         if unread:  # after update_graph: later plugins are still given these keys
             scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
