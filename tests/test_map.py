@@ -24,6 +24,7 @@ from dask_octopus.bench.cotenant import CoTenant, pin_workers
 from dask_octopus.bench.workloads import gemm_repeat
 from dask_octopus.groups import streams
 from dask_octopus.placement.pins import Placement
+from dask_octopus.plugins.messages import WorkerInfo
 from dask_octopus.profiling.itemcosts import ItemCost
 
 
@@ -125,7 +126,8 @@ async def test_workers_explore_large_and_small_items_apart_until_their_item_seco
     assert len(shapes[2]) == 2, points  # four batches of two mean costs per worker: fitted, one task each
     fits = await c.scheduler.octopus_workers(prefix="sleep_cost-octopus-map")  # its own, despite the _
     # each item sleeps cost * 2 ms: the fitted part per cost unit is about 2 ms on both workers
-    assert all(fit is not None and 0.0012 < fit[1] < 0.004 for _, _, fit, *_ in fits.values()), (fits, points)
+    fitted = [WorkerInfo.of(values).fit for values in fits.values()]
+    assert all(fit is not None and 0.0012 < fit[1] < 0.004 for fit in fitted), (fits, points)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 4)] * 2, config=NO_STEALING)
@@ -183,7 +185,7 @@ async def test_items_planned_on_workers_all_paused_wait_for_them_unscattered(c, 
         w.status = Status.paused
     await async_poll_for(lambda: all(ws.status == Status.paused for ws in s.workers.values()), timeout=5)
     info = await c.scheduler.octopus_workers()
-    assert all(values[6] is True for values in info.values())  # held
+    assert all(WorkerInfo.of(values).held is True for values in info.values())
     items = [np.full(2**15, float(i)) for i in range(16)]
     scattered, scatter = [], c.scatter
     c.scatter = lambda *args, **kwargs: scattered.append(kwargs.get("workers")) or scatter(*args, **kwargs)
@@ -510,6 +512,23 @@ async def test_a_worker_s_fitted_seconds_per_item_count_once_per_thread(c, s, a,
     _, plan = plan_of(s)
     per_worker = {w: sum(n for x, n in zip(plan.workers, plan.counts) if x == w) for w in (a.address, b.address)}
     assert list(per_worker.values()) == [9, 3]  # a's three threads run three items at once: 3 s each
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 1)], config=NO_STEALING)
+async def test_a_gpu_worker_s_weight_counts_once_whatever_its_threads(c, s, a, b):
+    """Until seconds per item are fitted, items go by weight times the threads that run at that speed: a CPU
+    worker's two threads count twice, a GPU worker's once (its weight is its device's, which they share)."""
+    await setup(c, s, [1.0, 1.0])
+
+    async def per_worker():
+        futs = await call(c, np.sum, [np.ones(2)] * 12, group=4)
+        assert await c.gather(futs) == [2.0] * 12
+        _, plan = plan_of(s)
+        return [sum(n for x, n in zip(plan.workers, plan.counts) if x == w) for w in (a.address, b.address)]
+
+    assert await per_worker() == [8, 4]
+    s.plugins["octopus"].profiles[a.address].update(device="gpu", memory_free=2**30)
+    assert await per_worker() == [6, 6]
 
 
 def fails_on_seven(x):

@@ -17,7 +17,7 @@ from distributed.utils_test import async_poll_for, captured_logger, cluster, gen
 
 import dask_octopus
 from dask_octopus import NotRegisteredError
-from dask_octopus.plugins.messages import DONE_SHARE
+from dask_octopus.plugins.messages import DONE_SHARE, WorkerInfo
 from dask_octopus.plugins.scheduler import ERROR, HISTORY_INTERVAL, OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
@@ -453,10 +453,10 @@ async def test_map_batch_timings_fit_each_worker_s_seconds_per_item(c, s, a, b):
     timings = [(["octopus-map-f-abc", i], "octopus-map-f", 999, n * 0.01 + cost * 0.001)
                for i, (n, cost) in enumerate(shapes)]
     s.log_event(TOPIC, {"worker": b.address, "timings": timings})
-    info = await c.scheduler.octopus_workers(prefix="octopus-map-f")
-    assert info[a.address][2] is None  # never ran a batch
-    assert info[b.address][2] == pytest.approx((0.01, 0.001))
-    assert info[a.address][3] is None and info[b.address][3] > 0  # the prefix's observed units per second
+    info = {w: WorkerInfo.of(v) for w, v in (await c.scheduler.octopus_workers(prefix="octopus-map-f")).items()}
+    assert info[a.address].fit is None  # never ran a batch
+    assert info[b.address].fit == pytest.approx((0.01, 0.001))
+    assert info[a.address].rate is None and info[b.address].rate > 0  # the prefix's observed units per second
     # bad plans are refused with a ValueError's message (the client raises it again)
     reply = await c.scheduler.octopus_add_plan(name="x", workers=[b.address] * 3, costs=[1, 1, 1], counts=[1, 1])
     assert "2 counts for 3 blocks" in reply[ERROR]

@@ -227,7 +227,9 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     included; until then by the workers' weights (the function's own observed speeds once every
     worker has them), in units of cost over weight. Both are one thread's: a worker runs its items on
     all its threads at once, so its speed counts once per thread, and so do its items' fixed parts
-    (not the transfers of its items)."""
+    (not the transfers of its items); but a GPU worker's weight is its device's, which its threads share:
+    it counts once (:func:`~dask_octopus.plugins.messages.parallel_threads`). Fitted seconds, timed while
+    the threads ran side by side, count the sharing already."""
     info = {w: WorkerInfo.of(v) for w, v in call_scheduler(client, "octopus_workers", resource=resource,
                                                            prefix=prefix).items()}
     workers = sorted(info)
@@ -240,7 +242,7 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
                    for i in range(len(costs))]
         scale = 1.0
     else:
-        speeds = [info[w].weight * n for w, n in zip(workers, threads)]
+        speeds = [info[w].weight * info[w].parallel for w in workers]
         rates = [info[w].rate for w in workers]
         rate = sum(rates) if None not in rates else None  # the function's units per second, all workers
         scale = 1 / rate if rate else None  # a worker of weight w runs w * rate units per second

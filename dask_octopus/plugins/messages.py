@@ -83,6 +83,7 @@ class WorkerInfo(NamedTuple):
 
     weight: float  #: relative weight, as ``speeds`` gives it
     threads: int  #: worker threads
+    parallel: int  #: threads that run at ``weight``'s speed each (:func:`parallel_threads`: 1 on a GPU worker)
     fit: tuple[float, float] | None  #: ``(fixed, per_unit)`` seconds per item, once fitted
     rate: float | None  #: observed work units per second of the function there, once it ran there
     budget: float | None  #: bytes one task there may hold (``octopus.fragments.max-bytes``), if known
@@ -92,5 +93,6 @@ class WorkerInfo(NamedTuple):
     @classmethod
     def of(cls, values: Sequence[Any]) -> WorkerInfo:
         """Rebuild one from what came over the wire."""
-        weight, threads, fit, rate, budget, result_size, held = values
-        return cls(weight, threads, None if fit is None else (fit[0], fit[1]), rate, budget, result_size, held)
+        weight, threads, parallel, fit, rate, budget, result_size, held = values
+        return cls(weight, threads, parallel, None if fit is None else (fit[0], fit[1]), rate, budget, result_size,
+                   held)

@@ -513,9 +513,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         for addr, ws in self._loaded(running or self.scheduler.workers).items():
             fit = fits[addr].fit() if addr in fits else None
             rate = rates[addr].value if addr in rates else None
-            out[addr] = WorkerInfo(weights[addr], ws.nthreads, None if fit is None else (fit.fixed, fit.per_unit),
-                                   rate, scheduler_groups.thread_budget(ws, self.profiles.get(addr, {})), result_size,
-                                   ws.status in HELD)
+            profile = self.profiles.get(addr, {})
+            out[addr] = WorkerInfo(weights[addr], ws.nthreads, parallel_threads(profile, ws.nthreads),
+                                   None if fit is None else (fit.fixed, fit.per_unit), rate,
+                                   scheduler_groups.thread_budget(ws, profile), result_size, ws.status in HELD)
         return out
 
     def _not_loaded_here(self) -> set[str]:
