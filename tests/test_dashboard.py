@@ -1,6 +1,7 @@
 """The /octopus page, its JSON, the dask_octopus_* series on /metrics, the optional libraries missing,
 the records behind them, and ``dask-octopus profile --watch`` (CPU, in-process clusters)."""
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -528,6 +529,9 @@ def test_latest_plan_names_gone_workers_and_gives_the_prediction_in_seconds():
 def test_run_column_of_a_graph_whose_tasks_have_not_finished_yet():
     assert columns._run(plan_row("p", {}, False)) == "running, 0 of 2 tasks"  # expected 2, none done
     assert columns._run(PlanRow("q", 0.0, {"a": 1}, {}, {}, {}, {}, {}, 0, False)) == "not run"
+    one = PlanRow("r", 0.0, {"a": 1}, {}, {}, {}, {}, {}, 1, False)
+    assert columns._run(one) == "running, 0 of 1 task"
+    assert columns._run(dataclasses.replace(one, tasks={"a": 1}, complete=True)) == "done, 1 task"
 
 
 def test_summary_says_when_the_weights_last_changed():

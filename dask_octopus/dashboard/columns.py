@@ -119,16 +119,20 @@ def _latest(plans: list[PlanRow], labels: dict[str, str], colors: dict[str, str]
     if not plan.observed:
         return data, f"Latest plan ({made}): not run yet"
     what = "latest complete run" if plan.complete else f"run in progress, {sum(plan.tasks.values())} of " \
-                                                       f"{plan.expected} tasks"
+                                                       f"{_tasks(plan.expected)}"
     return data, (f"Latest plan ({made}), {what}: finish spread {percent(plan.observed_spread)} observed, "
                   f"{percent(plan.predicted_spread)} predicted")
+
+
+def _tasks(n: int) -> str:
+    return f"{n} task" if n == 1 else f"{n} tasks"
 
 
 def _run(plan: PlanRow) -> str:
     done = sum(plan.tasks.values())
     if plan.complete:
-        return f"done, {done} tasks"
-    return f"running, {done} of {plan.expected} tasks" if plan.expected or done else "not run"
+        return f"done, {_tasks(done)}"
+    return f"running, {done} of {_tasks(plan.expected)}" if plan.expected or done else "not run"
 
 
 def _per_worker(values: dict[str, Any], labels: dict[str, str], fmt: str) -> str:
@@ -153,7 +157,7 @@ def _plans(plans: list[PlanRow], labels: dict[str, str]) -> dict[str, list[Any]]
 def _summary(snap: Snapshot, refresh: float) -> str:
     changed = clock(snap.history[-1][0]) if snap.history else "-"
     return (f"Scheduler <code>{html.escape(snap.scheduler)}</code> at {clock(snap.time)}: "
-            f"{len(snap.workers)} workers, {snap.plans_kept} plans remembered, {snap.plans_active} with "
+            f"{len(snap.workers)} workers, {snap.plans_kept} plans placing new graphs, {snap.plans_active} with "
             f"tasks pinned now; weights last changed at {changed}. "
             f"Refreshed every {refresh:g} s. <a href=\"status\">Dask dashboard</a>")
 
