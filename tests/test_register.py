@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import operator
 import statistics
 import threading
 import time
@@ -18,7 +19,7 @@ from distributed.utils_test import async_poll_for, captured_logger, cluster, gen
 import dask_octopus
 from dask_octopus import NotRegisteredError
 from dask_octopus.plugins.messages import DONE_SHARE, WorkerInfo
-from dask_octopus.plugins.scheduler import ERROR, HISTORY_INTERVAL, OctopusSchedulerPlugin
+from dask_octopus.plugins.scheduler import ERROR, HISTORY_INTERVAL, NOT_LOADED, OctopusSchedulerPlugin
 
 FAST = {"octopus.calibration.seconds": 0.1}
 
@@ -875,6 +876,34 @@ async def test_a_worker_plugin_that_fails_to_set_up_otherwise_is_named_with_its_
                                          r"must be .*\)\): fix that worker's setup") as record:
         await dask_octopus.register(c, calibration_seconds=0.05)
     assert not any("install" in str(w.message) for w in record)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_that_joins_later_with_bad_settings_is_named_and_not_waited_for(c, s, a, b):
+    """A worker that joins after register() (as under ``dask worker --preload dask_octopus``, where no
+    register runs) with a bad ``octopus`` setting of its own: its plugin fails to set up, and says so to
+    the scheduler first, so its profile holds the error (logged once), speeds answer at once, and
+    ``map`` and ``balance`` plan nothing there."""
+    await dask_octopus.register(c, calibrate=False)
+    with (dask.config.set({"octopus.calibration.wait": "30s"}),
+          captured_logger("dask_octopus.plugins.scheduler") as log):
+        with dask.config.set({"octopus.streams.max-graphs": 0}):  # (in-process: this worker's settings)
+            late = await Worker(s.address, nthreads=1)
+        async with late:
+            start = time.monotonic()
+            weights = await dask_octopus.speeds(c)
+            assert time.monotonic() - start < 5 and set(weights) == {a.address, b.address, late.address}
+            error = (await dask_octopus.profiles(c))[late.address]["error"]
+            assert error == ("the worker plugin did not load there: ValueError('octopus.streams.max-graphs must be "
+                             "an integer >= 1, got 0')"), error
+            futures = await dask_octopus.map(operator.neg, list(range(8)), client=c)
+            assert await c.gather(futures) == [-i for i in range(8)]
+            assert set().union(*(await c.who_has(futures)).values()) == {a.address, b.address}
+            x = await dask_octopus.balance(da.ones(64, chunks=16), client=c)
+            assert set(s.plugins["octopus"].placement.plans[x.name].workers) == {a.address, b.address}
+            # told again (a register's setup broadcast hears it too): logged once
+            s.plugins["octopus"].report_not_loaded(late.address, error.removeprefix(NOT_LOADED))
+    assert log.getvalue().count(f"did not load on {late.address}") == 1, log.getvalue()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

@@ -95,9 +95,9 @@ def not_loaded(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
-def _unheard(worker: str, profile: Any) -> None:
-    """``octopus_report`` once no plugin is registered: the worker plugin stays on the workers (Dask keeps
-    it), and a worker that joins then calibrates and reports to no one."""
+def _unheard(**message: Any) -> None:
+    """``octopus_report`` and ``octopus_not_loaded`` once no plugin is registered: the worker plugin stays
+    on the workers (Dask keeps it), and a worker that joins then sets it up and reports to no one."""
 
 
 def _replying(handler: F) -> F:
@@ -262,6 +262,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._started = time.monotonic()
         self._handlers = {
             "octopus_report": self.report,
+            "octopus_not_loaded": self.report_not_loaded,
             "octopus_speeds": self._after_calibrations(_replying(self.speeds)),
             "octopus_workers": self._after_calibrations(_replying(self.workers)),
             "octopus_profiles": self._after_calibrations(_replying(self.get_profiles)),
@@ -324,10 +325,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         else:
             self._not_loaded(setting_up.result())
 
+    def report_not_loaded(self, worker: str, error: str) -> None:
+        """Record that the worker plugin did not set up on ``worker``, with ``error``; called by
+        :class:`OctopusWorkerPlugin` (also on a worker that joins after the plugin was registered)."""
+        self._not_loaded({worker: error})
+
     def _not_loaded(self, failed: Mapping[str, str]) -> None:
-        """Record the workers still here where the worker plugin failed to set up, with their errors."""
+        """Record the workers still here where the worker plugin failed to set up, with their errors (each
+        logged once: the worker and the setup's broadcast may both tell it)."""
         for address, error in failed.items():
-            if address in self.scheduler.workers:
+            if address in self.scheduler.workers and self.profiles.get(address) != {"error": NOT_LOADED + error}:
                 self.profiles[address] = {"error": NOT_LOADED + error}
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
@@ -380,7 +387,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             for name, handler in self._handlers.items():
                 if self.scheduler.handlers.get(name) is handler:
                     del self.scheduler.handlers[name]
-            self.scheduler.handlers.setdefault("octopus_report", _unheard)
+            for name in ("octopus_report", "octopus_not_loaded"):
+                self.scheduler.handlers.setdefault(name, _unheard)
 
     def _filter_log(self, scheduler: Scheduler | None) -> None:
         """Filter the scheduler's log with a :class:`~dask_octopus.groups.scheduler.RegroupedRunSpecs` of

@@ -4,6 +4,7 @@ own the worker's stream-group state (:class:`~dask_octopus.groups.streams.Stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,12 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self._torn_down = False
 
     async def setup(self, worker: Worker) -> None:
-        config.check_all()  # this worker's own settings, which its fragments and batches read: a bad one fails here
+        try:
+            config.check_all()  # this worker's own settings, which its fragments and batches read: a bad one fails
+        except ValueError as e:  # here, told to the scheduler first: Dask logs a failed setup on the worker only
+            with contextlib.suppress(Exception):  # (a worker that joins later: no register hears of it)
+                await worker.scheduler.octopus_not_loaded(worker=worker.address, error=repr(e))
+            raise
         self.worker = worker
         runtime = worker.extensions.setdefault(EXTENSION, StreamRuntime())
         # sent with each heartbeat, for the dashboard. A new dict, not an update in place: a heartbeat may be
