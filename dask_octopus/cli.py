@@ -143,18 +143,25 @@ def _duration(value: str) -> float:
 def _answers(address: str, timeout: float, connection_args: dict[str, Any]) -> None:
     """Raise ``OSError`` where no Dask server at the ``tcp://`` or ``tls://`` ``address`` answers within
     ``timeout`` seconds: distributed's handshake waits for ever on something else that listens there
-    (a dashboard's HTTP port), and a ``Client`` with it."""
+    and stays silent (a dashboard's HTTP port), and a ``Client`` with it; and fails with whatever
+    reading garbage raises on something that speaks first in another protocol (SSH, SMTP)."""
     from distributed.comm import connect, parse_address
 
     if parse_address(address)[0] not in ("tcp", "tls"):
         return
 
     async def reach() -> None:
-        comm = await connect(address, timeout=timeout, **connection_args)
+        try:
+            comm = await connect(address, timeout=timeout, **connection_args)
+        except OSError:  # (nothing listens there, the host is not reached: distributed says so at the timeout)
+            raise
+        except Exception as e:
+            raise OSError(f"what answered there is not a Dask server (its first bytes are not Dask's protocol: "
+                          f"{type(e).__name__} reading them)") from None
         await comm.close()
 
-    try:
-        asyncio.run(asyncio.wait_for(reach(), timeout))
+    try:  # (a second more than the connection's own timeout, whose error says why it failed)
+        asyncio.run(asyncio.wait_for(reach(), timeout + 1))
     except TimeoutError:
         raise OSError(f"nothing answered as a Dask server within {timeout:g} s (the scheduler's address, "
                       "not its dashboard's?)") from None

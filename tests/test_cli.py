@@ -281,6 +281,40 @@ def test_profile_of_an_address_where_something_else_listens_says_so_within_the_t
                              "within 1 s (the scheduler's address, not its dashboard's?)\n")
 
 
+def test_profile_of_an_address_where_another_protocol_speaks_first_or_nothing_listens_says_so():
+    """A service that speaks first in another protocol (an SSH banner): distributed's handshake reads it
+    as a Dask message and fails (out of memory for its frame lengths); a port where nothing listens:
+    distributed's own reason at the timeout, not a hint about the dashboard. One line, exit code 1."""
+    import socket
+    import threading
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+        def banner():
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6p1 Ubuntu-3ubuntu13\r\n")
+                conn.recv(1)  # (until the client closes)
+
+        thread = threading.Thread(target=banner, daemon=True)
+        thread.start()
+        result = CliRunner().invoke(main, ["profile", "--scheduler-address", address, "--timeout", "5s"])
+        thread.join(timeout=10)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: no scheduler reachable at {address}: what answered there is not a "
+                                    "Dask server (its first bytes are not Dask's protocol"), result.output
+    assert result.output.count("\n") == 1, result.output
+    with socket.socket() as closed:  # (a free port, closed again: nothing listens there)
+        closed.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+    result = CliRunner().invoke(main, ["profile", "--scheduler-address", address, "--timeout", "1s"])
+    assert result.exit_code == 1 and result.output == (f"Error: no scheduler reachable at {address}: Timed out "
+                                                       f"trying to connect to {address} after 1 s\n"), result.output
+
+
 def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "dask_octopus", "--help"], capture_output=True, text=True,
                          env={**os.environ}, check=True)
