@@ -190,6 +190,54 @@ async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a,
     assert LOADED == []
 
 
+def stops_at_two(b, block_info=None):
+    """``b + 1``, but block 2 raises ``StopIteration`` (a ``next()`` on an empty iterator)."""
+    if block_info[0]["chunk-location"][0] == 2:
+        next(iter([]))
+    return b + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_member_that_raises_stop_iteration_fails_what_reads_it_instead_of_shortening_it(c, s, a, b,
+                                                                                                  grouped_by):
+    """A block raising ``StopIteration``: read from a fragment inside the arguments of the task that
+    concatenates the blocks, it ended Dask's evaluation of those arguments there, and the concatenation
+    ran on the two blocks before it, without an error. It fails the compute, as without ``annotate``
+    (distributed turns it into a ``RuntimeError`` there), and the blocks that do not read it are exact."""
+    x = da.arange(40, chunks=4)
+    with pytest.raises(RuntimeError, match="coroutine raised StopIteration"):
+        await c.compute(x.map_blocks(stops_at_two, dtype=x.dtype))
+    with dask_octopus.annotate():
+        y = x.map_blocks(stops_at_two, dtype=x.dtype)
+    with pytest.raises(RuntimeError, match="a task raised StopIteration") as info:
+        await c.compute(y)
+    assert isinstance(info.value.__cause__, StopIteration)
+    with dask_octopus.annotate():
+        sums = [dask.delayed(sum)(y.blocks[i]) for i in range(10)]
+    futures = c.compute(sums)
+    await wait(futures)
+    assert [f.status for f in futures] == ["finished"] * 2 + ["error"] + ["finished"] * 7
+    assert await c.gather(futures[:2] + futures[3:]) == [sum(range(4 * i + 1, 4 * i + 5)) for i in range(10) if i != 2]
+
+
+def test_a_held_stop_iteration_is_raised_as_a_runtime_error_caused_by_it_with_its_notes():
+    """Inside the arguments of a task, a pick that raised ``StopIteration`` would end them early (Dask
+    evaluates them in a ``map``): it raises a ``RuntimeError`` caused by it, its notes kept; other
+    errors as they are."""
+    def concat(*parts):
+        return [v for part in parts for v in part]
+
+    error = StopIteration()
+    error.add_note("dask_octopus: raised by task 'x' of a fragment")
+    outputs = ([1], StepFailed(error), [3])
+    with pytest.raises(RuntimeError, match="a task raised StopIteration") as info:
+        concat(*map(lambda i: pick(outputs, i), range(3)))
+    assert isinstance(info.value.__cause__, StopIteration)
+    assert info.value.__notes__ == ["dask_octopus: raised by task 'x' of a fragment"]
+    with pytest.raises(KeyError):
+        pick(([1], StepFailed(KeyError("k"))), 1)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60)
 async def test_another_client_s_graph_naming_a_member_before_it_is_forgotten_runs_it_with_its_inputs(
         c, s, a, monkeypatch):

@@ -496,9 +496,20 @@ class HeldError:
         """A copy of ``error`` (:func:`detached`, its notes kept) with a traceback made from the copy of its
         frames, for a reader to raise: each reader its own exception and traceback, since Python adds
         the frames an exception passes through to the object raised, and readers raising one object,
-        one after another or in threads at once, would stack their frames onto one another's."""
+        one after another or in threads at once, would stack their frames onto one another's. A
+        ``StopIteration`` comes as a ``RuntimeError`` caused by it (its notes kept), as Python turns one
+        raised inside a generator: a reader inside the arguments of a task (:func:`pick`) runs in the
+        ``map`` with which Dask evaluates them, where a ``StopIteration`` would end the arguments there,
+        and the task would run on those before it."""
         tb = self.traceback.as_traceback() if self.traceback is not None else None
-        return detached(self.error).with_traceback(tb)
+        error = detached(self.error).with_traceback(tb)
+        if not isinstance(error, StopIteration):
+            return error
+        wrapped = RuntimeError(f"a task raised {type(error).__name__}")
+        for note in getattr(error, "__notes__", ()):
+            wrapped.add_note(note)
+        wrapped.__cause__ = error
+        return wrapped
 
 
 def _held(cls: type[HeldError], error: BaseException, traceback: tblib.Traceback | None) -> HeldError:
