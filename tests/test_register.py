@@ -907,6 +907,24 @@ async def test_a_worker_that_joins_later_with_bad_settings_is_named_and_not_wait
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_the_calls_that_ask_the_scheduler_refuse_a_misspelt_setting_of_this_process(c, s, a, b):
+    """Where the scheduler was started with ``--preload dask_octopus`` and no ``register`` runs, a misspelt
+    key of the client's process (read by nothing) is refused by each call that asks the scheduler, naming it."""
+    await c.register_plugin(OctopusSchedulerPlugin(calibrate=False))
+    x = da.ones(64, chunks=16)
+    calls = {"speeds": lambda: dask_octopus.speeds(c), "profiles": lambda: dask_octopus.profiles(c),
+             "balance": lambda: dask_octopus.balance(x, client=c),
+             "map": lambda: dask_octopus.map(operator.neg, [1, 2], client=c),
+             "imap": lambda: next(dask_octopus.imap(operator.neg, [1, 2], client=c))}
+    for name, call in calls.items():
+        with (dask.config.set({"octopus.balance.memory-fracton": 0.5}),
+              pytest.raises(ValueError, match=r"octopus\.balance\.memory-fracton is not a dask_octopus setting; "
+                                              r"did you mean octopus\.balance\.memory-fraction\?")):
+            await asyncio.to_thread(call)
+        assert await asyncio.to_thread(call) is not None, name  # (and with good settings it answers)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_a_worker_whose_calibration_hangs_holds_register_no_longer_than_the_wait(c, s, a, b):
     """One worker's plugin setup (its calibration) never ends: register() returns after
     octopus.calibration.wait with a warning naming it, speeds answer at once with the mean weight for it,

@@ -209,7 +209,10 @@ def _run_on_scheduler(client: Client, func: Callable[..., Any]) -> Any:
 
 
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
-    """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent."""
+    """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent; the ``octopus``
+    settings of this process checked first (:func:`~dask_octopus.config.check_all`: a misspelt key is read
+    by nothing, where the scheduler was started with ``--preload dask_octopus`` and no ``register`` ran)."""
+    config.check_all()
     client = client_of(client)
     missing = _run_on_scheduler(client, _missing_plugin)
     if missing:
