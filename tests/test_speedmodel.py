@@ -910,10 +910,35 @@ def test_steady_timings_that_contradict_the_calibration_replace_it():
         m.observe("a", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
         m.observe("b", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
     assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}  # no difference beyond the noise: equal
-    for _ in range(8):  # then b slows to a third, steadily: beyond calibration and equality
+    for _ in range(8):  # then b slows to a third, steadily, while a runs on: beyond calibration and equality
+        m.observe("a", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
         m.observe("b", "mul", 100, 0.03 * math.exp(rng.gauss(0, 0.05)))
     w = m.weights(["a", "b"])
     assert 2.5 < w["a"] / w["b"] < 3.5  # the observed rates decide
+
+
+def test_a_worker_left_out_of_a_prefix_s_new_work_is_not_compared_on_its_old_rate():
+    """One key prefix for two kinds of work (Dask names ``sin(y).sum(axis=1)`` and ``y.map_blocks(slow)
+    .sum(axis=1)`` alike): all three workers ran the fast one; the slow one (30x) ran on ``b`` and ``c``
+    only (restricted to them). Their rates changed together after ``a``'s latest timing: ``a``'s rate
+    says nothing of ``a`` against them, and the weights stay the calibration's, where ``a`` looked 30x
+    faster. Once ``a`` runs the new work beside them, it is compared again."""
+    m = SpeedModel(confidence_samples=3)
+    for w in "abc":
+        m.set_prior(w, {"compute": 1.0, "memory": 1.0})
+    rng = random.Random(5)
+    for _ in range(8):
+        for w in "abc":
+            m.observe(w, "sum-aggregate", 1e6, 0.01 * math.exp(rng.gauss(0, 0.05)))
+    for _ in range(6):
+        for w in "bc":
+            m.observe(w, "sum-aggregate", 1e6, 0.3 * math.exp(rng.gauss(0, 0.05)))
+    assert m.weights("abc") == pytest.approx(dict.fromkeys("abc", 1 / 3))
+    for _ in range(6):  # then all three run it, a twice as slow at it
+        for w, seconds in zip("abc", (0.6, 0.3, 0.3)):
+            m.observe(w, "sum-aggregate", 1e6, seconds * math.exp(rng.gauss(0, 0.05)))
+    weights = m.weights("abc")
+    assert 0.15 < weights["a"] < 0.3 and weights["b"] == pytest.approx(weights["c"], rel=0.1)  # (0.2: half as fast)
 
 
 def test_two_timings_each_show_no_noise_so_any_difference_counts():

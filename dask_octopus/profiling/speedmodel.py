@@ -18,7 +18,9 @@ RECENT[-1] at most: when the newest timings are back at that earlier level
 (:meth:`_Rate._back_before_change`), those timings count again, and the ones since the change are
 dropped (a worker paused for a task or two has its rate back within three timings; the change test would
 wait for as many timings at the new level as before it). For a prefix seen on several workers, each
-worker's rate relative to the geometric mean of the others is its observed relative speed. Prefixes
+worker's rate relative to the geometric mean of the others is its observed relative speed, but for a
+rate timed before a change of rate that every worker timed since went through (the prefix's tasks may do
+other work now: :func:`_comparable`). Prefixes
 count in proportion to the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum
 of partial results, which latency dominates), and that weight halves with every :data:`HALF_LIFE`
 timings taken since the prefix last ran: a finished computation's prefixes give way to the work running
@@ -99,6 +101,18 @@ def _missed(rate: _Rate, ran: int) -> float:
     return (ran - rate.at) * rate.count / max(1, rate.at - rate.first)
 
 
+def _comparable(seen: dict[str, _Rate]) -> dict[str, _Rate]:
+    """The rates of ``seen`` (one prefix's) but those timed before a change of rate that every worker
+    timed since went through: the prefix's tasks then did other work (the same key prefix for another
+    function, or other data), or its workers all changed at once; either way the earlier rate says
+    nothing of this worker against them (a worker left out of a computation of the prefix's slow new
+    work would look fast), and its speed comes from the other prefixes. A worker new to the prefix since
+    went through no change: it is compared (:func:`_missed` makes no worker stale for that)."""
+    return {w: r for w, r in seen.items()
+            if not (later := [v for v in seen.values() if v.latest > r.latest])
+            or not all(v.since > r.latest for v in later)}
+
+
 def _fit_workers(entries: list[tuple[Hashable, str, float, float]], prior: dict[str, float]) -> dict[str, float]:
     """Each worker's log speed ``b[w]`` of the additive fit ``y = a[prefix] + b[worker]`` to the entries
     ``(prefix, worker, weight, y)`` (a prefix: any key), by weighted least squares: the prefixes' levels
@@ -161,9 +175,14 @@ class _Rate:
     at: int = 0
     returning: int = RECENT[0]  # timings since it came back, up to RECENT[0]
     first: int = 0  # the prefix's timings before this worker's first
+    latest: int = 0  # the prefix's timings before this worker's latest
+    # the prefix's timings before the first timing of this worker's current level, if it began with a change
+    # of rate (0: no change since its first timing)
+    since: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
     times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
+    stamps: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # the prefix's timings before each
     changes: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW - 1))  # |successive log rates|
     # standard deviation of one timing's log rate, from the median change between successive timings:
     # a step (a worker that slows down) is one large change, not noise; 0 while fewer than three are known
@@ -171,18 +190,21 @@ class _Rate:
     # the noise the evidence counts: the larger of ``steps`` and the relative spread of the winsorized times,
     # which a lasting mix of fast and slow timings widens where most successive changes are within one kind
     noise: float = 0.0
-    # after a change: the timings dropped (log rates and seconds), their noise (``steps``), their median
-    # and the median of the timings that made the change, while RECENT[-1] timings at most are kept since
-    before: tuple[list[float], list[float], float, float, float] | None = None
+    # after a change: the timings dropped (log rates, seconds and stamps), their noise (``steps``), their
+    # median, the median of the timings that made the change and ``since`` before it, while RECENT[-1]
+    # timings at most are kept since
+    before: tuple[list[float], list[float], list[int], float, float, float, int] | None = None
 
-    def add(self, log_rate: float, seconds: float, first: int) -> None:
-        """Add one timing; once more than ``first`` are known, drop the earlier timings when the last
-        ones show that the rate changed."""
+    def add(self, log_rate: float, seconds: float, first: int, stamp: int) -> None:
+        """Add one timing, taken after ``stamp`` timings of the prefix (all workers); once more than
+        ``first`` are known, drop the earlier timings when the last ones show that the rate changed."""
         if self.recent:
             self.changes.append(abs(log_rate - self.recent[-1]))
         self.recent.append(log_rate)
         self.times.append(math.exp(-log_rate))
         self.durations.append(seconds)
+        self.stamps.append(stamp)
+        self.latest = stamp
         self.count += 1
         self.steps = self._steps()
         if self.count > first and not self._back_before_change():
@@ -221,8 +243,11 @@ class _Rate:
                 kept = k
                 while abs(values[n - kept] - last) > abs(values[n - kept] - last + gap):
                     kept -= 1
-                self.before = (values[:n - kept], list(self.durations)[:n - kept], self.steps, last - gap, last)
-                self._keep([], [], kept)
+                stamps = list(self.stamps)
+                self.before = (values[:n - kept], list(self.durations)[:n - kept], stamps[:n - kept], self.steps,
+                               last - gap, last, self.since)
+                self.since = stamps[n - kept]
+                self._keep([], [], [], kept)
                 return
 
     def _back_before_change(self) -> bool:
@@ -238,7 +263,7 @@ class _Rate:
         if len(self.recent) > RECENT[-1]:  # a level of its own, which the change test follows
             self.before = None
             return False
-        log_rates, durations, steps, level, changed = self.before
+        log_rates, durations, stamps, steps, level, changed, since = self.before
         if abs(self.recent[-1] - level) >= abs(self.recent[-1] - changed):  # (this runs for every timing)
             return False
         k = RECENT[0]
@@ -254,16 +279,18 @@ class _Rate:
                 or abs(last - changed) <= CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / len(since))
                 or not _rare(since, recent, (level + changed) / 2, level > changed)):
             return False
-        self._keep(log_rates, durations, k)
+        self._keep(log_rates, durations, stamps, k)
+        self.since = since
         return True
 
-    def _keep(self, log_rates: list[float], durations: list[float], last: int) -> None:
-        """Keep ``log_rates`` (with their ``durations``) and the ``last`` timings only."""
+    def _keep(self, log_rates: list[float], durations: list[float], stamps: list[int], last: int) -> None:
+        """Keep ``log_rates`` (with their ``durations`` and ``stamps``) and the ``last`` timings only."""
         values = [*log_rates, *list(self.recent)[-last:]][-WINDOW:]
         seconds = [*durations, *list(self.durations)[-last:]][-WINDOW:]
         self.recent = deque(values, maxlen=WINDOW)
         self.times = deque((math.exp(-v) for v in values), maxlen=WINDOW)
         self.durations = deque(seconds, maxlen=WINDOW)
+        self.stamps = deque([*stamps, *list(self.stamps)[-last:]][-WINDOW:], maxlen=WINDOW)
         self.changes = deque((abs(y - x) for x, y in pairwise(values)), maxlen=WINDOW - 1)
         if log_rates:
             self.before = None
@@ -339,7 +366,7 @@ class SpeedModel:
             mean = sum(others) / len(others) if others else log_rate
             if abs(log_rate - math.log(current.value)) <= abs(log_rate - mean):
                 current.returning = RECENT[0] - 1  # ... unless its timings agree with its rate
-        current.add(log_rate, seconds, self.confidence_samples)
+        current.add(log_rate, seconds, self.confidence_samples, ran)
         current.returning = min(current.returning + 1, RECENT[0])
         if current.returning == RECENT[0]:  # ... or RECENT[0] came, which can show a change
             current.at = ran + 1
@@ -361,7 +388,8 @@ class SpeedModel:
         asked = set(workers)
         for prefix in chosen:
             per_worker = self.rates[prefix]
-            seen = {w: r for w, r in per_worker.items() if w in asked and r.count >= self.confidence_samples}
+            seen = _comparable({w: r for w, r in per_worker.items()
+                                if w in asked and r.count >= self.confidence_samples})
             if len(seen) < 2:
                 continue
             n = len(seen)
