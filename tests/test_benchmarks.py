@@ -383,3 +383,7 @@ def test_task_intervals_take_each_worker_s_clock_shift_back_off():
     assert {w: [(round(a, 9), round(b, 9)) for a, b in iv] for w, iv in busy.items()} == {
         "a": [(0.2, 0.5)], "b": [(0.1, 0.5)]}
     assert PassRecord(0.6, busy, busy).spread() < 1e-9  # (0.08 / 0.6 with the shifts left on)
+    # a shift estimated 0.02 s short: a task that ended as the pass began ends at 0, not before it
+    early = [{"key": ("block", 2), "worker": "a", "startstops": [{"action": "compute", "start": 99.99,
+                                                                  "stop": 100.03}]}]
+    assert intervals(early, 100.0, shifts={"a": 0.05}) == {"a": [(0.0, 0.0)]}
