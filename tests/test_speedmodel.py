@@ -910,11 +910,28 @@ def test_steady_timings_that_contradict_the_calibration_replace_it():
         m.observe("a", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
         m.observe("b", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
     assert m.weights(["a", "b"]) == {"a": 0.5, "b": 0.5}  # no difference beyond the noise: equal
-    for _ in range(8):  # then b slows to a third, steadily, while a runs on: beyond calibration and equality
-        m.observe("a", "mul", 100, 0.01 * math.exp(rng.gauss(0, 0.05)))
+    for _ in range(8):  # then b slows to a third, steadily: beyond calibration and equality
         m.observe("b", "mul", 100, 0.03 * math.exp(rng.gauss(0, 0.05)))
     w = m.weights(["a", "b"])
     assert 2.5 < w["a"] / w["b"] < 3.5  # the observed rates decide
+
+
+def test_a_common_pause_compares_the_worker_that_ran_before_it_with_their_levels_before_it():
+    """``b`` and ``d`` pause together (two timings 100x slower, a change common to both) after ``c``'s latest
+    timing (``c``, three times slower, no longer runs the prefix): ``c`` is compared with their levels
+    before the pause, where it looked 33x faster than them; their third timing back at their level
+    restores the earlier timings, and with them the level's start and the level before it."""
+    m = SpeedModel(confidence_samples=3)
+    for _ in range(30):
+        for w, seconds in zip("cbd", (3.0, 1.0, 1.0)):
+            m.observe(w, "f", 100, seconds)
+    weights = []
+    for seconds in (100.0, 100.0, 1.0, 1.0, 1.0):
+        for w in "bd":
+            m.observe(w, "f", 100, seconds)
+        weights.append(m.weights("bcd")["c"])
+    assert weights == pytest.approx([1 / 7] * 5)  # (speeds 1/3, 1 and 1)
+    assert all(m.rates["f"][w].since == 0 and m.rates["f"][w].previous is None for w in "bd")
 
 
 def test_a_worker_left_out_of_a_prefix_s_new_work_is_not_compared_on_its_old_rate():

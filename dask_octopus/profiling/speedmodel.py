@@ -19,8 +19,8 @@ RECENT[-1] at most: when the newest timings are back at that earlier level
 dropped (a worker paused for a task or two has its rate back within three timings; the change test would
 wait for as many timings at the new level as before it). For a prefix seen on several workers, each
 worker's rate relative to the geometric mean of the others is its observed relative speed, but for a
-rate timed before a change of rate that every worker timed since went through (the prefix's tasks may do
-other work now: :func:`_comparable`). Prefixes
+rate timed before a change of rate common to the workers timed since (two or more, alike: the prefix's
+tasks may do other work now), which is compared with their rates before it (:func:`_comparisons`). Prefixes
 count in proportion to the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum
 of partial results, which latency dominates), and that weight halves with every :data:`HALF_LIFE`
 timings taken since the prefix last ran: a finished computation's prefixes give way to the work running
@@ -101,16 +101,38 @@ def _missed(rate: _Rate, ran: int) -> float:
     return (ran - rate.at) * rate.count / max(1, rate.at - rate.first)
 
 
-def _comparable(seen: dict[str, _Rate]) -> dict[str, _Rate]:
-    """The rates of ``seen`` (one prefix's) but those timed before a change of rate that every worker
-    timed since went through: the prefix's tasks then did other work (the same key prefix for another
-    function, or other data), or its workers all changed at once; either way the earlier rate says
-    nothing of this worker against them (a worker left out of a computation of the prefix's slow new
-    work would look fast), and its speed comes from the other prefixes. A worker new to the prefix since
-    went through no change: it is compared (:func:`_missed` makes no worker stale for that)."""
-    return {w: r for w, r in seen.items()
-            if not (later := [v for v in seen.values() if v.latest > r.latest])
-            or not all(v.since > r.latest for v in later)}
+def _comparisons(seen: dict[str, _Rate]) -> list[dict[str, _Rate]]:
+    """The sets of rates of one prefix (``seen``) to compare with each other: the workers' current rates,
+    but for a worker whose latest timing came before a change of rate common to the workers timed since:
+    two or more, each of whose rate changed after that timing, all in the same direction. The prefix's
+    tasks then do other work (Dask names ``sin(y).sum(axis=1)`` and ``y.map_blocks(slow).sum(axis=1)``
+    alike: a worker left out of the slow work would look fast against their new rates); that worker is
+    compared with the levels they had before their change (their ``previous``, where it began before its
+    latest timing), its speed against theirs then. One worker's change is taken for its own (a co-tenant
+    that came or went): the others are compared with its new rate. A worker new to the prefix since went
+    through no change (:func:`_missed` makes no worker stale for that)."""
+    current: dict[str, _Rate] = {}
+    out = []
+    for w, r in seen.items():
+        later = {v: x for v, x in seen.items() if x.latest > r.latest}
+        if len(later) < 2 or not _changed_alike(later.values(), r.latest):
+            current[w] = r
+            continue
+        then = {v: x.previous for v, x in later.items() if x.previous is not None and x.previous.since <= r.latest}
+        if then:
+            out.append({w: r, **then})
+    return [current, *out] if len(current) >= 2 else out
+
+
+def _changed_alike(rates: Iterable[_Rate], stamp: int) -> bool:
+    """Whether every one of ``rates`` changed level after the prefix's ``stamp``-th timing, all in the
+    same direction."""
+    signs = set()
+    for x in rates:
+        if x.since <= stamp or x.previous is None:
+            return False
+        signs.add(x.value > x.previous.value)
+    return len(signs) == 1
 
 
 def _fit_workers(entries: list[tuple[Hashable, str, float, float]], prior: dict[str, float]) -> dict[str, float]:
@@ -179,6 +201,9 @@ class _Rate:
     # the prefix's timings before the first timing of this worker's current level, if it began with a change
     # of rate (0: no change since its first timing)
     since: int = 0
+    # the rate of the level before its current one (timings, value, noise, ``since`` and ``latest`` as they
+    # were then), kept until the next change: what the workers timed before the change compare with
+    previous: _Rate | None = None
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
     times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
@@ -191,9 +216,9 @@ class _Rate:
     # which a lasting mix of fast and slow timings widens where most successive changes are within one kind
     noise: float = 0.0
     # after a change: the timings dropped (log rates, seconds and stamps), their noise (``steps``), their
-    # median, the median of the timings that made the change and ``since`` before it, while RECENT[-1]
-    # timings at most are kept since
-    before: tuple[list[float], list[float], list[int], float, float, float, int] | None = None
+    # median, the median of the timings that made the change, and ``since`` and ``previous`` before it,
+    # while RECENT[-1] timings at most are kept since
+    before: tuple[list[float], list[float], list[int], float, float, float, int, _Rate | None] | None = None
 
     def add(self, log_rate: float, seconds: float, first: int, stamp: int) -> None:
         """Add one timing, taken after ``stamp`` timings of the prefix (all workers); once more than
@@ -245,10 +270,20 @@ class _Rate:
                     kept -= 1
                 stamps = list(self.stamps)
                 self.before = (values[:n - kept], list(self.durations)[:n - kept], stamps[:n - kept], self.steps,
-                               last - gap, last, self.since)
+                               last - gap, last, self.since, self.previous)
+                self.previous = self._level(n - kept)
                 self.since = stamps[n - kept]
                 self._keep([], [], [], kept)
                 return
+
+    def _level(self, n: int) -> _Rate:
+        """A rate of the first ``n`` timings kept only (the level before a change), as it was then."""
+        stamps = list(self.stamps)[:n]
+        level = _Rate(count=self.count, at=self.at, first=self.first, since=self.since, latest=stamps[-1])
+        level._keep(list(self.recent)[:n], list(self.durations)[:n], stamps, 0)
+        level._locate()
+        level.seconds = _median(level.durations)
+        return level
 
     def _back_before_change(self) -> bool:
         """Whether the last timings are back at the level before the last change, and if so, keep that
@@ -263,7 +298,7 @@ class _Rate:
         if len(self.recent) > RECENT[-1]:  # a level of its own, which the change test follows
             self.before = None
             return False
-        log_rates, durations, stamps, steps, level, changed, since = self.before
+        log_rates, durations, stamps, steps, level, changed, started, previous = self.before
         if abs(self.recent[-1] - level) >= abs(self.recent[-1] - changed):  # (this runs for every timing)
             return False
         k = RECENT[0]
@@ -280,17 +315,18 @@ class _Rate:
                 or not _rare(since, recent, (level + changed) / 2, level > changed)):
             return False
         self._keep(log_rates, durations, stamps, k)
-        self.since = since
+        self.since, self.previous = started, previous
         return True
 
     def _keep(self, log_rates: list[float], durations: list[float], stamps: list[int], last: int) -> None:
         """Keep ``log_rates`` (with their ``durations`` and ``stamps``) and the ``last`` timings only."""
-        values = [*log_rates, *list(self.recent)[-last:]][-WINDOW:]
-        seconds = [*durations, *list(self.durations)[-last:]][-WINDOW:]
+        start = len(self.recent) - last
+        values = [*log_rates, *list(self.recent)[start:]][-WINDOW:]
+        seconds = [*durations, *list(self.durations)[start:]][-WINDOW:]
         self.recent = deque(values, maxlen=WINDOW)
         self.times = deque((math.exp(-v) for v in values), maxlen=WINDOW)
         self.durations = deque(seconds, maxlen=WINDOW)
-        self.stamps = deque([*stamps, *list(self.stamps)[-last:]][-WINDOW:], maxlen=WINDOW)
+        self.stamps = deque([*stamps, *list(self.stamps)[start:]][-WINDOW:], maxlen=WINDOW)
         self.changes = deque((abs(y - x) for x, y in pairwise(values)), maxlen=WINDOW - 1)
         if log_rates:
             self.before = None
@@ -388,31 +424,40 @@ class SpeedModel:
         asked = set(workers)
         for prefix in chosen:
             per_worker = self.rates[prefix]
-            seen = _comparable({w: r for w, r in per_worker.items()
-                                if w in asked and r.count >= self.confidence_samples})
-            if len(seen) < 2:
-                continue
-            n = len(seen)
-            duration = sum(r.seconds for r in seen.values()) / n
-            expected = {w: (prior or {}).get(w, 0.0) for w in seen}
-            expected_mean = sum(expected.values()) / n
-            expected = {w: e - expected_mean for w, e in expected.items()}
-            difference = self._difference(seen, expected) or self._faded(seen, expected, self.ran[prefix])
-            # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
-            age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
-            weight = self.confidence_samples * duration * age  # (every worker seen ran it that often at least)
-            if not weight > 0:  # (underflow: ~34,000 timings since the prefix ran) it counts no more
-                continue
-            sums = sets[frozenset(seen)]
-            for w, r in seen.items():
-                total = sums.setdefault(w, [0.0, 0.0])
-                total[0] += weight
-                # on the prior's scale: the workers that ran the prefix keep their prior mean
-                total[1] += weight * (expected_mean + difference[w])
-                samples[w] += r.count
+            counted: set[str] = set()
+            for seen in _comparisons({w: r for w, r in per_worker.items()
+                                      if w in asked and r.count >= self.confidence_samples}):
+                self._add_prefix(prefix, seen, prefixes is not None, prior, sets, samples, counted)
         fitted = _fit_workers([(key, w, wt, y / wt) for key, sums in sets.items() for w, (wt, y) in sums.items()],
                               prior or {})
         return {w: math.exp(v) for w, v in fitted.items()}, dict(samples)
+
+    def _add_prefix(self, prefix: str, seen: dict[str, _Rate], chosen: bool, prior: dict[str, float] | None,
+                    sets: dict[frozenset[str], dict[str, list[float]]], samples: dict[str, int],
+                    counted: set[str]) -> None:
+        """Add the rates ``seen`` of ``prefix`` (:func:`_comparisons`) to ``sets``, and each worker's timings
+        to ``samples`` once (``counted``: the workers of the prefix counted already; ``chosen``: the
+        prefixes were asked for; :meth:`_observed`)."""
+        n = len(seen)
+        duration = sum(r.seconds for r in seen.values()) / n
+        expected = {w: (prior or {}).get(w, 0.0) for w in seen}
+        expected_mean = sum(expected.values()) / n
+        expected = {w: e - expected_mean for w, e in expected.items()}
+        difference = self._difference(seen, expected) or self._faded(seen, expected, self.ran[prefix])
+        # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
+        age = 1.0 if chosen else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
+        weight = self.confidence_samples * duration * age  # (every worker seen ran it that often at least)
+        if not weight > 0:  # (underflow: ~34,000 timings since the prefix ran) it counts no more
+            return
+        sums = sets[frozenset(seen)]
+        for w, r in seen.items():
+            total = sums.setdefault(w, [0.0, 0.0])
+            total[0] += weight
+            # on the prior's scale: the workers that ran the prefix keep their prior mean
+            total[1] += weight * (expected_mean + difference[w])
+            if w not in counted:
+                samples[w] += r.count
+                counted.add(w)
 
     def _difference(self, seen: dict[str, _Rate], expected: dict[str, float]) -> dict[str, float] | None:
         """The workers' log speeds relative to their mean on one prefix, as its timings show them: the
