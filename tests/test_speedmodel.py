@@ -916,48 +916,6 @@ def test_steady_timings_that_contradict_the_calibration_replace_it():
     assert 2.5 < w["a"] / w["b"] < 3.5  # the observed rates decide
 
 
-def test_a_common_pause_compares_the_worker_that_ran_before_it_with_their_levels_before_it():
-    """``b`` and ``d`` pause together (two timings 100x slower, a change common to both) after ``c``'s latest
-    timing (``c``, three times slower, no longer runs the prefix): ``c`` is compared with their levels
-    before the pause, where it looked 33x faster than them; their third timing back at their level
-    restores the earlier timings, and with them the level's start and the level before it."""
-    m = SpeedModel(confidence_samples=3)
-    for _ in range(30):
-        for w, seconds in zip("cbd", (3.0, 1.0, 1.0)):
-            m.observe(w, "f", 100, seconds)
-    weights = []
-    for seconds in (100.0, 100.0, 1.0, 1.0, 1.0):
-        for w in "bd":
-            m.observe(w, "f", 100, seconds)
-        weights.append(m.weights("bcd")["c"])
-    assert weights == pytest.approx([1 / 7] * 5)  # (speeds 1/3, 1 and 1)
-    assert all(m.rates["f"][w].since == 0 and m.rates["f"][w].previous is None for w in "bd")
-
-
-def test_a_worker_left_out_of_a_prefix_s_new_work_is_not_compared_on_its_old_rate():
-    """One key prefix for two kinds of work (Dask names ``sin(y).sum(axis=1)`` and ``y.map_blocks(slow)
-    .sum(axis=1)`` alike): all three workers ran the fast one; the slow one (30x) ran on ``b`` and ``c``
-    only (restricted to them). Their rates changed together after ``a``'s latest timing: ``a``'s rate
-    says nothing of ``a`` against them, and the weights stay the calibration's, where ``a`` looked 30x
-    faster. Once ``a`` runs the new work beside them, it is compared again."""
-    m = SpeedModel(confidence_samples=3)
-    for w in "abc":
-        m.set_prior(w, {"compute": 1.0, "memory": 1.0})
-    rng = random.Random(5)
-    for _ in range(8):
-        for w in "abc":
-            m.observe(w, "sum-aggregate", 1e6, 0.01 * math.exp(rng.gauss(0, 0.05)))
-    for _ in range(6):
-        for w in "bc":
-            m.observe(w, "sum-aggregate", 1e6, 0.3 * math.exp(rng.gauss(0, 0.05)))
-    assert m.weights("abc") == pytest.approx(dict.fromkeys("abc", 1 / 3))
-    for _ in range(6):  # then all three run it, a twice as slow at it
-        for w, seconds in zip("abc", (0.6, 0.3, 0.3)):
-            m.observe(w, "sum-aggregate", 1e6, seconds * math.exp(rng.gauss(0, 0.05)))
-    weights = m.weights("abc")
-    assert 0.15 < weights["a"] < 0.3 and weights["b"] == pytest.approx(weights["c"], rel=0.1)  # (0.2: half as fast)
-
-
 def test_two_timings_each_show_no_noise_so_any_difference_counts():
     # noise is 0 while fewer than three timings are known: with confidence_samples=2 the workers'
     # differences count as they are, however far apart each worker's two timings were

@@ -18,9 +18,7 @@ RECENT[-1] at most: when the newest timings are back at that earlier level
 (:meth:`_Rate._back_before_change`), those timings count again, and the ones since the change are
 dropped (a worker paused for a task or two has its rate back within three timings; the change test would
 wait for as many timings at the new level as before it). For a prefix seen on several workers, each
-worker's rate relative to the geometric mean of the others is its observed relative speed, but for a
-rate timed before a change of rate common to the workers timed since (two or more, alike: the prefix's
-tasks may do other work now), which is compared with their rates before it (:func:`_comparisons`). Prefixes
+worker's rate relative to the geometric mean of the others is its observed relative speed. Prefixes
 count in proportion to the time their tasks take (a 300 ms GEMM says more about a worker than a 3 ms sum
 of partial results, which latency dominates), and that weight halves with every :data:`HALF_LIFE`
 timings taken since the prefix last ran: a finished computation's prefixes give way to the work running
@@ -101,40 +99,6 @@ def _missed(rate: _Rate, ran: int) -> float:
     return (ran - rate.at) * rate.count / max(1, rate.at - rate.first)
 
 
-def _comparisons(seen: dict[str, _Rate]) -> list[dict[str, _Rate]]:
-    """The sets of rates of one prefix (``seen``) to compare with each other: the workers' current rates,
-    but for a worker whose latest timing came before a change of rate common to the workers timed since:
-    two or more, each of whose rate changed after that timing, all in the same direction. The prefix's
-    tasks then do other work (Dask names ``sin(y).sum(axis=1)`` and ``y.map_blocks(slow).sum(axis=1)``
-    alike: a worker left out of the slow work would look fast against their new rates); that worker is
-    compared with the levels they had before their change (their ``previous``, where it began before its
-    latest timing), its speed against theirs then. One worker's change is taken for its own (a co-tenant
-    that came or went): the others are compared with its new rate. A worker new to the prefix since went
-    through no change (:func:`_missed` makes no worker stale for that)."""
-    current: dict[str, _Rate] = {}
-    out = []
-    for w, r in seen.items():
-        later = {v: x for v, x in seen.items() if x.latest > r.latest}
-        if len(later) < 2 or not _changed_alike(later.values(), r.latest):
-            current[w] = r
-            continue
-        then = {v: x.previous for v, x in later.items() if x.previous is not None and x.previous.since <= r.latest}
-        if then:
-            out.append({w: r, **then})
-    return [current, *out] if len(current) >= 2 else out
-
-
-def _changed_alike(rates: Iterable[_Rate], stamp: int) -> bool:
-    """Whether every one of ``rates`` changed level after the prefix's ``stamp``-th timing, all in the
-    same direction."""
-    signs = set()
-    for x in rates:
-        if x.since <= stamp or x.previous is None:
-            return False
-        signs.add(x.value > x.previous.value)
-    return len(signs) == 1
-
-
 def _fit_workers(entries: list[tuple[Hashable, str, float, float]], prior: dict[str, float]) -> dict[str, float]:
     """Each worker's log speed ``b[w]`` of the additive fit ``y = a[prefix] + b[worker]`` to the entries
     ``(prefix, worker, weight, y)`` (a prefix: any key), by weighted least squares: the prefixes' levels
@@ -197,17 +161,9 @@ class _Rate:
     at: int = 0
     returning: int = RECENT[0]  # timings since it came back, up to RECENT[0]
     first: int = 0  # the prefix's timings before this worker's first
-    latest: int = 0  # the prefix's timings before this worker's latest
-    # the prefix's timings before the first timing of this worker's current level, if it began with a change
-    # of rate (0: no change since its first timing)
-    since: int = 0
-    # the rate of the level before its current one (timings, value, noise, ``since`` and ``latest`` as they
-    # were then), kept until the next change: what the workers timed before the change compare with
-    previous: _Rate | None = None
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # their log rates
     times: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per unit
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # and seconds
-    stamps: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # the prefix's timings before each
     changes: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW - 1))  # |successive log rates|
     # standard deviation of one timing's log rate, from the median change between successive timings:
     # a step (a worker that slows down) is one large change, not noise; 0 while fewer than three are known
@@ -215,21 +171,18 @@ class _Rate:
     # the noise the evidence counts: the larger of ``steps`` and the relative spread of the winsorized times,
     # which a lasting mix of fast and slow timings widens where most successive changes are within one kind
     noise: float = 0.0
-    # after a change: the timings dropped (log rates, seconds and stamps), their noise (``steps``), their
-    # median, the median of the timings that made the change, and ``since`` and ``previous`` before it,
-    # while RECENT[-1] timings at most are kept since
-    before: tuple[list[float], list[float], list[int], float, float, float, int, _Rate | None] | None = None
+    # after a change: the timings dropped (log rates and seconds), their noise (``steps``), their median
+    # and the median of the timings that made the change, while RECENT[-1] timings at most are kept since
+    before: tuple[list[float], list[float], float, float, float] | None = None
 
-    def add(self, log_rate: float, seconds: float, first: int, stamp: int) -> None:
-        """Add one timing, taken after ``stamp`` timings of the prefix (all workers); once more than
-        ``first`` are known, drop the earlier timings when the last ones show that the rate changed."""
+    def add(self, log_rate: float, seconds: float, first: int) -> None:
+        """Add one timing; once more than ``first`` are known, drop the earlier timings when the last
+        ones show that the rate changed."""
         if self.recent:
             self.changes.append(abs(log_rate - self.recent[-1]))
         self.recent.append(log_rate)
         self.times.append(math.exp(-log_rate))
         self.durations.append(seconds)
-        self.stamps.append(stamp)
-        self.latest = stamp
         self.count += 1
         self.steps = self._steps()
         if self.count > first and not self._back_before_change():
@@ -268,22 +221,9 @@ class _Rate:
                 kept = k
                 while abs(values[n - kept] - last) > abs(values[n - kept] - last + gap):
                     kept -= 1
-                stamps = list(self.stamps)
-                self.before = (values[:n - kept], list(self.durations)[:n - kept], stamps[:n - kept], self.steps,
-                               last - gap, last, self.since, self.previous)
-                self.previous = self._level(n - kept)
-                self.since = stamps[n - kept]
-                self._keep([], [], [], kept)
+                self.before = (values[:n - kept], list(self.durations)[:n - kept], self.steps, last - gap, last)
+                self._keep([], [], kept)
                 return
-
-    def _level(self, n: int) -> _Rate:
-        """A rate of the first ``n`` timings kept only (the level before a change), as it was then."""
-        stamps = list(self.stamps)[:n]
-        level = _Rate(count=self.count, at=self.at, first=self.first, since=self.since, latest=stamps[-1])
-        level._keep(list(self.recent)[:n], list(self.durations)[:n], stamps, 0)
-        level._locate()
-        level.seconds = _median(level.durations)
-        return level
 
     def _back_before_change(self) -> bool:
         """Whether the last timings are back at the level before the last change, and if so, keep that
@@ -298,7 +238,7 @@ class _Rate:
         if len(self.recent) > RECENT[-1]:  # a level of its own, which the change test follows
             self.before = None
             return False
-        log_rates, durations, stamps, steps, level, changed, started, previous = self.before
+        log_rates, durations, steps, level, changed = self.before
         if abs(self.recent[-1] - level) >= abs(self.recent[-1] - changed):  # (this runs for every timing)
             return False
         k = RECENT[0]
@@ -314,19 +254,16 @@ class _Rate:
                 or abs(last - changed) <= CHANGE * MEDIAN_ERROR * self.steps * math.sqrt(1 / k + 1 / len(since))
                 or not _rare(since, recent, (level + changed) / 2, level > changed)):
             return False
-        self._keep(log_rates, durations, stamps, k)
-        self.since, self.previous = started, previous
+        self._keep(log_rates, durations, k)
         return True
 
-    def _keep(self, log_rates: list[float], durations: list[float], stamps: list[int], last: int) -> None:
-        """Keep ``log_rates`` (with their ``durations`` and ``stamps``) and the ``last`` timings only."""
-        start = len(self.recent) - last
-        values = [*log_rates, *list(self.recent)[start:]][-WINDOW:]
-        seconds = [*durations, *list(self.durations)[start:]][-WINDOW:]
+    def _keep(self, log_rates: list[float], durations: list[float], last: int) -> None:
+        """Keep ``log_rates`` (with their ``durations``) and the ``last`` timings only."""
+        values = [*log_rates, *list(self.recent)[-last:]][-WINDOW:]
+        seconds = [*durations, *list(self.durations)[-last:]][-WINDOW:]
         self.recent = deque(values, maxlen=WINDOW)
         self.times = deque((math.exp(-v) for v in values), maxlen=WINDOW)
         self.durations = deque(seconds, maxlen=WINDOW)
-        self.stamps = deque([*stamps, *list(self.stamps)[start:]][-WINDOW:], maxlen=WINDOW)
         self.changes = deque((abs(y - x) for x, y in pairwise(values)), maxlen=WINDOW - 1)
         if log_rates:
             self.before = None
@@ -402,7 +339,7 @@ class SpeedModel:
             mean = sum(others) / len(others) if others else log_rate
             if abs(log_rate - math.log(current.value)) <= abs(log_rate - mean):
                 current.returning = RECENT[0] - 1  # ... unless its timings agree with its rate
-        current.add(log_rate, seconds, self.confidence_samples, ran)
+        current.add(log_rate, seconds, self.confidence_samples)
         current.returning = min(current.returning + 1, RECENT[0])
         if current.returning == RECENT[0]:  # ... or RECENT[0] came, which can show a change
             current.at = ran + 1
@@ -424,40 +361,30 @@ class SpeedModel:
         asked = set(workers)
         for prefix in chosen:
             per_worker = self.rates[prefix]
-            counted: set[str] = set()
-            for seen in _comparisons({w: r for w, r in per_worker.items()
-                                      if w in asked and r.count >= self.confidence_samples}):
-                self._add_prefix(prefix, seen, prefixes is not None, prior, sets, samples, counted)
+            seen = {w: r for w, r in per_worker.items() if w in asked and r.count >= self.confidence_samples}
+            if len(seen) < 2:
+                continue
+            n = len(seen)
+            duration = sum(r.seconds for r in seen.values()) / n
+            expected = {w: (prior or {}).get(w, 0.0) for w in seen}
+            expected_mean = sum(expected.values()) / n
+            expected = {w: e - expected_mean for w, e in expected.items()}
+            difference = self._difference(seen, expected) or self._faded(seen, expected, self.ran[prefix])
+            # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
+            age = 1.0 if prefixes is not None else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
+            weight = self.confidence_samples * duration * age  # (every worker seen ran it that often at least)
+            if not weight > 0:  # (underflow: ~34,000 timings since the prefix ran) it counts no more
+                continue
+            sums = sets[frozenset(seen)]
+            for w, r in seen.items():
+                total = sums.setdefault(w, [0.0, 0.0])
+                total[0] += weight
+                # on the prior's scale: the workers that ran the prefix keep their prior mean
+                total[1] += weight * (expected_mean + difference[w])
+                samples[w] += r.count
         fitted = _fit_workers([(key, w, wt, y / wt) for key, sums in sets.items() for w, (wt, y) in sums.items()],
                               prior or {})
         return {w: math.exp(v) for w, v in fitted.items()}, dict(samples)
-
-    def _add_prefix(self, prefix: str, seen: dict[str, _Rate], chosen: bool, prior: dict[str, float] | None,
-                    sets: dict[frozenset[str], dict[str, list[float]]], samples: dict[str, int],
-                    counted: set[str]) -> None:
-        """Add the rates ``seen`` of ``prefix`` (:func:`_comparisons`) to ``sets``, and each worker's timings
-        to ``samples`` once (``counted``: the workers of the prefix counted already; ``chosen``: the
-        prefixes were asked for; :meth:`_observed`)."""
-        n = len(seen)
-        duration = sum(r.seconds for r in seen.values()) / n
-        expected = {w: (prior or {}).get(w, 0.0) for w in seen}
-        expected_mean = sum(expected.values()) / n
-        expected = {w: e - expected_mean for w, e in expected.items()}
-        difference = self._difference(seen, expected) or self._faded(seen, expected, self.ran[prefix])
-        # (asked for chosen prefixes, each counts as it is: a lone prefix's age would only scale it)
-        age = 1.0 if chosen else 0.5 ** ((self.clock - self.last_seen[prefix]) / HALF_LIFE)
-        weight = self.confidence_samples * duration * age  # (every worker seen ran it that often at least)
-        if not weight > 0:  # (underflow: ~34,000 timings since the prefix ran) it counts no more
-            return
-        sums = sets[frozenset(seen)]
-        for w, r in seen.items():
-            total = sums.setdefault(w, [0.0, 0.0])
-            total[0] += weight
-            # on the prior's scale: the workers that ran the prefix keep their prior mean
-            total[1] += weight * (expected_mean + difference[w])
-            if w not in counted:
-                samples[w] += r.count
-                counted.add(w)
 
     def _difference(self, seen: dict[str, _Rate], expected: dict[str, float]) -> dict[str, float] | None:
         """The workers' log speeds relative to their mean on one prefix, as its timings show them: the
