@@ -12,8 +12,8 @@ import click
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
-from dask_octopus.bench.protocol import protocol_of, protocol_option
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.cli import console as make_console
 from dask_octopus.cli import profile_table
 
@@ -21,9 +21,10 @@ from dask_octopus.cli import profile_table
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster")
-@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 @protocol_option
 def main(kind: str, devs: str | None, out: str, protocol: str) -> None:
+    check_cluster(kind, protocol)
     gpu = kind == "gpu"
     console = make_console()
     record: dict = {}

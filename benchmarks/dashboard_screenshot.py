@@ -30,7 +30,7 @@ from distributed import Client, wait
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
-from dask_octopus.bench.protocol import protocol_option
+from dask_octopus.bench.protocol import check_cluster, protocol_option
 from dask_octopus.bench.workloads import array_module, block_gram, random_matrix
 from dask_octopus.cli import console as make_console
 
@@ -61,9 +61,13 @@ def rounds(client: Client, stop: threading.Event, rows: int, cols: int, width: i
     """Re-balance and run ``passes`` passes until ``stop`` is set; return the errors met (none expected)."""
     errors: list[BaseException] = []
     xp = array_module(gpu)
-    x = client.persist(random_matrix(rows, cols, chunks=(rows // 4, cols), gpu=gpu))
-    w = client.persist(da.ones((cols, width), dtype=np.float32, chunks=(cols, width)).map_blocks(xp.asarray))
-    wait([x, w])
+    try:
+        x = client.persist(random_matrix(rows, cols, chunks=(rows // 4, cols), gpu=gpu))
+        w = client.persist(da.ones((cols, width), dtype=np.float32, chunks=(cols, width)).map_blocks(xp.asarray))
+        wait([x, w])
+    except Exception as e:  # reported by the caller, as those of the rounds
+        stop.set()
+        return [e]
     n = 0
     while not stop.is_set():
         try:
@@ -83,19 +87,20 @@ def rounds(client: Client, stop: threading.Event, rows: int, cols: int, width: i
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
               help="cpu: two pinned CPU workers; gpu: LocalCUDACluster")
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster (default: all)")
-@click.option("--rows", type=click.IntRange(min=1), default=None,
-              help="rows of the matrix [default: 200000 cpu, 1000000 gpu]")
+@click.option("--rows", type=click.IntRange(min=4), default=None,
+              help="rows of the matrix, in 4 blocks [default: 200000 cpu, 1000000 gpu]")
 @click.option("--cols", type=click.IntRange(min=1), default=None, help="columns [default: 256 cpu, 2048 gpu]")
 @click.option("--width", type=click.IntRange(min=1), default=None, help="subspace width [default: 128 cpu, 2048 gpu]")
 @click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="passes per balanced round")
-@click.option("--seconds", type=float, default=40.0, show_default=True,
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True, max=86400), default=40.0, show_default=True,
               help="how long the rounds run before the screenshot")
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="slow the first worker down")
 @click.option("--png", default=None, help="the screenshot [default: dashboard-TYPE.png]")
 @click.option("--no-png", "skip_png", is_flag=True, help="save no screenshot (e.g. no browser on this machine)")
 @click.option("--html", default=None, help="also save the page's HTML here (renders offline)")
 @click.option("--metrics", default=None, help="also save the dask_octopus_* lines of /metrics here")
-@click.option("--from-html", default=None, help="screenshot this saved page; no cluster")
+@click.option("--from-html", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="screenshot this saved page; no cluster")
 @click.option("--window", default="1400,1320", show_default=True, help="browser window, WIDTH,HEIGHT")
 @click.option("--chromium", default=shutil.which("chromium") or "chromium", show_default=True)
 @protocol_option
@@ -104,11 +109,15 @@ def main(kind: str, devs: str | None, rows: int | None, cols: int | None, width:
          from_html: str | None, window: str, chromium: str, protocol: str) -> None:
     console = make_console()
     png = None if skip_png else png or f"dashboard-{kind}.png"
+    if png and not shutil.which(chromium):  # (before the run, which would end in a FileNotFoundError)
+        raise click.UsageError(f"--png needs Chromium, and {chromium!r} is not found: give --chromium PATH, or "
+                               "--no-png")
     if from_html:
         if png:
             screenshot("file://" + os.path.abspath(from_html), png, window, chromium)
             console.print(f"wrote {png} from {from_html}")
         return
+    check_cluster(kind, protocol)
     gpu = kind == "gpu"
     d_rows, d_cols, d_width = DEFAULTS[kind]
     with local_cluster(gpu, devs, protocol=protocol) as client:

@@ -28,8 +28,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
-from dask_octopus.bench.protocol import protocol_of, protocol_option
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.bench.runner import interleave
 from dask_octopus.cli import console as make_console
 
@@ -74,11 +74,12 @@ def run_local_cupy(address: str, protocol: str, operation: str, size: int, chunk
 @click.option("--rounds-per-cluster", type=click.IntRange(min=1), default=2, show_default=True,
               help="rounds on one cluster before a fresh one starts (many local_cupy calls on one shared GPU "
                    "run it out of memory)")
-@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 @protocol_option
 def main(devs: str, operations: str, size: int, chunk_size: int, runs: int, rounds: int, rounds_per_cluster: int,
          out: str, protocol: str) -> None:
     """Alternate plugin off and on around ``local_cupy.py`` and report the medians."""
+    check_cluster("gpu", protocol, asked="GPU workers (dask-cuda) only")
     console = make_console()
     path = os.path.join(out, "dask-cuda-local-cupy-overhead.json")
     record: dict | None = None

@@ -23,8 +23,8 @@ from distributed import Client, wait
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
-from dask_octopus.bench.protocol import protocol_of, protocol_option
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.bench.runner import interleave, settle, timed
 from dask_octopus.bench.workloads import random_matrix
 from dask_octopus.cli import console as make_console
@@ -82,10 +82,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
 @protocol_option
 @click.option("--cotenant-procs", type=click.IntRange(min=1), default=2, show_default=True,
               help="co-tenants on the first worker's GPU")
-@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 def main(rows: int, cols: int, chunk_rows: int, passes: int, warmup_passes: int, runs: int, devs: str,
          protocol: str, cotenant_procs: int, out: str) -> None:
     """Time the variants and write fft-filter-gpu.json."""
+    check_cluster("gpu", protocol, asked="GPU workers (dask-cuda) only")
     console = make_console()
     variants = ["defaults", "balance", "balance-1"]
     config = {"rows": rows, "cols": cols, "chunk_rows": chunk_rows, "passes": passes,

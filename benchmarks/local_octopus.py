@@ -48,8 +48,8 @@ from dask_octopus.bench.experiment import (
 )
 from dask_octopus.bench.images import measure_scenario
 from dask_octopus.bench.operations import OPERATIONS, calibrated_ideal
-from dask_octopus.bench.protocol import protocol_of, protocol_option
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.bench.timeline import bar_chart, plot_timelines
 from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
@@ -226,7 +226,8 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
               help="images: repeat each mix")
 @click.option("--compare", "compare_to", default=None, type=click.Path(exists=True, dir_okay=False),
               help="an earlier JSON of this suite: print the change")
-@click.option("--out", default="benchmark-results", show_default=True, help="folder for JSON and PNGs")
+@click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True,
+              help="folder for JSON and PNGs")
 @click.option("--tag", default="suite", show_default=True, help="name prefix of the output files")
 def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int,
          chunk_size: int | None, passes: int, runs: int, warmup_runs: int, devs: str | None, n_workers: int,
@@ -234,6 +235,7 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
          cotenant: str, cotenant_procs: int, image_scale: float | None, image_repeat: int, compare_to: str | None,
          out: str, tag: str) -> None:
     """Run the operations' variants and report."""
+    check_cluster(kind, protocol)
     console = make_console()
     gpu = kind == "gpu"
     ops = [o for o in operations.split(",") if o]
@@ -249,7 +251,6 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
     image_names = ["one-task-each", "equal-batches", "loop"] + (
         ["octopus", "octopus-gather", "octopus-gather-host"] if octopus != "off" else [])
     load = CoTenant.from_option(cotenant, gpu, cotenant_procs)
-    os.makedirs(out, exist_ok=True)
     targets = [target for _, target in load.targets]
     stem = os.path.join(out, f"{tag}-{kind}-{'cotenant' if targets else 'even'}")
     config = {"operations": ops, "type": kind, "size": size, "cols": cols, "square_size": square_size,

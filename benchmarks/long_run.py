@@ -19,8 +19,8 @@ from distributed import Client
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
-from dask_octopus.bench.protocol import protocol_of, protocol_option
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.bench.workloads import array_module
 from dask_octopus.cli import console as make_console
 
@@ -69,10 +69,11 @@ def loop(client: Client, n: int, gpu: bool) -> list[dict[str, Any]]:
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--n", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--devs", default=None)
-@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 @protocol_option
 def main(kind: str, n: int, devs: str | None, out: str, protocol: str) -> None:
     """Run the long loop on a local cluster and write the samples."""
+    check_cluster(kind, protocol)
     console = make_console()
     gpu = kind == "gpu"
     with local_cluster(gpu, devs, protocol=protocol) as client:

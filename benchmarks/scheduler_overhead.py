@@ -22,7 +22,7 @@ from distributed import Client, LocalCluster
 
 import dask_octopus
 from dask_octopus.bench.protocol import protocol_of
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.cli import console as make_console
 
@@ -48,7 +48,7 @@ def _cluster(variant: str, stack: contextlib.ExitStack) -> Client:
 @click.option("--blocks", type=click.IntRange(min=1), default=50_000, show_default=True,
               help="tiny blocks per compute (each mapped, then summed 16 at a time)")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--out", default=None, help="folder for the JSON")
+@click.option("--out", type=OutFolder(), default=None, help="folder for the JSON")
 def main(blocks: int, runs: int, out: str | None) -> None:
     console = make_console()
     x = (da.ones(blocks, chunks=1) + 1).sum(split_every=16)

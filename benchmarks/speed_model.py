@@ -23,7 +23,7 @@ from collections.abc import Callable
 import click
 from rich.table import Table
 
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.cli import console as make_console
 from dask_octopus.profiling.speedmodel import SpeedModel
 
@@ -157,7 +157,7 @@ def lags(name: str, seeds: int, after: int = 60) -> list[int]:
 @click.command()
 @click.option("--seeds", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--timings", type=click.IntRange(min=10), default=200, show_default=True, help="per worker and scenario")
-@click.option("--out", default=None, help="folder for the JSON")
+@click.option("--out", type=OutFolder(), default=None, help="folder for the JSON")
 def main(seeds: int, timings: int, out: str | None) -> None:
     """The speed model's weights against the truth over simulated timings: a table of each scenario's
     mean error, each step's timings to follow, and with --out a JSON record."""

@@ -50,8 +50,8 @@ from distributed import Client, wait
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
-from dask_octopus.bench.protocol import protocol_of, protocol_option
-from dask_octopus.bench.record import header, write_json
+from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
+from dask_octopus.bench.record import OutFolder, header, write_json
 from dask_octopus.bench.runner import interleave, settle, timed
 from dask_octopus.bench.small_tasks import run_small_tasks
 from dask_octopus.bench.workloads import (
@@ -397,12 +397,13 @@ def op_mixed(runs: int) -> dict[str, Any]:
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True,
               help="untimed runs of each variant first (chain-sum: its own warm-ups, always)")
-@click.option("--out", default="benchmark-results", show_default=True)
+@click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 @click.option("--tag", default="stream-groups", show_default=True)
 @protocol_option
 def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: float | None, sets: int,
          side: int | None, runs: int, warmup_runs: int, out: str, tag: str, protocol: str) -> None:
     """Run the operations and write one JSON file."""
+    check_cluster(kind, protocol)
     console = make_console()
     gpu = kind == "gpu"
     scale = scale if scale is not None else 1.0 if gpu else 0.1
@@ -415,7 +416,6 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
         raise click.BadParameter(f"unknown operations {sorted(unknown)}", param_hint="--operations")
     if "mixed" in ops and not gpu:
         raise click.BadParameter("mixed needs --type gpu (it measures CUDA streams)", param_hint="--operations")
-    os.makedirs(out, exist_ok=True)
     with local_cluster(gpu, devs if gpu else None, n_workers=1, protocol=protocol) as client:
         record = header(gpu, protocol_of(client), operations={})
         dask_octopus.register(client)

@@ -23,6 +23,24 @@ OPS = ["matmul_iterate", "dot", "transpose_sum", "map_overlap", "images"]
 VARIANTS = ["defaults", "over-4", "balance", "balance-4", "streams", "balance-4-streams"]  # all but over-16
 
 
+@pytest.mark.parametrize("script", ["calibration", "dask_cuda_overhead", "fft_filter", "fragment_phases",
+                                    "local_octopus", "long_run", "stream_groups"])
+def test_each_benchmark_says_what_this_machine_cannot_start_before_starting(script, tmp_path, monkeypatch):
+    """GPU workers without a GPU, UCX on CPU workers and an --out that cannot be a folder are usage errors
+    (exit code 2, one line) before any cluster starts; they were tracebacks, some after the whole run."""
+    main = load_script(f"benchmarks/{script}.py").main
+    monkeypatch.setattr(protocol, "gpu_count", lambda: 0)
+    gpu_only = script in ("dask_cuda_overhead", "fft_filter")
+    result = CliRunner().invoke(main, [] if gpu_only else ["--type", "gpu"])
+    assert result.exit_code == 2 and "CuPy sees no GPU on this machine" in result.output, result.output
+    if not gpu_only:
+        result = CliRunner().invoke(main, ["--protocol", "ucx"])
+        assert result.exit_code == 2 and "protocol ucx needs GPU workers" in result.output, result.output
+    (tmp_path / "a-file").write_text("")
+    result = CliRunner().invoke(main, ["--out", str(tmp_path / "a-file")])
+    assert result.exit_code == 2 and "cannot make the folder" in result.output, result.output
+
+
 def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
     result = CliRunner().invoke(local_octopus.main, [
         "--type", "cpu", "--operation", ",".join(OPS), "--size", "2000", "--cols", "32", "--width", "8",
@@ -224,7 +242,7 @@ def test_ucx_on_cpu_workers_fails_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="protocol ucx needs GPU workers"), local_cluster(False, protocol="ucx"):
         pass
     result = CliRunner().invoke(local_octopus.main, ["--type", "cpu", "--protocol", "ucx", "--out", str(tmp_path)])
-    assert result.exit_code != 0 and "protocol ucx needs GPU workers" in str(result.exception)
+    assert result.exit_code == 2 and "protocol ucx needs GPU workers" in result.output  # a usage error
     assert not list(tmp_path.iterdir())  # no record of a run that did not happen
 
 
@@ -329,6 +347,7 @@ def test_overhead_benchmark_starts_fresh_clusters_warms_them_and_alternates(tmp_
     monkeypatch.setattr(overhead, "protocol_of", lambda client: "tcp")
     monkeypatch.setattr(overhead, "run_local_cupy", local_cupy)
     monkeypatch.setattr(overhead, "set_plugin", lambda client, on: None)
+    monkeypatch.setattr(overhead, "check_cluster", lambda *args, **kwargs: None)  # (no GPU: stand-ins instead)
     real_header = overhead.header
     monkeypatch.setattr(overhead, "header", lambda gpu, protocol, **fields: real_header(False, protocol, **fields))
     result = CliRunner().invoke(overhead.main, ["--devs", "0,0", "--operations", "dot", "--runs", "2", "--rounds",

@@ -1,4 +1,5 @@
-"""The protocol the local clusters of the demo and the benchmarks talk over, and their ``--protocol``.
+"""The protocol the local clusters of the demo and the benchmarks talk over, their ``--protocol``, and
+the check that this machine can start the cluster asked for.
 
 ``tcp`` everywhere; ``ucx`` (UCX through distributed-ucxx: NVLink between the GPUs of one machine)
 for dask-cuda clusters only; ``auto`` is UCX where distributed-ucxx imports and the cluster has two
@@ -15,6 +16,8 @@ from typing import TypeVar
 import click
 from distributed import Client
 from distributed.comm import parse_address
+
+from dask_octopus.profiling.probes import gpu_count
 
 PROTOCOLS = ("auto", "tcp", "ucx")
 F = TypeVar("F", bound=Callable)
@@ -49,6 +52,19 @@ def resolve_protocol(protocol: str, gpus: int) -> str:
         raise ValueError("protocol ucx needs distributed-ucxx (pip install distributed-ucxx-cu13, or -cu12 for "
                          "CUDA 12), which does not import here")
     return protocol
+
+
+def check_cluster(kind: str, protocol: str, asked: str = "--type gpu") -> None:
+    """Raise a ``click.UsageError`` where this machine cannot start the local cluster a benchmark is asked
+    for: GPU workers (``kind="gpu"``, ``asked`` so: what the error names) without a GPU, ``--protocol ucx``
+    on CPU workers or without distributed-ucxx (:func:`resolve_protocol`), before anything starts."""
+    gpus = gpu_count() if kind == "gpu" else 0
+    if kind == "gpu" and gpus == 0:
+        raise click.UsageError(f"{asked}: CuPy sees no GPU on this machine")
+    try:
+        resolve_protocol(protocol, gpus)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def protocol_of(client: Client) -> str:
