@@ -280,6 +280,8 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
             compare(console, json.load(f), record)
     differ = [f"{op}: {name}" for op, r in record["operations"].items()
               for name, v in (r.get("variants") or {}).items() if v.get("same_values_as_reference") is False]
+    differ += [f"images {scenario}: {name}" for scenario, r in record["operations"].get("images", {}).get(
+        "scenarios", {}).items() for name, same in r["same_values_as_reference"].items() if not same]
     if differ:  # (after the JSON: it holds each variant's checksums)
         raise click.ClickException(f"results differ from the first variant's: {', '.join(differ)}")
 

@@ -109,7 +109,8 @@ def op_chain_sum(client: Client, gpu: bool, runs: int) -> dict[str, Any]:
     shape = (256, 384) if gpu else (64, 96)
     timings = run_small_tasks(client, gpu=gpu, blocks=1024, shape=shape, runs=runs, group=None)
     return {"config": {"blocks": 1024, "block": list(shape)},
-            "variants": {t.label: {"how": t.how, "seconds": t.seconds, "median": t.median()} for t in timings},
+            "variants": {t.label: {"how": t.how, "seconds": t.seconds, "median": t.median(), "value": t.value,
+                                   "same_values_as_reference": t.same} for t in timings},
             "worker_capture": worker_capture(client)}
 
 

@@ -16,7 +16,6 @@ worker, the total shared by the workers in proportion to their speed.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -25,6 +24,7 @@ import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster
 from dask_octopus.bench.images import VARIANTS, measure_scenario
+from dask_octopus.bench.record import write_json
 from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
 from dask_octopus.profiling.probes import gpu_count
@@ -69,10 +69,7 @@ def main(kind: str, scenarios: str, scale: float | None, repeat: int, runs: int,
         dask_octopus.register(client)
         for scenario in scenarios.split(","):
             items = specs(scenario, scale, repeat)
-            try:
-                record[scenario], _ = measure_scenario(client, items, names, runs)
-            except AssertionError as e:
-                raise AssertionError(f"{e} on {scenario}") from e
+            record[scenario], _ = measure_scenario(client, items, names, runs)
             med = record[scenario]["median_seconds"]
             line = ", ".join(f"{v} {med[v] * 1e3:.0f} ms" for v in names)
             lead = next((v for v in ("octopus-gather", "octopus") if v in names), names[0])
@@ -81,8 +78,11 @@ def main(kind: str, scenarios: str, scale: float | None, repeat: int, runs: int,
                           f"{record[scenario]['ideal_seconds'] * 1e3:.0f} ms; {lead} {speedups}")
         record["weights"] = dask_octopus.speeds(client)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(json_out, record)
+    differ = [f"{variant} on {scenario}" for scenario in scenarios.split(",")
+              for variant, same in record[scenario]["same_values_as_reference"].items() if not same]
+    if differ:  # (after the JSON: it holds what each variant measured)
+        raise click.ClickException(f"histograms differ from the first variant's: {', '.join(differ)}")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,38 @@ def test_stream_groups_benchmark_cpu_smoke(tmp_path):
     assert bad.exit_code == 2 and "mixed needs --type gpu" in bad.output
 
 
+def test_the_chain_sum_and_the_images_that_differ_fail_after_writing_their_json(tmp_path, monkeypatch):
+    """A chain-sum way whose sum differs from the loop's, and an image variant whose histograms differ
+    from the first's: the run writes its JSON (what each measured), then fails naming them. They raised
+    an AssertionError mid-run, losing the JSON (and the other operations' results)."""
+    from dask_octopus.bench import images, small_tasks
+
+    loop = small_tasks._loop
+    monkeypatch.setattr(small_tasks, "_loop", lambda blocks, xp: 2 * loop(blocks, xp))  # the loop is off
+    result = CliRunner().invoke(stream_groups.main, [
+        "--type", "cpu", "--operations", "chain-sum", "--runs", "1", "--out", str(tmp_path), "--tag", "cs"])
+    assert result.exit_code == 1 and "results differ from the reference: chain-sum: Dask, unannotated" \
+        in result.output, result.output
+    record = json.loads((tmp_path / "cs-cpu.json").read_text())["operations"]["chain-sum"]["variants"]
+    assert record["plain loop in the client"]["same_values_as_reference"] is True
+    assert record["annotated, repeated"]["same_values_as_reference"] is False
+    run_variant = images.run_variant
+
+    def first_off_by_one(client, v, items, workers):  # the first variant's histograms all one more
+        futures = run_variant(client, v, items, workers)
+        return [client.submit(lambda r: r + 1, f) for f in futures] if v == "one-task-each" else futures
+
+    monkeypatch.setattr(images, "run_variant", first_off_by_one)
+    result = CliRunner().invoke(local_octopus.main, [
+        "--type", "cpu", "--operation", "images", "--octopus", "off", "--runs", "1", "--warmup-runs", "0",
+        "--image-scale", "0.02", "--image-repeat", "1", "--out", str(tmp_path), "--tag", "im"])
+    assert result.exit_code == 1 and "results differ from the first variant's: images " in result.output, \
+        result.output
+    scenarios = json.loads((tmp_path / "im-cpu-even.json").read_text())["operations"]["images"]["scenarios"]
+    assert all(r["same_values_as_reference"] == {"one-task-each": True, "equal-batches": False, "loop": False}
+               for r in scenarios.values())
+
+
 def test_stream_groups_benchmark_fails_where_a_variant_differs_from_the_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(stream_groups, "same", lambda a, b: a is b)  # every variant but the reference differs
     result = CliRunner().invoke(stream_groups.main, [

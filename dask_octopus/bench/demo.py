@@ -24,7 +24,7 @@ from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import Variant, ideal_seconds, local_cluster, run_variants, slowest_target
 from dask_octopus.bench.protocol import resolve_protocol
 from dask_octopus.bench.record import hardware
-from dask_octopus.bench.small_tasks import Timing, run_small_tasks
+from dask_octopus.bench.small_tasks import Timing, differing, run_small_tasks
 from dask_octopus.bench.timeline import bar_chart, plot_timelines
 from dask_octopus.bench.workloads import workers_info
 
@@ -165,6 +165,9 @@ def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int | None, ou
                     "seconds (log scale)", log=True,
                     title=f"{blocks} blocks of {shape[0]}x{shape[1]}, chain and sum, one {device} worker")
     console.print(f"chart written to {png}")
+    wrong = differing(timings)
+    if wrong:  # (after the table and the chart, which show what each way took)
+        raise RuntimeError(f"the small tasks' results differ: {wrong}")
     return {"seconds": {t.label: t.seconds for t in timings}, "png": png}
 
 
