@@ -162,6 +162,19 @@ def run_images(client: Client, names: list[str], scale: float, repeat: int, runs
     return out
 
 
+def _earlier_record(path: str) -> dict[str, Any]:
+    """The suite's record at ``path`` (``--compare``), read before the run: one that is not such a record is
+    a usage error then, not a traceback after the run."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise click.BadParameter(f"cannot read {path!r} as JSON: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("operations"), dict):
+        raise click.BadParameter(f"{path!r} is not a record of this suite (no 'operations')")
+    return record
+
+
 def compare(console: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
     """Print the change of each median against an earlier record."""
     table = Table(title=f"change against {old.get('date', '?')} ({old.get('command', '')[:60]})")
@@ -188,7 +201,11 @@ def compare(console: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
 def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
             scheduler_address: str | None) -> Iterator[Client]:
     if scheduler_address:
-        with Client(scheduler_address) as client:
+        try:
+            client = Client(scheduler_address)
+        except OSError as e:  # (distributed's timeout is an OSError)
+            raise click.ClickException(f"no scheduler reachable at {scheduler_address}: {e}") from None
+        with client:
             yield client
     else:
         with local_cluster(gpu, devs, n_workers, protocol) as client:
@@ -225,6 +242,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
 @click.option("--image-repeat", type=click.IntRange(min=1), default=4, show_default=True,
               help="images: repeat each mix")
 @click.option("--compare", "compare_to", default=None, type=click.Path(exists=True, dir_okay=False),
+              callback=lambda ctx, param, value: value and _earlier_record(value),
               help="an earlier JSON of this suite: print the change")
 @click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True,
               help="folder for JSON and PNGs")
@@ -232,7 +250,8 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
 def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int,
          chunk_size: int | None, passes: int, runs: int, warmup_runs: int, devs: str | None, n_workers: int,
          protocol: str, scheduler_address: str | None, octopus: str, variants: str | None,
-         cotenant: str, cotenant_procs: int, image_scale: float | None, image_repeat: int, compare_to: str | None,
+         cotenant: str, cotenant_procs: int, image_scale: float | None, image_repeat: int,
+         compare_to: dict[str, Any] | None,
          out: str, tag: str) -> None:
     """Run the operations' variants and report."""
     check_cluster(kind, protocol)
@@ -276,8 +295,7 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
         record["weights_after"] = dask_octopus.speeds(client)
     console.print(f"wrote {write_json(stem + '.json', record)} and PNGs")
     if compare_to:
-        with open(compare_to) as f:
-            compare(console, json.load(f), record)
+        compare(console, compare_to, record)
     differ = [f"{op}: {name}" for op, r in record["operations"].items()
               for name, v in (r.get("variants") or {}).items() if v.get("same_values_as_reference") is False]
     differ += [f"images {scenario}: {name}" for scenario, r in record["operations"].get("images", {}).get(

@@ -146,6 +146,22 @@ def test_stream_groups_benchmark_cpu_smoke(tmp_path):
     assert bad.exit_code == 2 and "mixed needs --type gpu" in bad.output
 
 
+def test_the_suite_refuses_an_unreadable_earlier_record_and_an_unreachable_scheduler_in_one_line(tmp_path):
+    """``--compare`` of a file that is not a record of this suite is a usage error before the run (it was a
+    traceback after it); ``--scheduler-address`` where nothing answers, one line (it was a traceback)."""
+    import dask
+
+    args = ["--type", "cpu", "--operation", "dot", "--size", "200", "--runs", "1", "--out", str(tmp_path)]
+    for content, message in (("[1, 2]", "is not a record of this suite"), ("nope", "cannot read")):
+        (tmp_path / "earlier.json").write_text(content)
+        result = CliRunner().invoke(local_octopus.main, [*args, "--compare", str(tmp_path / "earlier.json")])
+        assert result.exit_code == 2 and message in result.output, result.output
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        result = CliRunner().invoke(local_octopus.main, [*args, "--scheduler-address", "tcp://127.0.0.1:1"])
+    assert result.exit_code == 1 and result.output.startswith(
+        "Error: no scheduler reachable at tcp://127.0.0.1:1: ") and result.output.count("\n") == 1, result.output
+
+
 def test_the_chain_sum_and_the_images_that_differ_fail_after_writing_their_json(tmp_path, monkeypatch):
     """A chain-sum way whose sum differs from the loop's, and an image variant whose histograms differ
     from the first's: the run writes its JSON (what each measured), then fails naming them. They raised
