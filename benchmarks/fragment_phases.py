@@ -36,11 +36,12 @@ paid with or without dask-octopus: the floor a compute of this shape cannot go u
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -96,9 +97,11 @@ def forget_fragments(client: Client, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
+@contextlib.contextmanager
+def instrumented(scheduler: Scheduler, events: dict[str, float]) -> Iterator[None]:
     """Record, in ``events``, when ``scheduler``'s ``update_graph`` starts and ends and when the optimizer
-    of ``annotate`` starts, hands over to Dask's optimizer and back, and ends (the scheduler runs here)."""
+    of ``annotate`` starts, hands over to Dask's optimizer and back, and ends (the scheduler runs here);
+    both put back as they were on the way out (the next workload's timings would nest in these)."""
     update_graph = scheduler.stream_handlers["update-graph"]
 
     @functools.wraps(update_graph)
@@ -129,6 +132,11 @@ def instrument(scheduler: Scheduler, events: dict[str, float]) -> None:
 
     scheduler.stream_handlers["update-graph"] = timed_update_graph
     marks.GroupingOptimizer.__call__ = timed_call
+    try:
+        yield
+    finally:
+        scheduler.stream_handlers["update-graph"] = update_graph
+        marks.GroupingOptimizer.__call__ = call
 
 
 def chain_sum_builder(client: Client, gpu: bool) -> Callable[[str], Any]:
@@ -153,31 +161,37 @@ def phases(client: Client, build: Callable[[str], Any], runs: int, same_keys: bo
         client.compute(build("phases" if same_keys else "warm-up")).result()
     events: dict[str, float] = {}
     scheduler = client.cluster.scheduler  # in this process: its handlers and plugins are these objects
-    instrument(scheduler, events)
     stamps = Stamps()
     scheduler.add_plugin(stamps, name="octopus-phases")
-    out = []
-    for run in range(runs):
-        if same_keys:
-            forget_fragments(client)
-        events.clear()
-        stamps.compute.clear()
-        t0 = time.time()
-        with dask_octopus.annotate():
-            y = build("phases" if same_keys else f"phases-{run}")
-            built = time.time()
-            future = client.compute(y)
-        future.result()
-        done = time.time()
-        if not stamps.compute:
-            raise RuntimeError("no fragment task ran: the annotated compute was not made into a fragment")
-        start, stop = min(s for s, _ in stamps.compute), max(s for _, s in stamps.compute)
-        e = events
-        spans = [built - t0, e["update_graph>"] - built, e["optimize>"] - e["update_graph>"], e["dask<"] - e["dask>"],
-                 (e["dask>"] - e["optimize>"]) + (e["optimize<"] - e["dask<"]), e["update_graph<"] - e["optimize<"],
-                 start - e["update_graph<"], stop - start, done - stop]
-        out.append(dict(zip(PHASES, spans, strict=True)) | {"total": done - t0})
-    return out
+    try:
+        with instrumented(scheduler, events):
+            return [_timed_run(client, build, run, same_keys, events, stamps) for run in range(runs)]
+    finally:
+        scheduler.remove_plugin(name="octopus-phases")
+
+
+def _timed_run(client: Client, build: Callable[[str], Any], run: int, same_keys: bool, events: dict[str, float],
+               stamps: Stamps) -> dict[str, float]:
+    """The phases of one annotated compute (:func:`phases`)."""
+    if same_keys:
+        forget_fragments(client)
+    events.clear()
+    stamps.compute.clear()
+    t0 = time.time()
+    with dask_octopus.annotate():
+        y = build("phases" if same_keys else f"phases-{run}")
+        built = time.time()
+        future = client.compute(y)
+    future.result()
+    done = time.time()
+    if not stamps.compute:
+        raise RuntimeError("no fragment task ran: the annotated compute was not made into a fragment")
+    start, stop = min(s for s, _ in stamps.compute), max(s for _, s in stamps.compute)
+    e = events
+    spans = [built - t0, e["update_graph>"] - built, e["optimize>"] - e["update_graph>"], e["dask<"] - e["dask>"],
+             (e["dask>"] - e["optimize>"]) + (e["optimize<"] - e["dask<"]), e["update_graph<"] - e["optimize<"],
+             start - e["update_graph<"], stop - start, done - stop]
+    return dict(zip(PHASES, spans, strict=True)) | {"total": done - t0}
 
 
 @click.command()
