@@ -24,10 +24,10 @@ import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster
 from dask_octopus.bench.images import VARIANTS, measure_scenario
+from dask_octopus.bench.protocol import check_cluster
 from dask_octopus.bench.record import write_json
 from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
-from dask_octopus.profiling.probes import gpu_count
 
 
 def names_of(choices: Any) -> Any:
@@ -57,8 +57,7 @@ def main(kind: str, scenarios: str, scale: float | None, repeat: int, runs: int,
          variants: str, json_out: str | None) -> None:
     """Time each variant on each size mix; check that all variants give the same histograms."""
     gpu = kind == "gpu"
-    if gpu and gpu_count() == 0:
-        raise click.UsageError("--type gpu: CuPy sees no GPU on this machine")
+    check_cluster(kind, "tcp")
     scale = scale if scale is not None else 1.0 if gpu else 0.05  # (4K frames in NumPy take minutes each mix)
     console = make_console()
     load = CoTenant.from_option(cotenant, gpu)
