@@ -947,6 +947,24 @@ async def test_a_worker_whose_calibration_hangs_holds_register_no_longer_than_th
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_the_calls_that_ask_the_scheduler_run_no_function_there(c, s, a, b):
+    """``speeds``, ``profiles``, ``balance`` and ``map`` call the plugin's handlers: no out-of-band function
+    runs on the scheduler (distributed logs a line for each); the client asks why only when a handler does
+    not answer, as a plugin unregistered does not."""
+    await dask_octopus.register(c, calibration_seconds=0.05)
+    x = da.ones((40, 4), chunks=10)
+    with captured_logger("distributed.worker", level=logging.INFO) as log:
+        await dask_octopus.speeds(c)
+        await dask_octopus.profiles(c, "memory")
+        assert (await c.compute((await dask_octopus.balance(x)).sum())) == 160
+        assert await c.gather(await dask_octopus.map(abs, [-1, 2], client=c)) == [1, 2]
+    assert "Run out-of-band function" not in log.getvalue()
+    await c.unregister_scheduler_plugin("octopus")  # (its handlers stay until its sampler withdraws them)
+    with pytest.raises(NotRegisteredError, match=r"call dask_octopus\.register\(client\)"):
+        await dask_octopus.speeds(c)
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_a_plugin_registered_after_a_failed_preload_clears_the_preload_s_error(c, s, a, b):
     """After a ``--preload dask_octopus`` that failed (its error recorded on the scheduler), a plugin
     registered since stands: once it is unregistered, clients hear to register, not of the old preload."""

@@ -211,19 +211,25 @@ def _run_on_scheduler(client: Client, func: Callable[..., Any]) -> Any:
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent; the ``octopus``
     settings of this process checked first (:func:`~dask_octopus.config.check_all`: a misspelt key is read
-    by nothing, where the scheduler was started with ``--preload dask_octopus`` and no ``register`` ran)."""
+    by nothing, where the scheduler was started with ``--preload dask_octopus`` and no ``register`` ran).
+
+    The handler is called directly: every handler of the plugin replies something other than ``None``,
+    which distributed replies for a handler the scheduler lacks (logging a warning there); only then is the
+    scheduler asked why (``run_on_scheduler``, which logs a line there at each call)."""
     config.check_all()
     client = client_of(client)
-    missing = _run_on_scheduler(client, _missing_plugin)
-    if missing:
-        raise NotRegisteredError(f"dask_octopus is not registered on this scheduler: its --preload dask_octopus "
-                                 f"failed there: {missing}")
-    if missing is not None:
-        raise NotRegisteredError(
-            "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
-            "or start the scheduler with --preload dask_octopus"
-        )
     reply = client.sync(getattr(client.scheduler, handler), **kwargs)
+    if reply is None:
+        missing = _run_on_scheduler(client, _missing_plugin)
+        if missing:
+            raise NotRegisteredError(f"dask_octopus is not registered on this scheduler: its --preload "
+                                     f"dask_octopus failed there: {missing}")
+        if missing is not None:
+            raise NotRegisteredError(
+                "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
+                "or start the scheduler with --preload dask_octopus"
+            )
+        reply = client.sync(getattr(client.scheduler, handler), **kwargs)  # registered meanwhile
     if isinstance(reply, dict) and ERROR in reply:
         raise ValueError(reply[ERROR])
     return reply

@@ -263,12 +263,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._handlers = {
             "octopus_report": self.report,
             "octopus_not_loaded": self.report_not_loaded,
-            "octopus_speeds": self._after_calibrations(_replying(self.speeds)),
-            "octopus_workers": self._after_calibrations(_replying(self.workers)),
-            "octopus_profiles": self._after_calibrations(_replying(self.get_profiles)),
-            "octopus_add_plan": _replying(self.add_plan),
-            "octopus_bandwidth": self.bandwidth,
-            "octopus_options": self.options,
+            "octopus_speeds": self._while_registered(self._after_calibrations(_replying(self.speeds))),
+            "octopus_workers": self._while_registered(self._after_calibrations(_replying(self.workers))),
+            "octopus_profiles": self._while_registered(self._after_calibrations(_replying(self.get_profiles))),
+            "octopus_add_plan": self._while_registered(_replying(self.add_plan)),
+            "octopus_bandwidth": self._while_registered(self.bandwidth),
         }
         scheduler.handlers.update(self._handlers)
         try:
@@ -338,6 +337,21 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 self.profiles[address] = {"error": NOT_LOADED + error}
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
+
+    def _while_registered(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """The RPC handler ``handler`` of a client's call, replying ``None``, as distributed does for a
+        handler the scheduler lacks, once this plugin is not registered (unregistered, and its handlers
+        not yet withdrawn by its sampler; or not yet registered, while it calibrates the workers): the
+        client then asks the scheduler why (:func:`~dask_octopus.plugins.client.call_scheduler`)."""
+
+        @functools.wraps(handler)
+        async def answer(*args: Any, **kwargs: Any) -> Any:
+            if registered_plugin(self.scheduler) is not self:
+                return None
+            reply = handler(*args, **kwargs)
+            return await reply if asyncio.iscoroutine(reply) else reply
+
+        return answer
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
@@ -558,7 +572,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
                  sizes: list[float] | None = None, resource: str = "compute", source: str | None = None,
-                 nbytes: list[float] | None = None, pieces: str | None = None) -> None:
+                 nbytes: list[float] | None = None, pieces: str | None = None) -> list[str]:
         """Remember a plan: block ``i`` of collection ``name`` goes to ``workers[i]`` (and costs
         ``costs[i]``, for ``counts[i]`` items; another worker may steal it if ``stealable[i]``, but none while a
         worker where the worker plugin did not load is there).
@@ -569,7 +583,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         blocks, ``pieces``: each is pinned, loosely, to the workers holding the block it slices when
         that block is in memory as the graph arrives. A ``map`` plan gives the bytes of each task's
         items as ``nbytes`` (without ``source``): the bytes of result per byte of items are learned
-        for its prefix."""
+        for its prefix. Returns the plan's worker per block, those that left replaced by others."""
         check_resource(resource)
         if not isinstance(name, str) or not name:
             raise ValueError(f"plan name must be a collection's key name (a non-empty str), got {name!r}")
@@ -599,6 +613,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                    for w, ws in self.scheduler.workers.items()}
         speeds = {w: v * max(1, min(threads.get(w, 1), blocks[w])) for w, v in self.speeds(resource).items()}
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads], speeds))
+        return list(workers)
 
     # -- hooks --------------------------------------------------------------------------------
 
