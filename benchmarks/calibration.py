@@ -12,8 +12,9 @@ import click
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
+from dask_octopus.bench.options import OutFolder
 from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.cli import console as make_console
 from dask_octopus.cli import profile_table
 

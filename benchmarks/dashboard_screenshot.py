@@ -30,6 +30,7 @@ from distributed import Client, wait
 import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster, slowest_target
+from dask_octopus.bench.options import FiniteRange
 from dask_octopus.bench.protocol import check_cluster, protocol_option
 from dask_octopus.bench.workloads import array_module, block_gram, random_matrix
 from dask_octopus.cli import console as make_console
@@ -92,7 +93,7 @@ def rounds(client: Client, stop: threading.Event, rows: int, cols: int, width: i
 @click.option("--cols", type=click.IntRange(min=1), default=None, help="columns [default: 256 cpu, 2048 gpu]")
 @click.option("--width", type=click.IntRange(min=1), default=None, help="subspace width [default: 128 cpu, 2048 gpu]")
 @click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="passes per balanced round")
-@click.option("--seconds", type=click.FloatRange(min=0, min_open=True, max=86400), default=40.0, show_default=True,
+@click.option("--seconds", type=FiniteRange(min=0, min_open=True, max=86400), default=40.0, show_default=True,
               help="how long the rounds run before the screenshot")
 @click.option("--cotenant/--no-cotenant", default=True, show_default=True, help="slow the first worker down")
 @click.option("--png", default=None, help="the screenshot [default: dashboard-TYPE.png]")

@@ -52,8 +52,9 @@ from distributed.scheduler import Scheduler
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.options import Names, OutFolder
 from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.small_tasks import chain_sum
 from dask_octopus.bench.workloads import (
     frame_pipeline,
@@ -197,7 +198,8 @@ def _timed_run(client: Client, build: Callable[[str], Any], run: int, same_keys:
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
-@click.option("--workloads", default="chain-sum,frames", show_default=True, help="comma-separated: chain-sum, frames")
+@click.option("--workloads", "names", type=Names(WORKLOADS), default="chain-sum,frames", show_default=True,
+              help="comma-separated: chain-sum, frames")
 @click.option("--runs", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 @click.option("--tag", default="fragment-phases", show_default=True)
@@ -205,15 +207,11 @@ def _timed_run(client: Client, build: Callable[[str], Any], run: int, same_keys:
               help="chain-sum: compute the same collection each time (its plan remembered: "
                    "octopus.fragments.plan-memo), or one of new keys; the frames' calls are impure: new keys")
 @protocol_option
-def main(kind: str, devs: str, workloads: str, runs: int, out: str, tag: str, same_keys: bool, protocol: str) -> None:
+def main(kind: str, devs: str, names: list[str], runs: int, out: str, tag: str, same_keys: bool, protocol: str) -> None:
     """Time the phases of annotated computes and write one JSON file."""
     check_cluster(kind, protocol)
     console = make_console()
     gpu = kind == "gpu"
-    names = workloads.split(",")
-    unknown = set(names) - set(WORKLOADS)
-    if unknown:
-        raise click.BadParameter(f"unknown workloads {sorted(unknown)}: choose from {', '.join(WORKLOADS)}")
     with local_cluster(gpu, devs if gpu else None, n_workers=1, protocol=protocol) as client:
         record = header(gpu, protocol_of(client))
         dask_octopus.register(client, calibrate=False)

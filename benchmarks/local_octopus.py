@@ -48,8 +48,9 @@ from dask_octopus.bench.experiment import (
 )
 from dask_octopus.bench.images import measure_scenario
 from dask_octopus.bench.operations import OPERATIONS, calibrated_ideal
+from dask_octopus.bench.options import FiniteRange, Names, OutFolder
 from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.timeline import bar_chart, plot_timelines
 from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
@@ -213,8 +214,8 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
 
 
 @click.command()
-@click.option("--operation", "operations", default="matmul_iterate", show_default=True,
-              help=f"comma-separated: {', '.join([*OPERATIONS, 'images'])}")
+@click.option("--operation", "ops", type=Names([*OPERATIONS, "images"]), default="matmul_iterate",
+              show_default=True, help=f"comma-separated: {', '.join([*OPERATIONS, 'images'])}")
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--size", type=click.IntRange(min=1), default=400_000, show_default=True,
               help="rows of the array (square ones: side)")
@@ -237,7 +238,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
 @click.option("--cotenant", default="", help="GPUs (gpu) or CPU cores (cpu) that get a co-tenant, e.g. 0")
 @click.option("--cotenant-procs", type=click.IntRange(min=1), default=1, show_default=True,
               help="co-tenant processes per target")
-@click.option("--image-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--image-scale", type=FiniteRange(min=0, min_open=True), default=None,
               help="images: side scale (default 1 on GPU, 0.05 on CPU)")
 @click.option("--image-repeat", type=click.IntRange(min=1), default=4, show_default=True,
               help="images: repeat each mix")
@@ -247,7 +248,7 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
 @click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True,
               help="folder for JSON and PNGs")
 @click.option("--tag", default="suite", show_default=True, help="name prefix of the output files")
-def main(operations: str, kind: str, size: int, cols: int, square_size: int | None, width: int,
+def main(ops: list[str], kind: str, size: int, cols: int, square_size: int | None, width: int,
          chunk_size: int | None, passes: int, runs: int, warmup_runs: int, devs: str | None, n_workers: int,
          protocol: str, scheduler_address: str | None, octopus: str, variants: str | None,
          cotenant: str, cotenant_procs: int, image_scale: float | None, image_repeat: int,
@@ -257,10 +258,6 @@ def main(operations: str, kind: str, size: int, cols: int, square_size: int | No
     check_cluster(kind, protocol)
     console = make_console()
     gpu = kind == "gpu"
-    ops = [o for o in operations.split(",") if o]
-    unknown = [o for o in ops if o not in OPERATIONS and o != "images"]
-    if unknown:
-        raise click.BadParameter(f"unknown operation(s) {unknown}", param_hint="--operation")
     names = variants.split(",") if variants else BASELINES + OCTOPUS[octopus]
     for name in names:
         try:

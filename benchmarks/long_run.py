@@ -19,8 +19,9 @@ from distributed import Client
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.options import OutFolder
 from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.workloads import array_module
 from dask_octopus.cli import console as make_console
 

@@ -21,8 +21,9 @@ import dask.array as da
 from distributed import Client, LocalCluster
 
 import dask_octopus
+from dask_octopus.bench.options import OutFolder
 from dask_octopus.bench.protocol import protocol_of
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, timed
 from dask_octopus.cli import console as make_console
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import click
 from rich.table import Table
 
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.options import OutFolder
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.cli import console as make_console
 from dask_octopus.profiling.speedmodel import SpeedModel
 

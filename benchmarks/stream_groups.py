@@ -50,8 +50,9 @@ from distributed import Client, wait
 
 import dask_octopus
 from dask_octopus.bench.experiment import local_cluster
+from dask_octopus.bench.options import FiniteRange, Names, OutFolder
 from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
-from dask_octopus.bench.record import OutFolder, header, write_json
+from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, settle, timed
 from dask_octopus.bench.small_tasks import run_small_tasks
 from dask_octopus.bench.workloads import (
@@ -382,7 +383,7 @@ def op_mixed(runs: int) -> dict[str, Any]:
 
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--operations", default=None,
+@click.option("--operations", type=Names(["chain-sum", "tiny", "dataframe", "frames", "large", "mixed"]), default=None,
               help="comma-separated [default: chain-sum,tiny,dataframe,frames,large, and mixed with --type gpu]")
 @click.option("--devs", default="0", show_default=True, help="the GPU of the one worker (CUDA_VISIBLE_DEVICES)")
 @click.option("--group", type=click.IntRange(min=1), default=None,
@@ -390,7 +391,7 @@ def op_mixed(runs: int) -> dict[str, Any]:
                    "chain-sum always so, large 4]")
 @click.option("--blocks", type=click.IntRange(min=1), default=512, show_default=True,
               help="tiny, dataframe: number of blocks")
-@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--scale", type=FiniteRange(min=0, min_open=True), default=None,
               help="frames: side scale [default: 1 with --type gpu, 0.1 with --type cpu]")
 @click.option("--sets", type=click.IntRange(min=1), default=10, show_default=True, help="frames: sets per run")
 @click.option("--side", type=click.IntRange(min=1), default=None,
@@ -401,7 +402,7 @@ def op_mixed(runs: int) -> dict[str, Any]:
 @click.option("--out", type=OutFolder(), default="benchmark-results", show_default=True)
 @click.option("--tag", default="stream-groups", show_default=True)
 @protocol_option
-def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: float | None, sets: int,
+def main(kind: str, operations: list[str] | None, devs: str, group: int, blocks: int, scale: float | None, sets: int,
          side: int | None, runs: int, warmup_runs: int, out: str, tag: str, protocol: str) -> None:
     """Run the operations and write one JSON file."""
     check_cluster(kind, protocol)
@@ -409,12 +410,7 @@ def main(kind: str, operations: str, devs: str, group: int, blocks: int, scale: 
     gpu = kind == "gpu"
     scale = scale if scale is not None else 1.0 if gpu else 0.1
     side = side if side is not None else 8192 if gpu else 1024
-    if operations is None:
-        operations = "chain-sum,tiny,dataframe,frames,large" + (",mixed" if kind == "gpu" else "")
-    ops = [o for o in operations.split(",") if o]
-    unknown = set(ops) - {"chain-sum", "tiny", "dataframe", "frames", "large", "mixed"}
-    if unknown:
-        raise click.BadParameter(f"unknown operations {sorted(unknown)}", param_hint="--operations")
+    ops = operations or ["chain-sum", "tiny", "dataframe", "frames", "large"] + (["mixed"] if gpu else [])
     if "mixed" in ops and not gpu:
         raise click.BadParameter("mixed needs --type gpu (it measures CUDA streams)", param_hint="--operations")
     with local_cluster(gpu, devs if gpu else None, n_workers=1, protocol=protocol) as client:

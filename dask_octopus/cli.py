@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from dask_octopus.bench.options import FiniteRange
 from dask_octopus.bench.protocol import protocol_option
 from dask_octopus.profiling.probes import gpu_count
 
@@ -170,7 +171,7 @@ def _answers(address: str, timeout: float, connection_args: dict[str, Any]) -> N
 @main.command()
 @click.option("--scheduler-address", required=True, help="address of a scheduler running dask_octopus")
 @click.option("--watch", "watching", is_flag=True, help="refresh the table until Ctrl-C")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+@click.option("--interval", type=FiniteRange(min=0.1, max=86400), default=2.0, show_default=True,
               help="--watch: seconds between refreshes")
 @click.option("--timeout", default="10s", show_default=True, callback=lambda ctx, param, value: _duration(value),
               help="how long to try to reach the scheduler")

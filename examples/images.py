@@ -24,37 +24,26 @@ import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import local_cluster
 from dask_octopus.bench.images import VARIANTS, measure_scenario
+from dask_octopus.bench.options import FiniteRange, Names
 from dask_octopus.bench.protocol import check_cluster
 from dask_octopus.bench.record import write_json
 from dask_octopus.bench.workloads import SCENARIOS, specs
 from dask_octopus.cli import console as make_console
 
 
-def names_of(choices: Any) -> Any:
-    """A click callback: a comma-separated list of some of ``choices``, as given."""
-
-    def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
-        unknown = [v for v in value.split(",") if v not in choices]
-        if unknown:
-            raise click.BadParameter(f"unknown {', '.join(unknown)}: choose among {', '.join(choices)}")
-        return value
-
-    return check
-
-
 @click.command()
 @click.option("--type", "kind", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--scenarios", default=",".join(SCENARIOS), show_default=True, callback=names_of(SCENARIOS))
-@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--scenarios", type=Names(SCENARIOS), default=",".join(SCENARIOS), show_default=True)
+@click.option("--scale", type=FiniteRange(min=0, min_open=True), default=None,
               help="image side scale [default: 1.0 gpu, 0.05 cpu]")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="repeat each mix")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--devs", default=None)
 @click.option("--cotenant", default="", help="GPUs (gpu) or CPU cores (cpu) that get a co-tenant")
-@click.option("--variants", default=",".join(VARIANTS), show_default=True, callback=names_of(VARIANTS))
+@click.option("--variants", type=Names(VARIANTS), default=",".join(VARIANTS), show_default=True)
 @click.option("--json-out", default=None, help="write every timing here")
-def main(kind: str, scenarios: str, scale: float | None, repeat: int, runs: int, devs: str | None, cotenant: str,
-         variants: str, json_out: str | None) -> None:
+def main(kind: str, scenarios: list[str], scale: float | None, repeat: int, runs: int, devs: str | None,
+         cotenant: str, variants: list[str], json_out: str | None) -> None:
     """Time each variant on each size mix; check that all variants give the same histograms."""
     gpu = kind == "gpu"
     check_cluster(kind, "tcp")
@@ -62,11 +51,11 @@ def main(kind: str, scenarios: str, scale: float | None, repeat: int, runs: int,
     console = make_console()
     load = CoTenant.from_option(cotenant, gpu)
     targets = [target for _, target in load.targets]
-    names = variants.split(",")
+    names = variants
     record: dict[str, Any] = {"config": dict(type=kind, scale=scale, repeat=repeat, runs=runs, cotenant=targets)}
     with local_cluster(gpu, devs) as client, load:
         dask_octopus.register(client)
-        for scenario in scenarios.split(","):
+        for scenario in scenarios:
             items = specs(scenario, scale, repeat)
             record[scenario], _ = measure_scenario(client, items, names, runs)
             med = record[scenario]["median_seconds"]
@@ -78,7 +67,7 @@ def main(kind: str, scenarios: str, scale: float | None, repeat: int, runs: int,
         record["weights"] = dask_octopus.speeds(client)
     if json_out:
         write_json(json_out, record)
-    differ = [f"{variant} on {scenario}" for scenario in scenarios.split(",")
+    differ = [f"{variant} on {scenario}" for scenario in scenarios
               for variant, same in record[scenario]["same_values_as_reference"].items() if not same]
     if differ:  # (after the JSON: it holds what each variant measured)
         raise click.ClickException(f"histograms differ from the first variant's: {', '.join(differ)}")

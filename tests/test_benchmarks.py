@@ -41,6 +41,21 @@ def test_each_benchmark_says_what_this_machine_cannot_start_before_starting(scri
     assert result.exit_code == 2 and "cannot make the folder" in result.output, result.output
 
 
+@pytest.mark.parametrize("script, option, choices", [
+    ("local_octopus", "--operation", "matmul_iterate, dot, transpose_sum, map_overlap, images"),
+    ("stream_groups", "--operations", "chain-sum, tiny, dataframe, frames, large, mixed"),
+    ("fragment_phases", "--workloads", "chain-sum, frames"),
+])
+def test_lists_of_operations_name_known_ones_and_at_least_one(script, option, choices, tmp_path):
+    """An empty list (``,``) ran nothing and wrote an empty record; an unknown name is said with the choices."""
+    main = load_script(f"benchmarks/{script}.py").main
+    for value, message in ((",", f"name at least one of {choices}"), ("", f"name at least one of {choices}"),
+                           ("fft,,x,fft", f"unknown fft, x: choose among {choices}")):
+        result = CliRunner().invoke(main, [option, value, "--out", str(tmp_path)])
+        assert result.exit_code == 2 and f"Invalid value for '{option}': {message}" in result.output, result.output
+    assert not list(tmp_path.iterdir())
+
+
 def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
     result = CliRunner().invoke(local_octopus.main, [
         "--type", "cpu", "--operation", ",".join(OPS), "--size", "2000", "--cols", "32", "--width", "8",
@@ -82,12 +97,13 @@ def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--variants", "equal,fastest"], "Invalid value for --variants: unknown variant 'fastest'"),
     (["--variants", "over-0"], "Invalid value for --variants: unknown variant 'over-0'"),
-    (["--operation", "fft"], "Invalid value for --operation: unknown operation(s) ['fft']"),
+    (["--operation", "fft"], "Invalid value for '--operation': unknown fft: choose among matmul_iterate, dot"),
     (["--passes", "0"], "Invalid value for '--passes': 0 is not in the range x>=1"),
     (["--size", "-5"], "Invalid value for '--size': -5 is not in the range x>=1"),
     (["--warmup-runs", "-1"], "Invalid value for '--warmup-runs': -1 is not in the range x>=0"),
     (["--cotenant", "abc"], "Invalid value for --cotenant: CPU cores are numbers, got abc"),
     (["--cotenant", "100000"], "Invalid value for --cotenant: cores [100000] are not available"),
+    (["--image-scale", "nan"], "Invalid value for '--image-scale': 'nan' is not a finite number"),
 ])
 def test_suite_refuses_bad_arguments_before_it_starts(tmp_path, args, message):
     result = CliRunner().invoke(local_octopus.main, [*args, "--out", str(tmp_path)])

@@ -372,10 +372,13 @@ def test_profile_watch_refreshes_until_ctrl_c(loop, monkeypatch, terminal):
         assert a in out
 
 
-def test_profile_watch_interval_must_be_positive():
+@pytest.mark.parametrize("interval, message", [("0", "0.0 is not in the range 0.1<=x<=86400"),
+                                               ("nan", "'nan' is not a finite number"),
+                                               ("1e308", "1e+308 is not in the range 0.1<=x<=86400")])
+def test_profile_watch_interval_must_be_a_positive_number_of_seconds(interval, message):
     result = CliRunner().invoke(cli.main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--watch",
-                                           "--interval", "0"])
-    assert result.exit_code == 2 and "--interval" in result.output
+                                           "--interval", interval])
+    assert result.exit_code == 2 and f"Invalid value for '--interval': {message}" in result.output, result.output
 
 
 @pytest.mark.parametrize("value, text", [(None, "-"), (5.1e13, "51.0 TFLOP/s"), (2.5e9, "2.5 GFLOP/s"),

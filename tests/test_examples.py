@@ -43,6 +43,7 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     (["--variants", "fast"], "Invalid value for '--variants': unknown fast: choose among"),
     (["--runs", "0"], "Invalid value for '--runs': 0 is not in the range x>=1"),
     (["--scale", "0"], "Invalid value for '--scale': 0.0 is not in the range x>0"),
+    (["--scale", "inf"], "Invalid value for '--scale': 'inf' is not a finite number"),
     (["--cotenant", "0,x"], "Invalid value for --cotenant: CPU cores are numbers, got x"),
 ])
 def test_images_example_refuses_bad_arguments_before_it_starts(args, message):

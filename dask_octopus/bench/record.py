@@ -1,5 +1,5 @@
 """One result record for every benchmark: when, how and where it ran, written as JSON into a folder
-that the command line checked (:class:`OutFolder`)."""
+that the command line checked (:class:`~dask_octopus.bench.options.OutFolder`)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,10 @@ import platform
 import sys
 from typing import Any
 
-import click
 from distributed.versions import get_versions
 
 # beside distributed's own list; distribution names (the UCX wheels carry their CUDA version)
 PACKAGES = ["cupy", "dask_cuda", "dask_octopus", "distributed-ucxx-cu13", "ucxx-cu13", "ucxx", "rmm"]
-
-
-class OutFolder(click.ParamType):
-    """A folder for a benchmark's results, made (with its parents) as the command line is read: one that
-    cannot be made, or written to, is a usage error then, not a traceback after the run."""
-
-    name = "folder"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        try:
-            os.makedirs(value, exist_ok=True)
-        except OSError as e:
-            self.fail(f"cannot make the folder {value!r}: {e.strerror or e}", param, ctx)
-        if not os.access(value, os.W_OK | os.X_OK):
-            self.fail(f"cannot write into the folder {value!r}", param, ctx)
-        return str(value)
 
 
 def write_json(path: str, record: dict[str, Any]) -> str:
