@@ -359,6 +359,8 @@ async def test_bad_input(c, s, a, b):
         ([Sized(8), Sized(-1)], {}, ValueError, "cost of item 1 must be"),
         (items, dict(cost="big"), TypeError, "cost must be a callable, one number per item or None, got str 'big'"),
         (items, dict(cost=3), TypeError, "cost must be a callable, one number per item or None, got int 3"),
+        (items, dict(cost=np.array(3.0)), TypeError,
+         r"cost must be a callable, one number per item or None, got ndarray array\(3\.\)"),
         (items, dict(cost={0: 1.0, 1: 5.0, 2: 1.0}), TypeError,
          r"cost must be a callable, one number per item or None, got dict \{0: 1.0"),
         (items, dict(cost=[1, "2", 3]), TypeError,

@@ -235,6 +235,48 @@ async def test_an_input_cancelled_before_the_map_fails_alone_as_client_gather_ha
         await in_thread(dask_octopus.map, inc, items, client=c, group=group, gather=True)
 
 
+@pytest.mark.parametrize("group", [None, 2])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_future_per_item_of_an_input_cancelled_before_the_map_fails_alone(c, s, a, b, group):
+    """With a future per item, the item of a future cancelled before the map raises its
+    ``CancelledError``; the others have their results (one task per item read the cancelled key: Dask
+    refused the whole graph, cancelling every item for lost dependencies)."""
+    await setup(c, s, [1.0, 1.0])
+    cancelled = c.submit(blocked_until, "go", 3, pure=False)
+    await c.cancel([cancelled])
+    await Event("go").set()
+    items = [cancelled if i == 3 else i for i in range(8)]
+    futures = await in_thread(dask_octopus.map, inc, items, client=c, group=group)
+    for i, f in enumerate(futures):
+        if i == 3:
+            with pytest.raises(CancelledError, match=str(cancelled.key)):
+                await f
+        else:
+            assert await f == i + 1
+
+
+def a_lock(x):
+    return threading.Lock()
+
+
+@pytest.mark.parametrize("how", ["map", "map-skip", "imap"])
+@pytest.mark.parametrize("group", [None, 2])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.map.learn-result-size": False})
+async def test_a_result_that_cannot_be_sent_raises_dask_s_error_as_client_gather_does(c, s, a, b, how, group):
+    """A batch whose results cannot be pickled to the client raises what ``client.gather`` raises for
+    them, ``errors="skip"`` too (the batch finished: its items did not fail); it raised ``'TypeError'
+    object is not iterable``, the error taken for the batch's results."""
+    await setup(c, s, [1.0, 1.0])
+    with pytest.raises(TypeError, match="Could not serialize object of type lock"):
+        await c.gather(c.map(a_lock, [1, 2]))
+    with pytest.raises(TypeError, match="Could not serialize object of type lock"):
+        if how == "imap":
+            await in_thread(lambda: list(dask_octopus.imap(a_lock, [1, 2], client=c, group=group)))
+        else:
+            await in_thread(dask_octopus.map, a_lock, [1, 2], client=c, group=group, gather=True,
+                            errors="skip" if how == "map-skip" else "raise")
+
+
 def slow_plus_one(x):
     worker = get_worker()
     worker.log_event("slow-identity", {"worker": worker.address})

@@ -439,7 +439,7 @@ def test_a_split_with_both_a_minimum_and_a_cap_in_play():
     assert block_sizes(45, [2, 7], align=10, caps=[None, 27]) == [[20], [25]]  # raises PlanningError
 
 
-@pytest.mark.parametrize("align", [0, -3, 2.5, True, "2"])
+@pytest.mark.parametrize("align", [0, -3, 2.5, True, "2", math.nan, math.inf, -math.inf])
 def test_bad_aligns_name_the_problem_with_or_without_a_bound(align):
     with pytest.raises(PlanningError, match=r"^align must be an integer >= 1, got "):
         block_sizes(100, [1, 1], align=align)

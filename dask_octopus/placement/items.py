@@ -165,9 +165,13 @@ def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
     a cost that is not a finite number >= 0, ``TypeError`` for a mapping (its keys would be read as the
     costs) or a cost that is not a number."""
+    wrong = TypeError(f"cost must be a callable, one number per item or None, got {type(cost).__name__} {cost!r}")
     if isinstance(cost, str | bytes | Mapping) or not isinstance(cost, Iterable):
-        raise TypeError(f"cost must be a callable, one number per item or None, got {type(cost).__name__} {cost!r}")
-    out = list(cost)
+        raise wrong
+    try:
+        out = list(cost)
+    except TypeError:  # iterable by its type only (a NumPy 0-d array)
+        raise wrong from None
     if len(out) != n:
         raise ValueError(f"cost has {len(out)} entries for {n} items")
     check_costs(out)
@@ -439,7 +443,9 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
         if not batched:
             (i,) = idx
             keys[i] = (name, b)
-            if to_host:
+            if i in failed:  # (reading it, the task would be refused with every other of the graph)
+                dsk[keys[i]] = Task(keys[i], _pick, [failed[i]], 0)
+            elif to_host:
                 dsk[keys[i]] = Task(keys[i], run_one, func, parse_input(items[i]), parse_input(kwargs))
             else:  # futures, in the item or in kwargs, become dependencies
                 resolved = {k: parse_input(v) for k, v in kwargs.items()}
@@ -822,6 +828,8 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
                 continue
             if future.status != "finished":
                 future.result()  # its exception, with its traceback, as Client.gather raises it
+            if isinstance(result, Exception):  # finished, but its result could not be sent (not picklable)
+                raise result
             pairs = zip(run.finish(future), result)
             del future, result  # the batch's result is here now: the cluster need not hold it while it is read
             yield from pairs

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import pairwise
@@ -146,7 +145,7 @@ def _unit_caps(caps: Sequence[int | None] | None, align: int, rest: int) -> list
 
 def check_align(align: int) -> None:
     """Raise :class:`PlanningError` where ``align`` is not an integer >= 1."""
-    if isinstance(align, bool) or not isinstance(align, numbers.Real) or align < 1 or int(align) != align:
+    if not is_finite(align) or align < 1 or int(align) != align:
         raise PlanningError(f"align must be an integer >= 1, got {align!r}")
 
 
