@@ -177,6 +177,28 @@ def test_a_scheduler_without_the_package_says_to_install_it(tmp_path):
         assert "not installed where the scheduler runs" in out.stderr
 
 
+@pytest.mark.parametrize("preloaded", [False, True])
+def test_a_worker_that_lacks_the_package_cannot_join_once_the_plugin_is_there(tmp_path, preloaded):
+    """Dask sends a joining worker the worker plugins registered (by ``register``, or by the scheduler's
+    ``--preload dask_octopus``): a worker whose environment lacks dask_octopus cannot unpickle ours, and
+    fails to start, naming the module; the cluster goes on without it."""
+    sched_file = tmp_path / "scheduler.json"
+    command = [*DASK, "scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--host", "127.0.0.1",
+               "--no-dashboard", *(["--preload", "dask_octopus"] if preloaded else [])]
+    hidden = ("import sys; sys.modules['dask_octopus'] = None; sys.argv[0] = 'dask-worker'; "
+              "from distributed.cli.dask_worker import main; main()")
+    with scheduler_process(command, sched_file, ENV, subprocess.DEVNULL), \
+            Client(scheduler_file=str(sched_file), timeout="30s") as c:
+        if not preloaded:
+            dask_octopus.register(c, calibrate=False)
+        out = subprocess.run([sys.executable, "-c", hidden, "--scheduler-file", str(sched_file), "--no-nanny",
+                              "--no-dashboard", "--nthreads", "1"], env=ENV, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode != 0 and "Worker failed to start" in out.stderr, out.stderr
+        assert "ModuleNotFoundError: No module named 'dask_octopus.plugins'" in out.stderr, out.stderr
+        assert c.scheduler_info()["workers"] == {}
+
+
 @gen_test(timeout=30)
 async def test_a_preload_in_the_user_s_process_leaves_its_logging_alone():
     """In a process whose logging is configured (handlers on the root logger: ``basicConfig``, pytest),
