@@ -107,10 +107,10 @@ def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], t
     for addr, p in sorted(profiles.items()):
         device = p.get("name", "?") if p.get("device") == "gpu" else p.get("device", "?")
         memory = format_bytes(p["memory_total"]) if p.get("memory_total") else "-"
-        table.add_row(addr, p["name_on_scheduler"], device, memory,
+        table.add_row(addr, Text(str(p["name_on_scheduler"])), Text(str(device)), memory,  # (as written: not markup)
                       _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
                       f"{memory_weights[addr]:.3f}" if addr in memory_weights else "-", str(p["samples"]),
-                      p.get("error") or "")
+                      Text(p.get("error") or ""))
     return table
 
 
@@ -134,18 +134,19 @@ def watch(make: Callable[[], RenderableType], interval: float, out: Console) -> 
 def _duration(value: str) -> float:
     try:
         seconds = parse_timedelta(value)
-    except (ValueError, KeyError, TypeError, OverflowError):  # (OverflowError: 1e400)
+    except (ValueError, KeyError, TypeError, OverflowError, IndexError):  # (OverflowError: 1e400; IndexError: "")
         seconds = None
-    if seconds is None or not seconds > 0:
-        raise click.BadParameter(f"a duration > 0 such as 10s or 500ms, got {value!r}")
+    if seconds is None or not 0 < seconds <= 86400:  # (a Client waits twice it as it closes: 1e10 s overflows)
+        raise click.BadParameter(f"a duration > 0 and at most a day, such as 10s or 500ms, got {value!r}")
     return seconds
 
 
 def _answers(address: str, timeout: float, connection_args: dict[str, Any]) -> None:
-    """Raise ``OSError`` where no Dask server at the ``tcp://`` or ``tls://`` ``address`` answers within
+    """Raise ``OSError`` where no Dask scheduler at the ``tcp://`` or ``tls://`` ``address`` answers within
     ``timeout`` seconds: distributed's handshake waits for ever on something else that listens there
     and stays silent (a dashboard's HTTP port), and a ``Client`` with it; and fails with whatever
-    reading garbage raises on something that speaks first in another protocol (SSH, SMTP)."""
+    reading garbage raises on something that speaks first in another protocol (SSH, SMTP); a Dask
+    server of another kind (a worker's, a nanny's address) fails a ``Client`` with a ``TypeError``."""
     from distributed.comm import connect, parse_address
 
     if parse_address(address)[0] not in ("tcp", "tls"):
@@ -159,7 +160,14 @@ def _answers(address: str, timeout: float, connection_args: dict[str, Any]) -> N
         except Exception as e:
             raise OSError(f"what answered there is not a Dask server (its first bytes are not Dask's protocol: "
                           f"{type(e).__name__} reading them)") from None
-        await comm.close()
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            identity = await comm.read()
+        finally:
+            await comm.close()
+        if not isinstance(identity, dict) or "n_workers" not in identity:  # (a scheduler's, of any class)
+            kind = identity.get("type") if isinstance(identity, dict) else None
+            raise OSError(f"a Dask {kind or 'server'} answers there, not a scheduler (the scheduler's address?)")
 
     try:  # (a second more than the connection's own timeout, whose error says why it failed)
         asyncio.run(asyncio.wait_for(reach(), timeout + 1))

@@ -253,10 +253,13 @@ def test_profile_of_an_address_without_a_scheduler_says_so():
     assert result.exit_code == 1 and "Traceback" not in result.output  # (a FutureWarning without distributed-ucxx)
     assert result.output.startswith(("Error: cannot connect to 'ucx://127.0.0.1:1': ", "Error: no scheduler reachable"))
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", "soon"])
-    assert result.exit_code == 2 and "a duration > 0 such as 10s or 500ms, got 'soon'" in result.output
-    for timeout in ("0", "-1s", "1e400"):  # (a Client given 0 would fail at once, saying it timed out)
+    assert result.exit_code == 2 and "a duration > 0 and at most a day, such as 10s or 500ms, got 'soon'" in \
+        result.output
+    # (a Client given 0 would fail at once, saying it timed out; one given 1e10 s overflows as it closes)
+    for timeout in ("0", "-1s", "1e400", "", " ", "1e10", "2 days"):
         result = CliRunner().invoke(main, ["profile", "--scheduler-address", "tcp://127.0.0.1:1", "--timeout", timeout])
-        assert result.exit_code == 2 and f"a duration > 0 such as 10s or 500ms, got '{timeout}'" in result.output
+        assert result.exit_code == 2, result.output
+        assert f"a duration > 0 and at most a day, such as 10s or 500ms, got '{timeout}'" in result.output
     # no half-made Client left: one given a bad address stays "connecting"; collected later, its __del__
     # takes distributed's LoopRunner lock, which a sync cluster holds while its loop thread starts, and
     # where the collection runs in that thread the cluster gives up after 10 s ("assert loop is not None")
@@ -313,6 +316,32 @@ def test_profile_of_an_address_where_another_protocol_speaks_first_or_nothing_li
     result = CliRunner().invoke(main, ["profile", "--scheduler-address", address, "--timeout", "1s"])
     assert result.exit_code == 1 and result.output == (f"Error: no scheduler reachable at {address}: Timed out "
                                                        f"trying to connect to {address} after 1 s\n"), result.output
+
+
+def test_profile_of_a_worker_s_address_says_it_is_not_a_scheduler(loop):
+    """A worker's address speaks Dask's protocol: a Client there failed with a ``TypeError`` traceback
+    (``Worker.identity() got an unexpected keyword argument``). One line, exit code 1."""
+    with cluster(nworkers=1) as (_, [w]):
+        result = CliRunner().invoke(main, ["profile", "--scheduler-address", w["address"], "--timeout", "5s"])
+    assert result.exit_code == 1 and result.output == (f"Error: no scheduler reachable at {w['address']}: a Dask "
+                                                       "Worker answers there, not a scheduler (the scheduler's "
+                                                       "address?)\n"), result.output
+
+
+def test_profile_table_shows_names_and_notes_as_they_are():
+    """A worker's name (``dask worker --name``) or note with Rich's markup in it: shown as written, not
+    read as markup (``[/x]`` raised a MarkupError, ``[red]gpu-7`` showed red ``gpu-7``)."""
+    from rich.console import Console
+
+    from dask_octopus.cli import profile_table
+
+    profiles = {f"tcp://h:{i}": {"name_on_scheduler": name, "device": "cpu", "weight": 0.5, "samples": 0,
+                                 "error": note} for i, (name, note) in enumerate([("[/x]", None),
+                                                                                  ("[red]gpu-7", "[bold]n")])}
+    out = Console(width=200, record=True)
+    out.print(profile_table(profiles, {}, "t"))
+    text = out.export_text()
+    assert "[/x]" in text and "[red]gpu-7" in text and "[bold]n" in text
 
 
 def test_module_entry_point():
