@@ -16,7 +16,7 @@ import dask
 import dask.array as da
 import pytest
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 from distributed.utils_test import captured_logger, cluster, gen_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -93,6 +93,38 @@ def dashboard_cluster():
         for w, c, m in zip(sorted(lc.scheduler.workers), COMPUTE, MEMORY):
             plugin.model.set_prior(w, {"compute": c, "memory": m})
         yield lc, client, lc.scheduler.http_server.port
+
+
+def one_over(x):
+    return 1 / x
+
+
+def fails_on_block_three(block, block_info=None):
+    if block_info[0]["chunk-location"][0] == 3:
+        raise ValueError("block three")
+    return block
+
+
+def test_a_run_with_a_failed_task_shows_as_ended_not_running(dashboard_cluster):
+    """A balanced compute of which one block raised, and a map of which one item raised: no task is left
+    to run, and the plans table says so (they stayed "running, n of N tasks" for good)."""
+    _, client, port = dashboard_cluster
+    y = dask_octopus.balance(da.ones((800, 10), chunks=(100, 10)), per_worker=2)
+    with pytest.raises(ValueError, match="block three"):
+        y.map_blocks(fails_on_block_three, dtype=y.dtype).sum().compute()
+    futures = dask_octopus.map(one_over, [1, 0, 2], client=client)
+    wait(futures)
+    del futures
+
+    def runs():
+        return json.loads(get(port, "octopus/data.json")[2])["plans"]["run"]
+
+    deadline = time.monotonic() + 10
+    while not all(r.startswith("ended") for r in runs()[:2]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    map_run, balance_run = runs()[:2]
+    assert re.fullmatch(r"ended, 2 of 3 tasks finished, 1 failed or cancelled", map_run), map_run
+    assert re.fullmatch(r"ended, \d+ of \d+ tasks finished, [1-9]\d* failed or cancelled", balance_run), balance_run
 
 
 def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
@@ -289,18 +321,36 @@ def test_plan_record_predicts_and_keeps_the_latest_complete_run():
     assert r.shares() == {"a": 0.6, "b": 0.4}
     assert r.predicted() == pytest.approx({"a": 2 / 3, "b": 4 / 3})  # 0.6 / 0.75 and 0.4 / 0.25 over their mean
     assert r.shown() is None
-    r.restart(3)
-    r.observe("a", 10.0, 11.0)
-    r.observe("b", 10.5, 12.0)
-    assert r.shown() is r.current and not r.current.complete
-    r.observe("a", 9.5, 11.5)
-    assert r.done is r.current and r.current.finish() == {"a": 2.0, "b": 2.5}
+    r.restart(["k0", "k1", "k2"])
+    r.observe("a", 10.0, 11.0, "k0")
+    r.observe("b", 10.5, 12.0, "k1")
+    assert r.shown() is r.current and not r.current.complete and not r.current.ended
+    r.observe("a", 9.5, 11.5, "k2")
+    assert r.done is r.current and r.current.finish() == {"a": 2.0, "b": 2.5} and r.current.ended
     assert r.current.tasks == {"a": 2, "b": 1}
-    r.restart(2)  # the next graph: its run in progress does not hide the complete one
-    r.observe("a", 20.0, 21.0)
+    r.restart(["k3", "k4"])  # the next graph: its run in progress does not hide the complete one
+    r.observe("a", 20.0, 21.0, "k3")
     assert r.shown().finish() == {"a": 2.0, "b": 2.5}
-    r.observe("b", 20.0, 20.5)
+    r.observe("b", 20.0, 20.5, "k4")
     assert r.shown().finish() == {"a": 1.0, "b": 0.5}
+
+
+def test_a_run_whose_other_tasks_failed_or_were_cancelled_has_ended():
+    """A run whose tasks did not all finish, but none is left to run (failed, cancelled): ended, not in
+    progress for ever; a task that finished and is forgotten later was not lost."""
+    r = PlanRecord("x", 0.0, ["a", "b"], [1.0, 1.0], {"a": 0.5, "b": 0.5})
+    r.restart(["k0", "k1", "k2"])
+    r.observe("a", 1.0, 2.0, "k0")
+    r.lose("k0")  # (forgotten once its result was released)
+    r.lose("other")  # (not of this run)
+    assert not r.current.ended and r.current.lost == set()
+    r.lose("k1")
+    assert not r.current.ended
+    r.lose("k2")
+    assert r.current.ended and not r.current.complete and r.current.lost == {"k1", "k2"}
+    assert r.done is None and r.shown() is r.current
+    r.observe("b", 3.0, 4.0, "k1")  # retried (client.retry): finished after all
+    assert r.current.lost == {"k2"} and r.current.finished == {"k0", "k1"}
     assert spread([1.0, 0.5]) == 0.5 and spread([1.0]) is None and spread([0.0, 0.0]) is None
 
 
@@ -309,8 +359,8 @@ def test_plan_records_keep_the_most_recent_plans():
     for name in "xyz":
         records.add(PlanRecord(name, 0.0, ["a"], [1.0], {"a": 1.0}))
     assert [r.name for r in records.latest(5)] == ["z", "y"] and records.get("x") is None
-    records.restart({"y": 4, "x": 1})
-    assert records.get("y").current.expected == 4
+    records.restart({"y": ["a", "b", "c", "d"], "x": ["e"]})
+    assert records.get("y").current.expected == 4 and records.get("y").current.keys == {"a", "b", "c", "d"}
 
 
 def test_observed_finish_is_scaled_to_seconds_against_the_prediction():
@@ -470,7 +520,7 @@ def test_weight_history_keeps_exactly_max_weights():
 
 def test_a_run_before_its_first_task_finishes_nowhere():
     r = PlanRecord("x", 0.0, ["a"], [1.0], {"a": 1.0})
-    r.restart(2)
+    r.restart(["k0", "k1"])
     assert r.current.finish() == {}
 
 
@@ -535,6 +585,10 @@ def test_run_column_of_a_graph_whose_tasks_have_not_finished_yet():
     one = PlanRow("r", 0.0, {"a": 1}, {}, {}, {}, {}, {}, 1, False)
     assert columns._run(one) == "running, 0 of 1 task"
     assert columns._run(dataclasses.replace(one, tasks={"a": 1}, complete=True)) == "done, 1 task"
+    ended = dataclasses.replace(plan_row("s", {"a": 1.0}, False), lost=1, ended=True)
+    assert columns._run(ended) == "ended, 1 of 2 tasks finished, 1 failed or cancelled"
+    _, title = columns._latest([ended], {}, {})
+    assert "run ended, 1 of 2 tasks finished, 1 failed or cancelled: finish spread" in title
 
 
 def test_summary_says_when_the_weights_last_changed():

@@ -118,8 +118,10 @@ def _latest(plans: list[PlanRow], labels: dict[str, str], colors: dict[str, str]
     made = f"{html.escape(str(plan.name))}, made at {clock(plan.made)}"  # the page shows it as HTML
     if not plan.observed:
         return data, f"Latest plan ({made}): not run yet"
-    what = "latest complete run" if plan.complete else f"run in progress, {sum(plan.tasks.values())} of " \
-                                                       f"{_tasks(plan.expected)}"
+    done = sum(plan.tasks.values())
+    what = ("latest complete run" if plan.complete else
+            f"run ended, {done} of {_tasks(plan.expected)} finished, {plan.lost} failed or cancelled" if plan.ended
+            else f"run in progress, {done} of {_tasks(plan.expected)}")
     return data, (f"Latest plan ({made}), {what}: finish spread {percent(plan.observed_spread)} observed, "
                   f"{percent(plan.predicted_spread)} predicted")
 
@@ -132,6 +134,8 @@ def _run(plan: PlanRow) -> str:
     done = sum(plan.tasks.values())
     if plan.complete:
         return f"done, {_tasks(done)}"
+    if plan.ended:
+        return f"ended, {done} of {_tasks(plan.expected)} finished, {plan.lost} failed or cancelled"
     return f"running, {done} of {_tasks(plan.expected)}" if plan.expected or done else "not run"
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 #: a worker's (compute, memory) weights
 Weights = tuple[float, float]
@@ -71,14 +73,22 @@ class Run:
     """One run of a plan's pinned tasks: those of one graph, from its first start to each worker's last stop."""
 
     expected: int  #: pinned tasks in the graph that started the run
+    keys: frozenset = frozenset()  #: their keys (none known for a run of tasks pinned before the record)
     first_start: float | None = None  #: earliest start of its tasks seen (seconds since the epoch)
     stops: dict[str, float] = field(default_factory=dict)  #: latest stop of its tasks, per worker
     tasks: dict[str, int] = field(default_factory=dict)  #: its tasks finished, per worker
+    finished: set = field(default_factory=set)  #: the keys of ``keys`` that finished
+    lost: set = field(default_factory=set)  #: the keys of ``keys`` that failed or were forgotten unfinished
 
     @property
     def complete(self) -> bool:
         """Whether every expected task finished."""
         return sum(self.tasks.values()) >= self.expected
+
+    @property
+    def ended(self) -> bool:
+        """Whether every task of the run finished, failed or was cancelled (no task of it is left to run)."""
+        return self.complete or (bool(self.lost) and len(self.finished) + len(self.lost) >= len(self.keys))
 
     def finish(self) -> dict[str, float]:
         """Seconds from the run's first start to each worker's last stop."""
@@ -86,11 +96,19 @@ class Run:
             return {}
         return {w: stop - self.first_start for w, stop in self.stops.items()}
 
-    def observe(self, worker: str, start: float, stop: float) -> None:
-        """Add one task that ran from ``start`` to ``stop`` on ``worker``."""
+    def observe(self, worker: str, start: float, stop: float, key: Any = None) -> None:
+        """Add one task (``key``) that ran from ``start`` to ``stop`` on ``worker``."""
         self.first_start = start if self.first_start is None else min(self.first_start, start)
         self.stops[worker] = max(self.stops.get(worker, stop), stop)
         self.tasks[worker] = self.tasks.get(worker, 0) + 1
+        if key in self.keys:
+            self.finished.add(key)
+            self.lost.discard(key)  # (an erred task the user retried)
+
+    def lose(self, key: Any) -> None:
+        """Count task ``key`` of the run, unless it finished, as failed or cancelled: it will not finish."""
+        if key in self.keys and key not in self.finished:
+            self.lost.add(key)
 
 
 @dataclass
@@ -132,17 +150,22 @@ class PlanRecord:
         """The run to show: the latest complete one, else the one in progress (``None`` before any)."""
         return self.done or self.current
 
-    def restart(self, expected: int) -> None:
-        """A graph with ``expected`` tasks pinned to the plan arrived: a new run begins."""
-        self.current = Run(expected)
+    def restart(self, keys: Collection[Any]) -> None:
+        """A graph with the tasks ``keys`` pinned to the plan arrived: a new run begins."""
+        self.current = Run(len(keys), frozenset(keys))
 
-    def observe(self, worker: str, start: float, stop: float) -> None:
-        """Add one pinned task that ran from ``start`` to ``stop`` on ``worker`` to the current run."""
+    def observe(self, worker: str, start: float, stop: float, key: Any = None) -> None:
+        """Add one pinned task (``key``) that ran from ``start`` to ``stop`` on ``worker`` to the current run."""
         if self.current is None:  # pinned before this record was made: a run of unknown size
             self.current = Run(0)
-        self.current.observe(worker, start, stop)
+        self.current.observe(worker, start, stop, key)
         if self.current.complete:
             self.done = self.current
+
+    def lose(self, key: Any) -> None:
+        """Task ``key``, pinned to the plan, failed or was forgotten: :meth:`Run.lose` of the current run."""
+        if self.current is not None:
+            self.current.lose(key)
 
 
 class PlanRecords:
@@ -163,12 +186,13 @@ class PlanRecords:
         """The record of collection ``name``, if kept."""
         return self.records.get(name)
 
-    def restart(self, runs: dict[str, int]) -> None:
-        """Start a new run of each kept plan in ``runs`` (plan name: its pinned tasks in the new graph)."""
-        for name, expected in runs.items():
+    def restart(self, runs: Mapping[str, Collection[Any]]) -> None:
+        """Start a new run of each kept plan in ``runs`` (plan name: the keys of its pinned tasks in the new
+        graph)."""
+        for name, keys in runs.items():
             record = self.records.get(name)
             if record is not None:
-                record.restart(expected)
+                record.restart(keys)
 
     def latest(self, n: int) -> list[PlanRecord]:
         """The ``n`` most recent records, newest first."""

@@ -56,6 +56,8 @@ class PlanRow:
     tasks: dict[str, int]  #: tasks of the shown run finished, per worker
     expected: int  #: tasks of the shown run (its pinned tasks)
     complete: bool  #: the shown run is the latest complete one (else: the one in progress, or none)
+    lost: int = 0  #: tasks of the shown run that failed or were cancelled
+    ended: bool = False  #: no task of the shown run is left to run (complete, or the rest lost)
 
     @property
     def predicted_spread(self) -> float | None:
@@ -136,7 +138,8 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
             name=record.name, made=record.made, blocks=record.blocks(), shares=record.shares(),
             weights=dict(record.weights), predicted=record.predicted(),
             observed=run.finish() if run else {}, tasks=dict(run.tasks) if run else {},
-            expected=run.expected if run else 0, complete=run is not None and run.complete))
+            expected=run.expected if run else 0, complete=run is not None and run.complete,
+            lost=len(run.lost) if run else 0, ended=run is not None and run.ended))
     return Snapshot(time=time.time(), scheduler=scheduler.address, workers=rows,
                     history=list(plugin.history.points), plans=plan_rows,
                     plans_kept=len(placement.plans), plans_active=len({b[0] for b in per_block}))

@@ -638,12 +638,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
         if pinned:  # a new run of these plans, for the dashboard: the pinned tasks that will run
             pins, skip = self.placement.pins, set(unread)
-            self.plan_records.restart(Counter(
-                pins[k][0] for k in chain(tasks, made) if k in pins and k not in skip
-                and scheduler.tasks[k].state == "released"))
+            runs: defaultdict[str, list] = defaultdict(list)
+            for k in chain(tasks, made):
+                if k in pins and k not in skip and scheduler.tasks[k].state == "released":
+                    runs[pins[k][0]].append(k)
+            self.plan_records.restart(runs)
 
     @_guarded
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish in ("erred", "forgotten"):
+            self._record_loss(key)
         if finish == "forgotten":
             self.placement.forget(key)
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
@@ -751,16 +755,26 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """Let ``worker``, which just finished a task, take a stealable task from a busier worker."""
         self.placement.steal_for(self.scheduler, worker)
 
+    def _plan_record(self, key: Any) -> PlanRecord | None:
+        """The dashboard's record of the plan task ``key`` is pinned to, if kept."""
+        block = self.placement.pins.get(key)
+        return self.plan_records.get(block[0]) if block is not None else None
+
     @_guarded
     def _record_finish(self, key: Any, worker: str, startstops: list[dict]) -> None:
         """Add a finished task pinned to a plan to that plan's observed finish on ``worker``."""
-        block = self.placement.pins.get(key)
-        record = self.plan_records.get(block[0]) if block is not None else None
-        if record is None:
-            return
+        record = self._plan_record(key)
         computes = [s for s in startstops if s.get("action") == "compute"]
-        if computes:
-            record.observe(worker, min(s["start"] for s in computes), max(s["stop"] for s in computes))
+        if record is not None and computes:
+            record.observe(worker, min(s["start"] for s in computes), max(s["stop"] for s in computes), key)
+
+    @_guarded
+    def _record_loss(self, key: Any) -> None:
+        """A task pinned to a plan failed, or was forgotten (unfinished, as a cancelled one): its run
+        counts it as lost, so that a run whose tasks all ended shows as ended, not in progress."""
+        record = self._plan_record(key)
+        if record is not None:
+            record.lose(key)
 
     @_guarded
     def log_event(self, topic: str, msg: Any) -> None:
