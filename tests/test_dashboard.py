@@ -539,6 +539,35 @@ def worker_row(address, device, model, error):
     return WorkerRow(address, address, device, model, None, None, 0.5, 0.5, 0, 0, 0, None, None, None, None, error)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.max-plans": 2})
+async def test_tasks_pinned_by_plans_dropped_since_still_count_per_worker(c, s, a, b):
+    """Five persisted balanced arrays, the plugin keeping two plans (``octopus.max-plans``): the blocks of
+    the three dropped plans stay pinned, and each worker's pinned tasks and plans count them (the table
+    and the metrics counted the two kept plans' only, the summary all five)."""
+    from dask_octopus.dashboard.snapshot import take
+
+    await dask_octopus.register(c, calibration_seconds=0.05)
+    ys = [c.persist(await dask_octopus.balance(da.ones((1000 + i, 10), chunks=(100, 10)), client=c))
+          for i in range(5)]
+    await wait(ys)
+    snap = take(s.plugins["octopus"], 10)
+    assert sum(r.pinned for r in snap.workers) == sum(len(y.chunks[0]) for y in ys) == 55
+    assert [r.plans for r in snap.workers] == [5, 5] and snap.plans_active == 5
+
+
+def test_recent_plans_tell_workers_apart_by_their_whole_names():
+    """Workers named ``node (a)`` and ``node (b)``: the plans table shows both names, not ``node`` twice
+    (a label's ``" ("`` was taken for the start of its address)."""
+    a, b = "tcp://h:1", "tcp://h:2"
+    rows = [dataclasses.replace(worker_row(a, "cpu", "CPU", None), name="node (a)"),
+            dataclasses.replace(worker_row(b, "cpu", "CPU", None), name="node (b)"),
+            worker_row("tcp://h:3", "cpu", "CPU", None)]  # named after its address
+    plan = PlanRow("p", 0.0, {a: 1, b: 2, "tcp://h:3": 1}, {}, {}, {}, {}, {}, 0, False)
+    data = columns.page_data(Snapshot(0.0, "tcp://s:1", rows, [], [plan], 1, 1), 2.0)
+    assert data["plans"]["per_worker"] == ["node (a): 1 · node (b): 2 · h:3: 1"]
+    assert data["workers"]["label"][:2] == ["node (a) (h:1)", "node (b) (h:2)"]
+
+
 def test_worker_table_names_gpu_models_only_and_notes_errors():
     rows = [worker_row("tcp://a:1", "gpu", "H200", None), worker_row("tcp://b:1", "cpu", "CPU", None),
             worker_row("tcp://c:1", "gpu", "", "no calibration")]

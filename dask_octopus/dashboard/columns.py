@@ -38,10 +38,16 @@ def clock(when: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(when))
 
 
+def worker_name(address: str, name: str) -> str:
+    """The worker's name, or ``host:port`` for a worker named after its address."""
+    where = address.split("://")[-1]
+    return where if name in (address, where) else str(name)
+
+
 def worker_label(address: str, name: str) -> str:
     """``"name (host:port)"``, or ``host:port`` for a worker named after its address."""
-    where = address.split("://")[-1]
-    return where if name in (address, where) else f"{name} ({where})"
+    where, short = address.split("://")[-1], worker_name(address, name)
+    return where if short == where else f"{short} ({where})"
 
 
 def _workers(rows: list[WorkerRow], colors: dict[str, str]) -> dict[str, list[Any]]:
@@ -143,8 +149,7 @@ def _per_worker(values: dict[str, Any], labels: dict[str, str], fmt: str) -> str
     return " · ".join(f"{labels.get(w, w)}: {fmt.format(values[w])}" for w in sorted(values)) or "-"
 
 
-def _plans(plans: list[PlanRow], labels: dict[str, str]) -> dict[str, list[Any]]:
-    short = {w: label.split(" (")[0] for w, label in labels.items()}
+def _plans(plans: list[PlanRow], short: dict[str, str]) -> dict[str, list[Any]]:
     return {
         "plan": [p.name for p in plans],
         "made": [clock(p.made) for p in plans],
@@ -195,5 +200,5 @@ def page_data(snap: Snapshot, refresh: float) -> dict[str, Any]:
         "memory": _history(snap.history, snap.time, labels, 1, colors),
         "latest": latest,
         "latest_title": title,
-        "plans": _plans(snap.plans, labels),
+        "plans": _plans(snap.plans, {r.address: worker_name(r.address, r.name) for r in snap.workers}),
     }

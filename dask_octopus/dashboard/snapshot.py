@@ -107,14 +107,19 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
     weights, samples = plugin.current_weights()
     placement = plugin.placement
     tasks = scheduler.tasks
-    per_block = Counter(block for key, block in placement.pins.items()
-                        if key in tasks and tasks[key].state not in _IDLE)
     pinned: Counter[str] = Counter()
     active: dict[str, set[str]] = {}
-    for block, n in per_block.items():
+    plan_names = set()
+    for key, block in placement.pins.items():
+        ts = tasks.get(key)
+        if ts is None or ts.state in _IDLE:
+            continue
+        plan_names.add(block[0])
         w = placement.worker_of(block)
+        if w is None and ts.worker_restrictions is not None and len(ts.worker_restrictions) == 1:
+            (w,) = ts.worker_restrictions  # its plan dropped (octopus.max-plans): the task's pin stands
         if w is not None:
-            pinned[w] += n
+            pinned[w] += 1
             active.setdefault(w, set()).add(block[0])
     rows = []
     for addr in sorted(workers):
@@ -142,4 +147,4 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
             lost=len(run.lost) if run else 0, ended=run is not None and run.ended))
     return Snapshot(time=time.time(), scheduler=scheduler.address, workers=rows,
                     history=list(plugin.history.points), plans=plan_rows,
-                    plans_kept=len(placement.plans), plans_active=len({b[0] for b in per_block}))
+                    plans_kept=len(placement.plans), plans_active=len(plan_names))
