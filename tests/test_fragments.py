@@ -113,6 +113,37 @@ async def test_a_worker_s_threads_each_run_a_fragment(c, s, a, blocks):
     assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 2
 
 
+def sent_fragments(s):
+    """The fragments of the fragment tasks in the scheduler's log of the messages it sent its workers."""
+    from dask_octopus.groups.rewrite import fragment_of
+
+    return [fragment_of(msg["run_spec"].data) for bcomm in s.stream_comms.values()
+            for payload in bcomm.recent_message_log if isinstance(payload, list)
+            for msg in payload if isinstance(msg, dict) and msg.get("op") == "compute-task"
+            and key_split(msg["key"]) == FRAGMENT_PREFIX]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_a_fragment_sent_holds_nothing_once_its_task_is_forgotten(c, s, a, blocks):
+    """Dask's log of the messages sent to a worker keeps the last thousand, with the fragments they
+    carried: once Dask forgot a fragment's task, the fragment holds none of its steps or their layout
+    (a fragment of 128 blocks held 216 kB; 280 computes, 490 MiB)."""
+    rec = await setup(c, s, [1.0])
+    x = await c.persist(blocks)
+    await wait(x)
+    expected = float(chain(blocks.compute(scheduler="sync")).sum())
+    for _ in range(2):
+        with dask_octopus.annotate():
+            y = c.compute((x + 0).map_blocks(chain).sum())
+        assert await y == pytest.approx(expected, rel=1e-12)
+        assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 2
+        rec.worker.clear()
+        del y
+        await async_poll_for(lambda: not any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+        sent = sent_fragments(s)
+        assert sent and all(f.__dict__ == {"_specs": b"", "_sent": True} for f in sent), [vars(f).keys() for f in sent]
+
+
 @pytest.mark.parametrize("registered", [False, True])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_tasks_that_nothing_asked_for_needs_stay_out_of_fragments(c, s, a, monkeypatch, registered):

@@ -190,6 +190,7 @@ class Fragment:
     target array). Pickled, they travel as one bytes object, which the fragment then keeps: the
     scheduler that sends it copies it, Dask's logs of sent messages hold it without thousands of
     objects for the garbage collector to walk, and the worker unpickles it once, when the fragment runs.
+    Once the task is forgotten where it was sent from, :meth:`release` drops the rest too.
     """
 
     def __init__(self, members: Mapping[Key, GraphNode], outputs: Iterable[Key], resources: Mapping[Key, str],
@@ -280,6 +281,7 @@ class Fragment:
         the scheduler's records (:attr:`read_before`, :attr:`made`)."""
         copy = object.__new__(Fragment)
         copy.__dict__.update(self.__dict__)
+        copy.__dict__.pop("_sent", None)
         copy.read_before = dict(self.read_before)
         copy.made = dict(self.made)
         return copy
@@ -297,7 +299,17 @@ class Fragment:
         if not isinstance(specs, bytes):
             # sent elsewhere: from now on packed here too (a scheduler keeps no steps' objects alive)
             self._specs = state["_specs"] = _pack(specs)
+        self._sent = True
         return state
+
+    def release(self) -> None:
+        """Drop what this fragment holds (its steps, their layout, the scheduler's records), where it was
+        sent from, once its task is forgotten there: Dask's log of the messages sent to the workers keeps
+        the last thousand, this fragment's among them, whose layout grows with its steps (216 kB for a
+        fragment of 128 blocks; 490 MiB held after 280 computes). Only a fragment that was pickled (sent
+        to another process) is released: a worker in this process may be running this very object."""
+        if self.__dict__.get("_sent"):
+            self.__dict__ = {"_specs": b"", "_sent": True}
 
     def __dask_tokenize__(self) -> Any:
         # what the fragment is (the same keys are the same tasks), without pickling its steps for a token

@@ -562,13 +562,40 @@ class RegroupedRunSpecs(logging.Filter):
             return True
 
 
+def _is_fragment_key(key: Key) -> bool:
+    return type(key) is tuple and bool(key) and type(key[0]) is str and key[0].startswith(FRAGMENT_PREFIX)
+
+
+class SentFragments:
+    """The fragments of the fragment tasks a scheduler holds, each released
+    (:meth:`~dask_octopus.groups.fragment.Fragment.release`) as Dask forgets its task: Dask's log of the
+    messages sent to the workers keeps the last thousand, and with them every fragment sent."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[Key, Fragment] = {}
+
+    def add(self, scheduler: Scheduler, keys: Iterable[Key]) -> None:
+        """Keep the fragments of the fragment tasks among ``keys``, new in ``scheduler``'s graph."""
+        for key in keys:
+            if _is_fragment_key(key) and (ts := scheduler.tasks.get(key)) is not None:
+                fragment = fragment_of(ts.run_spec)
+                if fragment is not None:
+                    self._by_key[key] = fragment
+
+    def forget(self, key: Key) -> None:
+        """Release the fragment of task ``key``, which Dask forgot (nothing for another task)."""
+        fragment = self._by_key.pop(key, None)
+        if fragment is not None:
+            fragment.release()
+
+
 def place_readers(scheduler: Scheduler, key: Key, worker: str) -> None:
     """Where the fragment task ``key`` finished on ``worker``, run the tasks that read nothing else
     there too (those that pick one of its results, :func:`~dask_octopus.groups.rewrite.picks_a_result`,
     and those that read them inline), loosely restricted (elsewhere if it leaves), but those restricted
     already (a plan's pins, the user's): many of one key prefix reading a few tasks, Dask would take
     them for root tasks and place them anywhere, each fetching all of the fragment's results."""
-    if not (type(key) is tuple and key and type(key[0]) is str and key[0].startswith(FRAGMENT_PREFIX)):
+    if not _is_fragment_key(key):
         return
     ts = scheduler.tasks.get(key)
     for dts in ts.dependents if ts is not None else ():

@@ -213,6 +213,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.bad_timings = set()
         # fragment tasks to split: the task, its restrictions and why (logged as it is split)
         self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions, str]] = {}
+        self.sent_fragments = scheduler_groups.SentFragments()  # released as Dask forgets their tasks
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: _Sampler | None = None
@@ -632,6 +633,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             unread += grouped
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members[0])
+        self.sent_fragments.add(scheduler, chain(tasks, made))
         if failed := self._not_loaded_here():
             scheduler_groups.keep_off(scheduler, chain(tasks, made), failed)
         if unread:  # after update_graph: later plugins are still given these keys
@@ -650,6 +652,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self._record_loss(key)
         if finish == "forgotten":
             self.placement.forget(key)
+            self.sent_fragments.forget(key)
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
             worker = kwargs["worker"]
             self.placement.done(key)
