@@ -100,14 +100,15 @@ def _si(value: float | None, unit: str) -> str:
 def profile_table(profiles: dict[str, dict], memory_weights: dict[str, float], title: str) -> Table:
     """A table of :func:`dask_octopus.profiles` with the memory weights beside the compute ones (``-`` for a
     worker that joined between the two calls)."""
-    table = Table(title=title)
+    table = Table(title=Text(title))
     for col in ("worker", "name", "device", "memory", "GEMM", "stream", "weight compute", "weight memory",
                 "task timings", "note"):
         table.add_column(col)
     for addr, p in sorted(profiles.items()):
         device = p.get("name", "?") if p.get("device") == "gpu" else p.get("device", "?")
         memory = format_bytes(p["memory_total"]) if p.get("memory_total") else "-"
-        table.add_row(addr, Text(str(p["name_on_scheduler"])), Text(str(device)), memory,  # (as written: not markup)
+        # names, devices and notes as written, not read as markup (an IPv6 address's brackets, a name's)
+        table.add_row(Text(addr), Text(str(p["name_on_scheduler"])), Text(str(device)), memory,
                       _si(p.get("compute"), "FLOP/s"), _si(p.get("memory"), "B/s"), f"{p['weight']:.3f}",
                       f"{memory_weights[addr]:.3f}" if addr in memory_weights else "-", str(p["samples"]),
                       Text(p.get("error") or ""))
@@ -161,7 +162,7 @@ def _answers(address: str, timeout: float, connection_args: dict[str, Any]) -> N
             raise OSError(f"what answered there is not a Dask server (its first bytes are not Dask's protocol: "
                           f"{type(e).__name__} reading them)") from None
         try:
-            await comm.write({"op": "identity", "reply": True})
+            await comm.write({"op": "identity", "reply": True})  # (a worker's takes no n_workers)
             identity = await comm.read()
         finally:
             await comm.close()

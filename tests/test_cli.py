@@ -335,13 +335,14 @@ def test_profile_table_shows_names_and_notes_as_they_are():
 
     from dask_octopus.cli import profile_table
 
-    profiles = {f"tcp://h:{i}": {"name_on_scheduler": name, "device": "cpu", "weight": 0.5, "samples": 0,
-                                 "error": note} for i, (name, note) in enumerate([("[/x]", None),
-                                                                                  ("[red]gpu-7", "[bold]n")])}
+    profiles = {f"tcp://[fd00::{i}]:8786": {"name_on_scheduler": name, "device": "cpu", "weight": 0.5,
+                                            "samples": 0, "error": note}
+                for i, (name, note) in enumerate([("[/x]", None), ("[red]gpu-7", "[bold]n")])}
     out = Console(width=200, record=True)
-    out.print(profile_table(profiles, {}, "t"))
+    out.print(profile_table(profiles, {}, "profiles at tcp://[fd00::9]:8786"))
     text = out.export_text()
     assert "[/x]" in text and "[red]gpu-7" in text and "[bold]n" in text
+    assert "tcp://[fd00::0]:8786" in text and "profiles at tcp://[fd00::9]:8786" in text
 
 
 def test_module_entry_point():

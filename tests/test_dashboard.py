@@ -339,18 +339,19 @@ def test_a_run_whose_other_tasks_failed_or_were_cancelled_has_ended():
     """A run whose tasks did not all finish, but none is left to run (failed, cancelled): ended, not in
     progress for ever; a task that finished and is forgotten later was not lost."""
     r = PlanRecord("x", 0.0, ["a", "b"], [1.0, 1.0], {"a": 0.5, "b": 0.5})
-    r.restart(["k0", "k1", "k2"])
+    r.restart(["k0", "k1", "k2", "k3"])
     r.observe("a", 1.0, 2.0, "k0")
     r.lose("k0")  # (forgotten once its result was released)
     r.lose("other")  # (not of this run)
-    assert not r.current.ended and r.current.lost == set()
+    assert not r.current.ended and r.current.lost == 0
+    r.drop("k3")  # (split into its members: its parts finish instead)
+    r.lose("k3")
     r.lose("k1")
-    assert not r.current.ended
+    assert not r.current.ended and r.current.lost == 1
     r.lose("k2")
-    assert r.current.ended and not r.current.complete and r.current.lost == {"k1", "k2"}
-    assert r.done is None and r.shown() is r.current
-    r.observe("b", 3.0, 4.0, "k1")  # retried (client.retry): finished after all
-    assert r.current.lost == {"k2"} and r.current.finished == {"k0", "k1"}
+    r.lose("k2")
+    assert r.current.ended and not r.current.complete and r.current.lost == 2
+    assert r.done is None and r.shown() is r.current and r.current.pending == set()
     assert spread([1.0, 0.5]) == 0.5 and spread([1.0]) is None and spread([0.0, 0.0]) is None
 
 
@@ -360,7 +361,7 @@ def test_plan_records_keep_the_most_recent_plans():
         records.add(PlanRecord(name, 0.0, ["a"], [1.0], {"a": 1.0}))
     assert [r.name for r in records.latest(5)] == ["z", "y"] and records.get("x") is None
     records.restart({"y": ["a", "b", "c", "d"], "x": ["e"]})
-    assert records.get("y").current.expected == 4 and records.get("y").current.keys == {"a", "b", "c", "d"}
+    assert records.get("y").current.expected == 4 and records.get("y").current.pending == {"a", "b", "c", "d"}
 
 
 def test_observed_finish_is_scaled_to_seconds_against_the_prediction():

@@ -196,6 +196,9 @@ def test_a_worker_that_lacks_the_package_cannot_join_once_the_plugin_is_there(tm
                              timeout=60)
         assert out.returncode != 0 and "Worker failed to start" in out.stderr, out.stderr
         assert "ModuleNotFoundError: No module named 'dask_octopus.plugins'" in out.stderr, out.stderr
+        deadline = time.monotonic() + 30  # (the scheduler registered it, and removes it once its comm closed)
+        while c.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert c.scheduler_info()["workers"] == {}
 
 

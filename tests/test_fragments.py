@@ -113,6 +113,22 @@ async def test_a_worker_s_threads_each_run_a_fragment(c, s, a, blocks):
     assert [key_split(k) for k in rec.worker].count(FRAGMENT_PREFIX) == 2
 
 
+def test_only_a_fragment_pickled_here_is_released_and_not_a_copy_made_of_it():
+    """``release`` empties a fragment pickled (sent) from this process only: one never sent (an
+    in-process worker may be running it), a copy, and what another process unpickles keep their steps."""
+    frag = two_chains()
+    frag.release()
+    assert frag.names  # never pickled: kept
+    received = pickle.loads(pickle.dumps(frag))  # (frag sent)
+    copied = frag.copy()
+    again = pickle.loads(pickle.dumps(frag))  # (sent again: to another worker, say)
+    frag.release()
+    assert not hasattr(frag, "names")
+    for kept in (copied, again):
+        kept.release()
+        assert kept.names == received.names and kept.specs()
+
+
 def sent_fragments(s):
     """The fragments of the fragment tasks in the scheduler's log of the messages it sent its workers."""
     from dask_octopus.groups.rewrite import fragment_of

@@ -73,12 +73,11 @@ class Run:
     """One run of a plan's pinned tasks: those of one graph, from its first start to each worker's last stop."""
 
     expected: int  #: pinned tasks in the graph that started the run
-    keys: frozenset = frozenset()  #: their keys (none known for a run of tasks pinned before the record)
+    pending: set = field(default_factory=set)  #: the keys of those that have neither finished nor been lost
     first_start: float | None = None  #: earliest start of its tasks seen (seconds since the epoch)
     stops: dict[str, float] = field(default_factory=dict)  #: latest stop of its tasks, per worker
     tasks: dict[str, int] = field(default_factory=dict)  #: its tasks finished, per worker
-    finished: set = field(default_factory=set)  #: the keys of ``keys`` that finished
-    lost: set = field(default_factory=set)  #: the keys of ``keys`` that failed or were forgotten unfinished
+    lost: int = 0  #: its tasks that failed or were forgotten unfinished
 
     @property
     def complete(self) -> bool:
@@ -87,8 +86,8 @@ class Run:
 
     @property
     def ended(self) -> bool:
-        """Whether every task of the run finished, failed or was cancelled (no task of it is left to run)."""
-        return self.complete or (bool(self.lost) and len(self.finished) + len(self.lost) >= len(self.keys))
+        """Whether no task of the run is left to run: each finished, failed or was cancelled."""
+        return self.complete or (self.lost > 0 and not self.pending)
 
     def finish(self) -> dict[str, float]:
         """Seconds from the run's first start to each worker's last stop."""
@@ -101,14 +100,18 @@ class Run:
         self.first_start = start if self.first_start is None else min(self.first_start, start)
         self.stops[worker] = max(self.stops.get(worker, stop), stop)
         self.tasks[worker] = self.tasks.get(worker, 0) + 1
-        if key in self.keys:
-            self.finished.add(key)
-            self.lost.discard(key)  # (an erred task the user retried)
+        self.pending.discard(key)
 
     def lose(self, key: Any) -> None:
         """Count task ``key`` of the run, unless it finished, as failed or cancelled: it will not finish."""
-        if key in self.keys and key not in self.finished:
-            self.lost.add(key)
+        if key in self.pending:
+            self.pending.remove(key)
+            self.lost += 1
+
+    def drop(self, key: Any) -> None:
+        """Task ``key`` of the run does its work under other keys from now on (a fragment split into its
+        members): neither finished nor lost."""
+        self.pending.discard(key)
 
 
 @dataclass
@@ -152,7 +155,7 @@ class PlanRecord:
 
     def restart(self, keys: Collection[Any]) -> None:
         """A graph with the tasks ``keys`` pinned to the plan arrived: a new run begins."""
-        self.current = Run(len(keys), frozenset(keys))
+        self.current = Run(len(keys), set(keys))
 
     def observe(self, worker: str, start: float, stop: float, key: Any = None) -> None:
         """Add one pinned task (``key``) that ran from ``start`` to ``stop`` on ``worker`` to the current run."""
@@ -166,6 +169,11 @@ class PlanRecord:
         """Task ``key``, pinned to the plan, failed or was forgotten: :meth:`Run.lose` of the current run."""
         if self.current is not None:
             self.current.lose(key)
+
+    def drop(self, key: Any) -> None:
+        """:meth:`Run.drop` of the current run."""
+        if self.current is not None:
+            self.current.drop(key)
 
 
 class PlanRecords:

@@ -144,7 +144,7 @@ def take(plugin: OctopusSchedulerPlugin, plans: int = 10) -> Snapshot:
             weights=dict(record.weights), predicted=record.predicted(),
             observed=run.finish() if run else {}, tasks=dict(run.tasks) if run else {},
             expected=run.expected if run else 0, complete=run is not None and run.complete,
-            lost=len(run.lost) if run else 0, ended=run is not None and run.ended))
+            lost=run.lost if run else 0, ended=run is not None and run.ended))
     return Snapshot(time=time.time(), scheduler=scheduler.address, workers=rows,
                     history=list(plugin.history.points), plans=plan_rows,
                     plans_kept=len(placement.plans), plans_active=len(plan_names))

@@ -295,6 +295,7 @@ class Fragment:
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**self.__dict__, "read_before": {}, "made": {}}  # (the scheduler's alone)
+        state.pop("_sent", None)  # (a copy unpickled elsewhere was not sent from there)
         specs = self._specs
         if not isinstance(specs, bytes):
             # sent elsewhere: from now on packed here too (a scheduler keeps no steps' objects alive)

@@ -165,13 +165,15 @@ def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     """The costs given as numbers, one per item of ``n``; raise ``ValueError`` for any other count, or
     a cost that is not a finite number >= 0, ``TypeError`` for a mapping (its keys would be read as the
     costs) or a cost that is not a number."""
-    wrong = TypeError(f"cost must be a callable, one number per item or None, got {type(cost).__name__} {cost!r}")
+    def wrong() -> TypeError:
+        return TypeError(f"cost must be a callable, one number per item or None, got {type(cost).__name__} {cost!r}")
+
     if isinstance(cost, str | bytes | Mapping) or not isinstance(cost, Iterable):
-        raise wrong
+        raise wrong()
     try:
         out = list(cost)
     except TypeError:  # iterable by its type only (a NumPy 0-d array)
-        raise wrong from None
+        raise wrong() from None
     if len(out) != n:
         raise ValueError(f"cost has {len(out)} entries for {n} items")
     check_costs(out)

@@ -230,6 +230,9 @@ def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
                 "or start the scheduler with --preload dask_octopus"
             )
         reply = client.sync(getattr(client.scheduler, handler), **kwargs)  # registered meanwhile
+        if reply is None:  # (unregistered meanwhile, or a plugin that has not started yet)
+            raise NotRegisteredError("dask_octopus is not registered on this scheduler now: call "
+                                     "dask_octopus.register(client) once it started")
     if isinstance(reply, dict) and ERROR in reply:
         raise ValueError(reply[ERROR])
     return reply

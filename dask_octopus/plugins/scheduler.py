@@ -705,6 +705,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         cannot be split runs again whole, as Dask would run it."""
         while self.held:
             key, (ts, held, why) = self.held.popitem()
+            if (record := self._plan_record(key)) is not None:  # (its parts finish, not it: not a loss)
+                record.drop(key)
             try:
                 parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
                                                         lambda k, f=key: self.placement.inherit(k, f))
