@@ -124,10 +124,8 @@ def _latest(plans: list[PlanRow], labels: dict[str, str], colors: dict[str, str]
     made = f"{html.escape(str(plan.name))}, made at {clock(plan.made)}"  # the page shows it as HTML
     if not plan.observed:
         return data, f"Latest plan ({made}): not run yet"
-    done = sum(plan.tasks.values())
-    what = ("latest complete run" if plan.complete else
-            f"run ended, {done} of {_tasks(plan.expected)} finished, {plan.lost} failed or cancelled" if plan.ended
-            else f"run in progress, {done} of {_tasks(plan.expected)}")
+    what = "latest complete run" if plan.complete else \
+        f"run {'ended' if plan.ended else 'in progress'}, {_progress(plan)}"
     return data, (f"Latest plan ({made}), {what}: finish spread {percent(plan.observed_spread)} observed, "
                   f"{percent(plan.predicted_spread)} predicted")
 
@@ -136,13 +134,19 @@ def _tasks(n: int) -> str:
     return f"{n} task" if n == 1 else f"{n} tasks"
 
 
+def _progress(plan: PlanRow) -> str:
+    """``n of N tasks`` of a run not complete, with those failed or cancelled once it ended."""
+    done = f"{sum(plan.tasks.values())} of {_tasks(plan.expected)}"
+    return f"{done} finished, {plan.lost} failed or cancelled" if plan.ended else done
+
+
 def _run(plan: PlanRow) -> str:
     done = sum(plan.tasks.values())
     if plan.complete:
         return f"done, {_tasks(done)}"
-    if plan.ended:
-        return f"ended, {done} of {_tasks(plan.expected)} finished, {plan.lost} failed or cancelled"
-    return f"running, {done} of {_tasks(plan.expected)}" if plan.expected or done else "not run"
+    if not (plan.expected or done):
+        return "not run"
+    return f"{'ended' if plan.ended else 'running'}, {_progress(plan)}"
 
 
 def _per_worker(values: dict[str, Any], labels: dict[str, str], fmt: str) -> str:

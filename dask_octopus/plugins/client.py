@@ -208,6 +208,19 @@ def _run_on_scheduler(client: Client, func: Callable[..., Any]) -> Any:
         ) from e
 
 
+def _not_registered(client: Client) -> NotRegisteredError:
+    """Why the plugin's handler did not answer on ``client``'s scheduler, asked there."""
+    missing = _run_on_scheduler(client, _missing_plugin)
+    if missing:
+        return NotRegisteredError(f"dask_octopus is not registered on this scheduler: its --preload dask_octopus "
+                                  f"failed there: {missing}")
+    if missing is not None:
+        return NotRegisteredError("dask_octopus is not registered on this scheduler: call "
+                                  "dask_octopus.register(client) or start the scheduler with --preload dask_octopus")
+    return NotRegisteredError("dask_octopus's plugin did not answer on this scheduler: it was starting, or was "
+                              "unregistered meanwhile; call again")
+
+
 def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     """Call one of the plugin's RPC handlers, with a clear error if the plugin is absent; the ``octopus``
     settings of this process checked first (:func:`~dask_octopus.config.check_all`: a misspelt key is read
@@ -220,19 +233,7 @@ def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     client = client_of(client)
     reply = client.sync(getattr(client.scheduler, handler), **kwargs)
     if reply is None:
-        missing = _run_on_scheduler(client, _missing_plugin)
-        if missing:
-            raise NotRegisteredError(f"dask_octopus is not registered on this scheduler: its --preload "
-                                     f"dask_octopus failed there: {missing}")
-        if missing is not None:
-            raise NotRegisteredError(
-                "dask_octopus is not registered on this scheduler: call dask_octopus.register(client) "
-                "or start the scheduler with --preload dask_octopus"
-            )
-        reply = client.sync(getattr(client.scheduler, handler), **kwargs)  # registered meanwhile
-        if reply is None:  # (unregistered meanwhile, or a plugin that has not started yet)
-            raise NotRegisteredError("dask_octopus is not registered on this scheduler now: call "
-                                     "dask_octopus.register(client) once it started")
+        raise _not_registered(client)
     if isinstance(reply, dict) and ERROR in reply:
         raise ValueError(reply[ERROR])
     return reply
