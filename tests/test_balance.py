@@ -1102,6 +1102,21 @@ def test_tasks_of_a_dropped_plan_stay_pinned_to_live_workers_when_workers_change
     assert tasks[("y", 1)].worker_restrictions is None and ("y", 1) not in placement.pins
 
 
+def test_a_task_made_of_several_takes_the_pin_of_the_first_pinned_one():
+    """A fragment (or a split fragment's part) is pinned as the first of its members that is pinned: a
+    fragment whose first member reads no planned block (made inside it) counts in its plan's runs and
+    pins all the same."""
+    tasks = {("y", 0): task_state(("y", 0))}
+    placement = Placement()
+    placement.add_plan("y", ["a"])
+    assert placement.update_graph(Stub(tasks=tasks), list(tasks)) == 1
+    placement.inherit("fragment", ["made-inside", ("y", 0)])
+    placement.inherit("other", ["made-inside"])
+    assert placement.pins["fragment"] == ("y", 0) and "other" not in placement.pins
+    placement.forget(("y", 0))
+    assert placement.pins == {"fragment": ("y", 0)}
+
+
 def test_rehome_without_weights_changes_nothing():
     """With no worker weights known (none calibrated yet) the pins stay as they are, rather than failing
     (which would make the plugin loosen every pin)."""

@@ -127,6 +127,29 @@ def test_a_run_with_a_failed_task_shows_as_ended_not_running(dashboard_cluster):
     assert re.fullmatch(r"ended, \d+ of \d+ tasks finished, [1-9]\d* failed or cancelled", balance_run), balance_run
 
 
+def slowly_increased(block):
+    time.sleep(0.02)
+    return block + 1
+
+
+def test_an_annotated_compute_of_blocks_still_being_persisted_shows_its_own_run(dashboard_cluster):
+    """Balanced blocks persisted and, before they are all in memory, an annotated compute reading them:
+    the plan's latest complete run is that compute's (its fragment on each worker, each counted once),
+    not the persist's blocks that finished meanwhile (counted as its finish: 18 "tasks" of 2)."""
+    lc, _, _ = dashboard_cluster
+    plugin = lc.scheduler.plugins["octopus"]
+    x = dask_octopus.balance(da.ones((4000, 10), chunks=(100, 10)), per_worker=4)
+    x = x.map_blocks(slowly_increased, dtype=x.dtype).persist()
+    with dask_octopus.annotate():
+        assert (x * 2).sum().compute() == 4 * 4000 * 10
+    wait(x)
+    (record,) = plugin.plan_records.latest(5)
+    wait_for(lambda: record.done is not None and record.done is record.current)
+    run = record.done
+    assert run.tasks == dict.fromkeys(lc.scheduler.workers, 1), run
+    assert run.expected == 2 and set(run.finish()) == set(lc.scheduler.workers)
+
+
 def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
     lc, client, port = dashboard_cluster
     workers = sorted(lc.scheduler.workers)
@@ -344,15 +367,44 @@ def test_a_run_whose_other_tasks_failed_or_were_cancelled_has_ended():
     r.lose("k0")  # (forgotten once its result was released)
     r.lose("other")  # (not of this run)
     assert not r.current.ended and r.current.lost == 0
-    r.drop("k3")  # (split into its members: its parts finish instead)
+    r.split("k3", ["p0", "p1"])  # (split into its members: its parts finish instead, and count in its place)
     r.lose("k3")
     r.lose("k1")
-    assert not r.current.ended and r.current.lost == 1
+    assert not r.current.ended and r.current.lost == 1 and r.current.expected == 5
+    r.observe("b", 2.0, 3.0, "p0")
+    r.lose("p1")
     r.lose("k2")
     r.lose("k2")
-    assert r.current.ended and not r.current.complete and r.current.lost == 2
+    assert r.current.ended and not r.current.complete and r.current.lost == 3
     assert r.done is None and r.shown() is r.current and r.current.pending == set()
+    assert r.current.tasks == {"a": 1, "b": 1}
     assert spread([1.0, 0.5]) == 0.5 and spread([1.0]) is None and spread([0.0, 0.0]) is None
+
+
+def test_a_run_counts_its_own_tasks_once_each():
+    """A task of an earlier graph that finishes once the next graph's run began counts in its own run,
+    not the new one; a task computed again (its worker left) counts once; an earlier run that completes
+    after a later one does not hide it. The dashboard showed a persist's blocks, still running, as the
+    finish of the annotated compute that read them (its two fragments "complete" at the second block)."""
+    r = PlanRecord("x", 0.0, ["a", "b"], [1.0, 1.0], {"a": 0.5, "b": 0.5})
+    r.restart(["k0", "k1", "k2"])
+    r.observe("a", 1.0, 2.0, "k0")
+    r.restart(["f0", "f1"])
+    first, second = r._open
+    r.observe("a", 2.0, 3.0, "k1")
+    r.observe("b", 2.0, 3.5, "k2")
+    assert first.complete and r.done is first and first.tasks == {"a": 2, "b": 1}
+    assert second.tasks == {} and not second.ended and r.current is second
+    r.observe("a", 3.0, 4.0, "f0")
+    r.observe("b", 3.0, 5.0, "f0")  # (computed again elsewhere: counted once)
+    assert second.tasks == {"a": 1} and not second.complete
+    r.observe("b", 3.0, 6.0, "f1")
+    assert r.done is second and second.tasks == {"a": 1, "b": 1} and second.finish() == {"a": 1.0, "b": 3.0}
+    r.restart(["g0"])
+    r.restart(["h0"])
+    r.observe("a", 7.0, 8.0, "h0")
+    r.observe("a", 7.0, 9.0, "g0")  # an earlier run completing later
+    assert r.done.finish() == {"a": 1.0} and r.done.number == 3 and not r._open
 
 
 def test_plan_records_keep_the_most_recent_plans():

@@ -348,6 +348,25 @@ async def test_a_worker_killed_mid_fragment_loses_nothing(c, s, a, b):
     assert len(parts) >= 2 and {key_split(k) for k in parts} <= {"sum", "sum-partial"}, parts
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
+async def test_a_balanced_fragment_split_as_its_worker_left_counts_its_parts_in_the_plan_s_run(c, s, a, b):
+    """The fragment of a worker killed mid-run runs again as one task per member: they count in the
+    plan's run in its place (the dashboard's "n of N tasks"), not the fragment as failed."""
+    await setup(c, s, [1.0, 1.0])
+    x = await run_balance(c, da.random.default_rng(2).random((64 * 4, 6), chunks=(4, 6)), per_worker=32)
+    expected = float(chain(x.compute(scheduler="sync")).sum())
+    with dask_octopus.annotate():
+        fut = c.compute(x.map_blocks(slow_chain, dtype=float).sum())
+    victim = min(s.workers)
+    await async_poll_for(lambda: sum(m["worker"] == victim for _, m in s.get_events("slow-chain")) >= 2, 30)
+    survivor = (a if a.worker_address != victim else b).worker_address
+    await (a if a.worker_address == victim else b).kill()
+    assert await fut == pytest.approx(expected, rel=1e-12)
+    run = s.plugins["octopus"].plan_records.get(x.name).current
+    # (the survivor's fragment, and the parts of the victim's: one per block and partial sum)
+    assert run.complete and run.lost == 0 and run.expected > 2 and run.tasks == {survivor: run.expected}, run
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_dataframe_map_partitions_then_groupby_agg(c, s, a, b):
     rec = await setup(c, s, [1.0, 1.0])
@@ -522,8 +541,11 @@ async def test_a_split_fragment_whose_first_part_reads_a_later_one_runs_exact(c,
     await async_poll_for(lambda: fkey in s.tasks and s.tasks[fkey].state == "waiting", 10)
     ts = s.tasks[fkey]
     ts.suspicious = 1  # as if its worker had left while running it
-    parts = scheduler_groups.split_fragment(s, ts, scheduler_groups.hold_if_lost(ts), "test")
+    made = []  # (the plugin pins the new tasks and counts the parts in the plan's run before the fragment goes)
+    parts = scheduler_groups.split_fragment(s, ts, scheduler_groups.hold_if_lost(ts), "test",
+                                            lambda *new: made.append((*new, s.tasks.get(fkey) is ts)))
     assert [key_split(k) for k in parts] == ["b-" + FRAGMENT_PREFIX, "a-" + FRAGMENT_PREFIX]
+    assert made == [(parts, [k for k in s.tasks if k not in graph and k not in parts], True)]
     assert fkey not in s.tasks and s.tasks["out"].state == "waiting"
     await Event("gate").set()
     assert await out == -5 + -2

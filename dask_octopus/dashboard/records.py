@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +70,13 @@ class WeightHistory:
 
 @dataclass
 class Run:
-    """One run of a plan's pinned tasks: those of one graph, from its first start to each worker's last stop."""
+    """One run of a plan's pinned tasks: those of one graph, from its first start to each worker's last stop.
+    Only its own tasks count, each once: a task of an earlier graph still running, or one of its tasks
+    computed again (its worker left), is not counted."""
 
-    expected: int  #: pinned tasks in the graph that started the run
+    expected: int  #: its tasks: those pinned in the graph that started the run, with the parts of those split
     pending: set = field(default_factory=set)  #: the keys of those that have neither finished nor been lost
+    number: int = 0  #: its place among its plan's runs (0 for the first)
     first_start: float | None = None  #: earliest start of its tasks seen (seconds since the epoch)
     stops: dict[str, float] = field(default_factory=dict)  #: latest stop of its tasks, per worker
     tasks: dict[str, int] = field(default_factory=dict)  #: its tasks finished, per worker
@@ -81,13 +84,13 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        """Whether every expected task finished."""
-        return sum(self.tasks.values()) >= self.expected
+        """Whether every task of the run finished."""
+        return not self.pending and self.lost == 0
 
     @property
     def ended(self) -> bool:
         """Whether no task of the run is left to run: each finished, failed or was cancelled."""
-        return self.complete or (self.lost > 0 and not self.pending)
+        return not self.pending
 
     def finish(self) -> dict[str, float]:
         """Seconds from the run's first start to each worker's last stop."""
@@ -95,29 +98,43 @@ class Run:
             return {}
         return {w: stop - self.first_start for w, stop in self.stops.items()}
 
-    def observe(self, worker: str, start: float, stop: float, key: Any = None) -> None:
-        """Add one task (``key``) that ran from ``start`` to ``stop`` on ``worker``."""
+    def observe(self, worker: str, start: float, stop: float, key: Any) -> bool:
+        """Add task ``key``, which ran from ``start`` to ``stop`` on ``worker``, if it is one of the run's
+        that had not finished. Returns whether it was."""
+        if key not in self.pending:
+            return False
+        self.pending.remove(key)
         self.first_start = start if self.first_start is None else min(self.first_start, start)
         self.stops[worker] = max(self.stops.get(worker, stop), stop)
         self.tasks[worker] = self.tasks.get(worker, 0) + 1
-        self.pending.discard(key)
+        return True
 
-    def lose(self, key: Any) -> None:
-        """Count task ``key`` of the run, unless it finished, as failed or cancelled: it will not finish."""
-        if key in self.pending:
-            self.pending.remove(key)
-            self.lost += 1
+    def lose(self, key: Any) -> bool:
+        """Count task ``key`` of the run, unless it finished, as failed or cancelled: it will not finish.
+        Returns whether it was one of the run's that had not finished."""
+        if key not in self.pending:
+            return False
+        self.pending.remove(key)
+        self.lost += 1
+        return True
 
-    def drop(self, key: Any) -> None:
-        """Task ``key`` of the run does its work under other keys from now on (a fragment split into its
-        members): neither finished nor lost."""
-        self.pending.discard(key)
+    def split(self, key: Any, parts: Collection[Any]) -> bool:
+        """Task ``key`` of the run does its work as the tasks ``parts`` from now on (a fragment split into
+        its members): they count in its place. Returns whether ``key`` was one of the run's that had
+        not finished."""
+        if key not in self.pending:
+            return False
+        self.pending.remove(key)
+        self.pending.update(parts)
+        self.expected += len(parts) - 1
+        return True
 
 
 @dataclass
 class PlanRecord:
     """A plan as made, and its runs: each graph with tasks pinned to the plan starts one (:meth:`restart`);
-    each pinned task that finishes is added to the current run (:meth:`observe`)."""
+    each pinned task that finishes is added to its run (:meth:`observe`). The runs of earlier graphs
+    whose tasks are still running are followed too (at most ``open_runs``)."""
 
     name: str  #: the collection's key name
     made: float  #: when the plan arrived (seconds since the epoch)
@@ -126,6 +143,8 @@ class PlanRecord:
     weights: dict[str, float]  #: each worker's weight when the plan was made, times the blocks it runs at once
     current: Run | None = None  #: the latest run
     done: Run | None = None  #: the latest complete run
+    open_runs: int = 8  #: the runs not ended followed at most, the latest included
+    _open: deque[Run] = field(default_factory=deque, repr=False)  #: those runs, oldest first
 
     def blocks(self) -> dict[str, int]:
         """Blocks per worker."""
@@ -155,25 +174,39 @@ class PlanRecord:
 
     def restart(self, keys: Collection[Any]) -> None:
         """A graph with the tasks ``keys`` pinned to the plan arrived: a new run begins."""
-        self.current = Run(len(keys), set(keys))
+        number = self.current.number + 1 if self.current is not None else 0
+        self.current = Run(len(keys), set(keys), number)
+        self._open.append(self.current)
+        while len(self._open) > self.open_runs:
+            self._open.popleft()
 
-    def observe(self, worker: str, start: float, stop: float, key: Any = None) -> None:
-        """Add one pinned task (``key``) that ran from ``start`` to ``stop`` on ``worker`` to the current run."""
-        if self.current is None:  # pinned before this record was made: a run of unknown size
-            self.current = Run(0)
-        self.current.observe(worker, start, stop, key)
-        if self.current.complete:
-            self.done = self.current
+    def _settle(self, run: Run) -> None:
+        """``run`` changed: it is the latest complete run unless a later one is; one that ended is no
+        longer followed."""
+        if run.complete and (self.done is None or run.number > self.done.number):
+            self.done = run
+        if run.ended:
+            self._open.remove(run)
+
+    def _apply(self, change: Callable[[Run], bool]) -> None:
+        """Apply ``change`` to the followed runs, the latest first (most tasks are its), up to the first
+        it applies to (which returns ``True``)."""
+        for run in reversed(self._open):
+            if change(run):
+                self._settle(run)
+                return
+
+    def observe(self, worker: str, start: float, stop: float, key: Any) -> None:
+        """Add the pinned task ``key``, which ran from ``start`` to ``stop`` on ``worker``, to its run."""
+        self._apply(lambda run: run.observe(worker, start, stop, key))
 
     def lose(self, key: Any) -> None:
-        """Task ``key``, pinned to the plan, failed or was forgotten: :meth:`Run.lose` of the current run."""
-        if self.current is not None:
-            self.current.lose(key)
+        """Task ``key``, pinned to the plan, failed or was forgotten: :meth:`Run.lose` of its run."""
+        self._apply(lambda run: run.lose(key))
 
-    def drop(self, key: Any) -> None:
-        """:meth:`Run.drop` of the current run."""
-        if self.current is not None:
-            self.current.drop(key)
+    def split(self, key: Any, parts: Collection[Any]) -> None:
+        """:meth:`Run.split` of the run of ``key``."""
+        self._apply(lambda run: run.split(key, parts))
 
 
 class PlanRecords:

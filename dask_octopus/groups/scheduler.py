@@ -762,17 +762,18 @@ def _named_for(key: Key, fkey: Key, prefix: str, j: int) -> Key:
 
 
 def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str,
-                   made: Callable[[Key], None] | None = None) -> list[Key]:
+                   made: Callable[[list[Key], list[Key]], None] | None = None) -> list[Key]:
     """Run the fragment task ``ts``, held by :func:`hold_if_lost` after its worker left while running it
     or by :func:`hold_if_too_large`, as one fragment task per member
     (:meth:`~dask_octopus.groups.fragment.Fragment.split`), so that a member that takes its worker down
     fails (``KilledWorker``) only what reads it, and each part holds its own inputs only, as without
     fragments. Each task that read the fragment reads, instead, a task that gathers the results it
     picks from the parts that make them; the parts run in the fragment's order (their priorities), the
-    fragment task is forgotten. ``made`` is called with each new task's key before any runs (the plugin
-    pins them as the fragment was). Returns the parts' keys; ``[]`` where the task is left as it was,
-    no longer held: it is not waiting to run (forgotten, cancelled), has one member, or a
-    :class:`ValueError` said why it cannot be split, before anything changed.
+    fragment task is forgotten. ``made`` is called with the parts' keys and the gatherers' before
+    any runs and before the fragment task is forgotten (the plugin pins them as the fragment was).
+    Returns the parts' keys; ``[]`` where the task is left as it was, no longer held: it is not waiting
+    to run (forgotten, cancelled), has one member, or a :class:`ValueError` said why it cannot be split,
+    before anything changed.
     """
     key = ts.key
     if scheduler.tasks.get(key) is not ts:  # forgotten meanwhile (and perhaps made again)
@@ -818,8 +819,8 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
             nts.group.span_id = ts.group.span_id
     for k, spec in specs.items():  # (a part may read a part made after it)
         _relink(tasks[k], spec.dependencies, tasks)
-    for k in specs if made is not None else ():
-        made(k)
+    if made is not None:
+        made(list(parts), list(readers.values()))
     for rts, ckey in readers.items():
         rts.run_spec = rts.run_spec.substitute({key: ckey})
         _relink(rts, rts.run_spec.dependencies, tasks)

@@ -303,9 +303,10 @@ class Placement:
         block = self.planned_block(key, run_spec)
         return self.worker_of(block) if block is not None and not self.stealable(block) else None
 
-    def inherit(self, key: Key, member: Key) -> None:
-        """Pin the new task ``key``, which does the work of ``member``, with ``member``'s block."""
-        if member in self.pins:
+    def inherit(self, key: Key, members: Iterable[Key]) -> None:
+        """Pin the new task ``key``, which does the work of ``members``, with the block of the first of them
+        that is pinned (none where none is)."""
+        if (member := next((m for m in members if m in self.pins), None)) is not None:
             self._set_pin(key, self.pins[member])
             self._index(key, self._pinned_on.get(member))
 

@@ -632,7 +632,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                                                  set(unread), self.placement.planned_block)
             unread += grouped
             for gkey, members in made.items():
-                self.placement.inherit(gkey, members[0])
+                self.placement.inherit(gkey, members)
         self.sent_fragments.add(scheduler, chain(tasks, made))
         if failed := self._not_loaded_here():
             scheduler_groups.keep_off(scheduler, chain(tasks, made), failed)
@@ -705,11 +705,9 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         cannot be split runs again whole, as Dask would run it."""
         while self.held:
             key, (ts, held, why) = self.held.popitem()
-            if (record := self._plan_record(key)) is not None:  # (its parts finish, not it: not a loss)
-                record.drop(key)
             try:
                 parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
-                                                        lambda k, f=key: self.placement.inherit(k, f))
+                                                        functools.partial(self._split_made, key))
             except Exception as e:  # raised before anything changed
                 (logger.info if isinstance(e, ValueError) else logger.exception)(
                     "dask_octopus: fragment task %s runs whole: %s", key, e)
@@ -718,6 +716,15 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if parts:
                 logger.info("dask_octopus: fragment task %s, %s, runs as %d tasks, one per member", key, why,
                             len(parts))
+
+    def _split_made(self, key: Any, parts: list, gatherers: list) -> None:
+        """The fragment task ``key`` is split into ``parts`` (and the ``gatherers`` of their results for its
+        readers): pinned as it was, the parts count in its run in its place (not as a loss once it is
+        forgotten)."""
+        for k in chain(parts, gatherers):
+            self.placement.inherit(k, (key,))
+        if (record := self._plan_record(key)) is not None:
+            record.split(key, parts)
 
     @_guarded
     def _refine(self, key: Any, worker: str, kwargs: dict[str, Any], share: float) -> None:
