@@ -105,6 +105,20 @@ def fails_on_block_three(block, block_info=None):
     return block
 
 
+def test_without_dask_s_dashboard_the_page_does_not_link_to_it():
+    """A scheduler without Dask's own dashboard (``dask scheduler --no-dashboard``) still serves the page
+    and its data, with no link to a Dask dashboard that is not there (a 404)."""
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+                      scheduler_kwargs={"dashboard": False}) as lc, Client(lc) as client:
+        dask_octopus.register(client, calibration_seconds=0.05)
+        port = lc.scheduler.http_server.port
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            get(port, "status")
+        assert get(port, "octopus")[0] == 200
+        summary = json.loads(get(port, "octopus/data.json")[2])["summary"]
+        assert summary.endswith("Refreshed every 2 s.") and "href" not in summary, summary
+
+
 def test_a_run_with_a_failed_task_shows_as_ended_not_running(dashboard_cluster):
     """A balanced compute of which one block raised, and a map of which one item raised: no task is left
     to run, and the plans table says so (they stayed "running, n of N tasks" for good)."""
@@ -166,6 +180,7 @@ def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
     assert status == 200 and kind == "application/json"
     assert data["workers"]["address"] == workers and data["workers"]["weight_compute"] == pytest.approx([0.75, 0.25])
     assert 'href="octopus"' in get(port, "status")[2]  # in the dashboard's "More..." menu
+    assert data["summary"].endswith(' <a href="status">Dask dashboard</a>')
 
     profiles = dask_octopus.profiles(client)
     # the run counters come with each worker's heartbeat: wait for the first one after registering

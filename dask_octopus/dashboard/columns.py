@@ -167,15 +167,15 @@ def _plans(plans: list[PlanRow], short: dict[str, str]) -> dict[str, list[Any]]:
     }
 
 
-def _summary(snap: Snapshot, refresh: float) -> str:
+def _summary(snap: Snapshot, refresh: float, dask_dashboard: bool = True) -> str:
     changed = clock(snap.history[-1][0]) if snap.history else "-"
+    link = ' <a href="status">Dask dashboard</a>' if dask_dashboard else ""
     return (f"Scheduler <code>{html.escape(snap.scheduler)}</code> at {clock(snap.time)}: "
             f"{len(snap.workers)} workers, {snap.plans_kept} plans placing new graphs, {snap.plans_active} with "
-            f"tasks pinned now; weights last changed at {changed}. "
-            f"Refreshed every {refresh:g} s. <a href=\"status\">Dask dashboard</a>")
+            f"tasks pinned now; weights last changed at {changed}. Refreshed every {refresh:g} s.{link}")
 
 
-def page_data(snap: Snapshot, refresh: float) -> dict[str, Any]:
+def page_data(snap: Snapshot, refresh: float, dask_dashboard: bool = True) -> dict[str, Any]:
     """The page's columns and texts for one snapshot.
 
     Parameters
@@ -184,6 +184,8 @@ def page_data(snap: Snapshot, refresh: float) -> dict[str, Any]:
         What the scheduler plugin holds now.
     refresh
         Seconds between two refreshes of the page (said in its summary line).
+    dask_dashboard
+        Whether Dask's own dashboard runs beside the page (the summary line links to it).
 
     Returns
     -------
@@ -198,7 +200,7 @@ def page_data(snap: Snapshot, refresh: float) -> dict[str, Any]:
     labels = {r.address: worker_label(r.address, r.name) for r in snap.workers}
     latest, title = _latest(snap.plans, labels, colors)
     return {
-        "summary": _summary(snap, refresh),
+        "summary": _summary(snap, refresh, dask_dashboard),
         "workers": _workers(snap.workers, colors),
         "compute": _history(snap.history, snap.time, labels, 0, colors),
         "memory": _history(snap.history, snap.time, labels, 1, colors),

@@ -46,8 +46,9 @@ def _once(key: str, message: str) -> None:
 class _OctopusHandler(web.RequestHandler):
     """A handler that reads the scheduler's octopus plugin, or answers 404 when it has none."""
 
-    def initialize(self, dask_server: Scheduler) -> None:
+    def initialize(self, dask_server: Scheduler, dask_dashboard: bool) -> None:
         self.server = dask_server
+        self.dask_dashboard = dask_dashboard  # (whether Dask's own dashboard runs there: the page links to it)
 
     def plugin(self) -> OctopusSchedulerPlugin | None:
         from dask_octopus.plugins.scheduler import registered_plugin
@@ -67,7 +68,8 @@ class DataHandler(_OctopusHandler):
         if plugin is not None:
             self.set_header("Content-Type", "application/json")
             self.set_header("Cache-Control", "no-store")
-            self.write(json.dumps(columns.page_data(snapshot.take(plugin), REFRESH), allow_nan=False))
+            data = columns.page_data(snapshot.take(plugin), REFRESH, self.dask_dashboard)
+            self.write(json.dumps(data, allow_nan=False))
 
 
 class PageHandler(_OctopusHandler):
@@ -78,7 +80,7 @@ class PageHandler(_OctopusHandler):
 
         plugin = self.plugin()
         if plugin is not None:
-            data = columns.page_data(snapshot.take(plugin), REFRESH)
+            data = columns.page_data(snapshot.take(plugin), REFRESH, self.dask_dashboard)
             self.write(page.render(data, DATA, REFRESH))
 
 
@@ -116,18 +118,20 @@ def _add_routes(scheduler: Scheduler) -> None:
         return
     _served.add(application)
     prefix = _prefix(application)
+    served = {"dask_server": scheduler, "dask_dashboard": False}
     if _has_bokeh():
-        page: tuple = (prefix + PAGE, PageHandler, {"dask_server": scheduler})
         from dask_octopus._compat import dashboard_menu
 
-        menu = dashboard_menu(scheduler)
+        menu = dashboard_menu(scheduler)  # (None: Dask's dashboard does not run here, as with --no-dashboard)
+        served["dask_dashboard"] = menu is not None
         if menu is not None and not any(item.get("url") == PAGE for item in menu):
             menu.append({"url": PAGE, "name": "Octopus"})
             menu.sort(key=lambda item: item["name"])
+        page: tuple = (prefix + PAGE, PageHandler, served)
     else:
         _once("bokeh", f"dask_octopus: bokeh is not installed, so /octopus only says what to install: {INSTALL}")
         page = (prefix + PAGE, MissingBokehHandler)
-    application.add_handlers(".*$", [page, (prefix + DATA, DataHandler, {"dask_server": scheduler})])
+    application.add_handlers(".*$", [page, (prefix + DATA, DataHandler, served)])
 
 
 def install(plugin: OctopusSchedulerPlugin) -> None:
