@@ -700,6 +700,23 @@ async def test_register_sets_the_worker_plugin_up_again_where_it_alone_was_unreg
     assert "octopus-worker" in s.worker_plugins and "octopus-worker" in a.plugins and "octopus-worker" in b.plugins
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "1h"})
+async def test_a_worker_joining_after_the_worker_plugin_alone_was_unregistered_is_not_waited_for(c, s, a):
+    """No worker plugin registered, a worker that joins never calibrates: the calls do not wait for its
+    report (for ``octopus.calibration.wait``), they say why, and give it the mean weight; ``register``
+    sets the worker plugin up again, and the worker calibrates."""
+    await dask_octopus.register(c)
+    await c.unregister_worker_plugin("octopus-worker")
+    async with Worker(s.address, nthreads=1) as b:
+        with captured_logger("dask_octopus.plugins.scheduler") as log:
+            weights = await asyncio.wait_for(dask_octopus.speeds(c), 30)
+        assert weights == {a.address: 0.5, b.address: 0.5}
+        assert f"['{b.address}'] will not report a calibration: the worker plugin 'octopus-worker' was " \
+               "unregistered (call register to set it up again)" in log.getvalue(), log.getvalue()
+        await dask_octopus.register(c)
+        assert plugin(s).profiles[b.address]["compute"] > 0 and plugin(s).profiles[b.address]["error"] is None
+
+
 @gen_cluster(client=True, config=FAST)
 async def test_an_unregistered_plugin_drops_its_handlers_and_metrics(c, s, a, b):
     from dask_octopus.dashboard import serve

@@ -368,9 +368,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     async def calibrations(self) -> None:
         """Return once every live worker has reported its calibration (:meth:`report`) or has not for
         :attr:`calibration_wait` seconds since it joined: those are logged and waited for no more (they
-        keep the mean weight until they report). Returns at once when this plugin is retired."""
+        keep the mean weight until they report). Returns at once when this plugin is retired, and waits
+        for none where the worker plugin was unregistered (the workers that joined since never got it)."""
         while not self._retired:
             pending = self.scheduler.workers.keys() - self.profiles.keys() - self.unreported
+            if pending and self.worker_plugin.name not in self.scheduler.worker_plugins:
+                logger.warning("dask_octopus: %s will not report a calibration: the worker plugin %r was "
+                               "unregistered (call register to set it up again); they get the mean weight",
+                               sorted(pending), self.worker_plugin.name)
+                self.unreported |= pending
+                return
             now = time.monotonic()
             late = {w for w in pending if now - self.joined.get(w, self._started) >= self.calibration_wait}
             if late:
