@@ -717,6 +717,25 @@ async def test_a_worker_joining_after_the_worker_plugin_alone_was_unregistered_i
         assert plugin(s).profiles[b.address]["compute"] > 0 and plugin(s).profiles[b.address]["error"] is None
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=FAST)
+async def test_an_unregistered_plugin_is_freed_once_its_handlers_are_withdrawn(c, s, a):
+    """Distributed keeps every RPC handler it called for good: a plugin unregistered, whose handlers had
+    answered calls, was kept alive with its records (one more per unregistering)."""
+    import gc
+    import weakref
+
+    await dask_octopus.register(c, calibrate=False)
+    await dask_octopus.speeds(c)
+    await dask_octopus.profiles(c)
+    first = weakref.ref(plugin(s))
+    await c.unregister_scheduler_plugin("octopus")
+    await async_poll_for(lambda: "octopus_speeds" not in s.handlers, 5)  # at its next weight sample
+    await dask_octopus.register(c, calibrate=False)
+    assert await dask_octopus.speeds(c) == {a.address: 1.0}
+    gc.collect()
+    assert first() is None, [type(r) for r in gc.get_referrers(first())]
+
+
 @gen_cluster(client=True, config=FAST)
 async def test_an_unregistered_plugin_drops_its_handlers_and_metrics(c, s, a, b):
     from dask_octopus.dashboard import serve

@@ -95,6 +95,20 @@ def not_loaded(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
+def _forwarding(plugin: OctopusSchedulerPlugin, name: str) -> Callable[..., Any]:
+    """The RPC handler ``name`` of ``plugin`` (in its ``_answers``), called through a weak reference to
+    ``plugin``: distributed keeps every handler it called for good (``core._expects_comm`` caches them),
+    which would keep a plugin unregistered since alive, with its records (one more per unregistering)."""
+    ref = weakref.ref(plugin)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        plugin = ref()
+        return None if plugin is None else plugin._answers[name](*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    return forward
+
+
 def _unheard(**message: Any) -> None:
     """``octopus_report`` and ``octopus_not_loaded`` once no plugin is registered: the worker plugin stays
     on the workers (Dask keeps it), and a worker that joins then sets it up and reports to no one."""
@@ -217,7 +231,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: _Sampler | None = None
-        self._handlers: dict[str, Callable[..., Any]] = {}
+        self._answers: dict[str, Callable[..., Any]] = {}  # its RPC handlers, by name
+        self._handlers: dict[str, Callable[..., Any]] = {}  # those given to the scheduler (_forwarding)
         self.history_failed = False
         self._sampled_for: tuple | None = None  # the workers and calibrations of the last working-out
         self._sampled_clock = -1  # and the speed model's clock then
@@ -261,7 +276,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if hasattr(scheduler, PRELOAD_ERROR):  # registered after all: what a client hears of it from now on
             delattr(scheduler, PRELOAD_ERROR)
         self._started = time.monotonic()
-        self._handlers = {
+        self._answers = {
             "octopus_report": self.report,
             "octopus_not_loaded": self.report_not_loaded,
             "octopus_speeds": self._while_registered(self._after_calibrations(_replying(self.speeds))),
@@ -270,6 +285,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             "octopus_add_plan": self._while_registered(_replying(self.add_plan)),
             "octopus_bandwidth": self._while_registered(self.bandwidth),
         }
+        self._handlers = {name: _forwarding(self, name) for name in self._answers}
         scheduler.handlers.update(self._handlers)
         try:
             await self.set_up_workers()
