@@ -129,14 +129,18 @@ def test_only_a_fragment_pickled_here_is_released_and_not_a_copy_made_of_it():
         assert kept.names == received.names and kept.specs()
 
 
-def sent_fragments(s):
-    """The fragments of the fragment tasks in the scheduler's log of the messages it sent its workers."""
+def sent_fragments(s, parts=False):
+    """The fragments of the fragment tasks in the scheduler's log of the messages it sent its workers (or
+    those of the parts of split fragments)."""
     from dask_octopus.groups.rewrite import fragment_of
+
+    def wanted(key):
+        return FRAGMENT_PREFIX in str(key) and key_split(key) != FRAGMENT_PREFIX if parts else \
+            key_split(key) == FRAGMENT_PREFIX
 
     return [fragment_of(msg["run_spec"].data) for bcomm in s.stream_comms.values()
             for payload in bcomm.recent_message_log if isinstance(payload, list)
-            for msg in payload if isinstance(msg, dict) and msg.get("op") == "compute-task"
-            and key_split(msg["key"]) == FRAGMENT_PREFIX]
+            for msg in payload if isinstance(msg, dict) and msg.get("op") == "compute-task" and wanted(msg["key"])]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
@@ -351,7 +355,8 @@ async def test_a_worker_killed_mid_fragment_loses_nothing(c, s, a, b):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_a_balanced_fragment_split_as_its_worker_left_counts_its_parts_in_the_plan_s_run(c, s, a, b):
     """The fragment of a worker killed mid-run runs again as one task per member: they count in the
-    plan's run in its place (the dashboard's "n of N tasks"), not the fragment as failed."""
+    plan's run in its place (the dashboard's "n of N tasks"), not the fragment as failed; and their
+    fragments sent hold nothing once Dask forgot them, as whole fragments."""
     await setup(c, s, [1.0, 1.0])
     x = await run_balance(c, da.random.default_rng(2).random((64 * 4, 6), chunks=(4, 6)), per_worker=32)
     expected = float(chain(x.compute(scheduler="sync")).sum())
@@ -365,6 +370,10 @@ async def test_a_balanced_fragment_split_as_its_worker_left_counts_its_parts_in_
     run = s.plugins["octopus"].plan_records.get(x.name).current
     # (the survivor's fragment, and the parts of the victim's: one per block and partial sum)
     assert run.complete and run.lost == 0 and run.expected > 2 and run.tasks == {survivor: run.expected}, run
+    del fut  # the parts' fragments sent are released once Dask forgets them, as whole fragments are
+    await async_poll_for(lambda: not any(FRAGMENT_PREFIX in str(k) for k in s.tasks), 10)
+    sent = sent_fragments(s, parts=True)
+    assert len(sent) == run.expected - 1 and all(f.__dict__ == {"_specs": b"", "_sent": True} for f in sent), sent
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

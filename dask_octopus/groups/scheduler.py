@@ -574,10 +574,12 @@ class SentFragments:
     def __init__(self) -> None:
         self._by_key: dict[Key, Fragment] = {}
 
-    def add(self, scheduler: Scheduler, keys: Iterable[Key]) -> None:
-        """Keep the fragments of the fragment tasks among ``keys``, new in ``scheduler``'s graph."""
+    def add(self, scheduler: Scheduler, keys: Iterable[Key], *, any_name: bool = False) -> None:
+        """Keep the fragments of the fragment tasks among ``keys``, new in ``scheduler``'s graph, told by
+        their names (``any_name``: whatever their names, as the parts of a split fragment, named for
+        their members)."""
         for key in keys:
-            if _is_fragment_key(key) and (ts := scheduler.tasks.get(key)) is not None:
+            if (any_name or _is_fragment_key(key)) and (ts := scheduler.tasks.get(key)) is not None:
                 fragment = fragment_of(ts.run_spec)
                 if fragment is not None:
                     self._by_key[key] = fragment

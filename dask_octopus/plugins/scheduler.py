@@ -743,9 +743,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def _split_made(self, key: Any, parts: list, gatherers: list) -> None:
         """The fragment task ``key`` is split into ``parts`` (and the ``gatherers`` of their results for its
         readers): pinned as it was, the parts count in its run in its place (not as a loss once it is
-        forgotten)."""
+        forgotten), and their fragments are released as theirs are forgotten."""
         for k in chain(parts, gatherers):
             self.placement.inherit(k, (key,))
+        self.sent_fragments.add(self.scheduler, parts, any_name=True)
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
 
