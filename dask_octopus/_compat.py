@@ -36,7 +36,7 @@ import functools
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any
 
 from dask._expr import LLGExpr, _AnnotationsTombstone
@@ -182,15 +182,22 @@ def expected_duration(scheduler: Any, ts: Any) -> float:
     return scheduler._get_prefix_duration(ts.prefix)
 
 
-async def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> dict[str, str]:
+def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> Coroutine[Any, Any, dict[str, str]]:
     """Set the pickled worker ``plugin`` up on every worker, replacing one of the same ``name``, and on
     those that join later, as ``Scheduler.register_worker_plugin(idempotent=False)`` does, but a worker
     that fails or leaves meanwhile is skipped (Dask logs it) rather than failing the call while the
-    others still set it up. Returns the error of each worker still there where it failed: one whose
-    ``setup`` raised answers with the error; one that cannot unpickle it (its environment lacks the
-    plugin's package) raises it in the handler (``Worker.plugin_add`` unpickles outside its ``try``),
-    which the broadcast returns, as it returns a lost connection (skipped: the worker is leaving)."""
+    others still set it up. The scheduler holds it for the workers that join from now on; the returned
+    coroutine sets it up on those there, and returns the error of each worker still there where it
+    failed: one whose ``setup`` raised answers with the error; one that cannot unpickle it (its
+    environment lacks the plugin's package) raises it in the handler (``Worker.plugin_add`` unpickles
+    outside its ``try``), which the broadcast returns, as it returns a lost connection (skipped: the
+    worker is leaving)."""
     scheduler.worker_plugins[name] = plugin
+    return _set_up_worker_plugin(scheduler, plugin, name)
+
+
+async def _set_up_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> dict[str, str]:
+    """The workers' part of :func:`add_worker_plugin`."""
     replies = await scheduler.broadcast(msg={"op": "plugin-add", "plugin": plugin, "name": name}, on_error="return")
     failed = {}
     for address, reply in replies.items():

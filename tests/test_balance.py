@@ -1104,8 +1104,8 @@ def test_tasks_of_a_dropped_plan_stay_pinned_to_live_workers_when_workers_change
 
 def test_a_task_made_of_several_takes_the_pin_of_the_first_pinned_one():
     """A fragment (or a split fragment's part) is pinned as the first of its members that is pinned: a
-    fragment whose first member reads no planned block (made inside it) counts in its plan's runs and
-    pins all the same."""
+    fragment whose first member reads no planned block (made inside it) is pinned all the same (so it
+    counts in its plan's runs on the dashboard)."""
     tasks = {("y", 0): task_state(("y", 0))}
     placement = Placement()
     placement.add_plan("y", ["a"])

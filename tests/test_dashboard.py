@@ -150,18 +150,40 @@ def test_an_annotated_compute_of_blocks_still_being_persisted_shows_its_own_run(
     """Balanced blocks persisted and, before they are all in memory, an annotated compute reading them:
     the plan's latest complete run is that compute's (its fragment on each worker, each counted once),
     not the persist's blocks that finished meanwhile (counted as its finish: 18 "tasks" of 2)."""
-    lc, _, _ = dashboard_cluster
+    lc, client, _ = dashboard_cluster
     plugin = lc.scheduler.plugins["octopus"]
     x = dask_octopus.balance(da.ones((4000, 10), chunks=(100, 10)), per_worker=4)
     x = x.map_blocks(slowly_increased, dtype=x.dtype).persist()
-    with dask_octopus.annotate():
-        assert (x * 2).sum().compute() == 4 * 4000 * 10
-    wait(x)
     (record,) = plugin.plan_records.latest(5)
+    with dask_octopus.annotate():
+        total = client.compute((x * 2).sum())
+    wait_for(lambda: record.current is not None and record.current.number == 1)
+    assert [r.number for r in record._open] == [0, 1]  # (the persist's run still open as the compute came)
+    assert total.result() == 4 * 4000 * 10
+    wait(x)
     wait_for(lambda: record.done is not None and record.done is record.current)
     run = record.done
     assert run.tasks == dict.fromkeys(lc.scheduler.workers, 1), run
     assert run.expected == 2 and set(run.finish()) == set(lc.scheduler.workers)
+
+
+def test_a_compute_again_while_the_first_runs_expects_only_the_tasks_it_runs(dashboard_cluster):
+    """The same graph computed again while the first compute runs: Dask runs none of its tasks again
+    (those released since included), so its run expects none of them; every run ends complete, none
+    stays followed (29 keys stayed pending for good, and the run ended "29 failed or cancelled")."""
+    lc, client, _ = dashboard_cluster
+    plugin = lc.scheduler.plugins["octopus"]
+    x = dask_octopus.balance(da.ones((400, 10), chunks=(10, 10)), per_worker=10).persist()
+    wait(x)
+    y = x.map_blocks(slowly_increased, dtype=float).map_blocks(one_over, dtype=float).sum()
+    first = client.compute(y, optimize_graph=False)
+    (record,) = plugin.plan_records.latest(5)
+    wait_for(lambda: record.current.number == 1 and sum(record.current.tasks.values()) >= 10)
+    second = client.compute(y, optimize_graph=False)
+    assert first.result() == second.result() == 400 * 10 / 2
+    wait_for(lambda: not record._open)
+    assert record.done.number == record.current.number and record.current.lost == 0, record.current
+    assert sum(record.current.tasks.values()) == record.current.expected < 20, record.current
 
 
 def test_page_and_metrics_show_every_worker_and_its_weight(dashboard_cluster):
@@ -420,6 +442,18 @@ def test_a_run_counts_its_own_tasks_once_each():
     r.observe("a", 7.0, 8.0, "h0")
     r.observe("a", 7.0, 9.0, "g0")  # an earlier run completing later
     assert r.done.finish() == {"a": 1.0} and r.done.number == 3 and not r._open
+    r.restart([])  # (nothing of the plan to run: no run)
+    assert r.current.number == 3 and not r._open
+    r.restart(["s0", "s1"])
+    older = r.current
+    r.restart(["s1", "s2"])  # s1: the same task, which both graphs run
+    newer = r.current
+    r.observe("b", 10.0, 11.0, "s1")
+    r.lose("s2")
+    assert older.tasks == newer.tasks == {"b": 1} and newer.ended and not newer.complete and newer.lost == 1
+    assert list(r._open) == [older]
+    r.lose("s0")
+    assert not r._open and r.done.number == 3
 
 
 def test_plan_records_keep_the_most_recent_plans():

@@ -736,6 +736,20 @@ async def test_an_unregistered_plugin_is_freed_once_its_handlers_are_withdrawn(c
     assert first() is None, [type(r) for r in gc.get_referrers(first())]
 
 
+def test_the_worker_plugin_is_held_for_joining_workers_before_the_others_are_set_up():
+    """The scheduler holds the worker plugin as soon as the plugin starts setting it up: a call that
+    comes before the workers there are set up does not take it for unregistered (and give workers that
+    joined meanwhile the mean weight)."""
+    from types import SimpleNamespace
+
+    from dask_octopus._compat import add_worker_plugin
+
+    scheduler = SimpleNamespace(worker_plugins={})
+    setting_up = add_worker_plugin(scheduler, b"plugin", "octopus-worker")
+    assert scheduler.worker_plugins == {"octopus-worker": b"plugin"}
+    setting_up.close()
+
+
 @gen_cluster(client=True, config=FAST)
 async def test_an_unregistered_plugin_drops_its_handlers_and_metrics(c, s, a, b):
     from dask_octopus.dashboard import serve

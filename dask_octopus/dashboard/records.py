@@ -68,7 +68,7 @@ class WeightHistory:
         return True
 
 
-@dataclass
+@dataclass(eq=False)
 class Run:
     """One run of a plan's pinned tasks: those of one graph, from its first start to each worker's last stop.
     Only its own tasks count, each once: a task of an earlier graph still running, or one of its tasks
@@ -144,7 +144,7 @@ class PlanRecord:
     current: Run | None = None  #: the latest run
     done: Run | None = None  #: the latest complete run
     open_runs: int = 8  #: the runs not ended followed at most, the latest included
-    _open: deque[Run] = field(default_factory=deque, repr=False)  #: those runs, oldest first
+    _open: deque[Run] = field(default_factory=deque, init=False, repr=False)  #: those runs, oldest first
 
     def blocks(self) -> dict[str, int]:
         """Blocks per worker."""
@@ -173,7 +173,10 @@ class PlanRecord:
         return self.done or self.current
 
     def restart(self, keys: Collection[Any]) -> None:
-        """A graph with the tasks ``keys`` pinned to the plan arrived: a new run begins."""
+        """A graph with the tasks ``keys`` pinned to the plan, to run, arrived: a new run begins (none
+        where ``keys`` is empty)."""
+        if not keys:
+            return
         number = self.current.number + 1 if self.current is not None else 0
         self.current = Run(len(keys), set(keys), number)
         self._open.append(self.current)
@@ -189,23 +192,23 @@ class PlanRecord:
             self._open.remove(run)
 
     def _apply(self, change: Callable[[Run], bool]) -> None:
-        """Apply ``change`` to the followed runs, the latest first (most tasks are its), up to the first
-        it applies to (which returns ``True``)."""
-        for run in reversed(self._open):
+        """Apply ``change`` to each followed run (it returns whether the run changed): a task that two
+        graphs both run (the same collection computed again while the first compute runs) counts in
+        both."""
+        for run in list(self._open):
             if change(run):
                 self._settle(run)
-                return
 
     def observe(self, worker: str, start: float, stop: float, key: Any) -> None:
-        """Add the pinned task ``key``, which ran from ``start`` to ``stop`` on ``worker``, to its run."""
+        """Add the pinned task ``key``, which ran from ``start`` to ``stop`` on ``worker``, to its runs."""
         self._apply(lambda run: run.observe(worker, start, stop, key))
 
     def lose(self, key: Any) -> None:
-        """Task ``key``, pinned to the plan, failed or was forgotten: :meth:`Run.lose` of its run."""
+        """Task ``key``, pinned to the plan, failed or was forgotten: :meth:`Run.lose` of its runs."""
         self._apply(lambda run: run.lose(key))
 
     def split(self, key: Any, parts: Collection[Any]) -> None:
-        """:meth:`Run.split` of the run of ``key``."""
+        """:meth:`Run.split` of the runs of ``key``."""
         self._apply(lambda run: run.split(key, parts))
 
 

@@ -14,7 +14,7 @@ import logging
 import time
 import weakref
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -109,6 +109,24 @@ def _forwarding(plugin: OctopusSchedulerPlugin, name: str) -> Callable[..., Any]
     return forward
 
 
+def _to_run(scheduler: Scheduler, keys: Iterable[Any], skip: Collection[Any]) -> Iterator[Any]:
+    """The keys of the tasks that Dask runs for the graph that asks for ``keys`` (called in
+    ``update_graph``, before Dask's transitions): those released among them and, through released
+    tasks, the released tasks they need; not those of ``skip``. A graph computed again while the first
+    compute of it runs, or one whose tasks another graph has in memory, runs none of those again."""
+    tasks = scheduler.tasks
+    stack = [ts for k in keys if (ts := tasks.get(k)) is not None and ts.state == "released"]
+    seen = {ts.key for ts in stack}
+    while stack:
+        ts = stack.pop()
+        if ts.key not in skip:
+            yield ts.key
+        for dts in ts.dependencies:
+            if dts.state == "released" and dts.key not in seen:
+                seen.add(dts.key)
+                stack.append(dts)
+
+
 def _unheard(**message: Any) -> None:
     """``octopus_report`` and ``octopus_not_loaded`` once no plugin is registered: the worker plugin stays
     on the workers (Dask keeps it), and a worker that joins then sets it up and reports to no one."""
@@ -180,7 +198,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     profiles: dict[str, Profile]
     #: how long planning waits for a worker's calibration report (seconds, ``octopus.calibration.wait``)
     calibration_wait: float
-    #: live workers whose report did not come within ``calibration_wait`` (not waited for again)
+    #: live workers whose report did not come within ``calibration_wait``, or that joined once the worker
+    #: plugin was unregistered (not waited for again)
     unreported: set[str]
     #: when each live worker joined (``time.monotonic``; those there when the plugin started: its start)
     joined: dict[str, float]
@@ -662,10 +681,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if unread:  # after update_graph: later plugins are still given these keys
             scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
         if pinned:  # a new run of these plans, for the dashboard: the pinned tasks that will run
-            pins, skip = self.placement.pins, set(unread)
+            pins = self.placement.pins
             runs: defaultdict[str, list] = defaultdict(list)
-            for k in chain(tasks, made):
-                if k in pins and k not in skip and scheduler.tasks[k].state == "released":
+            for k in _to_run(scheduler, keys or (), set(unread)):
+                if k in pins:
                     runs[pins[k][0]].append(k)
             self.plan_records.restart(runs)
 
@@ -740,6 +759,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 logger.info("dask_octopus: fragment task %s, %s, runs as %d tasks, one per member", key, why,
                             len(parts))
 
+    @_guarded
     def _split_made(self, key: Any, parts: list, gatherers: list) -> None:
         """The fragment task ``key`` is split into ``parts`` (and the ``gatherers`` of their results for its
         readers): pinned as it was, the parts count in its run in its place (not as a loss once it is
