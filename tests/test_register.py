@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import io
 import logging
 import math
 import operator
@@ -809,6 +810,50 @@ async def test_a_bad_calibration_report_is_ignored(c, s, a, b):
         await c.scheduler.octopus_report(worker=a.address, profile=None)
     assert "not a mapping" in log.getvalue()
     assert set(await dask_octopus.profiles(c)) == {a.address, b.address}  # still answers
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("compute", True, "compute must be int or float, got True"),
+    ("memory_total", 2.5, "memory_total must be int, got 2.5"),
+    ("error", 7, "error must be str or NoneType, got 7"),
+    ("calibrated", 1, "calibrated must be bool, got 1"),
+    ("device", None, "device must be str, got None"),
+    ("compute", 3, None), ("memory_total", 2**40, None), ("error", None, None), ("calibrated", False, None),
+    ("working_set", "anything", None),  # (not a reported field)
+])
+def test_a_report_s_fields_of_other_types_are_named(field, value, why):
+    from dask_octopus.plugins.messages import malformed
+
+    assert malformed({"device": "cpu", "compute": 1e9, field: value}) == why
+
+
+@gen_cluster(client=True, config={**FAST, "octopus.refine.min-duration": "1h"})
+async def test_a_malformed_or_invalid_calibration_report_leaves_the_worker_uncalibrated(c, s, a, b):
+    """A report whose fields have other types (a worker running another version of the package) is
+    not taken: the worker has that error for profile, which the CLI's table shows, and the mean weight;
+    a later report with an invalid calibration drops the one before it."""
+    from rich.console import Console
+
+    from dask_octopus.cli import profile_table
+
+    await dask_octopus.register(c, calibrate=False)
+    good = {"device": "cpu", "name": "CPU", "compute": 3e9, "memory": 1e9, "error": None}
+    await c.scheduler.octopus_report(worker=a.address, profile=good)
+    await c.scheduler.octopus_report(worker=b.address, profile={**good, "compute": 1e9})
+    assert (await dask_octopus.speeds(c))[a.address] == pytest.approx(0.75)
+    with captured_logger("dask_octopus.plugins.scheduler") as log:
+        await c.scheduler.octopus_report(worker=a.address, profile={**good, "compute": "3e9", "error": 7})
+    why = "compute must be int or float, got '3e9'"
+    assert f"ignoring calibration report of {a.address}: {why}" in log.getvalue()
+    profiles = await dask_octopus.profiles(c)
+    assert profiles[a.address]["error"] == f"its calibration report was malformed: {why}"
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
+    Console(file=io.StringIO(), width=200).print(profile_table(profiles, await dask_octopus.speeds(c, "memory"), "t"))
+    await c.scheduler.octopus_report(worker=a.address, profile=good)
+    assert (await dask_octopus.speeds(c))[a.address] == pytest.approx(0.75)
+    await c.scheduler.octopus_report(worker=a.address, profile={**good, "compute": -1.0})
+    assert (await dask_octopus.profiles(c))[a.address]["error"].startswith("invalid calibration")
+    assert await dask_octopus.speeds(c) == {a.address: 0.5, b.address: 0.5}
 
 
 @gen_cluster(client=True, config=FAST)

@@ -37,6 +37,35 @@ class Profile(TypedDict, total=False):
     working_set: float | None
 
 
+#: the type of each field a worker reports (:class:`Profile`, as the worker plugin sends it)
+REPORTED: dict[str, tuple[type, ...]] = {
+    "device": (str,), "name": (str,), "compute": (int, float), "memory": (int, float), "memory_total": (int,),
+    "memory_free": (int,), "probe_seconds": (int, float), "error": (str, type(None)), "calibrated": (bool,),
+    "event_timing": (bool,), "ends_at_launch": (bool,),
+}
+
+
+def malformed(profile: Mapping[str, Any]) -> str | None:
+    """Why a worker's calibration report ``profile`` cannot be read (a field of another type than
+    :data:`REPORTED` says, as a worker running another version of the package might send), else ``None``.
+
+    Parameters
+    ----------
+    profile
+        The report (a mapping).
+
+    Returns
+    -------
+    str or None
+        The first field of the wrong type, with its value; ``None`` where all are as expected.
+    """
+    for name, value in profile.items():
+        types = REPORTED.get(name)
+        if types is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            return f"{name} must be {' or '.join(t.__name__ for t in types)}, got {value!r}"
+    return None
+
+
 def plannable_memory(profile: Mapping[str, Any], memory_limit: int | None = None) -> float | None:
     """The memory of a worker that plans fill a fraction of (``octopus.balance.memory-fraction``).
 

@@ -34,7 +34,7 @@ from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import timing_prefix
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
-from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo, parallel_threads
+from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo, malformed, parallel_threads
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
@@ -529,6 +529,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             # (a worker without a profile has reported all the same: it is not waited for)
             self.profiles.setdefault(worker, {"error": "its calibration report was not a mapping"})
             return
+        if (why := malformed(profile)) is not None:  # (the dashboard and the CLI show its fields)
+            logger.warning("dask_octopus: ignoring calibration report of %s: %s", worker, why)
+            self.profiles[worker] = {"error": f"its calibration report was malformed: {why}"}
+            self.model.forget_prior(worker)
+            return
         self.profiles[worker] = profile
         if profile.get("calibrated") is False:
             return  # registered with calibrate=False: task timings alone set the weights
@@ -541,6 +546,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         except (KeyError, ValueError) as e:
             profile["error"] = f"invalid calibration: {e}"
             logger.warning("dask_octopus: ignoring calibration of %s: %s", worker, e)
+            self.model.forget_prior(worker)  # (an earlier calibration of this worker no longer stands)
 
     def bandwidth(self) -> dict[str, Any]:
         """The scheduler's bandwidth estimates in bytes/s (:mod:`dask_octopus.placement.transfers`):

@@ -305,9 +305,13 @@ class SpeedModel:
             check_finite(value, f"{resource} speed of {worker}")
         self.priors[worker] = dict(speeds)
 
+    def forget_prior(self, worker: str) -> None:
+        """Forget the calibrated speeds of ``worker`` (its timings stand): it counts as uncalibrated."""
+        self.priors.pop(worker, None)
+
     def remove(self, worker: str) -> None:
         """Forget everything about ``worker``."""
-        self.priors.pop(worker, None)
+        self.forget_prior(worker)
         for prefix, per_worker in list(self.rates.items()):
             per_worker.pop(worker, None)
             if not per_worker:
