@@ -574,15 +574,13 @@ class SentFragments:
     def __init__(self) -> None:
         self._by_key: dict[Key, Fragment] = {}
 
-    def add(self, scheduler: Scheduler, keys: Iterable[Key], *, any_name: bool = False) -> None:
-        """Keep the fragments of the fragment tasks among ``keys``, new in ``scheduler``'s graph, told by
-        their names (``any_name``: whatever their names, as the parts of a split fragment, named for
-        their members)."""
+    def add(self, scheduler: Scheduler, keys: Iterable[Key]) -> None:
+        """Keep the fragments of the fragment tasks among ``keys``, new in ``scheduler``'s graph (told by
+        what they run, whatever their names: a split fragment's parts are named for their members)."""
+        tasks, by_key = scheduler.tasks, self._by_key
         for key in keys:
-            if (any_name or _is_fragment_key(key)) and (ts := scheduler.tasks.get(key)) is not None:
-                fragment = fragment_of(ts.run_spec)
-                if fragment is not None:
-                    self._by_key[key] = fragment
+            if (ts := tasks.get(key)) is not None and (fragment := fragment_of(ts.run_spec)) is not None:
+                by_key[key] = fragment
 
     def forget(self, key: Key) -> None:
         """Release the fragment of task ``key``, which Dask forgot (nothing for another task)."""

@@ -95,15 +95,26 @@ def not_loaded(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
+#: the RPC handlers that the worker plugin calls; the others answer clients' calls
+WORKER_CALLS = ("octopus_report", "octopus_not_loaded")
+
+
 def _forwarding(plugin: OctopusSchedulerPlugin, name: str) -> Callable[..., Any]:
     """The RPC handler ``name`` of ``plugin`` (in its ``_answers``), called through a weak reference to
     ``plugin``: distributed keeps every handler it called for good (``core._expects_comm`` caches them),
-    which would keep a plugin unregistered since alive, with its records (one more per unregistering)."""
+    which would keep a plugin unregistered since alive, with its records (one more per unregistering).
+    A client's call is answered ``None``, as distributed answers for a handler the scheduler lacks, while
+    the plugin is not the one registered (unregistered, and its handlers not yet withdrawn by its
+    sampler; or not yet registered, while it calibrates the workers): the client then asks the scheduler
+    why (:func:`~dask_octopus.plugins.client.call_scheduler`)."""
     ref = weakref.ref(plugin)
+    clients = name not in WORKER_CALLS
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         plugin = ref()
-        return None if plugin is None else plugin._answers[name](*args, **kwargs)
+        if plugin is None or (clients and registered_plugin(plugin.scheduler) is not plugin):
+            return None
+        return plugin._answers[name](*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name
     return forward
@@ -298,11 +309,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self._answers = {
             "octopus_report": self.report,
             "octopus_not_loaded": self.report_not_loaded,
-            "octopus_speeds": self._while_registered(self._after_calibrations(_replying(self.speeds))),
-            "octopus_workers": self._while_registered(self._after_calibrations(_replying(self.workers))),
-            "octopus_profiles": self._while_registered(self._after_calibrations(_replying(self.get_profiles))),
-            "octopus_add_plan": self._while_registered(_replying(self.add_plan)),
-            "octopus_bandwidth": self._while_registered(self.bandwidth),
+            "octopus_speeds": self._after_calibrations(_replying(self.speeds)),
+            "octopus_workers": self._after_calibrations(_replying(self.workers)),
+            "octopus_profiles": self._after_calibrations(_replying(self.get_profiles)),
+            "octopus_add_plan": _replying(self.add_plan),
+            "octopus_bandwidth": self.bandwidth,
         }
         self._handlers = {name: _forwarding(self, name) for name in self._answers}
         scheduler.handlers.update(self._handlers)
@@ -374,21 +385,6 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
 
-    def _while_registered(self, handler: Callable[..., Any]) -> Callable[..., Any]:
-        """The RPC handler ``handler`` of a client's call, replying ``None``, as distributed does for a
-        handler the scheduler lacks, once this plugin is not registered (unregistered, and its handlers
-        not yet withdrawn by its sampler; or not yet registered, while it calibrates the workers): the
-        client then asks the scheduler why (:func:`~dask_octopus.plugins.client.call_scheduler`)."""
-
-        @functools.wraps(handler)
-        async def answer(*args: Any, **kwargs: Any) -> Any:
-            if registered_plugin(self.scheduler) is not self:
-                return None
-            reply = handler(*args, **kwargs)
-            return await reply if asyncio.iscoroutine(reply) else reply
-
-        return answer
-
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
         while a worker that joined is still calibrating would give it the mean weight."""
@@ -444,7 +440,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             for name, handler in self._handlers.items():
                 if self.scheduler.handlers.get(name) is handler:
                     del self.scheduler.handlers[name]
-            for name in ("octopus_report", "octopus_not_loaded"):
+            for name in WORKER_CALLS:
                 self.scheduler.handlers.setdefault(name, _unheard)
 
     def _filter_log(self, scheduler: Scheduler | None) -> None:
@@ -524,13 +520,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if worker not in self.scheduler.workers:
             return  # it left while calibrating
         self.unreported.discard(worker)
-        if not isinstance(profile, Mapping):
-            logger.warning("dask_octopus: ignoring calibration report of %s: not a mapping: %r", worker, profile)
-            # (a worker without a profile has reported all the same: it is not waited for)
-            self.profiles.setdefault(worker, {"error": "its calibration report was not a mapping"})
-            return
-        if (why := malformed(profile)) is not None:  # (the dashboard and the CLI show its fields)
+        why = f"not a mapping: {profile!r}" if not isinstance(profile, Mapping) else malformed(profile)
+        if why is not None:  # (the dashboard and the CLI show a profile's fields)
             logger.warning("dask_octopus: ignoring calibration report of %s: %s", worker, why)
+            # (a worker without a calibration has reported all the same: it is not waited for)
             self.profiles[worker] = {"error": f"its calibration report was malformed: {why}"}
             self.model.forget_prior(worker)
             return
@@ -772,7 +765,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         forgotten), and their fragments are released as theirs are forgotten."""
         for k in chain(parts, gatherers):
             self.placement.inherit(k, (key,))
-        self.sent_fragments.add(self.scheduler, parts, any_name=True)
+        self.sent_fragments.add(self.scheduler, parts)
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
 
