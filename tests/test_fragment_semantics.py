@@ -648,7 +648,20 @@ async def test_an_annotated_collection_computed_twice_at_once_runs_once(c, s, a,
     compute made them: no key gets a second run spec, which Dask warns may fail or deadlock). Made by
     the plugin's ``update_graph``, Dask has compared the graphs before the plugin runs: the warning for
     the first compute's consumers, which read fragments, is dropped."""
-    await setup(c, s, [1.0, 1.0])
+    await computed_twice_at_once(c, s, [1.0, 1.0])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_an_annotated_collection_computed_twice_at_once_on_one_worker_runs_once(c, s, a, grouped_by):
+    """As above, on one worker: its one fragment holds the sum's tree up to the top task (fused with
+    Dask's finalize, named anew each compute), so the second compute's top reads members of the first
+    compute's fragment. Made by ``update_graph``, Dask filled in those members' specs from the second graph:
+    they read the fragment in flight (they ran again, every block twice)."""
+    await computed_twice_at_once(c, s, [1.0])
+
+
+async def computed_twice_at_once(c, s, speeds):
+    await setup(c, s, speeds)
     x = await c.persist(da.arange(64 * 8, chunks=8))
     expected = int((2 * np.arange(64 * 8) + 1).sum())
     DOUBLED.clear()

@@ -61,7 +61,6 @@ from dask_octopus.groups.rewrite import (
     fragment_graph,
     fragment_of,
     inner_keys,
-    is_guard,
     needed_by,
     nested_tasks,
     of_fragments,
@@ -467,11 +466,13 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
                          made_bytes=block_bytes(), read_through=_read_through(dsk, dsk, planned))
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
-    # another compute's guard of the same task, read as it is (as Dask reads a task of another graph); but
-    # not one that failed as a whole (its worker lost, say): Dask fails the readers of failed tasks before
-    # plugins run, and new readers linked to it would wait for it forever
-    shared = {k for k in made if k in tasks and is_guard(out[k]) and tasks[k].state != "erred"}
-    if not made or any(k in tasks for k in made.keys() - shared):  # the same groups are in flight already
+    # another compute's fragment or guard of the same tasks (the same key: the same work), read as it is
+    # (as Dask reads a task of another graph; left ungrouped, its members, whose specs Dask just filled
+    # in from this graph, would run again for the new readers); but not where one failed as a whole (its
+    # worker lost, say): Dask fails the readers of failed tasks before plugins run, and new readers
+    # linked to it would wait for it forever
+    shared = {k for k in made if k in tasks}
+    if not made or any(tasks[k].state == "erred" for k in shared):
         return {}, []
     # the members (not the results picked as tasks), the guarded tasks and the aliases read through
     members = [k for k in new if k not in out]
