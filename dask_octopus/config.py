@@ -56,6 +56,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "max-plans": ("an integer >= 1", _integer(1)),
     "fragments.max-bytes": ("auto or a size such as 2GiB", lambda v: v == "auto" or _parses(parse_bytes)(v)),
     "fragments.plan-memo": ("an integer >= 0", _integer(0)),
+    "fragments.task-cost": ("a duration such as 1ms", _parses(parse_timedelta)),
     "streams.max-streams": ("an integer >= 1", _integer(1)),
     "streams.large-bytes": ("a size such as 128MiB", _parses(parse_bytes)),
     "streams.capture": ("true or false", lambda v: isinstance(v, bool)),

@@ -18,7 +18,7 @@ from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
 from test_balance import RESUME, WhereRan, mid_compute, run_balance, setup, slow_copy
 
 import dask_octopus
-from dask_octopus.groups import streams
+from dask_octopus.groups import marks, streams
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, inner_keys, replaced_keys
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
@@ -418,8 +418,11 @@ async def test_p2p_shuffles_inside_annotate_stay_exact(c, s, a, b, frame, x):
     await forgotten(s)
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers(c, s, a, b, frame):
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.fragments.task-cost": "0ms"})
+async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers_where_tasks_cost_nothing(
+        c, s, a, b, frame):
+    """With tasks costing nothing (``octopus.fragments.task-cost``), fragments follow the workers holding
+    their inputs, however those spread them."""
     await setup(c, s, [1.0, 1.0])
     log = GroupLog.on(s)
     df = c.persist(dd.from_pandas(frame, npartitions=32))  # Dask spreads the partitions over both workers
@@ -430,6 +433,45 @@ async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers
     assert len(log.inputs_at_grouping) >= 4  # the 32 with_root tasks, in groups of up to 8
     for key, holders in log.inputs_at_grouping.items():
         assert len(holders) == 1, key  # all inputs of a group on one worker when it was made
+
+
+@pytest.mark.parametrize("task_cost, bandwidth, fetched, optimizer", [
+    ("1ms", None, True, True),  # 32 blocks of 16 bytes: moving half of them costs less than the tasks of the tree
+    ("1ms", None, True, False),  # ... also where update_graph makes the fragments
+    ("1ms", 1024, False, True),  # ... but at 1 KiB/s it does not
+    ("1ms", 1024, False, False),
+    ("0ms", None, False, True),  # tasks that cost nothing: following the blocks never costs more
+])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_tasks_following_them_leaves(
+        c, s, a, b, task_cost, bandwidth, fetched, optimizer, monkeypatch):
+    """docs/fragments.md: blocks persisted on two workers alternately, mapped and summed inside
+    ``annotate``: the plan that fetches costs 3 tasks and half the blocks moved, the plan that follows the
+    blocks every task of the sum's tree; the cheaper one at the task cost and the bandwidth the
+    scheduler measured (rounded down to a power of two), following where they cost the same."""
+    ran = await setup(c, s, [1.0, 1.0])
+    if not optimizer:
+        monkeypatch.setattr(marks, "fragment_here", lambda *args: None)
+    if bandwidth is not None:
+        s.bandwidth = bandwidth
+    workers = [a.address, b.address]
+    with dask.annotate(workers=lambda key: workers[key[1] % 2]):
+        x = da.arange(64, chunks=2) * 1.0
+    x = c.persist(x, optimize_graph=False)
+    await wait(x)
+    who = await c.who_has(x)
+    assert [who[(x.name, i)] for i in range(4)] == [(a.address,), (b.address,)] * 2  # every other block
+    log = GroupLog.on(s)
+    ran.worker.clear()
+    with dask.config.set({"octopus.fragments.task-cost": task_cost}):
+        with dask_octopus.annotate():
+            y = x.map_blocks(np.multiply, 3.0, name=f"tripled-{task_cost}-{bandwidth}")
+        assert await c.compute(y.sum()) == 3.0 * sum(range(64))
+    holders = sorted(map(len, log.inputs_at_grouping.values()))
+    assert holders == ([2, 2] if fetched else [1, 1])  # one fragment per worker thread: fetched, or one per holder
+    # fetched: the two fragments and the top; followed: each fragment holds every other block, so every sum
+    # of two neighbours reads both fragments and stays a task, with a pick task for each partial sum
+    assert len(ran.worker) == 3 if fetched else len(ran.worker) > 32, sorted(map(str, ran.worker))
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -9,6 +9,7 @@ from dask_octopus.groups.planning import (
     arena_peak,
     assign_streams,
     check_group_spec,
+    follow_or_fetch,
     interleave,
     launch_order,
     layer_order,
@@ -88,6 +89,44 @@ def test_a_reduction_tree_joins_the_fragments_of_its_leaves_and_its_top_stays_a_
     # the cap of 1 source per fragment does the same to both workers
     got = plan_fragments(list(deps), deps, set(deps), places, {"w0": 1, "w1": 1, None: 1}, cap=1)
     assert [sorted(f) for f in got] == [["a", "a2"], ["b", "b2"], ["c", "c2"], ["d", "d2"]]
+
+
+def interleaved_tree():
+    """Leaves a..d reading inputs xa..xd (1 MB each) held by w0, w1, w0, w1; chains a2..d2; partial sums p
+    (a2, b2) and q (c2, d2); top t."""
+    deps = {"a": ["xa"], "b": ["xb"], "c": ["xc"], "d": ["xd"], "a2": ["a"], "b2": ["b"], "c2": ["c"],
+            "d2": ["d"], "p": ["a2", "b2"], "q": ["c2", "d2"], "t": ["p", "q"]}
+    follow = {k: None for k in deps} | {"a": "w0", "b": "w1", "c": "w0", "d": "w1"}
+    return deps, follow, dict.fromkeys(deps), {f"x{k}": 1e6 for k in "abcd"}
+
+
+@pytest.mark.parametrize("task_seconds, bandwidth, fetched", [
+    # following: fragments {a, a2, c, c2} and {b, b2, d, d2}; p, q and t stay, the 4 chains' ends picked:
+    # 3 + 2 + 4 = 9 tasks. Fetching: {a, a2, b, b2, p} and {c, c2, d, d2, q}, t stays, p and q picked: 5
+    # tasks, and b and d's inputs (2 MB) moved
+    (1e-3, 1e9, True),  # 9 ms against 5 + 2 ms
+    (1e-3, 1e8, False),  # 9 ms against 5 + 20 ms
+    (2 ** -10, 2e6 * 2 ** 8, False),  # 9 against 5 + 4 task costs, exactly (powers of two): equal, follow
+    (0.0, 1e12, False),  # tasks cost nothing: moving anything costs more
+])
+def test_fragments_follow_their_inputs_unless_fetching_them_costs_less_than_the_tasks_left(task_seconds, bandwidth,
+                                                                                          fetched):
+    deps, follow, fetch, sizes = interleaved_tree()
+    parts = {"w0": 1, "w1": 1, None: 2}
+    got = follow_or_fetch(list(deps), deps, set(deps) - {"t"}, follow, fetch, parts, None, None, sizes,
+                          task_seconds, bandwidth)
+    assert got is (fetch if fetched else follow)
+    planned = [sorted(f) for f in plan_fragments(list(deps), deps, set(deps) - {"t"}, got, parts)]
+    assert planned == ([["a", "a2", "b", "b2", "p"], ["c", "c2", "d", "d2", "q"]] if fetched
+                       else [["a", "a2", "c", "c2"], ["b", "b2", "d", "d2"]])
+
+
+@pytest.mark.parametrize("task_seconds, bandwidth", [(-1.0, 1e9), (1e-3, 0.0), (1e-3, -5.0)])
+def test_follow_or_fetch_refuses_negative_costs_and_no_bandwidth(task_seconds, bandwidth):
+    deps, follow, fetch, sizes = interleaved_tree()
+    with pytest.raises(ValueError, match="task_seconds must be >= 0 and bandwidth > 0"):
+        follow_or_fetch(list(deps), deps, set(deps), follow, fetch, {None: 1}, None, None, sizes, task_seconds,
+                        bandwidth)
 
 
 def test_a_task_read_through_a_task_outside_the_fragment_stays_out():

@@ -156,14 +156,16 @@ def graph(name, func=chain, total="total"):
     return dsk
 
 
-def arguments(dsk, keep=None, places=None, parts=None, pullable=None, made_bytes=None, marked=None, roots=None):
+def arguments(dsk, keep=None, places=None, parts=None, pullable=None, made_bytes=None, marked=None, roots=None,
+              loose=None, fetch_costs=None):
     """The arguments of ``fragment_graph`` for ``dsk`` (its last task reads the others): the others marked
     (or ``marked``), the last asked for (or ``keep``)."""
     *others, total = dsk
     marked = others if marked is None else marked
     dependents = {k: {d for d in dsk if k in dsk[d].dependencies} for k in dsk}
     return (dsk, {k: {"resource": "memory"} for k in marked}, [total] if keep is None else list(keep), dependents,
-            places or {}, parts or {None: 1}, pullable, None, None, None, None, made_bytes, (), roots)
+            places or {}, parts or {None: 1}, pullable, None, None, None, None, made_bytes, (), roots, loose,
+            fetch_costs)
 
 
 def plan(dsk, **kwargs):
@@ -223,6 +225,14 @@ def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
     places = {("a", i): "w1" for i in range(4)}
     assert len(fragments(plan(dsk, keep=["total", ("a", 0)], places=places, parts=parts, pullable=pullable))) == 1
     assert len(planned) == 8
+    # held by two workers alternately: followed, two fragments; fetched where tasks cost enough, one
+    places = {("a", i): f"w{i % 2}" for i in range(4)}
+    parts = {None: 1, "w0": 1, "w1": 1}
+    loose = dict.fromkeys(places)
+    assert len(fragments(plan(dsk, places=places, parts=parts))) == 2
+    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(0.0, 1e9)))) == 2
+    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(1e-3, 1e9)))) == 1
+    assert len(planned) == 11
 
 
 def scaled_by(c):

@@ -69,6 +69,8 @@ class PlanInputs(NamedTuple):
     made_bytes: Mapping[Key, float] | None
     read_through: Collection[Key]
     roots: list[Key] | None
+    loose: Mapping[Key, Any] | None
+    fetch_costs: tuple[float, float] | None
 
 
 class _Data(Exception):
@@ -290,7 +292,8 @@ def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
                          | {layer_of(d) for node in dsk.values() for d in node.dependencies})
             if isinstance(made, BlockBytes) else None,
             frozenset(map(name, inputs.read_through)),
-            None if inputs.roots is None else frozenset(map(name, inputs.roots)))
+            None if inputs.roots is None else frozenset(map(name, inputs.roots)),
+            items(inputs.loose), inputs.fetch_costs)
 
 
 class PlanMemo:

@@ -148,6 +148,43 @@ def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Co
     return [m for m in members.values() if len(m) > 1]
 
 
+def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]],
+                    candidates: Collection[Hashable], follow: Mapping[Hashable, Hashable],
+                    fetch: Mapping[Hashable, Hashable], parts: Mapping[Hashable, int], cap: int | None,
+                    labels: Mapping[Hashable, Hashable] | None, sizes: Mapping[Hashable, float],
+                    task_seconds: float, bandwidth: float) -> Mapping[Hashable, Hashable]:
+    """``follow`` or ``fetch``, the places of ``candidates`` by which :func:`plan_fragments` (same
+    arguments) cuts the fragments that cost less.
+
+    ``follow`` places each candidate with the worker holding most of its inputs, ``fetch`` where it may
+    run (its restrictions) wherever its inputs are. Following the inputs moves none of them, but where
+    the inputs of neighbouring tasks are held by different workers, the tasks that combine them (a
+    reduction's tree) and everything downstream stay tasks; fetching moves the inputs of a fragment
+    held elsewhere than where most of them are (by their ``follow`` place). A plan costs
+    ``task_seconds`` for each task it leaves (the candidates outside fragments, the fragments and their
+    members read by tasks outside them) and a second for each ``bandwidth`` bytes it moves (``sizes``:
+    the bytes of inputs by key, missing: 0). ``follow`` where the costs are equal.
+    """
+    if task_seconds < 0 or bandwidth <= 0:
+        raise ValueError(f"task_seconds must be >= 0 and bandwidth > 0, got {task_seconds!r} and {bandwidth!r}")
+
+    def cost(places: Mapping[Hashable, Hashable]) -> float:
+        fragments = plan_fragments(steps, dependencies, candidates, places, parts, cap, labels)
+        owner = {m: i for i, members in enumerate(fragments) for m in members}
+        apart = {d for k in steps for d in dependencies[k] if d in owner and owner.get(k) != owner[d]}
+        moved = 0.0
+        for members in fragments:
+            held: dict[Hashable, float] = {}
+            for m in members:
+                held[follow.get(m)] = held.get(follow.get(m), 0.0) + sum(
+                    sizes.get(d, 0.0) for d in dependencies[m] if d not in owner)
+            moved += sum(held.values()) - max(held.values())
+        tasks = len(candidates) - len(owner) + len(fragments) + len(apart)
+        return tasks * task_seconds + moved / bandwidth
+
+    return fetch if cost(fetch) < cost(follow) else follow
+
+
 def pull_upstream(fragments: Sequence[Sequence[Hashable]], steps: Sequence[Hashable],
                   dependents: Mapping[Hashable, Collection[Hashable]], pullable: Collection[Hashable],
                   places: Mapping[Hashable, Hashable], labels: Mapping[Hashable, Hashable] | None = None,

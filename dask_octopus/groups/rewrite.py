@@ -25,7 +25,14 @@ from dask.utils import key_split
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, fused_graph_of
 from dask_octopus.groups.fragment import Fragment
 from dask_octopus.groups.memo import PlanInputs, plans
-from dask_octopus.groups.planning import layer_of, layer_order, plan_fragments, pull_upstream, topological
+from dask_octopus.groups.planning import (
+    follow_or_fetch,
+    layer_of,
+    layer_order,
+    plan_fragments,
+    pull_upstream,
+    topological,
+)
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
 from dask_octopus.placement.unfused import UnfusedTask
 
@@ -221,6 +228,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
                    labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
                    read_through: Collection[Key] = (), roots: Iterable[Key] | None = None,
+                   loose: Mapping[Key, Any] | None = None, fetch_costs: tuple[float, float] | None = None,
                    ) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
@@ -258,13 +266,17 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     (:func:`needed_by`): the others stay tasks, which Dask does not run (``da.linalg.qr(x)[1]`` leaves
     each block's Q factor in the graph, read by nothing; a fragment computed it and held it to its end).
     ``None``: all are needed (a graph culled already, as ``annotate``'s optimizer culls it).
+    ``loose[key]`` is where an annotated task may run wherever its inputs are (``places`` may say where
+    they are held): the fragments are cut by those places instead where that costs less
+    (:func:`~dask_octopus.groups.planning.follow_or_fetch`, at ``fetch_costs``: the seconds of a task
+    and the bytes moved a second).
 
     The plan made before from the same arguments (the same keys, functions, places, sizes and budgets:
     :class:`~dask_octopus.groups.memo.PlanMemo`) is reused, with fresh fragment tasks
     (``octopus.fragments.plan-memo``).
     """
     inputs = PlanInputs(dsk, specs, keep, dependents, places, parts, pullable, sizes, budgets, retries, labels,
-                        made_bytes, read_through, None if roots is None else list(roots))
+                        made_bytes, read_through, None if roots is None else list(roots), loose, fetch_costs)
     return plans.plan(inputs, lambda: _fragment_graph(*inputs), _fresh)
 
 
@@ -280,7 +292,8 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
                     pullable: Collection[Key] | None, sizes: Mapping[Key, float] | None,
                     budgets: Mapping[Any, float | None] | None, retries: Mapping[Key, int] | None,
                     labels: Mapping[Key, Any] | None, made_bytes: Mapping[Key, float] | None,
-                    read_through: Collection[Key], roots: list[Key] | None,
+                    read_through: Collection[Key], roots: list[Key] | None, loose: Mapping[Key, Any] | None,
+                    fetch_costs: tuple[float, float] | None,
                     ) -> tuple[dict[Key, GraphNode], dict[Key, GraphNode], frozenset[Key]]:
     """:func:`fragment_graph`, planned; the tasks that pick the fragments' results read inline; the keys
     whose tasks are those of ``dsk``, or read those picks in place of what they read."""
@@ -313,6 +326,10 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
     same = _targets(steps, dsk, read_through, special)  # inputs that are one value, counted once
+    if loose is not None and fetch_costs is not None:
+        places = {**places, **follow_or_fetch(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
+                                              {k: loose.get(k) for k in candidates}, parts,
+                                              min(caps) if caps else None, labels, sizes, *fetch_costs)}
     while True:
         planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                  parts, min(caps) if caps else None, labels)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import operator
 import weakref
 from collections import Counter
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 from dask.typing import Key
-from dask.utils import key_split, parse_bytes
+from dask.utils import key_split, parse_bytes, parse_timedelta
 
 from dask_octopus import config
 from dask_octopus._compat import (
@@ -178,12 +179,25 @@ def annotated_retries(annotations: Mapping[Key, Mapping[str, Any]]) -> dict[Key,
     return {k: a["retries"] for k, a in annotations.items() if isinstance(a.get("retries"), int)}
 
 
-def _place(ts: TaskState) -> Hashable:
+def _place(ts: TaskState, follow: bool = True) -> Hashable:
     """Where a task may run, as one hashable value (``None``: anywhere): its restrictions and, when
-    its inputs are already in memory, the worker holding most of their bytes (so that a fragment does
-    not pull the inputs of members that live on different workers to one of them)."""
+    its inputs are already in memory and ``follow``, the worker holding most of their bytes (so that a
+    fragment does not pull the inputs of members that live on different workers to one of them)."""
     return _place_of(ts.worker_restrictions or (), ts.host_restrictions or (), ts.resource_restrictions,
-                     ts.loose_restrictions, _home(_inputs(ts)))
+                     ts.loose_restrictions, _home(_inputs(ts)) if follow else None)
+
+
+def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[Key, Hashable]) -> dict[str, Any]:
+    """The arguments of :func:`fragment_graph` that let it fetch the inputs of annotated tasks where
+    following the workers holding them (``places``) costs more than moving them (``loose``: where
+    the tasks may run wherever their inputs are); none where both places group the tasks alike. The
+    costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the scheduler measured
+    (starting at ``distributed.scheduler.bandwidth``) rounded down to a power of two, so that a
+    graph computed again is cut alike (and its plan remembered) while the measurement moves a little."""
+    if len(set(places.values())) <= len(set(loose.values())):
+        return {}
+    bandwidth = 2.0 ** math.floor(math.log2(max(scheduler.bandwidth, 1)))
+    return {"loose": loose, "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidth)}
 
 
 def _new(ts: TaskState | None) -> bool:
@@ -350,6 +364,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         new = {k for k in graph if k not in reusable and k not in behind}
         marks = {k: m for k, m in marks.items() if k in new}
         places: dict[Key, Hashable] = {}
+        loose: dict[Key, Hashable] = {}  # where they may run, wherever their inputs are
         # what the new tasks read that the scheduler has: sized (also through the aliases read through), and
         # where it is in memory, the home of the marked tasks that read it
         had = {d: ts for k in new for d in graph[k].dependencies
@@ -366,13 +381,15 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
             worker = placement.planned_worker(k, node)
             held = [had[d] for d in node.dependencies if d in had]
             if worker is not None:
-                places[k] = _place_of([worker])
+                places[k] = loose[k] = _place_of([worker])
             elif k in annotations:
-                places[k] = _place_of(*annotated_restrictions(annotations[k], coerce), _home(held))
+                restrictions = annotated_restrictions(annotations[k], coerce)
+                places[k], loose[k] = _place_of(*restrictions, _home(held)), _place_of(*restrictions)
             else:
                 home = _home(held)
                 places[k] = homes[home] if home in homes else homes.setdefault(home, _place_of(home=home))
-        kinds = set(places.values()) | {None}  # None: pulled-in tasks
+                loose[k] = None
+        kinds = set(places.values()) | set(loose.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
@@ -380,8 +397,8 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         return None
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations),
-                          made_bytes=block_bytes(),
-                          read_through=_read_through(graph, new, placement.planned_block))
+                          made_bytes=block_bytes(), read_through=_read_through(graph, new, placement.planned_block),
+                          **_fetch(scheduler, places, loose))
 
 
 def _read_through(graph: Mapping[Key, GraphNode], new: Iterable[Key], planned: Callable[[Key, Any], Any] | None,
@@ -454,7 +471,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
     ranked = sorted(new, key=lambda k: (specs[k].get("order", len(specs)) if k in specs else len(specs)))
     dsk = {k: new[k].run_spec for k in ranked}
     places = {k: _place(new[k]) for k in specs}
-    kinds = set(places.values()) | {None}
+    loose = {k: _place(new[k], follow=False) for k in specs}
+    kinds = set(places.values()) | set(loose.values()) | {None}
     # what the outputs need: the keys asked for, and the tasks that a task of an earlier graph reads
     outputs = [k for k, ts in new.items()
                if k in wanted or ts.who_wants or any(d.key not in new for d in ts.dependents)]
@@ -464,7 +482,8 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
-                         made_bytes=block_bytes(), read_through=_read_through(dsk, dsk, planned))
+                         made_bytes=block_bytes(), read_through=_read_through(dsk, dsk, planned),
+                         **_fetch(scheduler, places, loose))
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's fragment or guard of the same tasks (the same key: the same work), read as it is
     # (as Dask reads a task of another graph; left ungrouped, its members, whose specs Dask just filled
