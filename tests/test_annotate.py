@@ -441,6 +441,7 @@ async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers
     ("1ms", 1024, False, True),  # ... but at 1 KiB/s it does not
     ("1ms", 1024, False, False),
     ("0ms", None, False, True),  # tasks that cost nothing: following the blocks never costs more
+    ("1ms", float("inf"), False, True),  # a bandwidth that is no number of bytes a second: not priced, followed
 ])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_tasks_following_them_leaves(
@@ -452,8 +453,6 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
     ran = await setup(c, s, [1.0, 1.0])
     if not optimizer:
         monkeypatch.setattr(marks, "fragment_here", lambda *args: None)
-    if bandwidth is not None:
-        s.bandwidth = bandwidth
     workers = [a.address, b.address]
     with dask.annotate(workers=lambda key: workers[key[1] % 2]):
         x = da.arange(64, chunks=2) * 1.0
@@ -463,6 +462,8 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
     assert [who[(x.name, i)] for i in range(4)] == [(a.address,), (b.address,)] * 2  # every other block
     log = GroupLog.on(s)
     ran.worker.clear()
+    if bandwidth is not None:  # (the workers' too: their heartbeats move the scheduler's figure)
+        s.bandwidth = a.bandwidth = b.bandwidth = bandwidth
     with dask.config.set({"octopus.fragments.task-cost": task_cost}):
         with dask_octopus.annotate():
             y = x.map_blocks(np.multiply, 3.0, name=f"tripled-{task_cost}-{bandwidth}")

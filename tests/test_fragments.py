@@ -1654,7 +1654,7 @@ def test_a_guard_s_inner_keys_are_its_own_and_the_task_it_runs():
 
 
 def test_a_task_reading_some_results_of_one_fragment_and_no_other_fragment_s_reads_them_inline():
-    """_read_apart: a consumer reading some of a fragment's results but none of another fragment's (and
+    """read_apart: a consumer reading some of a fragment's results but none of another fragment's (and
     of the same labels) reads them inline; its results get no tasks of their own."""
     dsk = {"a": Task("a", inc, 1), "b": Task("b", inc, 2), "x": Task("x", inc, 0),
            "c1": Task("c1", add, TaskRef("a"), TaskRef("x")), "c2": Task("c2", add, TaskRef("b"), TaskRef("x"))}

@@ -92,28 +92,30 @@ def test_a_reduction_tree_joins_the_fragments_of_its_leaves_and_its_top_stays_a_
 
 
 def interleaved_tree():
-    """Leaves a..d reading inputs xa..xd (1 MB each) held by w0, w1, w0, w1; chains a2..d2; partial sums p
-    (a2, b2) and q (c2, d2); top t."""
+    """Leaves a..d reading inputs xa..xd (3 MiB each) held by w0, w1, w0, w1; chains a2..d2; partial sums
+    p (a2, b2) and q (c2, d2); top t (not a candidate)."""
     deps = {"a": ["xa"], "b": ["xb"], "c": ["xc"], "d": ["xd"], "a2": ["a"], "b2": ["b"], "c2": ["c"],
             "d2": ["d"], "p": ["a2", "b2"], "q": ["c2", "d2"], "t": ["p", "q"]}
     follow = {k: None for k in deps} | {"a": "w0", "b": "w1", "c": "w0", "d": "w1"}
-    return deps, follow, dict.fromkeys(deps), {f"x{k}": 1e6 for k in "abcd"}
+    holders = {"xa": {"w0"}, "xb": {"w1"}, "xc": {"w0"}, "xd": {"w1"}}
+    return deps, follow, dict.fromkeys(deps), {f"x{k}": 3 * 2 ** 20 for k in "abcd"}, holders
 
 
 @pytest.mark.parametrize("task_seconds, bandwidth, fetched", [
-    # following: fragments {a, a2, c, c2} and {b, b2, d, d2}; p, q and t stay, the 4 chains' ends picked:
-    # 3 + 2 + 4 = 9 tasks. Fetching: {a, a2, b, b2, p} and {c, c2, d, d2, q}, t stays, p and q picked: 5
-    # tasks, and b and d's inputs (2 MB) moved
-    (1e-3, 1e9, True),  # 9 ms against 5 + 2 ms
-    (1e-3, 1e8, False),  # 9 ms against 5 + 20 ms
-    (2 ** -10, 2e6 * 2 ** 8, False),  # 9 against 5 + 4 task costs, exactly (powers of two): equal, follow
+    # following: fragments {a, a2, c, c2} and {b, b2, d, d2}; p and q each read part of both, so stay, with
+    # t, and the 4 chains' ends are picked apart: 2 + 2 + 4 = 8 tasks with t (not a candidate: not counted,
+    # as in fetching). Fetching: {a, a2, b, b2, p} and {c, c2, d, d2, q}, t reads p and q inline: 2 tasks,
+    # and b and d's inputs (6 MiB) moved
+    (1e-3, 1.25e9, True),  # 8 ms against 2 + 5.0 ms (t reads p and q inline: were they picked, 4 + 5.0)
+    (1e-3, 1e8, False),  # 8 ms against 2 + 63 ms
+    (2 ** -10, 2 ** 30, False),  # 8 against 2 + 6 task costs, exactly (powers of two): equal, follow
     (0.0, 1e12, False),  # tasks cost nothing: moving anything costs more
 ])
 def test_fragments_follow_their_inputs_unless_fetching_them_costs_less_than_the_tasks_left(task_seconds, bandwidth,
                                                                                           fetched):
-    deps, follow, fetch, sizes = interleaved_tree()
+    deps, follow, fetch, sizes, holders = interleaved_tree()
     parts = {"w0": 1, "w1": 1, None: 2}
-    got = follow_or_fetch(list(deps), deps, set(deps) - {"t"}, follow, fetch, parts, None, None, sizes,
+    got = follow_or_fetch(list(deps), deps, set(deps) - {"t"}, follow, fetch, parts, None, None, sizes, holders,
                           task_seconds, bandwidth)
     assert got is (fetch if fetched else follow)
     planned = [sorted(f) for f in plan_fragments(list(deps), deps, set(deps) - {"t"}, got, parts)]
@@ -121,12 +123,29 @@ def test_fragments_follow_their_inputs_unless_fetching_them_costs_less_than_the_
                        else [["a", "a2", "c", "c2"], ["b", "b2", "d", "d2"]])
 
 
-@pytest.mark.parametrize("task_seconds, bandwidth", [(-1.0, 1e9), (1e-3, 0.0), (1e-3, -5.0)])
+def test_following_inputs_all_on_one_worker_moves_nothing_also_for_members_of_no_place():
+    """The bytes moved go by where each input is held: members of no place of their own (pulled in
+    downstream) reading inputs on the fragment's worker move nothing, so at no task cost following (one
+    fragment on w1) is kept; charged to a holder of their own (their place), following would move 110
+    bytes against 10 for a cut that fetches."""
+    deps = {"s0": ["x0"], "s1": ["x1"], "d0": ["s0", "y0"], "d1": ["d0", "y1"]}
+    follow = {"s0": "w1", "s1": "w1", "d0": None, "d1": None}
+    fetch = dict.fromkeys(deps)
+    sizes = {"x0": 10, "x1": 100, "y0": 10, "y1": 100}
+    holders = dict.fromkeys(sizes, frozenset({"w1"}))
+    parts = {"w1": 1, None: 2}
+    assert plan_fragments(list(deps), deps, set(deps), follow, parts) == [["s0", "s1", "d0", "d1"]]
+    assert plan_fragments(list(deps), deps, set(deps), fetch, parts) == [["s0", "d0", "d1"]]
+    assert follow_or_fetch(list(deps), deps, set(deps), follow, fetch, parts, None, None, sizes, holders,
+                           0.0, 1.0) is follow
+
+
+@pytest.mark.parametrize("task_seconds, bandwidth", [(-1.0, 1e9), (1e-3, 0.0), (1e-3, -5.0), (1e-3, float("nan"))])
 def test_follow_or_fetch_refuses_negative_costs_and_no_bandwidth(task_seconds, bandwidth):
-    deps, follow, fetch, sizes = interleaved_tree()
+    deps, follow, fetch, sizes, holders = interleaved_tree()
     with pytest.raises(ValueError, match="task_seconds must be >= 0 and bandwidth > 0"):
-        follow_or_fetch(list(deps), deps, set(deps), follow, fetch, {None: 1}, None, None, sizes, task_seconds,
-                        bandwidth)
+        follow_or_fetch(list(deps), deps, set(deps), follow, fetch, {None: 1}, None, None, sizes, holders,
+                        task_seconds, bandwidth)
 
 
 def test_a_task_read_through_a_task_outside_the_fragment_stays_out():

@@ -157,7 +157,7 @@ def graph(name, func=chain, total="total"):
 
 
 def arguments(dsk, keep=None, places=None, parts=None, pullable=None, made_bytes=None, marked=None, roots=None,
-              loose=None, fetch_costs=None):
+              loose=None, holders=None, fetch_costs=None):
     """The arguments of ``fragment_graph`` for ``dsk`` (its last task reads the others): the others marked
     (or ``marked``), the last asked for (or ``keep``)."""
     *others, total = dsk
@@ -165,7 +165,7 @@ def arguments(dsk, keep=None, places=None, parts=None, pullable=None, made_bytes
     dependents = {k: {d for d in dsk if k in dsk[d].dependencies} for k in dsk}
     return (dsk, {k: {"resource": "memory"} for k in marked}, [total] if keep is None else list(keep), dependents,
             places or {}, parts or {None: 1}, pullable, None, None, None, None, made_bytes, (), roots, loose,
-            fetch_costs)
+            holders, fetch_costs)
 
 
 def plan(dsk, **kwargs):

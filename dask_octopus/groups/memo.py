@@ -70,6 +70,7 @@ class PlanInputs(NamedTuple):
     read_through: Collection[Key]
     roots: list[Key] | None
     loose: Mapping[Key, Any] | None
+    holders: Mapping[Key, Collection[str]] | None
     fetch_costs: tuple[float, float] | None
 
 
@@ -293,7 +294,7 @@ def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
             if isinstance(made, BlockBytes) else None,
             frozenset(map(name, inputs.read_through)),
             None if inputs.roots is None else frozenset(map(name, inputs.roots)),
-            items(inputs.loose), inputs.fetch_costs)
+            items(inputs.loose), items(inputs.holders), inputs.fetch_costs)
 
 
 class PlanMemo:

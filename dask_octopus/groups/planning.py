@@ -148,38 +148,69 @@ def plan_fragments(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Co
     return [m for m in members.values() if len(m) > 1]
 
 
+def read_apart(outputs: Collection[Hashable], members: Sequence[Hashable], n: int,
+               fragment_of: Mapping[Hashable, int], dependencies: Mapping[Hashable, Collection[Hashable]],
+               dependents: Mapping[Hashable, Collection[Hashable]], labels: Mapping[Hashable, Hashable]) -> bool:
+    """Whether a task outside the fragment ``n`` (``members``, the first one's label its own; ``outputs``:
+    its results read outside it) reads some of its results but not all, and results of another fragment
+    too (``fragment_of``: each result's fragment), or has another label (``labels``, Dask annotations:
+    restrictions to other workers, say): such a task may run elsewhere, and would fetch all of this
+    one's results. Those results are then tasks of their own, each picking its value from the fragment."""
+    outputs, inside = set(outputs), set(members)
+    label = labels.get(members[0])
+    for m in outputs:
+        for c in dependents.get(m, ()):
+            reads = dependencies.get(c, ())
+            if c not in inside and not outputs.issubset(reads) and (
+                    labels.get(c) != label or any(fragment_of.get(d, n) != n for d in reads)):
+                return True
+    return False
+
+
 def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, Collection[Hashable]],
                     candidates: Collection[Hashable], follow: Mapping[Hashable, Hashable],
                     fetch: Mapping[Hashable, Hashable], parts: Mapping[Hashable, int], cap: int | None,
                     labels: Mapping[Hashable, Hashable] | None, sizes: Mapping[Hashable, float],
-                    task_seconds: float, bandwidth: float) -> Mapping[Hashable, Hashable]:
+                    holders: Mapping[Hashable, Collection[Hashable]], task_seconds: float,
+                    bandwidth: float) -> Mapping[Hashable, Hashable]:
     """``follow`` or ``fetch``, the places of ``candidates`` by which :func:`plan_fragments` (same
     arguments) cuts the fragments that cost less.
 
     ``follow`` places each candidate with the worker holding most of its inputs, ``fetch`` where it may
-    run (its restrictions) wherever its inputs are. Following the inputs moves none of them, but where
-    the inputs of neighbouring tasks are held by different workers, the tasks that combine them (a
-    reduction's tree) and everything downstream stay tasks; fetching moves the inputs of a fragment
-    held elsewhere than where most of them are (by their ``follow`` place). A plan costs
-    ``task_seconds`` for each task it leaves (the candidates outside fragments, the fragments and their
-    members read by tasks outside them) and a second for each ``bandwidth`` bytes it moves (``sizes``:
-    the bytes of inputs by key, missing: 0). ``follow`` where the costs are equal.
+    run (its restrictions) wherever its inputs are. Where the inputs of neighbouring tasks are held by
+    different workers, following them leaves the tasks that combine them (a reduction's tree) and
+    everything downstream as tasks; fetching moves a fragment's inputs to one worker. A cut costs
+    ``task_seconds`` for each task it leaves (the candidates outside fragments, the fragments, and the
+    results of a fragment that a task reads apart, :func:`read_apart`) and a second for each
+    ``bandwidth`` bytes it moves: of each fragment's inputs (``sizes``, missing: 0), those not held by
+    the worker that holds most of them (``holders``: the workers holding each input, missing: none).
+    ``follow`` where the costs are equal.
     """
-    if task_seconds < 0 or bandwidth <= 0:
+    if task_seconds < 0 or not bandwidth > 0:
         raise ValueError(f"task_seconds must be >= 0 and bandwidth > 0, got {task_seconds!r} and {bandwidth!r}")
+    labels = labels or {}
+    readers: dict[Hashable, list[Hashable]] = {}
+    for k in steps:
+        for d in dependencies[k]:
+            readers.setdefault(d, []).append(k)
 
     def cost(places: Mapping[Hashable, Hashable]) -> float:
         fragments = plan_fragments(steps, dependencies, candidates, places, parts, cap, labels)
         owner = {m: i for i, members in enumerate(fragments) for m in members}
-        apart = {d for k in steps for d in dependencies[k] if d in owner and owner.get(k) != owner[d]}
+        outputs = [[m for m in members if any(owner.get(r) != i for r in readers.get(m, ()))]
+                   for i, members in enumerate(fragments)]
+        fragment_of = {m: i for i, results in enumerate(outputs) for m in results}
+        picks = sum(len(results) for i, (results, members) in enumerate(zip(outputs, fragments))
+                    if read_apart(results, members, i, fragment_of, dependencies, readers, labels))
         moved = 0.0
         for members in fragments:
+            inputs = {d for m in members for d in dependencies[m] if owner.get(d) is None and sizes.get(d)}
             held: dict[Hashable, float] = {}
-            for m in members:
-                held[follow.get(m)] = held.get(follow.get(m), 0.0) + sum(
-                    sizes.get(d, 0.0) for d in dependencies[m] if d not in owner)
-            moved += sum(held.values()) - max(held.values())
-        tasks = len(candidates) - len(owner) + len(fragments) + len(apart)
+            for d in inputs:
+                for worker in holders.get(d, ()):
+                    held[worker] = held.get(worker, 0.0) + sizes[d]
+            moved += sum(sizes[d] for d in inputs if holders.get(d)) - max(held.values(), default=0.0)
+        tasks = len(candidates) - len(owner) + len(fragments) + picks
         return tasks * task_seconds + moved / bandwidth
 
     return fetch if cost(fetch) < cost(follow) else follow

@@ -31,6 +31,7 @@ from dask_octopus.groups.planning import (
     layer_order,
     plan_fragments,
     pull_upstream,
+    read_apart,
     topological,
 )
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
@@ -101,23 +102,6 @@ def of_fragments(node: Any) -> bool:
     """Whether ``node`` is a fragment task, picks a result of one or guards a task that only fragments
     read: it never joins a fragment."""
     return isinstance(node, Task) and node.func in (run_fragment, pick, run_guarded)
-
-
-def _read_apart(fragment: Fragment, n: int, fragment_of: Mapping[Key, int], dependencies: Mapping[Key, Any],
-                dependents: Mapping[Key, Collection[Key]], labels: Mapping[Key, Any]) -> bool:
-    """Whether a task outside the fragment ``n`` reads some of its results but not all, and results of
-    another fragment too (``fragment_of``: each result's fragment), or has other Dask annotations
-    (``labels``: restrictions to other workers, say): such a task may run elsewhere, and would fetch all
-    of this one's results."""
-    outputs, inside = set(fragment.outputs), set(fragment.members)
-    label = labels.get(fragment.members[0])
-    for m in fragment.outputs:
-        for c in dependents.get(m, ()):
-            reads = dependencies.get(c, set())
-            if c not in inside and not outputs <= reads and (
-                    labels.get(c) != label or any(fragment_of.get(d, n) != n for d in reads)):
-                return True
-    return False
 
 
 def dependents_of(graph: Mapping[Key, GraphNode]) -> dict[Key, set[Key]]:
@@ -228,8 +212,8 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    budgets: Mapping[Any, float | None] | None = None, retries: Mapping[Key, int] | None = None,
                    labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
                    read_through: Collection[Key] = (), roots: Iterable[Key] | None = None,
-                   loose: Mapping[Key, Any] | None = None, fetch_costs: tuple[float, float] | None = None,
-                   ) -> dict[Key, GraphNode]:
+                   loose: Mapping[Key, Any] | None = None, holders: Mapping[Key, Collection[str]] | None = None,
+                   fetch_costs: tuple[float, float] | None = None) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
@@ -253,9 +237,9 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     parts, until they fit or hold one source each. ``retries`` are the tasks' own retries (those missing
     take the fragment task's); tasks of different ``labels`` (their Dask annotations) never share a
     fragment (:func:`~dask_octopus.groups.planning.plan_fragments`). The results of a fragment that a
-    task reads apart (:func:`_read_apart`) are tasks of their own that pick them from the fragment
-    task; the consumers of the others read them inline. The other tasks among ``pullable`` that only
-    fragments (or such tasks) read, and the aliases of those, run as guards
+    task reads apart (:func:`~dask_octopus.groups.planning.read_apart`) are tasks of their own that
+    pick them from the fragment task; the consumers of the others read them inline. The other tasks
+    among ``pullable`` that only fragments (or such tasks) read, and the aliases of those, run as guards
     (:func:`~dask_octopus.groups.streams.run_guarded`, under a key of their own that the fragment tasks
     read): where one raises, only the steps that read it fail. Fragments and guards read what the
     aliases among ``read_through`` name (through aliases of aliases) where that is not a special task,
@@ -269,14 +253,16 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     ``loose[key]`` is where an annotated task may run wherever its inputs are (``places`` may say where
     they are held): the fragments are cut by those places instead where that costs less
     (:func:`~dask_octopus.groups.planning.follow_or_fetch`, at ``fetch_costs``: the seconds of a task
-    and the bytes moved a second).
+    and the bytes moved a second; ``holders``: the workers holding each input that exists already, an
+    alias's those of what it names).
 
     The plan made before from the same arguments (the same keys, functions, places, sizes and budgets:
     :class:`~dask_octopus.groups.memo.PlanMemo`) is reused, with fresh fragment tasks
     (``octopus.fragments.plan-memo``).
     """
     inputs = PlanInputs(dsk, specs, keep, dependents, places, parts, pullable, sizes, budgets, retries, labels,
-                        made_bytes, read_through, None if roots is None else list(roots), loose, fetch_costs)
+                        made_bytes, read_through, None if roots is None else list(roots), loose, holders,
+                        fetch_costs)
     return plans.plan(inputs, lambda: _fragment_graph(*inputs), _fresh)
 
 
@@ -293,7 +279,7 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
                     budgets: Mapping[Any, float | None] | None, retries: Mapping[Key, int] | None,
                     labels: Mapping[Key, Any] | None, made_bytes: Mapping[Key, float] | None,
                     read_through: Collection[Key], roots: list[Key] | None, loose: Mapping[Key, Any] | None,
-                    fetch_costs: tuple[float, float] | None,
+                    holders: Mapping[Key, Collection[str]] | None, fetch_costs: tuple[float, float] | None,
                     ) -> tuple[dict[Key, GraphNode], dict[Key, GraphNode], frozenset[Key]]:
     """:func:`fragment_graph`, planned; the tasks that pick the fragments' results read inline; the keys
     whose tasks are those of ``dsk``, or read those picks in place of what they read."""
@@ -303,10 +289,12 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     needed = None if roots is None else needed_by(dependencies, roots)
     steps = topological([*(k for k in keep if k in dsk), *layer_order(dsk)], dependencies)  # dependencies first
     specs = _pull_downstream(steps, specs, dependencies, pullable)
-    sizes = dict(sizes or {})
-    for k in steps:  # an alias is as large as its target (the same value)
-        if type(dsk[k]) is Alias and k not in sizes and dsk[k].target in sizes:
-            sizes[k] = sizes[dsk[k].target]
+    sizes, holders = dict(sizes or {}), dict(holders or {})
+    for k in steps:  # an alias is as large as its target (the same value), held where it is
+        if type(dsk[k]) is Alias:
+            for known in (sizes, holders):
+                if k not in known and dsk[k].target in known:
+                    known[k] = known[dsk[k].target]
     special = {k for k, node in dsk.items() if isinstance(node, Task) and type(node) not in (Task, UnfusedTask)}
     movable = {k for k in dsk if k not in wanted and (needed is None or k in needed)
                and (pullable is None or k in pullable)
@@ -329,7 +317,7 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     if loose is not None and fetch_costs is not None:
         places = {**places, **follow_or_fetch(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                               {k: loose.get(k) for k in candidates}, parts,
-                                              min(caps) if caps else None, labels, sizes, *fetch_costs)}
+                                              min(caps) if caps else None, labels, sizes, holders, *fetch_costs)}
     while True:
         planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
                                  parts, min(caps) if caps else None, labels)
@@ -374,7 +362,8 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     for n, fragment in enumerate(built):
         fkey = (f"{FRAGMENT_PREFIX}-{token}", n)
         made[fkey] = fragment
-        apart = _read_apart(fragment, n, fragment_of, dependencies, dependents, labels or {})
+        apart = read_apart(fragment.outputs, fragment.members, n, fragment_of, dependencies, dependents,
+                           labels or {})
         for i, m in enumerate(fragment.outputs):
             (kept if apart else picks)[m] = Task(m, pick, TaskRef(fkey), i)
 

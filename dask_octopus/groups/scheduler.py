@@ -187,17 +187,23 @@ def _place(ts: TaskState, follow: bool = True) -> Hashable:
                      ts.loose_restrictions, _home(_inputs(ts)) if follow else None)
 
 
-def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[Key, Hashable]) -> dict[str, Any]:
+def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[Key, Hashable],
+           inputs: Iterable[TaskState]) -> dict[str, Any]:
     """The arguments of :func:`fragment_graph` that let it fetch the inputs of annotated tasks where
     following the workers holding them (``places``) costs more than moving them (``loose``: where
-    the tasks may run wherever their inputs are); none where both places group the tasks alike. The
-    costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the scheduler measured
-    (starting at ``distributed.scheduler.bandwidth``) rounded down to a power of two, so that a
-    graph computed again is cut alike (and its plan remembered) while the measurement moves a little."""
-    if len(set(places.values())) <= len(set(loose.values())):
+    the tasks may run wherever their inputs are; ``inputs``: the tasks they read that the scheduler
+    has); none where both places group the tasks alike, or the scheduler's bandwidth is not a
+    positive number. The costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the
+    scheduler measured (starting at ``distributed.scheduler.bandwidth``) rounded down to a power of
+    two, so that a graph computed again is cut alike (and its plan remembered) while the measurement
+    moves a little."""
+    if len(set(places.values())) <= len(set(loose.values())) or not 1 <= scheduler.bandwidth < math.inf:
         return {}
-    bandwidth = 2.0 ** math.floor(math.log2(max(scheduler.bandwidth, 1)))
-    return {"loose": loose, "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidth)}
+    holders = {ts.key: frozenset(ws.address for d in held for ws in list(d.who_has or ()))
+               for ts in inputs if (held := _held(ts))}
+    bandwidth = 2.0 ** math.floor(math.log2(scheduler.bandwidth))
+    return {"loose": loose, "holders": holders,
+            "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidth)}
 
 
 def _new(ts: TaskState | None) -> bool:
@@ -290,16 +296,18 @@ def _budget(scheduler: Scheduler, profiles: Mapping[str, Mapping[str, Any]], pla
     return min(budgets) if budgets else None
 
 
+def _held(ts: TaskState) -> list[TaskState]:
+    """The tasks in memory that hold the value of ``ts``: itself, else (an alias of a persisted
+    collection) the results it reads that are in memory."""
+    if ts.state == "memory":
+        return [ts]
+    alias = isinstance(ts.run_spec, Alias) and ts.state == "released"
+    return [d for d in _inputs(ts) if d.state == "memory"] if alias else []
+
+
 def _sizes(tasks: Iterable[TaskState]) -> dict[Key, float]:
-    """The bytes of each task of ``tasks`` by its key: its own result's if in memory, else (an alias of
-    a persisted collection) those of the results it reads that are in memory; tasks with none left out."""
-    out = {}
-    for ts in tasks:
-        alias = isinstance(ts.run_spec, Alias) and ts.state == "released"
-        held = [ts] if ts.state == "memory" else [d for d in _inputs(ts) if d.state == "memory"] if alias else []
-        if held:
-            out[ts.key] = sum(d.get_nbytes() for d in held)
-    return out
+    """The bytes of each task of ``tasks`` by its key (:func:`_held`); tasks with none in memory left out."""
+    return {ts.key: sum(d.get_nbytes() for d in held) for ts in tasks if (held := _held(ts))}
 
 
 def _behind_reused(graph: Mapping[Key, GraphNode], reusable: Mapping[Key, TaskState], keep: Collection[Key],
@@ -398,7 +406,7 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations),
                           made_bytes=block_bytes(), read_through=_read_through(graph, new, placement.planned_block),
-                          **_fetch(scheduler, places, loose))
+                          **_fetch(scheduler, places, loose, had.values()))
 
 
 def _read_through(graph: Mapping[Key, GraphNode], new: Iterable[Key], planned: Callable[[Key, Any], Any] | None,
@@ -478,12 +486,12 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
                if k in wanted or ts.who_wants or any(d.key not in new for d in ts.dependents)]
     out = fragment_graph(dsk, specs, set(), dependents, places, {p: _threads(scheduler, p) for p in kinds},
                          groupable, roots=outputs,
-                         sizes=_sizes(d for ts in new.values() for d in ts.dependencies if d.key not in new),
+                         sizes=_sizes(had.values()),
                          budgets={p: _budget(scheduler, profiles or {}, p) for p in kinds},
                          retries={k: new[k].retries for k in groupable},
                          labels={k: shared_annotations(ts.annotations) for k, ts in new.items()},
                          made_bytes=block_bytes(), read_through=_read_through(dsk, dsk, planned),
-                         **_fetch(scheduler, places, loose))
+                         **_fetch(scheduler, places, loose, had.values()))
     made = {k: replaced_keys(node) for k, node in out.items() if k not in new}
     # another compute's fragment or guard of the same tasks (the same key: the same work), read as it is
     # (as Dask reads a task of another graph; left ungrouped, its members, whose specs Dask just filled
