@@ -192,16 +192,20 @@ def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[
     """The arguments of :func:`fragment_graph` that let it fetch the inputs of annotated tasks where
     following the workers holding them (``places``) costs more than moving them (``loose``: where
     the tasks may run wherever their inputs are; ``inputs``: the tasks they read that the scheduler
-    has); none where both places group the tasks alike, or the scheduler's bandwidth is not a
-    positive number. The costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the
-    scheduler measured (starting at ``distributed.scheduler.bandwidth``) rounded down to a power of
-    two, so that a graph computed again is cut alike (and its plan remembered) while the measurement
+    has); none where both places group the tasks alike, or the bandwidth is not a positive number.
+    The costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the workers measured
+    moving data between them (the mean of the scheduler's figures per pair of workers, made from
+    transfers of 1 MB or more; else its overall figure, which starts at
+    ``distributed.scheduler.bandwidth`` and follows every transfer slowly), rounded to the nearest power
+    of two, so that a graph computed again is cut alike (and its plan remembered) while the measurement
     moves a little."""
-    if len(set(places.values())) <= len(set(loose.values())) or not 1 <= scheduler.bandwidth < math.inf:
+    pairs = [bw for bw in list(scheduler.bandwidth_workers.values()) if bw > 0]  # (a copy: off the event loop)
+    measured = sum(pairs) / len(pairs) if pairs else scheduler.bandwidth
+    if len(set(places.values())) <= len(set(loose.values())) or not 1 <= measured < math.inf:
         return {}
     holders = {ts.key: frozenset(ws.address for d in held for ws in list(d.who_has or ()))
                for ts in inputs if (held := _held(ts))}
-    bandwidth = 2.0 ** math.floor(math.log2(scheduler.bandwidth))
+    bandwidth = 2.0 ** round(math.log2(measured))
     return {"loose": loose, "holders": holders,
             "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidth)}
 
