@@ -481,6 +481,36 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
     assert len(ran.worker) == 3 if fetched else len(ran.worker) > 32, sorted(map(str, ran.worker))
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_holders_changing_while_the_optimizer_reads_them_leave_the_fragments_to_update_graph(
+        c, s, a, b, monkeypatch):
+    """The optimizer reads where the inputs are off the scheduler's event loop: a set that changes size
+    while read (a block moving meanwhile) leaves the fragments to ``update_graph``, which makes them."""
+    from dask_octopus.groups import scheduler as groups_scheduler
+
+    ran = await setup(c, s, [1.0, 1.0])
+    workers = [a.address, b.address]
+    with dask.annotate(workers=lambda key: workers[key[1] % 2]):
+        x = da.arange(64, chunks=2) * 1.0
+    x = c.persist(x, optimize_graph=False)
+    await wait(x)
+    fetch, calls = groups_scheduler._fetch, []
+
+    def changing(*args):
+        calls.append(groups_scheduler.in_offload_thread())
+        if len(calls) == 1:
+            raise RuntimeError("Set changed size during iteration")
+        return fetch(*args)
+
+    monkeypatch.setattr(groups_scheduler, "_fetch", changing)
+    ran.worker.clear()
+    with dask_octopus.annotate():
+        y = x.map_blocks(np.multiply, 3.0, name="tripled-changing")
+    assert await c.compute(y.sum()) == 3.0 * sum(range(64))
+    assert calls == [True, False]  # the optimizer's read failed; update_graph's made the fragments
+    assert len(ran.worker) == 3, sorted(map(str, ran.worker))  # the two fragments, fetching, and the top
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_the_same_work_groups_alike_each_time_it_comes(c, s, a):
     """Groups made on the scheduler follow the order the graph was built in, not Dask's traversal

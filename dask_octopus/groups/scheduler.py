@@ -404,13 +404,14 @@ def fragment_here(graph: Mapping[Key, GraphNode], marks: Mapping[Key, Mapping[st
         kinds = set(places.values()) | set(loose.values()) | {None}  # None: pulled-in tasks
         threads = {p: _threads(scheduler, p) for p in kinds}
         budgets = {p: _budget(scheduler, plugin.profiles, p) for p in kinds}
+        fetch = _fetch(scheduler, places, loose, had.values())
     except RuntimeError:  # a worker or a task changed while being read: update_graph makes the fragments
         logger.debug("dask_octopus: scheduler state changed while planning fragments", exc_info=True)
         return None
     return fragment_graph(graph, marks, keep, dependents, places, threads, new, sizes=sizes, budgets=budgets,
                           retries=annotated_retries(annotations), labels=annotation_labels(annotations),
                           made_bytes=block_bytes(), read_through=_read_through(graph, new, placement.planned_block),
-                          **_fetch(scheduler, places, loose, had.values()))
+                          **fetch)
 
 
 def _read_through(graph: Mapping[Key, GraphNode], new: Iterable[Key], planned: Callable[[Key, Any], Any] | None,
