@@ -192,7 +192,8 @@ def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[
     """The arguments of :func:`fragment_graph` that let it fetch the inputs of annotated tasks where
     following the workers holding them (``places``) costs more than moving them (``loose``: where
     the tasks may run wherever their inputs are; ``inputs``: the tasks they read that the scheduler
-    has); none where both places group the tasks alike, or the bandwidth is not a positive number.
+    has); none where both places group the tasks alike, or the bandwidth is below a byte a second or
+    infinite.
     The costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the workers measured
     moving data between them (the mean of the scheduler's figures per pair of workers, made from
     transfers of 1 MB or more; else its overall figure, which starts at
