@@ -314,13 +314,14 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
     parts = dict(parts)
     same = _targets(steps, dsk, read_through, special)  # inputs that are one value, counted once
+    cap = min(caps) if caps else None
+    placed = {k: places.get(k) for k in candidates}
     if loose is not None and fetch_costs is not None:
-        places = {**places, **follow_or_fetch(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
-                                              {k: loose.get(k) for k in candidates}, parts,
-                                              min(caps) if caps else None, labels, sizes, holders, *fetch_costs)}
+        placed = follow_or_fetch(steps, dependencies, candidates, placed, {k: loose.get(k) for k in candidates},
+                                 parts, cap, labels, sizes, holders, *fetch_costs)
+        places = {**places, **placed}
     while True:
-        planned = plan_fragments(steps, dependencies, candidates, {k: places.get(k) for k in candidates},
-                                 parts, min(caps) if caps else None, labels)
+        planned = plan_fragments(steps, dependencies, candidates, placed, parts, cap, labels)
         fragments = pull_upstream(planned, steps, dependents, eligible - candidates, places, labels)
         for members, marked in zip(fragments, planned):  # pulled upstream: the class of the first source
             for k in members:

@@ -200,9 +200,11 @@ def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[
     ``distributed.scheduler.bandwidth`` and follows every transfer slowly), rounded to the nearest power
     of two, so that a graph computed again is cut alike (and its plan remembered) while the measurement
     moves a little."""
+    if len(set(places.values())) <= len(set(loose.values())):
+        return {}
     pairs = [bw for bw in list(scheduler.bandwidth_workers.values()) if bw > 0]  # (a copy: off the event loop)
     measured = sum(pairs) / len(pairs) if pairs else scheduler.bandwidth
-    if len(set(places.values())) <= len(set(loose.values())) or not 1 <= measured < math.inf:
+    if not 1 <= measured < math.inf:
         return {}
     holders = {ts.key: frozenset(ws.address for d in held for ws in list(d.who_has or ()))
                for ts in inputs if (held := _held(ts))}
