@@ -182,6 +182,14 @@ def expected_duration(scheduler: Any, ts: Any) -> float:
     return scheduler._get_prefix_duration(ts.prefix)
 
 
+def measured_bandwidths(scheduler: Any) -> tuple[float, dict[tuple[str, str], float]]:
+    """The bandwidths in bytes/s that ``scheduler`` measured: its overall figure, and one per
+    ``(sender, receiver)`` pair of workers (it keeps them receiver first); read from copies, so safe off
+    its event loop."""
+    return (float(scheduler.bandwidth),
+            {(sender, receiver): float(bw) for (receiver, sender), bw in list(scheduler.bandwidth_workers.items())})
+
+
 def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> Coroutine[Any, Any, dict[str, str]]:
     """Set the pickled worker ``plugin`` up on every worker, replacing one of the same ``name``, and on
     those that join later, as ``Scheduler.register_worker_plugin(idempotent=False)`` does, but a worker

@@ -440,8 +440,9 @@ async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers
     ("1ms", None, True, False),  # ... also where update_graph makes the fragments
     ("1ms", 1024, False, True),  # ... but at 1 KiB/s it does not
     ("1ms", 1024, False, False),
-    ("1ms", (1e12, 1024), False, True),  # 1 KiB/s measured between the two workers: that figure counts
-    ("1ms", (1024, 1e12), True, True),  # ... also the other way round
+    ("1ms", (1e12, 1024), False, True),  # 1 KiB/s measured from one worker to the other: that figure counts
+    ("1ms", (1024, 1e12), False, True),  # fast that way, but the other way moves at the overall 1 KiB/s ...
+    ("1ms", (1024, 1e12, 1e12), True, True),  # ... unless measured fast too
     ("0ms", None, False, True),  # tasks that cost nothing: following the blocks never costs more
     ("1ms", float("inf"), False, True),  # a bandwidth that is no number of bytes a second: not priced, followed
 ])
@@ -450,9 +451,9 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
         c, s, a, b, task_cost, bandwidth, fetched, optimizer, monkeypatch):
     """docs/fragments.md: blocks persisted on two workers alternately, mapped and summed inside
     ``annotate``: the plan that fetches costs 3 tasks and half the blocks moved, the plan that follows the
-    blocks every task of the sum's tree; the cheaper one at the task cost and the bandwidth measured
-    between the workers, else the scheduler's overall figure (rounded to a power of two), following
-    where they cost the same."""
+    blocks every task of the sum's tree; the cheaper one at the task cost and the bandwidths measured
+    each way between the workers, else the scheduler's overall figure (rounded to powers of two),
+    following where they cost the same."""
     ran = await setup(c, s, [1.0, 1.0])
     if not optimizer:
         monkeypatch.setattr(marks, "fragment_here", lambda *args: None)
@@ -466,10 +467,11 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
     log = GroupLog.on(s)
     ran.worker.clear()
     if bandwidth is not None:  # (the workers' too: their heartbeats move the scheduler's figure)
-        overall, pair = bandwidth if isinstance(bandwidth, tuple) else (bandwidth, None)
+        overall, *pairs = bandwidth if isinstance(bandwidth, tuple) else (bandwidth,)
         s.bandwidth = a.bandwidth = b.bandwidth = overall
-        if pair is not None:  # as the scheduler keeps the figure of the transfers between a pair of workers
-            s.bandwidth_workers[a.address, b.address] = pair
+        # as the scheduler keeps the figures of the transfers between a pair of workers (receiver first)
+        for pair, figure in zip([(a.address, b.address), (b.address, a.address)], pairs):
+            s.bandwidth_workers[pair] = figure
     with dask.config.set({"octopus.fragments.task-cost": task_cost}):
         with dask_octopus.annotate():
             y = x.map_blocks(np.multiply, 3.0, name=f"tripled-{task_cost}-{bandwidth}")

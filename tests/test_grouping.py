@@ -18,6 +18,7 @@ from dask_octopus.groups.planning import (
     pull_upstream,
     topological,
 )
+from dask_octopus.placement.bandwidth import Bandwidths
 
 
 @st.composite
@@ -104,11 +105,13 @@ def interleaved_tree():
 @pytest.mark.parametrize("task_seconds, bandwidth, fetched", [
     # following: fragments {a, a2, c, c2} and {b, b2, d, d2}; p and q each read part of both, so stay, with
     # t, and the 4 chains' ends are picked apart: 2 + 2 + 4 = 8 tasks with t (not a candidate: not counted,
-    # as in fetching). Fetching: {a, a2, b, b2, p} and {c, c2, d, d2, q}, t reads p and q inline: 2 tasks,
-    # and b and d's inputs (6 MiB) moved
-    (1e-3, 1.25e9, True),  # 8 ms against 2 + 5.0 ms (t reads p and q inline: were they picked, 4 + 5.0)
-    (1e-3, 1e8, False),  # 8 ms against 2 + 63 ms
-    (2 ** -10, 2 ** 30, False),  # 8 against 2 + 6 task costs, exactly (powers of two): equal, follow
+    # as in fetching). Fetching: {a, a2, b, b2, p} on w0 (first by name of the two holding 3 MiB) fetching
+    # xb, and {c, c2, d, d2, q} on w1 (receiving less so far) fetching xc; t reads p and q inline: 2 tasks,
+    # and 3 MiB moved each way at once
+    (1e-3, 1.25e9, True),  # 8 ms against 2 + 2.5 ms (t reads p and q inline: were they picked, 4 + 2.5)
+    (1e-3, 1e8, False),  # 8 ms against 2 + 31 ms
+    (2 ** -10, 2 ** 29, False),  # 8 against 2 + 6 task costs, exactly (powers of two): equal, follow
+    (2 ** -10, 2 ** 30, True),  # 8 against 2 + 3 (the 6 MiB counted one after the other: 2 + 6, equal)
     (0.0, 1e12, False),  # tasks cost nothing: moving anything costs more
 ])
 def test_fragments_follow_their_inputs_unless_fetching_them_costs_less_than_the_tasks_left(task_seconds, bandwidth,
@@ -116,7 +119,7 @@ def test_fragments_follow_their_inputs_unless_fetching_them_costs_less_than_the_
     deps, follow, fetch, sizes, holders = interleaved_tree()
     parts = {"w0": 1, "w1": 1, None: 2}
     got = follow_or_fetch(list(deps), deps, set(deps) - {"t"}, follow, fetch, parts, None, None, sizes, holders,
-                          task_seconds, bandwidth)
+                          task_seconds, Bandwidths(bandwidth))
     assert got is (fetch if fetched else follow)
     planned = [sorted(f) for f in plan_fragments(list(deps), deps, set(deps) - {"t"}, got, parts)]
     assert planned == ([["a", "a2", "b", "b2", "p"], ["c", "c2", "d", "d2", "q"]] if fetched
@@ -137,15 +140,68 @@ def test_following_inputs_all_on_one_worker_moves_nothing_also_for_members_of_no
     assert plan_fragments(list(deps), deps, set(deps), follow, parts) == [["s0", "s1", "d0", "d1"]]
     assert plan_fragments(list(deps), deps, set(deps), fetch, parts) == [["s0", "d0", "d1"]]
     assert follow_or_fetch(list(deps), deps, set(deps), follow, fetch, parts, None, None, sizes, holders,
-                           0.0, 1.0) is follow
+                           0.0, Bandwidths(1.0)) is follow
 
 
-@pytest.mark.parametrize("task_seconds, bandwidth", [(-1.0, 1e9), (1e-3, 0.0), (1e-3, -5.0), (1e-3, float("nan"))])
-def test_follow_or_fetch_refuses_negative_costs_and_no_bandwidth(task_seconds, bandwidth):
+def round_robin(leaves, workers):
+    """Leaves l0.. reading inputs x0.. (1 MiB each) held by workers w0.. in turn, a chain step each, and a
+    binary tree of sums over the chains' ends up to one top, "t" (not a candidate)."""
+    deps = {f"l{i}": [f"x{i}"] for i in range(leaves)} | {f"c{i}": [f"l{i}"] for i in range(leaves)}
+    level = [f"c{i}" for i in range(leaves)]
+    while len(level) > 1:
+        nxt = [f"s{len(deps)}-{j}" for j in range(len(level) // 2)]
+        deps |= {k: level[2 * j:2 * j + 2] for j, k in enumerate(nxt)}
+        level = nxt
+    deps["t"] = level
+    follow = {k: None for k in deps} | {f"l{i}": f"w{i % workers}" for i in range(leaves)}
+    holders = {f"x{i}": {f"w{i % workers}"} for i in range(leaves)}
+    return deps, follow, dict.fromkeys(deps), dict.fromkeys(holders, 2 ** 20), holders
+
+
+@pytest.mark.parametrize("bandwidth, fetched", [(2 ** 30, True), (2 ** 28, True), (2 ** 26, False)])
+def test_fetching_is_priced_at_the_busiest_worker_as_workers_move_data_at_the_same_time(bandwidth, fetched):
+    """16 leaves held by 4 workers in turn, one thread each: following leaves the whole tree (15 sums), 4
+    fragments and 16 picks, 35 tasks; fetching, 4 fragments of 4 leaves, each on one of the workers
+    holding 1 MiB of its inputs (the one receiving least so far) fetching 3 MiB: the 3 sums above them
+    and 4 fragments, 7 tasks, and each worker sending and receiving 3 MiB at once. At 1 ms a task: 35 ms
+    against 7 ms plus 3 MiB at the bandwidth (12 MiB one after the other: following would win at
+    2 ** 28 B/s, 7 + 47 ms)."""
+    deps, follow, fetch, sizes, holders = round_robin(16, 4)
+    parts = {"w0": 1, "w1": 1, "w2": 1, "w3": 1, None: 4}
+    candidates = set(deps) - {"t"}
+    got = follow_or_fetch(list(deps), deps, candidates, follow, fetch, parts, None, None, sizes, holders,
+                          1e-3, Bandwidths(bandwidth))
+    assert got is (fetch if fetched else follow)
+    planned = plan_fragments(list(deps), deps, candidates, fetch, parts)
+    assert [{m for m in f if m[0] == "l"} for f in planned] == [{f"l{i}" for i in range(j, j + 4)}
+                                                                 for j in (0, 4, 8, 12)]
+
+
+def test_fetching_is_priced_by_the_fastest_link_from_a_holder_to_the_receiver():
+    """The fragments of :func:`interleaved_tree` fetching: b's input over the link w1 -> w0 and c's over
+    w0 -> w1; a slow link either way makes following cheaper, unless the input is held by a third worker
+    too, whose link to the receiver is fast."""
     deps, follow, fetch, sizes, holders = interleaved_tree()
-    with pytest.raises(ValueError, match="task_seconds must be >= 0 and bandwidth > 0"):
+    parts = {"w0": 1, "w1": 1, None: 2}
+    candidates = set(deps) - {"t"}
+
+    def choice(pairs, holders=holders):
+        return follow_or_fetch(list(deps), deps, candidates, follow, fetch, parts, None, None, sizes, holders,
+                               1e-3, Bandwidths(2 ** 30, pairs))
+
+    assert choice({}) is fetch  # 8 ms against 2 + 3 ms
+    assert choice({("w1", "w0"): 2 ** 20}) is follow  # 3 s
+    assert choice({("w0", "w1"): 2 ** 20}) is follow
+    assert choice({("w0", "w1"): 2 ** 20}, holders | {"xc": {"w0", "w2"}}) is fetch  # from w2, at 2 ** 30
+    assert choice({("w0", "w1"): 2 ** 20, ("w2", "w1"): 2 ** 20}, holders | {"xc": {"w0", "w2"}}) is follow
+
+
+@pytest.mark.parametrize("task_seconds", [-1.0, float("nan")])
+def test_follow_or_fetch_refuses_a_negative_task_cost(task_seconds):
+    deps, follow, fetch, sizes, holders = interleaved_tree()
+    with pytest.raises(ValueError, match="task_seconds must be >= 0"):
         follow_or_fetch(list(deps), deps, set(deps), follow, fetch, {None: 1}, None, None, sizes, holders,
-                        task_seconds, bandwidth)
+                        task_seconds, Bandwidths(1e9))
 
 
 def test_a_task_read_through_a_task_outside_the_fragment_stays_out():

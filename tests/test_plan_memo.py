@@ -26,6 +26,7 @@ from dask_octopus.groups import memo, rewrite
 from dask_octopus.groups.blocksizes import block_bytes
 from dask_octopus.groups.memo import plans
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX, fragment_graph
+from dask_octopus.placement.bandwidth import Bandwidths
 
 
 def add_all(*values):
@@ -230,9 +231,13 @@ def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
     parts = {None: 1, "w0": 1, "w1": 1}
     loose = dict.fromkeys(places)
     assert len(fragments(plan(dsk, places=places, parts=parts))) == 2
-    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(0.0, 1e9)))) == 2
-    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(1e-3, 1e9)))) == 1
+    links = Bandwidths(1e9)
+    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(0.0, links)))) == 2
+    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(1e-3, links)))) == 1
     assert len(planned) == 11
+    links = Bandwidths(1e9, {("w0", "w1"): 2.0 ** 20})  # a figure measured between two workers: a plan anew
+    assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(1e-3, links)))) == 1
+    assert len(planned) == 12
 
 
 def scaled_by(c):

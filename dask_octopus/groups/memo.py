@@ -46,6 +46,7 @@ from dask_octopus import config
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, fused_graph_of
 from dask_octopus.groups.blocksizes import BlockBytes
 from dask_octopus.groups.planning import layer_of
+from dask_octopus.placement.bandwidth import Bandwidths
 
 _NUMBERS = (bool, int, float, complex)
 _AS_THEY_ARE = (str, bytes, type(None), type(Ellipsis), FunctionType, BuiltinFunctionType, MethodType, type,
@@ -71,7 +72,7 @@ class PlanInputs(NamedTuple):
     roots: list[Key] | None
     loose: Mapping[Key, Any] | None
     holders: Mapping[Key, Collection[str]] | None
-    fetch_costs: tuple[float, float] | None
+    fetch_costs: tuple[float, Bandwidths] | None
 
 
 class _Data(Exception):
@@ -294,7 +295,9 @@ def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
             if isinstance(made, BlockBytes) else None,
             frozenset(map(name, inputs.read_through)),
             None if inputs.roots is None else frozenset(map(name, inputs.roots)),
-            items(inputs.loose), items(inputs.holders), inputs.fetch_costs)
+            items(inputs.loose), items(inputs.holders),
+            None if inputs.fetch_costs is None
+            else (inputs.fetch_costs[0], inputs.fetch_costs[1].default, frozenset(inputs.fetch_costs[1].pairs.items())))
 
 
 class PlanMemo:

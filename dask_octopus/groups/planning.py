@@ -15,6 +15,7 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from itertools import zip_longest
 
 from dask_octopus._checks import is_count
+from dask_octopus.placement.bandwidth import Bandwidths
 from dask_octopus.profiling.speedmodel import RESOURCES
 
 ANNOTATION = "octopus"  # the Dask annotation that carries a task's group spec
@@ -172,7 +173,7 @@ def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, C
                     fetch: Mapping[Hashable, Hashable], parts: Mapping[Hashable, int], cap: int | None,
                     labels: Mapping[Hashable, Hashable] | None, sizes: Mapping[Hashable, float],
                     holders: Mapping[Hashable, Collection[Hashable]], task_seconds: float,
-                    bandwidth: float) -> Mapping[Hashable, Hashable]:
+                    bandwidths: Bandwidths) -> Mapping[Hashable, Hashable]:
     """``follow`` or ``fetch``, the places of ``candidates`` by which :func:`plan_fragments` (same
     arguments) cuts the fragments that cost less.
 
@@ -181,13 +182,15 @@ def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, C
     different workers, following them leaves the tasks that combine them (a reduction's tree) and
     everything downstream as tasks; fetching moves a fragment's inputs to one worker. A cut costs
     ``task_seconds`` for each task it leaves (the candidates outside fragments, the fragments, and the
-    results of a fragment that a task reads apart, :func:`read_apart`) and a second for each
-    ``bandwidth`` bytes it moves: of each fragment's inputs (``sizes``, missing: 0), those not held by
-    the worker that holds most of them (``holders``: the workers holding each input, missing: none).
-    ``follow`` where the costs are equal.
+    results of a fragment that a task reads apart, :func:`read_apart`) plus the time its moves take
+    (:meth:`~dask_octopus.placement.bandwidth.Bandwidths.move_seconds` at ``bandwidths``: the busiest
+    worker's, as workers move data at the same time): each fragment runs on the worker holding most
+    bytes of its inputs (``sizes``, missing: 0; ``holders``: the workers holding each input, missing:
+    none; of those holding as many, the one receiving least so far, then the first by name) and fetches
+    each other input from the holder with the fastest link to it. ``follow`` where the costs are equal.
     """
-    if task_seconds < 0 or not bandwidth > 0:
-        raise ValueError(f"task_seconds must be >= 0 and bandwidth > 0, got {task_seconds!r} and {bandwidth!r}")
+    if not task_seconds >= 0:
+        raise ValueError(f"task_seconds must be >= 0, got {task_seconds!r}")
     labels = labels or {}
     readers: dict[Hashable, list[Hashable]] = {}
     for k in steps:
@@ -202,16 +205,26 @@ def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, C
         fragment_of = {m: i for i, results in enumerate(outputs) for m in results}
         picks = sum(len(results) for i, (results, members) in enumerate(zip(outputs, fragments))
                     if read_apart(results, members, i, fragment_of, dependencies, readers, labels))
-        moved = 0.0
+        moves: dict[tuple[Hashable, Hashable], float] = {}
+        received: dict[Hashable, float] = {}
         for members in fragments:
             inputs = {d for m in members for d in dependencies[m] if owner.get(d) is None and sizes.get(d)}
             held: dict[Hashable, float] = {}
             for d in inputs:
                 for worker in holders.get(d, ()):
                     held[worker] = held.get(worker, 0.0) + sizes[d]
-            moved += sum(sizes[d] for d in inputs if holders.get(d)) - max(held.values(), default=0.0)
+            if not held:
+                continue
+            most = max(held.values())
+            receiver = min(sorted((w for w, n in held.items() if n == most), key=str),
+                           key=lambda w: received.get(w, 0.0))
+            for d in inputs:
+                if holders.get(d) and receiver not in holders[d]:
+                    pair = (bandwidths.sender(holders[d], receiver), receiver)
+                    moves[pair] = moves.get(pair, 0.0) + sizes[d]
+                    received[receiver] = received.get(receiver, 0.0) + sizes[d]
         tasks = len(candidates) - len(owner) + len(fragments) + picks
-        return tasks * task_seconds + moved / bandwidth
+        return tasks * task_seconds + bandwidths.move_seconds(moves)
 
     return fetch if cost(fetch) < cost(follow) else follow
 

@@ -35,6 +35,7 @@ from dask_octopus.groups.planning import (
     topological,
 )
 from dask_octopus.groups.streams import pick, run_fragment, run_guarded
+from dask_octopus.placement.bandwidth import Bandwidths
 from dask_octopus.placement.unfused import UnfusedTask
 
 FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-letter words (hex-like names)
@@ -213,7 +214,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
                    labels: Mapping[Key, Any] | None = None, made_bytes: Mapping[Key, float] | None = None,
                    read_through: Collection[Key] = (), roots: Iterable[Key] | None = None,
                    loose: Mapping[Key, Any] | None = None, holders: Mapping[Key, Collection[str]] | None = None,
-                   fetch_costs: tuple[float, float] | None = None) -> dict[Key, GraphNode]:
+                   fetch_costs: tuple[float, Bandwidths] | None = None) -> dict[Key, GraphNode]:
     """The graph with annotated tasks run as fragments.
 
     ``specs[key]`` holds the annotation (``resource``, ``group``) of the tasks to run as fragments;
@@ -253,7 +254,7 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     ``loose[key]`` is where an annotated task may run wherever its inputs are (``places`` may say where
     they are held): the fragments are cut by those places instead where that costs less
     (:func:`~dask_octopus.groups.planning.follow_or_fetch`, at ``fetch_costs``: the seconds of a task
-    and the bytes moved a second; ``holders``: the workers holding each input that exists already, an
+    and the bandwidths between workers; ``holders``: the workers holding each input that exists already, an
     alias's those of what it names).
 
     The plan made before from the same arguments (the same keys, functions, places, sizes and budgets:
@@ -279,7 +280,7 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
                     budgets: Mapping[Any, float | None] | None, retries: Mapping[Key, int] | None,
                     labels: Mapping[Key, Any] | None, made_bytes: Mapping[Key, float] | None,
                     read_through: Collection[Key], roots: list[Key] | None, loose: Mapping[Key, Any] | None,
-                    holders: Mapping[Key, Collection[str]] | None, fetch_costs: tuple[float, float] | None,
+                    holders: Mapping[Key, Collection[str]] | None, fetch_costs: tuple[float, Bandwidths] | None,
                     ) -> tuple[dict[Key, GraphNode], dict[Key, GraphNode], frozenset[Key]]:
     """:func:`fragment_graph`, planned; the tasks that pick the fragments' results read inline; the keys
     whose tasks are those of ``dsk``, or read those picks in place of what they read."""

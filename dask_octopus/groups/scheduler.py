@@ -52,6 +52,7 @@ from dask_octopus._compat import (
     annotated_restrictions,
     fused_name_of,
     in_offload_thread,
+    measured_bandwidths,
     run_spec_collision,
     running_schedulers,
 )
@@ -70,6 +71,7 @@ from dask_octopus.groups.rewrite import (
     replaced_keys,
 )
 from dask_octopus.groups.streams import collected, pick, run_fragment
+from dask_octopus.placement.bandwidth import Bandwidths
 from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling.working_set import MEASURE
 
@@ -192,25 +194,30 @@ def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[
     """The arguments of :func:`fragment_graph` that let it fetch the inputs of annotated tasks where
     following the workers holding them (``places``) costs more than moving them (``loose``: where
     the tasks may run wherever their inputs are; ``inputs``: the tasks they read that the scheduler
-    has); none where both places group the tasks alike, or the bandwidth is below a byte a second or
-    infinite.
-    The costs: a task's (``octopus.fragments.task-cost``), and the bandwidth the workers measured
-    moving data between them (the mean of the scheduler's figures per pair of workers, made from
-    transfers of 1 MB or more; else its overall figure, which starts at
-    ``distributed.scheduler.bandwidth`` and follows every transfer slowly), rounded to the nearest power
-    of two, so that a graph computed again is cut alike (and its plan remembered) while the measurement
-    moves a little."""
+    has); none where both places group the tasks alike, or the scheduler's overall bandwidth is below a
+    byte a second or infinite.
+    The costs: a task's (``octopus.fragments.task-cost``), and the bandwidths the workers measured
+    moving data (:func:`~dask_octopus._compat.measured_bandwidths`: the scheduler's figure per pair of
+    workers, made from transfers of 1 MB or more, where it has one, else its overall figure, which
+    starts at ``distributed.scheduler.bandwidth`` and follows every transfer slowly; a pair's below a
+    byte a second or infinite counts as none), each rounded to the nearest power of two, so that a graph
+    computed again is cut alike (and its plan remembered) while the measurements move a little."""
     if len(set(places.values())) <= len(set(loose.values())):
         return {}
-    pairs = [bw for bw in list(scheduler.bandwidth_workers.values()) if bw > 0]  # (a copy: off the event loop)
-    measured = sum(pairs) / len(pairs) if pairs else scheduler.bandwidth
-    if not 1 <= measured < math.inf:
+    overall, pairs = measured_bandwidths(scheduler)
+    if not 1 <= overall < math.inf:
         return {}
     holders = {ts.key: frozenset(ws.address for d in held for ws in list(d.who_has or ()))
                for ts in inputs if (held := _held(ts))}
-    bandwidth = 2.0 ** round(math.log2(measured))
+    bandwidths = Bandwidths(_power_of_two(overall),
+                            {pair: _power_of_two(bw) for pair, bw in pairs.items() if 1 <= bw < math.inf})
     return {"loose": loose, "holders": holders,
-            "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidth)}
+            "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidths)}
+
+
+def _power_of_two(value: float) -> float:
+    """``value`` (>= 1, finite) rounded to the nearest power of two."""
+    return 2.0 ** round(math.log2(value))
 
 
 def _new(ts: TaskState | None) -> bool:

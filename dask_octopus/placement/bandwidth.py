@@ -38,7 +38,12 @@ class Bandwidths:
         check_finite(nbytes, "bytes to move", positive=False)
         if receiver in holders or not holders:
             return 0.0
-        return nbytes / max(self.between(h, receiver) for h in holders)
+        return nbytes / self.between(self.sender(holders, receiver), receiver)
+
+    def sender(self, holders: Collection[Hashable], receiver: Hashable) -> Hashable:
+        """The one of ``holders`` (not empty) with the fastest link to ``receiver``; of those as fast, the
+        first by name."""
+        return min(sorted(holders, key=str), key=lambda h: -self.between(h, receiver))
 
     def move_seconds(self, moves: Mapping[tuple[Hashable, Hashable], float]) -> float:
         """Seconds for all of ``moves`` (bytes per ``(sender, receiver)``): the longest time any worker

@@ -26,7 +26,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_octopus import config
 from dask_octopus._checks import is_finite
-from dask_octopus._compat import SCHEDULER_LOGGER, add_worker_plugin
+from dask_octopus._compat import SCHEDULER_LOGGER, add_worker_plugin, measured_bandwidths
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
@@ -545,9 +545,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         """The scheduler's bandwidth estimates in bytes/s (:mod:`dask_octopus.placement.transfers`):
         ``default``, its overall one, and ``pairs``, ``[sender, receiver, bytes/s]`` for each pair of
         live workers it measured (msgpack sends no tuple keys)."""
-        s = self.scheduler
-        return {"default": float(s.bandwidth),
-                "pairs": [[sender, receiver, float(bw)] for (receiver, sender), bw in s.bandwidth_workers.items()]}
+        default, pairs = measured_bandwidths(self.scheduler)
+        return {"default": default, "pairs": [[sender, receiver, bw] for (sender, receiver), bw in pairs.items()]}
 
     def speeds(self, resource: str = "compute", prefix: str | None = None) -> dict[str, float]:
         """Relative weights of the live workers for ``resource`` (or for the tasks of ``prefix``
