@@ -65,6 +65,17 @@ def test_moves_between_different_workers_overlap_and_a_worker_s_own_moves_add_up
     assert Bandwidths(10.0, {("a", "b"): 40.0}).move_seconds({("a", "b"): 100.0, ("b", "a"): 100.0}) == 10.0
 
 
+def test_fetches_over_different_pairs_overlap_each_at_its_own_figure():
+    """As Dask's workers fetch: one transfer after another from each sender, from different senders at
+    once (the pairs' figures measured per transfer while the others ran)."""
+    links = Bandwidths(10.0, {("b", "c"): 5.0})
+    assert links.fetch_seconds_at_once({}) == 0.0
+    assert links.fetch_seconds_at_once({("a", "c"): 100.0, ("d", "c"): 50.0}) == 10.0  # c receives from both at once
+    assert links.fetch_seconds_at_once({("a", "c"): 100.0, ("b", "c"): 60.0}) == 12.0  # b -> c at 5 B/s
+    with pytest.raises(ValueError, match="bytes to move must be finite and >= 0"):
+        links.fetch_seconds_at_once({("a", "c"): -1.0})
+
+
 @given(moves=st.dictionaries(st.tuples(st.sampled_from("abcd"), st.sampled_from("abcd")), st.floats(0, 1e9),
                              max_size=8),
        default=bandwidth_st, factor=st.floats(1.5, 100.0))

@@ -55,6 +55,14 @@ class Bandwidths:
                 busy[end] = busy.get(end, 0.0) + seconds
         return max(busy.values(), default=0.0)
 
+    def fetch_seconds_at_once(self, moves: Mapping[tuple[Hashable, Hashable], float]) -> float:
+        """Seconds for all of ``moves`` (bytes per ``(sender, receiver)``) made as Dask's workers fetch
+        the inputs of tasks they run: each receiver from each sender one transfer after another, from
+        different senders at once, each pair at its figure (which Dask measures per transfer while the
+        others run): the longest pair's (0 with nothing to move)."""
+        return max((check_finite(nbytes, "bytes to move", positive=False) / self.between(sender, receiver)
+                    for (sender, receiver), nbytes in moves.items()), default=0.0)
+
 
 def owner_changes(old: Sequence[int], new: Sequence[int]) -> dict[tuple[int, int], int]:
     """Rows that change worker when worker ``k``'s rows go from the ``k``-th consecutive range of
