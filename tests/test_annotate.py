@@ -441,7 +441,7 @@ async def test_groups_of_persisted_partitions_never_pull_inputs_from_two_workers
     ("1ms", 1024, False, True),  # ... but at 1 KiB/s it does not
     ("1ms", 1024, False, False),
     ("1ms", (1e12, 1024), False, True),  # 1 KiB/s measured from one worker to the other: that figure counts
-    ("1ms", (1024, 1e12), False, True),  # fast that way, but the other way moves at the overall 1 KiB/s ...
+    ("1ms", (1024, 1e12), False, True),  # fast one way, but the fragments fetch both ways: at the overall 1 KiB/s ...
     ("1ms", (1024, 1e12, 1e12), True, True),  # ... unless measured fast too
     ("0ms", None, False, True),  # tasks that cost nothing: following the blocks never costs more
     ("1ms", float("inf"), False, True),  # a bandwidth that is no number of bytes a second: not priced, followed
@@ -481,6 +481,29 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
     # fetched: the two fragments and the top; followed: each fragment holds every other block, so every sum
     # of two neighbours reads both fragments and stays a task, with a pick task for each partial sum
     assert len(ran.worker) == 3 if fetched else len(ran.worker) > 32, sorted(map(str, ran.worker))
+
+
+@pytest.mark.parametrize("overall, priced", [(3e8, True), (0.5, False), (float("inf"), False), (1e308, False)])
+def test_the_scheduler_s_bandwidth_figures_price_fetching_rounded_to_powers_of_two(overall, priced):
+    """The scheduler keeps its figure per pair receiver first: each becomes the (sender, receiver) link's,
+    rounded to the nearest power of two (a graph computed again is cut alike while they move a little);
+    a pair's below a byte a second or not finite counts as none; without such an overall figure (or one
+    whose power of two a float may not hold), fetching is not priced."""
+    from types import SimpleNamespace
+
+    from dask_octopus.groups import scheduler as groups_scheduler
+    from dask_octopus.placement.bandwidth import Bandwidths
+
+    scheduler = SimpleNamespace(bandwidth=overall, bandwidth_workers={
+        ("a", "b"): 3e8, ("b", "a"): 1.1e9, ("a", "c"): float("inf"), ("c", "a"): 0.5})
+    places, loose = {"x": ("a",), "y": ("b",)}, {"x": None, "y": None}
+    got = groups_scheduler._fetch(scheduler, places, loose, [])
+    if not priced:
+        assert got == {}
+        return
+    assert got["fetch_costs"] == (1e-3, Bandwidths(2 ** 28, {("b", "a"): 2 ** 28, ("a", "b"): 2 ** 30}))
+    assert got["loose"] is loose and got["holders"] == {}
+    assert groups_scheduler._fetch(scheduler, places, places, []) == {}  # where both places group tasks alike
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

@@ -158,19 +158,23 @@ def round_robin(leaves, workers):
     return deps, follow, dict.fromkeys(deps), dict.fromkeys(holders, 2 ** 20), holders
 
 
-@pytest.mark.parametrize("bandwidth, fetched", [(2 ** 30, True), (2 ** 26, True), (2 ** 25, False)])
-def test_fetching_is_priced_at_the_slowest_pair_of_workers_as_pairs_move_data_at_the_same_time(bandwidth, fetched):
+@pytest.mark.parametrize("bandwidth, pairs, fetched", [
+    (2 ** 30, {}, True), (2 ** 28, {}, True), (2 ** 26, {}, False),
+    (2 ** 26, {(f"w{s}", f"w{r}"): 2 ** 28 for s in range(4) for r in range(4) if s != r}, True),
+    (2 ** 26, {(f"w{(r + 1) % 4}", f"w{r}"): 2 ** 28 for r in range(4)}, True),  # each worker's fastest link counts
+])
+def test_fetching_is_priced_at_the_busiest_worker_as_workers_move_data_at_the_same_time(bandwidth, pairs, fetched):
     """16 leaves held by 4 workers in turn, one thread each: following leaves the whole tree (15 sums), 4
     fragments and 16 picks, 35 tasks; fetching, 4 fragments of 4 leaves, each on one of the workers
     holding 1 MiB of its inputs (the one receiving least so far) fetching 1 MiB from each of the 3
-    others: the 3 sums above them and 4 fragments, 7 tasks, and 1 MiB over each pair of workers at once.
-    At 1 ms a task: 35 ms against 7 ms plus 1 MiB at the bandwidth (3 MiB one after the other into each
-    worker, or 12 MiB in all, would follow at 2 ** 26 B/s: 7 + 47 ms, 7 + 188 ms)."""
+    others: the 3 sums above them and 4 fragments, 7 tasks, and each worker sending and receiving 3 MiB
+    at once, over its fastest link. At 1 ms a task: 35 ms against 7 ms plus 3 MiB at that link's figure
+    (12 MiB one after the other, as priced before, would follow at 2 ** 28 B/s: 7 + 47 ms)."""
     deps, follow, fetch, sizes, holders = round_robin(16, 4)
     parts = {"w0": 1, "w1": 1, "w2": 1, "w3": 1, None: 4}
     candidates = set(deps) - {"t"}
     got = follow_or_fetch(list(deps), deps, candidates, follow, fetch, parts, None, None, sizes, holders,
-                          1e-3, Bandwidths(bandwidth))
+                          1e-3, Bandwidths(bandwidth, pairs))
     assert got is (fetch if fetched else follow)
     planned = plan_fragments(list(deps), deps, candidates, fetch, parts)
     assert [{m for m in f if m[0] == "l"} for f in planned] == [{f"l{i}" for i in range(j, j + 4)}
@@ -194,6 +198,24 @@ def test_fetching_is_priced_by_the_fastest_link_from_a_holder_to_the_receiver():
     assert choice({("w0", "w1"): 2 ** 20}) is follow
     assert choice({("w0", "w1"): 2 ** 20}, holders | {"xc": {"w0", "w2"}}) is fetch  # from w2, at 2 ** 30
     assert choice({("w0", "w1"): 2 ** 20, ("w2", "w1"): 2 ** 20}, holders | {"xc": {"w0", "w2"}}) is follow
+
+
+def test_a_fetching_fragment_is_priced_on_the_worker_holding_most_of_its_inputs():
+    """The fragments of :func:`interleaved_tree` with c's input 4x larger: {c, c2, d, d2, q} runs on w0,
+    which holds xc (12 MiB), fetching xd (3 MiB) over w1 -> w0; on w1 it would fetch 12 MiB. With that
+    link slow, fetching costs more than following; the other way, not."""
+    deps, follow, fetch, sizes, holders = interleaved_tree()
+    sizes = sizes | {"xc": 12 * 2 ** 20}
+    parts = {"w0": 1, "w1": 1, None: 2}
+    candidates = set(deps) - {"t"}
+
+    def choice(pairs):
+        return follow_or_fetch(list(deps), deps, candidates, follow, fetch, parts, None, None, sizes, holders,
+                               1e-3, Bandwidths(2 ** 30, pairs))
+
+    assert choice({}) is fetch  # 8 ms against 2 + 6 MiB into w0 at 2 ** 30: 5.9 ms
+    assert choice({("w1", "w0"): 2 ** 20}) is follow
+    assert choice({("w0", "w1"): 2 ** 20}) is fetch  # nothing moves w0 -> w1
 
 
 @pytest.mark.parametrize("task_seconds", [-1.0, float("nan")])

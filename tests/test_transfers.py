@@ -65,15 +65,16 @@ def test_moves_between_different_workers_overlap_and_a_worker_s_own_moves_add_up
     assert Bandwidths(10.0, {("a", "b"): 40.0}).move_seconds({("a", "b"): 100.0, ("b", "a"): 100.0}) == 10.0
 
 
-def test_fetches_over_different_pairs_overlap_each_at_its_own_figure():
-    """As Dask's workers fetch: one transfer after another from each sender, from different senders at
-    once (the pairs' figures measured per transfer while the others ran)."""
-    links = Bandwidths(10.0, {("b", "c"): 5.0})
-    assert links.fetch_seconds_at_once({}) == 0.0
-    assert links.fetch_seconds_at_once({("a", "c"): 100.0, ("d", "c"): 50.0}) == 10.0  # c receives from both at once
-    assert links.fetch_seconds_at_once({("a", "c"): 100.0, ("b", "c"): 60.0}) == 12.0  # b -> c at 5 B/s
+def test_a_worker_moves_its_share_at_its_fastest_link_at_most_and_each_pair_at_its_own_figure():
+    """One link per worker, as fast as its fastest measured pair (Dask measures each transfer while the
+    others run): c receives from a (10 B/s), b (5 B/s) and d (40 B/s) at 40 B/s in all at most."""
+    links = Bandwidths(10.0, {("b", "c"): 5.0, ("d", "c"): 40.0})
+    assert links.move_seconds({("a", "c"): 100.0, ("d", "c"): 100.0}) == 10.0  # a -> c's own 10 s
+    assert links.move_seconds({("a", "c"): 100.0, ("b", "c"): 60.0}) == 16.0  # 160 bytes at a -> c's 10 B/s
+    assert links.move_seconds({("a", "c"): 100.0, ("d", "c"): 100.0, ("e", "c"): 100.0}) == 10.0  # 300 at 40: 7.5
+    assert links.move_seconds({("d", "c"): 400.0, ("a", "c"): 10.0}) == 10.25  # 410 bytes at 40 B/s
     with pytest.raises(ValueError, match="bytes to move must be finite and >= 0"):
-        links.fetch_seconds_at_once({("a", "c"): -1.0})
+        links.move_seconds({("a", "c"): -1.0})
 
 
 @given(moves=st.dictionaries(st.tuples(st.sampled_from("abcd"), st.sampled_from("abcd")), st.floats(0, 1e9),

@@ -183,8 +183,8 @@ def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, C
     everything downstream as tasks; fetching moves a fragment's inputs to one worker. A cut costs
     ``task_seconds`` for each task it leaves (the candidates outside fragments, the fragments, and the
     results of a fragment that a task reads apart, :func:`read_apart`) plus the time its moves take
-    (:meth:`~dask_octopus.placement.bandwidth.Bandwidths.fetch_seconds_at_once` at ``bandwidths``: the
-    pairs of workers move data at the same time): each fragment runs on the worker holding most
+    (:meth:`~dask_octopus.placement.bandwidth.Bandwidths.move_seconds` at ``bandwidths``: workers move
+    data at the same time): each fragment runs on the worker holding most
     bytes of its inputs (``sizes``, missing: 0; ``holders``: the workers holding each input, missing:
     none; of those holding as many, the one receiving least so far, then the first by name) and fetches
     each other input from the holder with the fastest link to it. ``follow`` where the costs are equal.
@@ -224,7 +224,7 @@ def follow_or_fetch(steps: Sequence[Hashable], dependencies: Mapping[Hashable, C
                     moves[pair] = moves.get(pair, 0.0) + sizes[d]
                     received[receiver] = received.get(receiver, 0.0) + sizes[d]
         tasks = len(candidates) - len(owner) + len(fragments) + picks
-        return tasks * task_seconds + bandwidths.fetch_seconds_at_once(moves)
+        return tasks * task_seconds + bandwidths.move_seconds(moves)
 
     return fetch if cost(fetch) < cost(follow) else follow
 

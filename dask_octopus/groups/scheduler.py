@@ -205,18 +205,24 @@ def _fetch(scheduler: Scheduler, places: Mapping[Key, Hashable], loose: Mapping[
     if len(set(places.values())) <= len(set(loose.values())):
         return {}
     overall, pairs = measured_bandwidths(scheduler)
-    if not 1 <= overall < math.inf:
+    if not _countable(overall):
         return {}
     holders = {ts.key: frozenset(ws.address for d in held for ws in list(d.who_has or ()))
                for ts in inputs if (held := _held(ts))}
     bandwidths = Bandwidths(_power_of_two(overall),
-                            {pair: _power_of_two(bw) for pair, bw in pairs.items() if 1 <= bw < math.inf})
+                            {pair: _power_of_two(bw) for pair, bw in pairs.items() if _countable(bw)})
     return {"loose": loose, "holders": holders,
             "fetch_costs": (parse_timedelta(config.get("fragments.task-cost")), bandwidths)}
 
 
+def _countable(bandwidth: float) -> bool:
+    """Whether ``bandwidth`` is a figure :func:`_power_of_two` rounds: a byte a second or more, finite
+    (and below ``2 ** 1023``, whose nearest power of two a float may not hold)."""
+    return 1 <= bandwidth < 2.0 ** 1023
+
+
 def _power_of_two(value: float) -> float:
-    """``value`` (>= 1, finite) rounded to the nearest power of two."""
+    """``value`` (:func:`_countable`) rounded to the nearest power of two."""
     return 2.0 ** round(math.log2(value))
 
 

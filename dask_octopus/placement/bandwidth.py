@@ -2,9 +2,9 @@
 
 No Dask here. A :class:`Bandwidths` holds bytes per second per ``(sender, receiver)`` pair where the
 cluster measured one, and one overall figure for every other pair. A worker fetches an item from
-the holder with the fastest link to it. Many moves at once (a re-chunk) take as long as the busiest
-worker needs: each worker sends and receives over its own link, one byte after the other, while
-different workers move data at the same time.
+the holder with the fastest link to it. Many moves at once (a re-chunk, the inputs fragments fetch)
+take as long as the busiest worker needs: each worker sends and receives over its own link, as fast
+as its fastest measured pair shows, while different workers move data at the same time.
 """
 
 from __future__ import annotations
@@ -46,22 +46,21 @@ class Bandwidths:
         return min(sorted(holders, key=str), key=lambda h: -self.between(h, receiver))
 
     def move_seconds(self, moves: Mapping[tuple[Hashable, Hashable], float]) -> float:
-        """Seconds for all of ``moves`` (bytes per ``(sender, receiver)``): the longest time any worker
-        spends sending, or receiving, its share (0 with nothing to move)."""
-        busy: dict[tuple[str, Hashable], float] = {}
+        """Seconds for all of ``moves`` (bytes per ``(sender, receiver)``), made at the same time: each
+        pair's at its figure, and each worker's sending, and receiving, of its share at the figure of
+        its fastest link among them at most (a worker moves data over one link, whose speed Dask's
+        figures, made per transfer while others ran, show at their fastest): the longest of those (0
+        with nothing to move)."""
+        seconds = 0.0
+        total: dict[tuple[str, Hashable], float] = {}
+        fastest: dict[tuple[str, Hashable], float] = {}
         for (sender, receiver), nbytes in moves.items():
-            seconds = check_finite(nbytes, "bytes to move", positive=False) / self.between(sender, receiver)
+            nbytes, bandwidth = check_finite(nbytes, "bytes to move", positive=False), self.between(sender, receiver)
+            seconds = max(seconds, nbytes / bandwidth)
             for end in (("out", sender), ("in", receiver)):
-                busy[end] = busy.get(end, 0.0) + seconds
-        return max(busy.values(), default=0.0)
-
-    def fetch_seconds_at_once(self, moves: Mapping[tuple[Hashable, Hashable], float]) -> float:
-        """Seconds for all of ``moves`` (bytes per ``(sender, receiver)``) made as Dask's workers fetch
-        the inputs of tasks they run: each receiver from each sender one transfer after another, from
-        different senders at once, each pair at its figure (which Dask measures per transfer while the
-        others run): the longest pair's (0 with nothing to move)."""
-        return max((check_finite(nbytes, "bytes to move", positive=False) / self.between(sender, receiver)
-                    for (sender, receiver), nbytes in moves.items()), default=0.0)
+                total[end] = total.get(end, 0.0) + nbytes
+                fastest[end] = max(fastest.get(end, 0.0), bandwidth)
+        return max([seconds, *(total[end] / fastest[end] for end in total)])
 
 
 def owner_changes(old: Sequence[int], new: Sequence[int]) -> dict[tuple[int, int], int]:
