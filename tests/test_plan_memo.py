@@ -260,26 +260,26 @@ def scaled_by_setting(setting):
     return lambda b: b * setting["k"]
 
 
-def test_a_remembered_plan_whose_own_closure_changed_in_place_is_planned_anew(planned):
-    """A reused plan runs the functions of the compute it was made for: where what one of them closes
-    over changed since, it no longer does what the new graph says."""
+def test_a_reused_plan_runs_the_compute_at_hand_s_functions_not_the_remembered_one_s(planned):
+    """A reused plan makes its fragments' steps from the graph at hand: what the remembered compute's
+    function closes over changing in place since changes nothing."""
     setting = {"k": 2.0}
     for _ in range(2):  # remembered at the second
         assert dask.get(plan(graph("a", scaled_by_setting(setting))), "total") == pytest.approx(12.0)
-    setting["k"] = 3.0  # the remembered plan's function now triples
+    setting["k"] = 3.0  # the remembered compute's function now triples
     out = plan(graph("a", scaled_by_setting({"k": 2.0})))  # equal to the old setting as it was
-    assert dask.get(out, "total") == pytest.approx(12.0) and len(planned) == 3
+    assert dask.get(out, "total") == pytest.approx(12.0) and len(planned) == 2  # reused, running this one's
     lock = threading.Lock()  # a closure over an object that is neither data nor callable: not remembered
     for _ in range(3):
         assert dask.get(plan(graph("b", lambda b: b * 2.0 if lock else 0.0)), "total") == pytest.approx(12.0)
-    assert len(planned) == 6
+    assert len(planned) == 5
 
     def halve_until(b):  # closes over itself
         return b if abs(b) < 8 else halve_until(b / 2)
 
     for _ in range(3):
         assert dask.get(plan(graph("c", halve_until)), "total") == pytest.approx(6.0)
-    assert len(planned) == 9 and len(plans) == 1  # (the first setting's plan)
+    assert len(planned) == 8 and len(plans) == 1  # (the first setting's plan)
 
 
 DASK_NAMED = "b-" + "0" * 32  # a layer name as Dask makes them: its prefix and the hash of what it computes
@@ -301,12 +301,77 @@ def user_named(constants, fused):
     return dsk, [k for k in dsk if k != "total"]
 
 
+def dask_named(constants, links=None):
+    """Blocks of a layer named as Dask names them, each a chain of ``links[i]`` steps (default 1) from its
+    constant, and their total, fused as Dask's low-level fusion fuses chains (each block one task, its
+    chain's keys inside); and the block of the layer that vouches for the others (:func:`memo.sampled`:
+    of smallest hash)."""
+    links = links or [1] * len(constants)
+    dsk = {}
+    for i, (c, n) in enumerate(zip(constants, links)):
+        dsk[(f"a{0}-" + "0" * 32, i)] = Task((f"a{0}-" + "0" * 32, i), chain, float(c))
+        for j in range(1, n + 1):
+            dsk[(f"a{j}-" + "0" * 32, i)] = Task((f"a{j}-" + "0" * 32, i), twice, TaskRef((f"a{j - 1}-" + "0" * 32, i)))
+    ends = [(DASK_NAMED, i) for i in range(len(constants))]
+    dsk |= {k: Task(k, twice, TaskRef((f"a{n}-" + "0" * 32, k[1]))) for k, n in zip(ends, links)}
+    dsk["total"] = Task("total", add_all, *(TaskRef(k) for k in ends))
+    fused = fuse_linear_task_spec(dsk, ["total"])
+    dsk = resolve_aliases(fused, {"total"}, rewrite.dependents_of(fused))
+    assert sorted(dsk, key=str) == sorted([*ends, "total"], key=str)
+    return {k: dsk[k] for k in [*ends, "total"]}, min(ends, key=hash)
+
+
+@pytest.mark.parametrize("kind", ["constant", "chain"])
+def test_a_reused_plan_runs_the_tasks_of_the_compute_at_hand_under_keys_dask_named(planned, kind):
+    """Keys that Dask named are trusted to name their work, one task of a layer vouching for the others
+    (:func:`dask_named`'s blocks, each a chain fused into one task): a plan reused still runs the graph's
+    own tasks, as Dask runs what it is given under keys it saw before: another constant under the same
+    key (a bag's partition changed in place; a dict that Dask's token reads in another order) is the one
+    computed; a block whose chain is longer now (fused into a task of the same key and inputs) is planned
+    anew."""
+    constants, links = [1.0, 2.0, 3.0, 4.0], [1, 1, 1, 1]
+    for _ in range(3):  # remembered at the second, reused from the third
+        dsk, vouching = dask_named(constants, links)
+        assert dask.get(plan(dsk), "total") == pytest.approx(4 * sum(chain(c) for c in constants))
+    assert len(planned) == 2
+    changed = next(i for i in range(4) if (DASK_NAMED, i) != vouching)  # a block its layer's sampled one vouches for
+    if kind == "constant":
+        constants[changed] = 40.0
+    else:
+        links[changed] = 2
+    dsk, _ = dask_named(constants, links)
+    want = sum(chain(c) * 2.0 ** (n + 1) for c, n in zip(constants, links))
+    assert dask.get(plan(dsk), "total") == pytest.approx(want)
+    assert len(planned) == (2 if kind == "constant" else 3)  # reused; planned anew
+
+
+def test_a_reused_plan_s_guard_runs_the_task_of_the_compute_at_hand(planned):
+    """Tasks that two fragments read (no fragment may take them) run under guards of the plan: each the
+    graph's own task under its key, whichever constant it holds now."""
+    x = "x-" + "1" * 32
+
+    def run(constants):
+        dsk = {(x, j): Task((x, j), chain, c) for j, c in enumerate(constants)}
+        dsk |= {(DASK_NAMED, i): Task((DASK_NAMED, i), add_all, TaskRef((x, 0)), TaskRef((x, 1)), float(i))
+                for i in range(4)}
+        dsk["total"] = Task("total", add_all, *(TaskRef((DASK_NAMED, i)) for i in range(4)))
+        out = plan(dsk, marked=[(DASK_NAMED, i) for i in range(4)], parts={None: 2})
+        assert len(fragments(out)) == 2 and sum(rewrite.is_guard(node) for node in out.values()) == 2
+        assert dask.get(out, "total") == pytest.approx(4 * sum(map(chain, constants)) + 6.0)
+
+    for _ in range(3):
+        run([1.0, 5.0])
+    changed = 1 if min([(x, 0), (x, 1)], key=hash) == (x, 0) else 0  # the one its layer's other vouches for
+    run([50.0 if j == changed else c for j, c in enumerate([1.0, 5.0])])
+    assert len(planned) == 2  # reused
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_each_task_named_by_the_user_is_compared_also_inside_a_fused_one(planned, fused):
-    """A reused plan runs the functions and constants of the compute it was made for. Dask names a layer
-    by hashing what it computes, so one task of it vouches for the others; keys named by the user may hold
-    other constants from one compute to the next (Dask, having released the tasks, runs what it is given):
-    each such task is compared, also where fusion put it inside a task of a layer Dask named."""
+    """Dask names a layer by hashing what it computes, so one task of it vouches for the others in the
+    plan; keys named by the user may hold other constants from one compute to the next (Dask, having
+    released the tasks, runs what it is given): each such task is compared, also where fusion put it
+    inside a task of a layer Dask named (and the plan runs the constants at hand either way)."""
     runs = 0
     for changed in range(4):  # whichever of the tasks changed, it is seen
         constants = [float(i) for i in range(4)]

@@ -286,6 +286,40 @@ class Fragment:
         copy.made = dict(self.made)
         return copy
 
+    def layout(self) -> Fragment:
+        """A copy (:meth:`copy`) without the steps' specs: where each step's value lives, what it reads and
+        frees; :meth:`respec` gives it steps."""
+        copy = self.copy()
+        copy._specs, copy._structure = (), None
+        return copy
+
+    def respec(self, tasks: Mapping[Key, GraphNode]) -> Fragment | None:
+        """A copy (:meth:`copy`) whose steps are those of ``tasks``, the graph's tasks under this fragment's
+        members' keys (a plan remembered runs the compute at hand's functions and constants, as Dask
+        runs the tasks it is given under keys it saw before); ``None`` where they are other steps than
+        this fragment's (other keys, fused otherwise, reading other values)."""
+        flat: dict[Key, tuple[Any, tuple, Key]] = {}
+        covers: list[Key] = []
+        memo: dict[int, tuple[GraphNode, Any, tuple]] = {}
+        for key in self.members:
+            node = tasks.get(key)
+            if node is None:
+                return None
+            covers.append(key)
+            _flatten(key, node, {}, flat, covers, key, memo)
+        named = self.inputs + self.names
+        if len(flat) != len(self.names) or tuple(dict.fromkeys(covers)) != self.covers:
+            return None
+        specs = []
+        for name, reads in zip(self.names, self.reads):
+            step = flat.get(name)
+            if step is None or step[1] != tuple([named[s] for s in reads]):
+                return None
+            specs.append(step[0])
+        copy = self.copy()
+        copy._specs, copy._structure = tuple(specs), None
+        return copy
+
     def step_retries(self, default: int) -> list[int]:
         """How many times each step may run again after raising: its member's own ``retries``, else
         ``default`` (the task's)."""

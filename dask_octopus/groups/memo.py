@@ -15,15 +15,16 @@ that ``0.0`` and ``-0.0`` differ; strings and containers by value), and every ta
 by the user (``dask_key_name``, ``map_blocks(name=...)``; also one that low-level fusion put inside
 another task; a name the user gave that ends as Dask's do counts as
 Dask's), which may hold other constants from one compute to the next, before anything else (a graph
-rebuilt with other functions costs no more): what computes something else now is planned anew. A reused
-plan runs the functions and constants of the compute it was made for, so the same tasks of that compute
-are checked again too: one whose closure or constants changed in place since no longer matches. A graph
-whose compared tasks hold data (arrays, objects that are neither plain values nor callable) is not
-remembered; a plan remembered holds its fragments' functions and constants (those of the tasks not
-compared too, closures and callable objects with what they hold), and until its form is made its graph,
-until newer plans replace it. A plan remembered hands out fresh fragment tasks each time (copies of the
-fragments as first made, pickled anew when sent) and takes the graph's own tasks from the compute at
-hand: no pickled bytes of an earlier compute travel with it. Finding it can never fail a compute: a
+rebuilt with other functions costs no more): what computes something else now is planned anew. What is
+reused is the plan (the cut, places, run order); the tasks are the compute at hand's: each fragment's
+steps are made anew from the graph's tasks under its members' keys, checked to be the same steps
+reading the same values (else the graph is planned anew), and each guard runs the graph's task, so a
+constant that differs under a key Dask named (a bag's partition changed in place, a dict that Dask's
+token reads in any order) is computed as Dask computes it. A graph whose compared tasks hold data
+(arrays, objects that are neither plain values nor callable) is not remembered; a plan remembered
+holds none of a compute's functions and constants (its fragments' layouts without their steps, the
+tasks picking their results), and until its form is made its graph, until newer plans replace it. No
+pickled bytes of an earlier compute travel with a reused plan. Finding it can never fail a compute: a
 graph whose form has no hash is planned as usual.
 """
 
@@ -73,6 +74,11 @@ class PlanInputs(NamedTuple):
     loose: Mapping[Key, Any] | None
     holders: Mapping[Key, Collection[str]] | None
     fetch_costs: tuple[float, Bandwidths] | None
+
+
+class Stale(Exception):
+    """Raised by the ``fresh`` of :meth:`PlanMemo.plan` where the graph's tasks are not those its plan
+    was made for: the graph is planned anew."""
 
 
 class _Data(Exception):
@@ -165,7 +171,6 @@ class _Key:
 
 @dataclass
 class _Entry:
-    sampled: dict[Any, GraphNode]  # the sampled tasks of the inputs
     samples: Hashable  # their forms when the plan was made
     graph: dict[Hashable, GraphNode | None]  # the plan, its ends by their names (None: the graph's own task)
     picks: dict[Key, GraphNode]  # the tasks that pick the fragments' results read inline
@@ -311,9 +316,11 @@ class PlanMemo:
 
     def plan(self, inputs: PlanInputs, make: Callable[[], tuple[dict[Key, GraphNode], dict[Key, GraphNode],
                                                                  frozenset[Key]]],
-             fresh: Callable[[GraphNode], GraphNode]) -> dict[Key, GraphNode]:
+             fresh: Callable[..., GraphNode]) -> dict[Key, GraphNode]:
         """The plan remembered for ``inputs`` (:func:`plan_form` and :func:`samples` equal), with fresh
-        tasks (``fresh(node)``: a fragment task's with a copy of its fragment, any other as it is) and the
+        tasks (``fresh(node, dsk, picks)``: the plan's task ``node`` running the graph ``dsk``'s tasks, those
+        that read the plan's picks reading them as the plan's did, or raising :class:`Stale` where they
+        are other tasks; ``fresh(node)``: ``node`` as the plan keeps it) and the
         graph's own tasks where the plan kept them (reading its picks as the plan's did), else ``make()``'s
         (the graph, its picks and the keys whose tasks are the graph's own, those rewritten to read picks
         included), remembered where graphs of these keys were planned before (a
@@ -328,17 +335,21 @@ class PlanMemo:
         with self._lock:
             entry = self._plans.get(outline)
         found = form = None
-        if entry is not None:  # the samples first: a graph rebuilt with other functions differs there; and
-            # the plan's own, whose functions and constants it runs, must be as they were (not changed in place)
+        if entry is not None:  # the samples first: a graph rebuilt with other functions differs there
             tasks = sampled(inputs, ends)
             found = samples(tasks)
-            if found is not None and found == entry.samples and samples(entry.sampled) == entry.samples:
+            if found is not None and found == entry.samples:
                 form = plan_form(inputs, ends)
                 if form is not None and form == entry.form_of_inputs():
-                    with self._lock:
-                        if outline in self._plans:
-                            self._plans.move_to_end(outline)
-                    return _apply(entry, inputs.dsk, {v: k for k, v in ends.items()}, fresh)
+                    try:
+                        out = _apply(entry, inputs.dsk, {v: k for k, v in ends.items()}, fresh)
+                    except Stale:
+                        pass  # planned anew (and remembered in its place)
+                    else:
+                        with self._lock:
+                            if outline in self._plans:
+                                self._plans.move_to_end(outline)
+                        return out
         elif not self._seen_before(hash(outline), size):  # planned once: maybe never again
             return make()[0]
         else:
@@ -350,8 +361,8 @@ class PlanMemo:
         if found is not None:  # (the callers make the inputs for this call alone: they stay as they are)
             graph = {ends.get(k, k): None if k in own else fresh(node) for k, node in out.items()}
             with self._lock:
-                self._plans[outline] = _Entry(tasks, found, graph, dict(picks), None if form is not None else inputs,
-                                              ends, form)
+                self._plans[outline] = _Entry(found, graph, dict(picks), None if form is not None else inputs, ends,
+                                              form)
                 self._plans.move_to_end(outline)
                 while len(self._plans) > size:
                     self._plans.popitem(last=False)
@@ -378,9 +389,10 @@ class PlanMemo:
 
 
 def _apply(entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Hashable, Key],
-           fresh: Callable[[GraphNode], GraphNode]) -> dict[Key, GraphNode]:
+           fresh: Callable[..., GraphNode]) -> dict[Key, GraphNode]:
     """The plan of ``entry`` in its order for the graph ``dsk`` (its ends by their names: ``ends``): fresh
-    tasks (``fresh``), and ``dsk``'s own tasks where the plan kept them, reading its picks as the plan's did."""
+    tasks (``fresh``) running ``dsk``'s, and ``dsk``'s own tasks where the plan kept them, reading its picks
+    as the plan's did."""
     out: dict[Key, GraphNode] = {}
     picks = entry.picks
     for k, node in entry.graph.items():
@@ -389,7 +401,7 @@ def _apply(entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Hashable, 
             node = dsk[k]
             out[k] = node.substitute(picks) if picks.keys() & node.dependencies else node
         else:
-            out[k] = fresh(node)
+            out[k] = fresh(node, dsk, picks)
     return out
 
 

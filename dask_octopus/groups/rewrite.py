@@ -24,7 +24,7 @@ from dask.utils import key_split
 
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, fused_graph_of
 from dask_octopus.groups.fragment import Fragment
-from dask_octopus.groups.memo import PlanInputs, plans
+from dask_octopus.groups.memo import PlanInputs, Stale, plans
 from dask_octopus.groups.planning import (
     follow_or_fetch,
     layer_of,
@@ -267,11 +267,29 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     return plans.plan(inputs, lambda: _fragment_graph(*inputs), _fresh)
 
 
-def _fresh(node: GraphNode) -> GraphNode:
-    """``node``, or for a fragment task a copy holding a copy of its fragment (:meth:`Fragment.copy`): a plan
-    remembered hands out its own fragments to each compute."""
+def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
+           picks: Mapping[Key, GraphNode] | None = None) -> GraphNode:
+    """``node``, a task of a plan, for a compute of the graph ``dsk``: a fragment task holds a copy of its
+    fragment whose steps are ``dsk``'s tasks (:meth:`Fragment.respec`), a guard runs ``dsk``'s task
+    (reading the results it reads from a fragment through ``picks``, as the plan's did); raises
+    :class:`~dask_octopus.groups.memo.Stale` where those are other tasks than the plan's (other keys, or
+    reading other values). Without ``dsk``, as a plan keeps it: a fragment task's fragment without its
+    steps (:meth:`Fragment.layout`: the plan holds none of a compute's functions and constants)."""
     fragment = fragment_of(node)
-    return node if fragment is None else Task(node.key, run_fragment, DataNode(None, fragment.copy()), *node.args[1:])
+    if fragment is not None:
+        copy = fragment.layout() if dsk is None else fragment.respec(dsk)
+        if copy is None:
+            raise Stale(f"the tasks of {node.key!r} changed")
+        return Task(node.key, run_fragment, DataNode(None, copy), *node.args[1:])
+    if dsk is None or not is_guard(node):
+        return node
+    key, reads = node.args[0].value, node.args[2].value
+    task = dsk.get(key)
+    if task is not None and picks and picks.keys() & task.dependencies:
+        task = task.substitute(picks)
+    if task is None or tuple(sorted(task.dependencies, key=str)) != reads:
+        raise Stale(f"the task of {key!r} changed")
+    return Task(node.key, run_guarded, node.args[0], DataNode(None, task), *node.args[2:])
 
 
 def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
