@@ -22,10 +22,10 @@ reading the same values (else the graph is planned anew), and each guard runs th
 constant that differs under a key Dask named (a bag's partition changed in place, a dict that Dask's
 token reads in any order) is computed as Dask computes it. A graph whose compared tasks hold data
 (arrays, objects that are neither plain values nor callable) is not remembered; a plan remembered
-holds none of a compute's functions and constants (its fragments' layouts without their steps, the
-tasks picking their results), and until its form is made its graph, until newer plans replace it. No
-pickled bytes of an earlier compute travel with a reused plan. Finding it can never fail a compute: a
-graph whose form has no hash is planned as usual.
+holds the forms of its compared tasks (functions by identity) but no steps (its fragments' layouts
+without them, its guards without their tasks), and until its form is made its graph, until newer
+plans replace it. No pickled bytes of an earlier compute travel with a reused plan. Finding it can
+never fail a compute: a graph whose form has no hash is planned as usual.
 """
 
 from __future__ import annotations

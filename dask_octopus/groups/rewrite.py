@@ -274,15 +274,18 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
     (reading the results it reads from a fragment through ``picks``, as the plan's did); raises
     :class:`~dask_octopus.groups.memo.Stale` where those are other tasks than the plan's (other keys, or
     reading other values). Without ``dsk``, as a plan keeps it: a fragment task's fragment without its
-    steps (:meth:`Fragment.layout`: the plan holds none of a compute's functions and constants)."""
+    steps (:meth:`Fragment.layout`), a guard without its task (the plan holds none of a compute's
+    functions and constants)."""
     fragment = fragment_of(node)
     if fragment is not None:
         copy = fragment.layout() if dsk is None else fragment.respec(dsk)
         if copy is None:
             raise Stale(f"the tasks of {node.key!r} changed")
         return Task(node.key, run_fragment, DataNode(None, copy), *node.args[1:])
-    if dsk is None or not is_guard(node):
+    if not is_guard(node):
         return node
+    if dsk is None:
+        return Task(node.key, run_guarded, node.args[0], DataNode(None, None), *node.args[2:])
     key, reads = node.args[0].value, node.args[2].value
     task = dsk.get(key)
     if task is not None and picks and picks.keys() & task.dependencies:
