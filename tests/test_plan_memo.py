@@ -345,6 +345,45 @@ def test_a_reused_plan_runs_the_tasks_of_the_compute_at_hand_under_keys_dask_nam
     assert len(planned) == (2 if kind == "constant" else 3)  # reused; planned anew
 
 
+def minus_thrice(a, b):
+    return a - 3.0 * b
+
+
+async def minus_thrice_later(a, b):
+    return a - 3.0 * b
+
+
+@pytest.mark.parametrize("change", ["order", "coroutine"])
+def test_a_reused_plan_is_planned_anew_where_a_task_reads_in_another_order_or_awaits(planned, change):
+    """Under keys Dask named, a task that one of its layer vouches for may read the same keys in another
+    order, or be a coroutine function's (the worker awaits it: planning leaves it a task of its own): a
+    fragment step of the plan would compute the other order, or return a coroutine; the graph is planned
+    anew instead."""
+    x, y = "x-" + "1" * 32, "y-" + "2" * 32
+    changed = next(i for i in range(4) if (y, i) != min([(y, j) for j in range(4)], key=hash))
+
+    def run(now):
+        dsk = {(x, i): Task((x, i), float, i + 1) for i in range(4)}
+        for i in range(4):
+            a, b = TaskRef((x, i)), TaskRef((x, (i + 1) % 4))
+            if i == changed and now == "order":
+                a, b = b, a
+            func = minus_thrice_later if i == changed and now == "coroutine" else minus_thrice
+            dsk[(y, i)] = Task((y, i), func, a, b)
+        dsk["total"] = Task("total", add_all, *(TaskRef((y, i)) for i in range(4)))
+        out = plan(dsk)
+        if now != "coroutine":
+            assert dask.get(out, "total") == pytest.approx(dask.get(dsk, "total"))
+        return out
+
+    for _ in range(3):
+        run(None)
+    out = run(change)
+    assert len(planned) == 3  # remembered at the second, reused at the third, planned anew at the fourth
+    if change == "coroutine":  # a task of its own, as planning makes it (a plain dask.get cannot await it)
+        assert out[(y, changed)].func is minus_thrice_later
+
+
 def test_a_reused_plan_s_guard_runs_the_task_of_the_compute_at_hand(planned):
     """Tasks that two fragments read (no fragment may take them) run under guards of the plan: each the
     graph's own task under its key, whichever constant it holds now."""

@@ -290,7 +290,7 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
     task = dsk.get(key)
     if task is not None and picks and picks.keys() & task.dependencies:
         task = task.substitute(picks)
-    if task is None or tuple(sorted(task.dependencies, key=str)) != reads:
+    if task is None or tuple(sorted(task.dependencies, key=str)) != reads or task.is_coro:
         raise Stale(f"the task of {key!r} changed")
     return Task(node.key, run_guarded, node.args[0], DataNode(None, task), *node.args[2:])
 
