@@ -34,6 +34,7 @@ import ast
 import contextlib
 import functools
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping
@@ -185,9 +186,17 @@ def expected_duration(scheduler: Any, ts: Any) -> float:
 def measured_bandwidths(scheduler: Any) -> tuple[float, dict[tuple[str, str], float]]:
     """The bandwidths in bytes/s that ``scheduler`` measured: its overall figure, and one per
     ``(sender, receiver)`` pair of workers (it keeps them receiver first); read from copies, so safe off
-    its event loop."""
-    return (float(scheduler.bandwidth),
-            {(sender, receiver): float(bw) for (receiver, sender), bw in list(scheduler.bandwidth_workers.items())})
+    its event loop. A figure that is no number a float holds (set by hand) reads as NaN."""
+    return (_figure(scheduler.bandwidth),
+            {(sender, receiver): _figure(bw) for (receiver, sender), bw in list(scheduler.bandwidth_workers.items())})
+
+
+def _figure(value: Any) -> float:
+    """``value`` as a float; NaN where it is no number a float holds."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 def add_worker_plugin(scheduler: Any, plugin: bytes, name: str) -> Coroutine[Any, Any, dict[str, str]]:

@@ -483,19 +483,21 @@ async def test_fragments_fetch_blocks_held_apart_where_that_costs_less_than_the_
     assert len(ran.worker) == 3 if fetched else len(ran.worker) > 32, sorted(map(str, ran.worker))
 
 
-@pytest.mark.parametrize("overall, priced", [(3e8, True), (0.5, False), (float("inf"), False), (1e308, False)])
+@pytest.mark.parametrize("overall, priced", [(3e8, True), (0.5, False), (float("inf"), False), (1e308, False),
+                                             (None, False), (2 ** 1100, False)])
 def test_the_scheduler_s_bandwidth_figures_price_fetching_rounded_to_powers_of_two(overall, priced):
     """The scheduler keeps its figure per pair receiver first: each becomes the (sender, receiver) link's,
     rounded to the nearest power of two (a graph computed again is cut alike while they move a little);
     a pair's below a byte a second or not finite counts as none; without such an overall figure (or one
-    whose power of two a float may not hold), fetching is not priced."""
+    whose power of two a float may not hold, or none a float holds), fetching is not priced."""
     from types import SimpleNamespace
 
     from dask_octopus.groups import scheduler as groups_scheduler
     from dask_octopus.placement.bandwidth import Bandwidths
 
-    scheduler = SimpleNamespace(bandwidth=overall, bandwidth_workers={
-        ("a", "b"): 3e8, ("b", "a"): 1.1e9, ("a", "c"): float("inf"), ("c", "a"): 0.5})
+    scheduler = SimpleNamespace(bandwidth=overall, bandwidth_workers={  # (the last two: no figures Dask makes)
+        ("a", "b"): 3e8, ("b", "a"): 1.1e9, ("a", "c"): float("inf"), ("c", "a"): 0.5, ("a", "d"): None,
+        ("d", "a"): 2 ** 1100})
     places, loose = {"x": ("a",), "y": ("b",)}, {"x": None, "y": None}
     got = groups_scheduler._fetch(scheduler, places, loose, [])
     if not priced:
