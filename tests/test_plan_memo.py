@@ -238,6 +238,10 @@ def test_the_same_keys_with_other_functions_or_inputs_are_planned_anew(planned):
     links = Bandwidths(1e9, {("w0", "w1"): 2.0 ** 20})  # a figure measured between two workers: a plan anew
     assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=(1e-3, links)))) == 1
     assert len(planned) == 12
+    for _ in range(2):  # the same figures again (equal, not the same object): its plan (remembered) reused
+        same = (1e-3, Bandwidths(1e9, {("w0", "w1"): 2.0 ** 20}))
+        assert len(fragments(plan(dsk, places=places, parts=parts, loose=loose, fetch_costs=same))) == 1
+    assert len(planned) == 12
 
 
 def scaled_by(c):

@@ -300,9 +300,7 @@ def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable]) -> Hashable:
             if isinstance(made, BlockBytes) else None,
             frozenset(map(name, inputs.read_through)),
             None if inputs.roots is None else frozenset(map(name, inputs.roots)),
-            items(inputs.loose), items(inputs.holders),
-            None if inputs.fetch_costs is None
-            else (inputs.fetch_costs[0], inputs.fetch_costs[1].default, frozenset(inputs.fetch_costs[1].pairs.items())))
+            items(inputs.loose), items(inputs.holders), inputs.fetch_costs)
 
 
 class PlanMemo:

@@ -27,6 +27,9 @@ class Bandwidths:
     def __post_init__(self) -> None:
         check_finite(self.default, "the default bandwidth")
 
+    def __hash__(self) -> int:  # (equal figures hash alike: a plan priced with them is remembered by them)
+        return hash((self.default, frozenset(self.pairs.items())))
+
     def between(self, sender: Hashable, receiver: Hashable) -> float:
         """Bytes per second from ``sender`` to ``receiver``."""
         measured = self.pairs.get((sender, receiver))
