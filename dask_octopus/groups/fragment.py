@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from dask.base import tokenize
@@ -293,24 +293,19 @@ class Fragment:
         copy._specs, copy._structure = (), None
         return copy
 
-    def respec(self, tasks: Mapping[Key, GraphNode]) -> Fragment | None:
+    def respec(self, tasks: Mapping[Key, GraphNode], joins: Callable[[GraphNode], bool]) -> Fragment | None:
         """A copy (:meth:`copy`) whose steps are those of ``tasks``, the graph's tasks under this fragment's
         members' keys (a plan remembered runs the compute at hand's functions and constants, as Dask
         runs the tasks it is given under keys it saw before); ``None`` where they are other steps than
-        this fragment's (other keys, fused otherwise, reading other values) or one is a coroutine
-        function's, which a fragment does not await (planning leaves those tasks to the worker)."""
+        this fragment's (other keys, fused otherwise, reading other values) or one may not join a
+        fragment now (``joins``, planning's rule: a coroutine function's, which a fragment does not
+        await, say)."""
         flat: dict[Key, tuple[Any, tuple, Key]] = {}
         covers: list[Key] = []
         memo: dict[int, tuple[GraphNode, Any, tuple]] = {}
-        coroutines: dict[int, bool] = {}  # by function, as planning asks (0.1 ms for a curried one)
         for key in self.members:
             node = tasks.get(key)
-            if node is None or type(node) is not Task:
-                return None
-            known = coroutines.get(id(node.func))
-            if known is None:
-                known = coroutines[id(node.func)] = node.is_coro
-            if known:
+            if node is None or not joins(node):
                 return None
             covers.append(key)
             _flatten(key, node, {}, flat, covers, key, memo)

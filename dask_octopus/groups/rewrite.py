@@ -105,6 +105,30 @@ def of_fragments(node: Any) -> bool:
     return isinstance(node, Task) and node.func in (run_fragment, pick, run_guarded)
 
 
+class Joins:
+    """Whether a task may join a fragment: a plain task (not a P2P barrier's or another special kind),
+    neither a coroutine function's (the worker awaits it, a fragment would not) nor one of this
+    package's (:func:`of_fragments`). Whether a function is a coroutine function is asked once per
+    function (0.1 ms for a curried one: its signature)."""
+
+    def __init__(self) -> None:
+        self._coroutines: dict[int, bool] = {}
+
+    def __call__(self, node: GraphNode) -> bool:
+        if type(node) is not Task or of_fragments(node):
+            return False
+        known = self._coroutines.get(id(node.func))
+        if known is None:
+            known = self._coroutines[id(node.func)] = node.is_coro
+        return not known
+
+
+def _read_before(dsk: Mapping[Key, GraphNode], outputs: Iterable[Key]) -> dict[Key, frozenset[Key]]:
+    """What the tasks of ``outputs`` read before the grouping (members grouped before read other
+    fragments' results inline): :attr:`Fragment.read_before`."""
+    return {m: read_before_grouping(dsk[m]) or frozenset(dsk[m].dependencies) for m in outputs}
+
+
 def dependents_of(graph: Mapping[Key, GraphNode]) -> dict[Key, set[Key]]:
     """The graph's reverse dependency map: the keys of the tasks that read each key."""
     return reverse_dict({k: node.dependencies for k, node in graph.items()})
@@ -188,8 +212,7 @@ def _build(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]],
     outputs = [m for m in members if not dependents.get(m, set()) <= inside]
     fragment = Fragment({m: dsk[m] for m in members}, outputs, {m: specs[m]["resource"] for m in members}, retries,
                         made_bytes)
-    # what each output's task read (members grouped before read other fragments' results inline)
-    fragment.read_before = {m: read_before_grouping(dsk[m]) or frozenset(dsk[m].dependencies) for m in outputs}
+    fragment.read_before = _read_before(dsk, outputs)
     return fragment
 
 
@@ -273,14 +296,16 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
     fragment whose steps are ``dsk``'s tasks (:meth:`Fragment.respec`), a guard runs ``dsk``'s task
     (reading the results it reads from a fragment through ``picks``, as the plan's did); raises
     :class:`~dask_octopus.groups.memo.Stale` where those are other tasks than the plan's (other keys, or
-    reading other values). Without ``dsk``, as a plan keeps it: a fragment task's fragment without its
-    steps (:meth:`Fragment.layout`), a guard without its task (the plan holds none of a compute's
-    functions and constants)."""
+    reading other values) or tasks that planning would not group now (:class:`Joins`). Without ``dsk``,
+    as a plan keeps it: a fragment task's fragment without its steps (:meth:`Fragment.layout`), a guard
+    without its task (the plan holds none of a compute's functions and constants)."""
     fragment = fragment_of(node)
     if fragment is not None:
-        copy = fragment.layout() if dsk is None else fragment.respec(dsk)
+        copy = fragment.layout() if dsk is None else fragment.respec(dsk, Joins())
         if copy is None:
             raise Stale(f"the tasks of {node.key!r} changed")
+        if dsk is not None:
+            copy.read_before = _read_before(dsk, copy.outputs)
         return Task(node.key, run_fragment, DataNode(None, copy), *node.args[1:])
     if not is_guard(node):
         return node
@@ -290,7 +315,7 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
     task = dsk.get(key)
     if task is not None and picks and picks.keys() & task.dependencies:
         task = task.substitute(picks)
-    if task is None or tuple(sorted(task.dependencies, key=str)) != reads or task.is_coro:
+    if task is None or tuple(sorted(task.dependencies, key=str)) != reads or not Joins()(task):
         raise Stale(f"the task of {key!r} changed")
     return Task(node.key, run_guarded, node.args[0], DataNode(None, task), *node.args[2:])
 
@@ -321,16 +346,8 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     movable = {k for k in dsk if k not in wanted and (needed is None or k in needed)
                and (pullable is None or k in pullable)
                and not dependencies[k] & special}
-    # a coroutine function's task stays a task: the worker awaits it, a fragment would not
-    coroutines: dict[int, bool] = {}  # by function: asking costs 0.1 ms for a curried one (its signature)
-
-    def is_coro(node: Task) -> bool:
-        known = coroutines.get(id(node.func))
-        if known is None:
-            known = coroutines[id(node.func)] = node.is_coro
-        return known
-
-    plain = {k for k in movable if type(dsk[k]) is Task and not is_coro(dsk[k]) and not of_fragments(dsk[k])}
+    joins = Joins()
+    plain = {k for k in movable if joins(dsk[k])}
     eligible = {k for k in plain if all(type(dsk[c]) is Task for c in dependents.get(k, ()))}
     candidates = {k for k in eligible if k in specs}
     caps = [specs[k].get("group") for k in candidates if specs[k].get("group") is not None]
