@@ -25,7 +25,7 @@ from test_balance import setup
 from test_fragment_semantics import grouped_by  # noqa: F401 (a fixture)
 
 import dask_octopus
-from dask_octopus._compat import DataNode, Task, TaskRef, resolve_aliases
+from dask_octopus._compat import Alias, DataNode, Task, TaskRef, resolve_aliases
 from dask_octopus.groups import rewrite
 from dask_octopus.groups.blocksizes import block_bytes
 from dask_octopus.groups.memo import plans
@@ -495,6 +495,21 @@ def test_a_reused_plan_s_guard_runs_the_task_of_the_compute_at_hand(planned):
         run([1.0, 5.0])
     run([1.0, 50.0])
     assert len(planned) == 2  # reused
+
+
+def test_a_reused_plan_s_guard_runs_an_alias_of_the_compute_at_hand(planned):
+    """An alias that two fragments read is guarded too; its plan is reused like the others."""
+    def run(c):
+        dsk = {"t": Task("t", chain, c), "al": Alias("al", "t")}
+        dsk |= {(DASK_NAMED, i): Task((DASK_NAMED, i), add_all, TaskRef("al"), float(i)) for i in range(4)}
+        dsk["total"] = Task("total", add_all, *(TaskRef((DASK_NAMED, i)) for i in range(4)))
+        out = plan(dsk, marked=[(DASK_NAMED, i) for i in range(4)], parts={None: 2})
+        assert len(fragments(out)) == 2 and any(rewrite.is_guard(node) for node in out.values())
+        assert dask.get(out, "total") == pytest.approx(4 * chain(c) + 6.0)
+
+    for c in [1.0, 1.0, 1.0, 2.0]:
+        run(c)
+    assert len(planned) == 2  # reused by the third and the fourth
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -315,7 +315,8 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
     task = dsk.get(key)
     if task is not None and picks and picks.keys() & task.dependencies:
         task = task.substitute(picks)
-    if task is None or tuple(sorted(task.dependencies, key=str)) != reads or not Joins()(task):
+    if (task is None or tuple(sorted(task.dependencies, key=str)) != reads
+            or not (type(task) is Alias or Joins()(task))):  # (planning guards those, and aliases)
         raise Stale(f"the task of {key!r} changed")
     return Task(node.key, run_guarded, node.args[0], DataNode(None, task), *node.args[2:])
 
