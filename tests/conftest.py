@@ -1,4 +1,5 @@
 import dask
+import distributed.core
 import pytest
 from distributed.utils_test import cleanup, loop, loop_in_thread  # noqa: F401  (fixtures)
 
@@ -29,6 +30,19 @@ def no_plans_remembered_from_other_tests():
     plans.clear()
     yield
     plans.clear()
+
+
+@pytest.fixture(autouse=True)
+def servers_let_go_after_each_test():
+    """distributed caches, without bound, whether each handler a server ran expects a comm
+    (``distributed.core._expects_comm``, ``functools.cache``), keyed by the handler: a bound method of
+    its scheduler or worker, so every cluster of every test stayed alive to the end of the suite (their
+    task logs and transitions with them), and each garbage collection walked them all. Cleared after
+    each test, the clusters of the tests before are freed."""
+    yield
+    expects_comm = getattr(distributed.core, "_expects_comm", None)
+    if expects_comm is not None and hasattr(expects_comm, "cache_clear"):
+        expects_comm.cache_clear()
 
 
 def pytest_collection_modifyitems(config, items):
