@@ -11,8 +11,9 @@ them again (places, run order, steps) costs a compute of 1024 small blocks about
 What is reused is the plan (the cut, places, run order), which depends on the graph's shape (its keys,
 the kind of each task and the keys it reads) and on what :func:`plan_form` holds besides, not on the
 functions and constants the tasks run: each fragment's steps are made anew from the graph's tasks under
-its members' keys, checked to be the same steps (fused alike) reading the same values and none a
-coroutine function's (else the graph is planned anew), and each guard runs the graph's task, so the
+its members' keys, checked to be the same steps (fused alike) reading the same values, each one that
+planning would group (:class:`~dask_octopus.groups.rewrite.Joins`: none a coroutine function's, say;
+else the graph is planned anew), and each guard runs the graph's task, so the
 compute at hand's functions and constants are what runs, whether they are those of the compute that
 made the plan or not (a script's own functions, unpickled anew on the scheduler each compute; a bag's
 partition changed in place; blocks holding arrays). A plan remembered holds no task of a compute: its
