@@ -1,5 +1,6 @@
 """The command line: demo (small), profile, and the module entry point."""
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -402,13 +403,22 @@ def test_ctrl_c_while_the_demo_s_workers_start_stops_it_once_they_are_up(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=as_a_terminal_runs_it)
     parent = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the first worker process starts (not the sentinel, sleep)
-        if [p for p in parent.children() if p.name().startswith("python")]:
-            break
+
+    def pythons():  # (a process listed may be gone before its name is read)
+        found = []
+        for p in parent.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.name().startswith("python"):
+                    found.append(p)
+        return found
+
+    start = time.monotonic()
+    started = []
+    while not started and time.monotonic() < start + 60:  # until the first worker process starts (not the
+        started = pythons()  # sentinel, sleep); those seen are kept, also where one ends before the Ctrl-C
         time.sleep(0.01)
-    children = parent.children(recursive=True)
-    assert [p for p in children if p.name().startswith("python")], "no worker process started"
+    assert started, f"no worker process started in {time.monotonic() - start:.1f} s"
+    children = list({p.pid: p for p in [*parent.children(recursive=True), *started]}.values())
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: to every process of the terminal's group
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
