@@ -103,13 +103,16 @@ def summarise(results: dict[str, dict[str, Any]], reference: str) -> dict[str, A
     return table
 
 
+CHAIN_SUM_BLOCKS = 1024  # the issue's shape of work
+
+
 def op_chain_sum(client: Client, gpu: bool, runs: int) -> dict[str, Any]:
     """1024 blocks (256x384 float32 on GPU, 64x96 on CPU) through the 8-kernel chain, then a sum: Dask,
     the whole compute annotated (first run, then repeated), the README pattern, a plain loop in this
     process and, on GPU, that loop captured as one CUDA graph (:mod:`dask_octopus.bench.small_tasks`)."""
     shape = (256, 384) if gpu else (64, 96)
-    timings = run_small_tasks(client, gpu=gpu, blocks=1024, shape=shape, runs=runs, group=None)
-    return {"config": {"blocks": 1024, "block": list(shape)},
+    timings = run_small_tasks(client, gpu=gpu, blocks=CHAIN_SUM_BLOCKS, shape=shape, runs=runs, group=None)
+    return {"config": {"blocks": CHAIN_SUM_BLOCKS, "block": list(shape)},
             "variants": {t.label: {"how": t.how, "seconds": t.seconds, "median": t.median(), "value": t.value,
                                    "same_values_as_reference": t.same} for t in timings},
             "worker_capture": worker_capture(client)}

@@ -186,6 +186,7 @@ def test_the_chain_sum_and_the_images_that_differ_fail_after_writing_their_json(
 
     loop = small_tasks._loop
     monkeypatch.setattr(small_tasks, "_loop", lambda blocks, xp: 2 * loop(blocks, xp))  # the loop is off
+    monkeypatch.setattr(stream_groups, "CHAIN_SUM_BLOCKS", 16)  # (the failure does not need 1024)
     result = CliRunner().invoke(stream_groups.main, [
         "--type", "cpu", "--operations", "chain-sum", "--runs", "1", "--out", str(tmp_path), "--tag", "cs"])
     assert result.exit_code == 1 and "results differ from the reference: chain-sum: Dask, unannotated" \
