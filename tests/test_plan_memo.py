@@ -134,12 +134,12 @@ async def test_graphs_holding_data_reuse_their_plan_computing_the_data_at_hand(c
         np.testing.assert_array_equal(got, chain(now).sum(axis=1))
         await async_poll_for(lambda: not s.tasks, 5)
     assert len(planned) == 2 and len(plans) == 1
-    for _ in range(3):
+    for _ in range(3):  # the held blocks' outline (one fused task per row of blocks): remembered at once
         with dask_octopus.annotate():
             got = await c.compute(da.ones((64, 6), chunks=(4, 6)).map_blocks(chain).sum(axis=1))
         np.testing.assert_array_equal(got, chain(np.ones((64, 6))).sum(axis=1))
         await async_poll_for(lambda: not s.tasks, 5)
-    assert len(planned) == 4 and len(plans) == 2
+    assert len(planned) == 3 and len(plans) == 2
 
 
 SCRIPT = "import numpy as np\ndef scaled(b):\n    return (np.sqrt(b * 2.0 + 1.0) - 0.5) * k\n"
@@ -167,7 +167,9 @@ async def test_a_script_s_functions_unpickled_anew_each_compute_reuse_the_plan(c
             got = await c.compute(x.map_blocks(scaled, name=name).sum(axis=1))
         np.testing.assert_allclose(got, expected * k, rtol=1e-14)
         await async_poll_for(lambda: len(s.tasks) == len(x.dask), 5)
-    assert len(planned) == 4  # each name's: remembered at its second compute, reused from the third on
+    # the first name's remembered at its second compute, reused from the third on; the second's (another
+    # shape: the fused tasks' inner layers have other prefixes, but the same outline) remembered at its first
+    assert len(planned) == 3
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={"octopus.fragments.plan-memo": 0})
@@ -597,3 +599,73 @@ def test_a_user_named_constant_changed_from_zero_to_negative_zero_computes_negat
                 z = x.map_blocks(np.multiply, const, name="scaled") * 1
             assert np.signbit(z.compute()).all() == np.signbit(const)
     assert len(planned) == 2  # the second's plan reused by the third and the fourth
+
+
+def guarded(i):
+    """The guard test's graph on the data of compute ``i``, its layers named anew each time as Dask names
+    them (prefix and token): the same shape under new keys; its total's key and expected value."""
+    token = f"{i:032x}"
+    x, a, total = f"x-{token}", f"add_all-{token}", f"total-{token}"
+    dsk = {(x, j): Task((x, j), chain, c + i) for j, c in enumerate([1.0, 5.0])}
+    dsk |= {(a, k): Task((a, k), add_all, TaskRef((x, 0)), TaskRef((x, 1)), float(k)) for k in range(4)}
+    dsk[total] = Task(total, add_all, *(TaskRef((a, k)) for k in range(4)))
+    return dsk, [(a, k) for k in range(4)], total, 4 * (chain(1.0 + i) + chain(5.0 + i)) + 6.0
+
+
+def test_a_plan_is_reused_renamed_for_new_keys_of_the_same_shape(planned):
+    """The same work on new data comes under new keys (Dask names each layer by a token of what it
+    computes): the plan is reused renamed, the fragments and guards that planning anew makes, under keys
+    of their own each compute (two computes in flight share none), computing the values at hand."""
+    plan_keys = set()
+    for i in range(5):
+        dsk, marked, total, expected = guarded(i)
+        out = plan(dsk, marked=marked, parts={None: 2})
+        assert dask.get(out, total) == pytest.approx(expected)
+        want, _, _ = REAL(*arguments(dsk, marked=marked, parts={None: 2}))
+        assert [(f.members, f.outputs, f.names, f.covers) for f in fragments(out)] == \
+            [(f.members, f.outputs, f.names, f.covers) for f in fragments(want)]
+        made = [k for k, node in out.items() if rewrite.fragment_of(node) or rewrite.is_guard(node)]
+        assert len(made) == 4 and not plan_keys & set(made)
+        plan_keys |= set(made)
+    assert len(planned) == 2  # remembered at the second compute, reused renamed by the others
+
+
+def test_layers_are_named_by_their_shape_where_no_two_share_a_name():
+    from dask_octopus.groups.memo import layer_names
+
+    def graph_of(token, second="g"):
+        dsk = {(f"f-{token}", j): Task((f"f-{token}", j), chain, TaskRef(("x", j))) for j in range(2)}
+        return dsk | {(f"{second}-{token}", j): Task((f"{second}-{token}", j), chain, TaskRef(("x", j)))
+                      for j in range(2)}
+
+    one, two = layer_names(graph_of("1" * 32)), layer_names(graph_of("2" * 32))
+    assert one["x"] == two["x"] == one["x"] and one["f-" + "1" * 32] == two["f-" + "2" * 32] != one["x"]
+    assert one["g-" + "1" * 32] == two["g-" + "2" * 32] != one["f-" + "1" * 32]
+    same = graph_of("1" * 32, second="f-0")  # two layers of one prefix reading the same layer alike
+    assert layer_names(same) == {layer: layer for layer in ["f-" + "1" * 32, "f-0-" + "1" * 32, "x"]}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_computes_of_new_data_reuse_the_plan_renamed_also_in_flight_at_once(c, s, a, planned):
+    """A loop over new data (new blocks persisted, the chain named anew): the plan of the second compute is
+    reused renamed by the others, fused blocks included; two computes of other data in flight at once
+    get fragment tasks of their own and each its own values."""
+    await setup(c, s, [1.0])
+    data = [np.arange(64 * 6, dtype=float).reshape(64, 6) + 100.0 * i for i in range(4)]
+    xs = [await c.persist(da.from_array(d, chunks=(4, 6))) for d in data]
+    await wait(xs)
+
+    def collection(i, x):
+        return x.map_blocks(chain, name=f"chain-{i}").sum(axis=1)
+
+    for i in range(3):
+        with dask_octopus.annotate():
+            got = await c.compute(collection(i, xs[i % 2]))
+        np.testing.assert_array_equal(got, chain(data[i % 2]).sum(axis=1))
+    assert len(planned) == 2  # remembered at the second compute, reused renamed by the third
+    with dask_octopus.annotate():
+        both = [c.compute(collection(3, xs[2])), c.compute(collection(4, xs[3]))]  # two graphs, both sent
+    got = await c.gather(both)
+    for values, d in zip(got, data[2:]):
+        np.testing.assert_array_equal(values, chain(d).sum(axis=1))
+    assert len(planned) == 2

@@ -322,6 +322,23 @@ class Fragment:
         copy._specs, copy._structure = tuple(specs), None
         return copy
 
+    def renamed(self, rename: Callable[[Key], Key]) -> Fragment:
+        """A copy (:meth:`copy`) with ``rename``'s keys for this one's (a step fused into a member: named by
+        its member's new key and its own): the same plan for a graph of other keys of the same shape."""
+        def step(name: Any) -> Any:
+            if type(name) is tuple and name[:1] == (INNER,):
+                return (INNER, step(name[1]), rename(name[2]))
+            return rename(name)
+
+        copy = self.copy()
+        copy.inputs, copy.outputs = tuple(map(rename, self.inputs)), tuple(map(rename, self.outputs))
+        copy.names, copy.members, copy.covers = tuple(map(step, self.names)), tuple(map(rename, self.members)), \
+            tuple(map(rename, self.covers))
+        copy.read_before = {rename(k): frozenset(map(rename, v)) for k, v in self.read_before.items()}
+        copy.made = {step(k): v for k, v in self.made.items()}
+        copy._structure = None
+        return copy
+
     def step_retries(self, default: int) -> list[int]:
         """How many times each step may run again after raising: its member's own ``retries``, else
         ``default`` (the task's)."""

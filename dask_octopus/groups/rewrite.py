@@ -14,7 +14,7 @@ inside the graph join a fragment: an output of the computation keeps its own tas
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dask.base import tokenize
@@ -24,7 +24,7 @@ from dask.utils import key_split
 
 from dask_octopus._compat import Alias, DataNode, GraphNode, Task, TaskRef, fused_graph_of
 from dask_octopus.groups.fragment import Fragment
-from dask_octopus.groups.memo import PlanInputs, Stale, plans
+from dask_octopus.groups.memo import PlanInputs, Stale, named_by, plans
 from dask_octopus.groups.planning import (
     follow_or_fetch,
     layer_of,
@@ -280,14 +280,57 @@ def fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str
     and the bandwidths between workers; ``holders``: the workers holding each input that exists already, an
     alias's those of what it names).
 
-    The plan made before from the same arguments (the same keys, functions, places, sizes and budgets:
-    :class:`~dask_octopus.groups.memo.PlanMemo`) is reused, with fresh fragment tasks
-    (``octopus.fragments.plan-memo``).
+    The plan made before from the same arguments (the same keys, places, sizes and budgets:
+    :class:`~dask_octopus.groups.memo.PlanMemo`), or from a graph of the same shape under other keys, is
+    reused, with fresh fragment tasks (``octopus.fragments.plan-memo``).
     """
     inputs = PlanInputs(dsk, specs, keep, dependents, places, parts, pullable, sizes, budgets, retries, labels,
                         made_bytes, read_through, None if roots is None else list(roots), loose, holders,
                         fetch_costs)
-    return plans.plan(inputs, lambda: _fragment_graph(*inputs), _fresh)
+    return plans.plan(inputs, lambda: _fragment_graph(*inputs), _fresh, _renamed)
+
+
+def _renamed(graph: Mapping[Hashable, GraphNode | None], picks: Mapping[Key, GraphNode],
+             layers: Mapping[Hashable, Hashable]) -> tuple[dict[Hashable, GraphNode | None], dict[Key, GraphNode]]:
+    """A plan (``graph`` as the memo keeps it, :func:`_fresh`, and its ``picks``) with the keys of each layer of
+    ``layers`` in the layer it names: for a graph of the same shape under other keys. Its fragment tasks and
+    guards get keys of their own (tokens of the plan's and of ``layers``): computes of other keys in flight
+    at once share none, and those of the same keys share them, as Dask shares their tasks."""
+    name = named_by(layers)
+    salt = tokenize(sorted(map(repr, layers.items())))
+    made: dict[Hashable, Key] = {}
+    for k, node in graph.items():
+        if fragment_of(node) is not None:
+            made[k] = (f"{FRAGMENT_PREFIX}-{tokenize(k[0], salt)}", k[1])
+        elif is_guard(node):
+            made[k] = (k[0], tokenize(k[1], salt))
+
+    def key(k: Hashable) -> Key:
+        new = made.get(k)
+        return name(k) if new is None else new
+
+    def pick_task(node: Task) -> Task:
+        return Task(key(node.key), pick, TaskRef(key(node.args[0].key)), *node.args[1:])
+
+    out: dict[Hashable, GraphNode | None] = {}
+    for k, node in graph.items():
+        fragment = fragment_of(node)
+        if node is None:
+            out[key(k)] = None
+        elif fragment is not None:
+            out[key(k)] = Task(key(k), run_fragment, DataNode(None, fragment.renamed(key)),
+                               *(TaskRef(key(ref.key)) for ref in node.args[1:]))
+        elif is_guard(node):  # what it reads, by the new keys' order, and the tasks that give them alike
+            reads = sorted(zip(map(key, node.args[2].value), (key(ref.key) for ref in node.args[4:])),
+                           key=lambda read: str(read[0]))
+            out[key(k)] = Task(key(k), run_guarded, DataNode(None, key(node.args[0].value)), node.args[1],
+                               DataNode(None, tuple(r for r, _ in reads)), node.args[3],
+                               *(TaskRef(ref) for _, ref in reads))
+        elif picks_a_result(node):
+            out[key(k)] = pick_task(node)
+        else:
+            raise Stale(f"{k!r} is a task this plan cannot rename")
+    return out, {key(m): pick_task(node) for m, node in picks.items()}
 
 
 def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
