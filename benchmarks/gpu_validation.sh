@@ -6,7 +6,7 @@
 # (co-tenant on GPU 0, with their ideal), all over $PROTOCOL (default ucx: what dask-cuda users run on
 # NVLink), and beside them the operations that move data between GPUs over tcp (suite-tcp). Everything
 # lands in one folder, packed as results.tar.gz (the device tool returns at most 8 files). The default
-# steps' time limits add up to about 37 minutes: run them as a few STEPS subsets (a command may run 10).
+# steps' time limits add up to about 40 minutes: run them as a few STEPS subsets (a command may run 10).
 #
 #   ../shared/gpu/wheels.sh                   # once, here: fills .whl/ (never committed)
 #   tools/pack_ucx_wheels.sh                  # then: the UCX wheels in ucx-wheels.tar.xz (64 MiB carry)
@@ -64,10 +64,11 @@ step 80 fft-filter python3 benchmarks/fft_filter.py --devs "$devs" --cotenant-pr
 step 300 stream-groups python3 benchmarks/stream_groups.py --type gpu --devs 0 --runs 5 --sets 10 \
   --operations "${STREAM_OPS:-chain-sum,tiny,dataframe,frames,large,mixed}" "${p[@]}" --out "$run"
 step 150 fragment-phases python3 benchmarks/fragment_phases.py --type gpu --devs 0 --runs 6 "${p[@]}" --out "$run"
-# the same chain-sum collection computed each run, its plan remembered (plan-memo 8) and not (0)
-step 150 plan-memo bash -c 'for m in 8 0; do DASK_OCTOPUS__FRAGMENTS__PLAN_MEMO=$m python3 benchmarks/fragment_phases.py \
-  --type gpu --devs 0 --workloads chain-sum --runs 6 --same-keys --protocol "$0" --tag "phases-same-keys-memo$m" \
-  --out "$1" || exit; done' "$protocol" "$run"
+# the chain-sum computed each run as the same collection, then on new keys (the chain named anew), its plan
+# remembered (plan-memo 8: the same keys reuse it, new keys reuse it renamed) and not (0)
+step 300 plan-memo bash -c 'for k in same new; do for m in 8 0; do DASK_OCTOPUS__FRAGMENTS__PLAN_MEMO=$m \
+  python3 benchmarks/fragment_phases.py --type gpu --devs 0 --workloads chain-sum --runs 6 --$k-keys \
+  --protocol "$0" --tag "phases-$k-keys-memo$m" --out "$1" || exit; done; done' "$protocol" "$run"
 step 260 long-run python3 benchmarks/long_run.py --type gpu --devs "$devs" --n 1000 "${p[@]}" --out "$run"
 step 180 local-cupy python3 benchmarks/dask_cuda_overhead.py --devs "$devs" --operations transpose_sum,dot --size 20000 \
   --chunk-size 5000 --runs 3 --rounds 2 "${p[@]}" --out "$run"
