@@ -134,12 +134,12 @@ async def test_graphs_holding_data_reuse_their_plan_computing_the_data_at_hand(c
         np.testing.assert_array_equal(got, chain(now).sum(axis=1))
         await async_poll_for(lambda: not s.tasks, 5)
     assert len(planned) == 2 and len(plans) == 1
-    for _ in range(3):  # the held blocks' outline (one fused task per row of blocks): remembered at once
+    for _ in range(3):
         with dask_octopus.annotate():
             got = await c.compute(da.ones((64, 6), chunks=(4, 6)).map_blocks(chain).sum(axis=1))
         np.testing.assert_array_equal(got, chain(np.ones((64, 6))).sum(axis=1))
         await async_poll_for(lambda: not s.tasks, 5)
-    assert len(planned) == 3 and len(plans) == 2
+    assert len(planned) == 4 and len(plans) == 2
 
 
 SCRIPT = "import numpy as np\ndef scaled(b):\n    return (np.sqrt(b * 2.0 + 1.0) - 0.5) * k\n"
@@ -167,9 +167,7 @@ async def test_a_script_s_functions_unpickled_anew_each_compute_reuse_the_plan(c
             got = await c.compute(x.map_blocks(scaled, name=name).sum(axis=1))
         np.testing.assert_allclose(got, expected * k, rtol=1e-14)
         await async_poll_for(lambda: len(s.tasks) == len(x.dask), 5)
-    # the first name's remembered at its second compute, reused from the third on; the second's (another
-    # shape: the fused tasks' inner layers have other prefixes, but the same outline) remembered at its first
-    assert len(planned) == 3
+    assert len(planned) == 4  # each name's: remembered at its second compute, reused from the third on
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={"octopus.fragments.plan-memo": 0})
@@ -669,3 +667,62 @@ async def test_computes_of_new_data_reuse_the_plan_renamed_also_in_flight_at_onc
     for values, d in zip(got, data[2:]):
         np.testing.assert_array_equal(values, chain(d).sum(axis=1))
     assert len(planned) == 2
+
+
+def read_through_alias(i):
+    """Compute ``i``'s graph: four marked tasks read a persisted block ``(P, 0)`` (held by the scheduler,
+    not in the graph) through an alias that planning reads through, and a second output is a task under
+    the key ``P`` itself, a name like the block's layer; the arguments of ``fragment_graph``."""
+    t = f"{i:032x}"
+    p, al, m, total = f"P-{t}", f"al-{t}", f"m-{t}", f"total-{t}"
+    dsk = {(al, 0): Alias((al, 0), (p, 0))}
+    dsk |= {(m, j): Task((m, j), add_all, TaskRef((al, 0)), float(j)) for j in range(4)}
+    dsk[total] = Task(total, add_all, *(TaskRef((m, j)) for j in range(4)))
+    dsk[p] = Task(p, chain, 3.0)
+    args = list(arguments(dsk, keep=[total, p], marked=[(m, j) for j in range(4)]))
+    args[12] = {(al, 0)}  # read_through
+    return args, p, total
+
+
+def test_a_renamed_plan_reads_the_block_of_the_compute_at_hand_through_its_alias(planned):
+    """A reviewer's case: the fragment task reads the block an alias names, not the alias; renamed for
+    new keys, it reads the block of the compute at hand, also where an output is named like that
+    block's layer (which named the plan's layers otherwise: the previous compute's block was read)."""
+    held = {}
+    for i in range(4):
+        args, p, total = read_through_alias(i)
+        held[(p, 0)] = 100.0 * (i + 1)  # every compute's block held, as a scheduler holds persisted ones
+        out = fragment_graph(*args)
+        assert [ref.key for f in out.values() if rewrite.fragment_of(f) for ref in f.args[1:]] == [(p, 0)]
+        assert dask.get({**held, **out}, total) == dask.get({**held, **args[0]}, total) == 4 * held[(p, 0)] + 6
+    assert len(planned) == 2
+
+
+def test_two_shapes_of_one_outline_under_new_keys_are_each_remembered_and_reused(planned):
+    """Graphs of one outline (as many layers of each prefix, as many keys) but two shapes, alternating
+    under new keys: each shape's plan is remembered at its second compute and reused renamed after."""
+    def shaped(i, shape):
+        t = f"{i:032x}"
+        x, a, total = f"x-{t}", f"add_all-{t}", f"total-{t}"
+        dsk = {(x, j): Task((x, j), chain, 1.0 + j + i) for j in range(2)}
+        dsk |= {(a, k): Task((a, k), add_all, *([TaskRef((x, 0)), TaskRef((x, 1))] if shape == "A"
+                                                 else [TaskRef((x, k % 2))]), float(k)) for k in range(4)}
+        dsk[total] = Task(total, add_all, *(TaskRef((a, k)) for k in range(4)))
+        return dsk, [(a, k) for k in range(4)], total
+
+    for i in range(12):
+        dsk, marked, total = shaped(i, "AB"[i % 2])
+        assert dask.get(plan(dsk, marked=marked, parts={None: 2}), total) == pytest.approx(dask.get(dsk, total))
+    assert len(planned) == 4 and len(plans) == 2
+
+
+def test_a_plan_whose_fragment_reads_what_an_alias_no_longer_names_is_stale():
+    """A fragment task reads the block an alias names in place of the alias: where the alias of the
+    compute at hand names another block, the plan is stale (planned anew), not run on the old block."""
+    args, _, _ = read_through_alias(0)
+    (node,) = [n for n in fragment_graph(*args).values() if rewrite.fragment_of(n)]
+    layout = rewrite._fresh(node)
+    (alias,) = [k for k, n in args[0].items() if type(n) is Alias]
+    assert rewrite._fresh(layout, args[0], {}).args[1:] == node.args[1:]  # as planned: fresh
+    with pytest.raises(rewrite.Stale, match="no longer names"):
+        rewrite._fresh(layout, {**args[0], alias: Alias(alias, ("other", 0))}, {})

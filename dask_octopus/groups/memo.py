@@ -1,29 +1,29 @@
 """Fragment plans remembered by what they were made from: the same collection computed again (the same
 keys, task kinds and dependencies, annotations, places, sizes and budgets) reuses its plan instead of
 planning it again, and so does the same work on new data (new keys of the same shape). A plan is
-remembered when graphs of its outline (:func:`outline_of`) are planned a second time, and reused from
-then on; a graph computed once leaves only a hash of its outline (remembering every plan made, with its
-thousands of objects, made computes of new keys 2-8 ms slower on the 2-core machine, more than the 1 ms
-of finding no plan).
+remembered when graphs of its keys, or of its shape, are planned a second time, and reused from then
+on; a graph computed once leaves only a hash of its outline (:func:`outline_of`) or shape (remembering
+every plan made, with its thousands of objects, made computes of new keys 2-8 ms slower on the 2-core
+machine, more than the 1 ms of finding no plan).
 
 Dask gives the same collection the same keys each time it is computed (but the final task's, which
 :func:`ends_of` names for its kind and the keys it reads), so its fragments come out the same: planning
-them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time.
-The same work on new data (or under a layer name the user makes anew each time) comes under new keys:
-where no plan of its keys is remembered, the latest plan of its outline serves it renamed, if the two
-graphs' forms are equal with each layer named for its place in the graph rather than by Dask's token
-(:func:`shape_of`). What is reused is the plan (the cut, places, run order), which depends on the
-graph's shape (its keys, the kind of each task and the keys it reads) and on what :func:`plan_form`
-holds besides, not on the functions and constants the tasks run: each fragment's steps are made anew
-from the graph's tasks under its members' keys, checked to be the same steps (fused alike) reading the
-same values, each one that planning would group (:class:`~dask_octopus.groups.rewrite.Joins`: none a
-coroutine function's, say; else the graph is planned anew), and each guard runs the graph's task, so
-the compute at hand's functions and constants are what runs, whether they are those of the compute that
-made the plan or not (a script's own functions, unpickled anew on the scheduler each compute; a bag's
-partition changed in place; blocks holding arrays). Remaking the steps is most of what reusing a plan
-costs. A plan remembered holds no task of a compute: its fragments' layouts without their steps, its
-guards without their tasks, the forms of its inputs. Finding it can never fail a compute: a graph whose
-form has no hash is planned as usual.
+them again (places, run order, steps) costs a compute of 1024 small blocks about a fifth of its time. The
+same work on new data (or under a layer name the user makes anew each time) comes under new keys: where
+no plan of its keys is remembered, the plan of its shape serves it renamed: the plan of a graph whose
+form is equal with each layer named for its place in the graph rather than by Dask's token
+(:func:`shape_of`; looked for where a plan of the graph's outline is remembered). What is reused is the
+plan (the cut, places, run order), which depends on the graph's shape (its keys, the kind of each task
+and the keys it reads) and on what :func:`plan_form` holds besides, not on the functions and constants
+the tasks run: each fragment's steps are made anew from the graph's tasks under its members' keys,
+checked to be the same steps (fused alike) reading the same values, each one that planning would group
+(:class:`~dask_octopus.groups.rewrite.Joins`: none a coroutine function's, say; else the graph is planned
+anew), and each guard runs the graph's task, so the compute at hand's functions and constants are what
+runs, whether they are those of the compute that made the plan or not (a script's own functions,
+unpickled anew on the scheduler each compute; a bag's partition changed in place; blocks holding arrays).
+Remaking the steps is most of what reusing a plan costs. A plan remembered holds no task of a compute:
+its fragments' layouts without their steps, its guards without their tasks, the forms of its inputs.
+Finding it can never fail a compute: a graph whose form has no hash is planned as usual.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ class Shape:
     """A graph's shape (:func:`shape_of`): the names of its layers and the form of its plan's inputs
     by those names."""
 
-    layers: dict[Hashable, Hashable]  # the layers of its keys but its ends' (:func:`layer_names`), by their names
+    layers: dict[Hashable, Hashable]  # the layers of its keys and of those they read, by their names
     form: Hashable  # :func:`plan_form` of its plan's inputs, keys by the names of their layers
+    key: int  # the hash of the form (0 where it has none)
 
 
 @dataclass
@@ -124,8 +125,8 @@ def shape_of(inputs: PlanInputs) -> Shape:
     have one name)."""
     layers = layer_names(inputs.dsk)
     ends = ends_of(inputs, named_by(layers))
-    return Shape({layer: name for layer, name in layers.items() if ends is None or layer not in ends},
-                 None if ends is None else plan_form(inputs, ends, layers))
+    form = None if ends is None else plan_form(inputs, ends, layers)
+    return Shape(layers, form, 0 if form is None else hash(form))
 
 
 def layer_names(dsk: Mapping[Key, GraphNode]) -> dict[Hashable, Hashable]:
@@ -261,7 +262,8 @@ class PlanMemo:
 
     def __init__(self) -> None:
         self._plans: OrderedDict[Hashable, _Entry] = OrderedDict()  # by the keys they were made for
-        self._outlines: dict[Hashable, Hashable] = {}  # the keys of the latest plan of each outline
+        self._outlines: dict[Hashable, int] = {}  # how many plans of each outline are remembered
+        self._shapes: dict[int, Hashable] = {}  # the keys of the latest plan of each shape (by its key)
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of the outlines of graphs planned once
         self._lock = threading.Lock()
 
@@ -273,13 +275,13 @@ class PlanMemo:
         picks reading them as the plan's did, or raising :class:`Stale` where they are other tasks;
         ``fresh(node)``: ``node`` as the plan keeps it) and the graph's own tasks where the plan kept them
         (reading its picks as the plan's did), else ``make()``'s (the graph, its picks and the keys whose
-        tasks are the graph's own, those rewritten to read picks included), remembered where graphs of
-        its outline (:func:`outline_of`) were planned before (a plan is remembered from the second compute
-        on, and reused from the third: graphs of a new outline, computed once, leave only a hash behind).
-        Where no plan of these keys is remembered, the latest plan of the outline is reused where the
-        graph has its shape (:func:`shape_of`), renamed (``rename(graph, picks, layers)``: the plan's tasks
-        and picks with the keys of each layer of ``layers`` in the one it names, fragment tasks and guards
-        under keys of their own). A compute of a new outline costs two passes over its keys here."""
+        tasks are the graph's own, those rewritten to read picks included). Where no plan of these keys
+        is remembered but one of their outline (:func:`outline_of`) is, the plan of the graph's shape
+        (:func:`shape_of`) is reused renamed (``rename(graph, picks, layers)``: the plan's tasks and picks
+        with the keys of each layer of ``layers`` in the one it names, fragment tasks and guards under keys
+        of their own). A plan made is remembered where graphs of its keys, or of its shape, were planned
+        before (from the second compute on; reused from the third: graphs computed once leave only a
+        hash behind). A compute of a new outline costs two passes over its keys here."""
         size = config.get("fragments.plan-memo")
         if not size or not (inputs.made_bytes is None or isinstance(inputs.made_bytes, BlockBytes)):
             return make()[0]
@@ -288,41 +290,60 @@ class PlanMemo:
             return make()[0]
         keys = frozenset(ends.get(k, k) for k in inputs.dsk)
         outline = outline_of(inputs.dsk)
-        with self._lock:  # the plan of these keys, else the latest of this outline (maybe of this shape)
+        with self._lock:
             entry = self._plans.get(keys)
-            similar = self._plans.get(self._outlines.get(outline)) if entry is None else None
-        if entry is None and similar is None and not self._seen_before(hash(outline), size):
-            return make()[0]  # planned once: maybe never again
-        form = plan_form(inputs, ends) if entry is not None else None
-        shape = None
-        if entry is not None and form is not None and form == entry.form:
-            out = self._reuse(entry, inputs.dsk, ends, fresh)
-            if out is not None:
-                return out
-        elif similar is not None:
+            known = entry is None and outline in self._outlines  # a plan of this outline: maybe of this shape
+        form = shape = None
+        if entry is not None:
+            form = plan_form(inputs, ends)
+            if form is not None and form == entry.form:
+                out = self._reuse(entry, inputs.dsk, ends, fresh)
+                if out is not None:
+                    return out
+        elif known:
             shape = shape_of(inputs)
-            if shape.form is not None and shape.form == similar.shape.form:
+            with self._lock:
+                similar = self._plans.get(self._shapes.get(shape.key))
+            if similar is not None and shape.form == similar.shape.form:
                 now = {name: layer for layer, name in shape.layers.items()}
                 moved = {layer: now[name] for layer, name in similar.shape.layers.items()
                          if now.get(name, layer) != layer}
                 out = self._reuse(similar, inputs.dsk, ends, fresh, rename, moved)
                 if out is not None:
                     return out
+            if shape.form is None or not self._seen_before(shape.key, size):
+                return make()[0]  # a shape planned once: maybe never again
+        elif not self._seen_before(hash(outline), size):
+            return make()[0]  # planned once: maybe never again
         out, picks, own = make()
         if form is None:
             form = plan_form(inputs, ends)
         if form is not None and ends.keys() <= own:  # (else an end joined a fragment, under this compute's name)
             shape = shape or shape_of(inputs)
             graph = {ends.get(k, k): None if k in own else fresh(node) for k, node in out.items()}
-            with self._lock:
-                self._plans[keys] = _Entry(form, graph, dict(picks), shape, keys, outline)
-                self._plans.move_to_end(keys)
-                self._outlines[outline] = keys
-                while len(self._plans) > size:
-                    gone = self._plans.popitem(last=False)[1]
-                    if self._outlines.get(gone.outline) == gone.keys:
-                        del self._outlines[gone.outline]
+            self._remember(_Entry(form, graph, dict(picks), shape, keys, outline), size)
         return out
+
+    def _remember(self, entry: _Entry, size: int) -> None:
+        """Remember ``entry`` (in place of a plan of its keys), dropping the least recently used beyond ``size``."""
+        with self._lock:
+            self._forget(self._plans.pop(entry.keys, None))
+            self._plans[entry.keys] = entry
+            self._outlines[entry.outline] = self._outlines.get(entry.outline, 0) + 1
+            if entry.shape.form is not None:
+                self._shapes[entry.shape.key] = entry.keys
+            while len(self._plans) > size:
+                self._forget(self._plans.popitem(last=False)[1])
+
+    def _forget(self, gone: _Entry | None) -> None:
+        """Drop what indexes ``gone``, a plan no longer remembered (under the lock)."""
+        if gone is None:
+            return
+        self._outlines[gone.outline] -= 1
+        if not self._outlines[gone.outline]:
+            del self._outlines[gone.outline]
+        if self._shapes.get(gone.shape.key) == gone.keys:
+            del self._shapes[gone.shape.key]
 
     def _reuse(self, entry: _Entry, dsk: Mapping[Key, GraphNode], ends: Mapping[Key, Hashable],
                fresh: Callable[..., GraphNode], rename: Renaming | None = None,
@@ -347,7 +368,8 @@ class PlanMemo:
         return out
 
     def _seen_before(self, outline: int, size: int) -> bool:
-        """Whether graphs of this outline (its hash) were planned before; remembers them."""
+        """Whether graphs of this outline, or this shape (a hash of either), were planned before; remembers
+        them."""
         with self._lock:
             seen = outline in self._seen
             self._seen[outline] = None
@@ -364,6 +386,7 @@ class PlanMemo:
         with self._lock:
             self._plans.clear()
             self._outlines.clear()
+            self._shapes.clear()
             self._seen.clear()
 
 

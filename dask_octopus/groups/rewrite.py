@@ -295,7 +295,8 @@ def _renamed(graph: Mapping[Hashable, GraphNode | None], picks: Mapping[Key, Gra
     """A plan (``graph`` as the memo keeps it, :func:`_fresh`, and its ``picks``) with the keys of each layer of
     ``layers`` in the layer it names: for a graph of the same shape under other keys. Its fragment tasks and
     guards get keys of their own (tokens of the plan's and of ``layers``): computes of other keys in flight
-    at once share none, and those of the same keys share them, as Dask shares their tasks."""
+    at once share none (those of the same keys renamed from one plan share them, as Dask shares their
+    tasks)."""
     name = named_by(layers)
     salt = tokenize(sorted(map(repr, layers.items())))
     made: dict[Hashable, Key] = {}
@@ -349,6 +350,7 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
             raise Stale(f"the tasks of {node.key!r} changed")
         if dsk is not None:
             copy.read_before = _read_before(dsk, copy.outputs)
+            _check_given(dsk, copy.inputs, node.args[1:])
         return Task(node.key, run_fragment, DataNode(None, copy), *node.args[1:])
     if not is_guard(node):
         return node
@@ -361,7 +363,23 @@ def _fresh(node: GraphNode, dsk: Mapping[Key, GraphNode] | None = None,
     if (task is None or tuple(sorted(task.dependencies, key=str)) != reads
             or not (type(task) is Alias or Joins()(task))):  # (planning guards those, and aliases)
         raise Stale(f"the task of {key!r} changed")
+    _check_given(dsk, reads, node.args[4:])
     return Task(node.key, run_guarded, node.args[0], DataNode(None, task), *node.args[2:])
+
+
+def _check_given(dsk: Mapping[Key, GraphNode], reads: Sequence[Key], given: Sequence[TaskRef]) -> None:
+    """Raise :class:`~dask_octopus.groups.memo.Stale` where a plan's task is given, for a key it reads, the
+    value of another key than the key itself, what the key aliases in ``dsk`` (through aliases of
+    aliases) or a guard's: the keys a plan's tasks read in place of aliases are the plan's, not the graph's."""
+    for read, ref in zip(reads, given, strict=True):
+        key = ref.key
+        if key == read or (type(key) is tuple and type(key[0]) is str and key[0].endswith(GUARD_PREFIX)):
+            continue
+        target = read
+        while type(dsk.get(target)) is Alias:
+            target = dsk[target].target
+        if target != key:
+            raise Stale(f"{read!r} is read as {key!r}, which it no longer names")
 
 
 def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[str, Any]], keep: Collection[Key],
