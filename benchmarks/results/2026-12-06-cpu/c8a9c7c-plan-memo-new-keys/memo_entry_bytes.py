@@ -1,10 +1,17 @@
-"""How much a remembered entry holds: the identity form vs the Shape (layers + named form)."""
-import sys, gc, types
-sys.path.insert(0, "tests")  # run from the repository root
-import numpy as np, dask, dask.array as da
-import dask_octopus
-from dask_octopus.groups.memo import plans
-from test_plan_memo import chain
+"""How much a remembered plan holds: its tasks and picks, its form by keys and its shape (the form by
+layer names, and the layers' names). Run from the repository root (imports ``tests/test_plan_memo.py``)."""
+import gc
+import sys
+import types
+
+import dask
+import dask.array as da
+
+sys.path.insert(0, "tests")
+import dask_octopus  # noqa: E402
+from dask_octopus.groups.memo import plans  # noqa: E402
+from test_plan_memo import chain  # noqa: E402
+
 
 def deep(obj, seen):
     total, stack = 0, [obj]
@@ -17,6 +24,7 @@ def deep(obj, seen):
         stack.extend(gc.get_referents(o))
     return total
 
+
 with dask.config.set(scheduler="sync"):
     for i in range(2):
         with dask_octopus.annotate():
@@ -27,4 +35,5 @@ seen = set()
 g = deep(e.graph, seen) + deep(e.picks, seen)
 f = deep(e.form, seen)
 s = deep(e.shape, seen)
-print(f"keys in plan {len(e.graph)}; plan graph+picks {g/1e6:.2f} MB, identity form {f/1e6:.2f} MB, shape (named form) {s/1e6:.2f} MB")
+print(f"keys in plan {len(e.graph)}; plan graph+picks {g/1e6:.2f} MB, identity form {f/1e6:.2f} MB, "
+      f"shape (named form) {s/1e6:.2f} MB")
