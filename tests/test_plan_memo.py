@@ -726,3 +726,10 @@ def test_a_plan_whose_fragment_reads_what_an_alias_no_longer_names_is_stale():
     assert rewrite._fresh(layout, args[0], {}).args[1:] == node.args[1:]  # as planned: fresh
     with pytest.raises(rewrite.Stale, match="no longer names"):
         rewrite._fresh(layout, {**args[0], alias: Alias(alias, ("other", 0))}, {})
+
+
+def test_a_cycle_of_aliases_makes_a_plan_stale_rather_than_hang():
+    dsk = {"a": Alias("a", "b"), "b": Alias("b", "a")}
+    with pytest.raises(rewrite.Stale, match="no longer names"):
+        rewrite._check_given(dsk, ["a"], [TaskRef(("x", 0))])
+    rewrite._check_given(dsk, ["a"], [TaskRef("a")])  # the key itself: fine

@@ -375,8 +375,9 @@ def _check_given(dsk: Mapping[Key, GraphNode], reads: Sequence[Key], given: Sequ
         key = ref.key
         if key == read or (type(key) is tuple and type(key[0]) is str and key[0].endswith(GUARD_PREFIX)):
             continue
-        target = read
-        while type(dsk.get(target)) is Alias:
+        target, seen = read, set()
+        while type(dsk.get(target)) is Alias and target not in seen:  # (a cycle of aliases ends)
+            seen.add(target)
             target = dsk[target].target
         if target != key:
             raise Stale(f"{read!r} is read as {key!r}, which it no longer names")
