@@ -257,14 +257,14 @@ def _plan_form(inputs: PlanInputs, ends: Mapping[Key, Hashable], layers: Mapping
 
 
 class PlanMemo:
-    """The last plans made (``octopus.fragments.plan-memo`` of them; 0: none), by their graph's shape,
-    least recently used dropped first; safe to use from several threads."""
+    """The last plans made (``octopus.fragments.plan-memo`` of them; 0: none), by their graph's keys and
+    shape, least recently used dropped first; safe to use from several threads."""
 
     def __init__(self) -> None:
         self._plans: OrderedDict[Hashable, _Entry] = OrderedDict()  # by the keys they were made for
         self._outlines: dict[Hashable, int] = {}  # how many plans of each outline are remembered
         self._shapes: dict[int, Hashable] = {}  # the keys of the latest plan of each shape (by its key)
-        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of the outlines of graphs planned once
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of the outlines and shapes planned once
         self._lock = threading.Lock()
 
     def plan(self, inputs: PlanInputs, make: Callable[[], tuple[dict[Key, GraphNode], dict[Key, GraphNode],
