@@ -191,9 +191,12 @@ def _add_fused(layer: Hashable, inner: Mapping[Key, GraphNode], counts: dict[Has
 
 def named_by(layers: Mapping[Hashable, Hashable]) -> Callable[[Key], Hashable]:
     """The name of each key by the name that ``layers`` give its layer (:func:`layer_names`; a layer not
-    among them keeps its own), the index of a block kept."""
+    among them keeps its own), the index of a block kept; an end's name (:func:`ends_of`) by the names of
+    the keys it reads."""
     def name(key: Key) -> Hashable:
         if type(key) is tuple and key:
+            if key[0] is _End:
+                return (_End, key[1], frozenset(map(name, key[2])))
             layer = layers.get(key[0])
             return key if layer is None else (layer, *key[1:])
         return layers.get(key, key)
@@ -349,17 +352,13 @@ class PlanMemo:
                fresh: Callable[..., GraphNode], rename: Renaming | None = None,
                moved: Mapping[Hashable, Hashable] | None = None) -> dict[Key, GraphNode] | None:
         """The plan of ``entry`` for the graph ``dsk`` (:func:`_apply`; ``ends`` its outputs by their names),
-        renamed where ``moved`` names layers of the plan's keys that are others in ``dsk`` (``rename``);
-        ``None`` where it is stale."""
+        renamed where ``moved`` names layers of the plan's keys that are others in ``dsk`` (``rename``, its
+        ends too); ``None`` where it is stale."""
         graph, picks = entry.graph, entry.picks
-        names = {v: k for k, v in ends.items()}
         try:
             if moved:
                 graph, picks = rename(graph, picks, moved)
-                key = named_by(moved)  # the plan's ends by the names their keys' reads have now
-                names = {end: names.get((_End, end[1], frozenset(map(key, end[2])))) for end in graph
-                         if type(end) is tuple and end[:1] == (_End,)}
-            out = _apply(graph, picks, dsk, names, fresh)
+            out = _apply(graph, picks, dsk, {v: k for k, v in ends.items()}, fresh)
         except Stale:
             return None  # planned anew (and remembered in its place)
         with self._lock:
