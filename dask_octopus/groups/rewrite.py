@@ -42,6 +42,21 @@ FRAGMENT_PREFIX = "octopus-fragments"  # not "-fragment": key_split drops 8-lett
 GUARD_PREFIX = "octopus-guarded"  # tasks that only fragments read, run so that their failure fails only what reads them
 
 
+def _fragment_key(token: str, n: int) -> Key:
+    """The key of fragment task ``n`` of a plan named ``token``."""
+    return (f"{FRAGMENT_PREFIX}-{token}", n)
+
+
+def _guard_key(key: Key, token: str) -> Key:
+    """The key of a guard running the task ``key`` (named for what it runs: Dask's duration estimates and
+    the task stream go by key prefix), of ``token``."""
+    return (f"{key_split(key)}-{GUARD_PREFIX}", token)
+
+
+def _is_guard_key(key: Key) -> bool:
+    return type(key) is tuple and bool(key) and type(key[0]) is str and key[0].endswith(f"-{GUARD_PREFIX}")
+
+
 def inner_keys(key: Key, node: Any) -> list[Key]:
     """The keys whose work the task ``key`` does: its own, and those fused into it by Dask's low-level
     fusion; for a fragment task, its members' keys and those fused into them."""
@@ -302,9 +317,9 @@ def _renamed(graph: Mapping[Hashable, GraphNode | None], picks: Mapping[Key, Gra
     made: dict[Hashable, Key] = {}
     for k, node in graph.items():
         if fragment_of(node) is not None:
-            made[k] = (f"{FRAGMENT_PREFIX}-{tokenize(k[0], salt)}", k[1])
+            made[k] = _fragment_key(tokenize(k[0], salt), k[1])
         elif is_guard(node):
-            made[k] = (k[0], tokenize(k[1], salt))
+            made[k] = _guard_key(name(node.args[0].value), tokenize(k[1], salt))
 
     def key(k: Hashable) -> Key:
         new = made.get(k)
@@ -373,7 +388,7 @@ def _check_given(dsk: Mapping[Key, GraphNode], reads: Sequence[Key], given: Sequ
     aliases) or a guard's: the keys a plan's tasks read in place of aliases are the plan's, not the graph's."""
     for read, ref in zip(reads, given, strict=True):
         key = ref.key
-        if key == read or (type(key) is tuple and type(key[0]) is str and key[0].endswith(GUARD_PREFIX)):
+        if key == read or _is_guard_key(key):
             continue
         target, seen = read, set()
         while type(dsk.get(target)) is Alias and target not in seen:  # (a cycle of aliases ends)
@@ -451,11 +466,10 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
         if type(dsk[d]) is Alias and dsk[d].target not in guards:  # it fails only where its target does
             unread.add(d)
             continue
-        # named for what each runs: Dask's duration estimates and the task stream go by key prefix; and by
-        # what it reads (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ): computes in
-        # flight at once that guard one task alike share its guard, as Dask shares the task
+        # named by what it reads (repr: keys that print alike, such as ('a', 0) and "('a', 0)", differ):
+        # computes in flight at once that guard one task alike share its guard, as Dask shares the task
         reads = sorted(repr(guards.get(r, r)) for r in dependencies[d])
-        guards[d] = (f"{key_split(d)}-{GUARD_PREFIX}", tokenize(repr(d), reads, retries.get(d)))
+        guards[d] = _guard_key(d, tokenize(repr(d), reads, retries.get(d)))
     # the same members with other outputs (other keys asked for), or other inputs, are another fragment task
     token = tokenize(repr([(f.members, f.outputs) for f in built]), sorted(map(repr, guards.values())))
     picks: dict[Key, Task] = {}  # read inline by the consumers
@@ -463,7 +477,7 @@ def _fragment_graph(dsk: Mapping[Key, GraphNode], specs: Mapping[Key, Mapping[st
     made: dict[Key, Fragment] = {}
     fragment_of = {m: n for n, fragment in enumerate(built) for m in fragment.outputs}
     for n, fragment in enumerate(built):
-        fkey = (f"{FRAGMENT_PREFIX}-{token}", n)
+        fkey = _fragment_key(token, n)
         made[fkey] = fragment
         apart = read_apart(fragment.outputs, fragment.members, n, fragment_of, dependencies, dependents,
                            labels or {})
