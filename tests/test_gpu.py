@@ -833,6 +833,37 @@ def test_fragments_exact_eager_then_replayed_reading_persisted_blocks_in_place(c
     assert s["graphs_in_place"] >= 1 and s["replays"] >= 2 and s["refused"] == 0
 
 
+def test_new_data_of_one_shape_reuses_its_plan_renamed_and_replays_exactly(cuda_one, monkeypatch):
+    """A loop over new data (a new persisted array each compute: other values, other keys, the last one
+    freed): from the third compute on the plan is reused renamed and the fragment's graph replayed on
+    each compute's own blocks; the values of unannotated Dask every time."""
+    import cupy
+    import dask.array as da
+
+    import dask_octopus
+    from dask_octopus.bench.small_tasks import chain_sum
+    from dask_octopus.groups import rewrite
+
+    planned = []
+    real = rewrite._fragment_graph  # (the scheduler plans in this process)
+    monkeypatch.setattr(rewrite, "_fragment_graph", lambda *args: planned.append(1) or real(*args))
+    (before,) = cuda_one.run(capture_stats).values()
+    for run in range(6):
+        rng = da.random.default_rng(cupy.random.default_rng(40 + run))
+        x = cuda_one.persist(rng.random((16 * 256, 384), chunks=(256, 384), dtype=np.float32))
+        expected = cuda_one.compute(chain_sum(x, f"reference-{run}")).result()
+        with dask_octopus.annotate():
+            got, n = fragment_tasks(cuda_one, lambda x=x, run=run: cuda_one.compute(
+                chain_sum(x, f"chain-{run}")).result())
+        assert n == 1
+        cupy.testing.assert_allclose(got, expected, rtol=1e-6)
+        del x  # (its blocks freed: the next data may lie where they lay)
+    assert len(planned) == 2  # planned at the first two computes, reused renamed by the other four
+    (s,) = cuda_one.run(capture_stats).values()
+    print("capture stats", before, s)
+    assert s["replays"] - before["replays"] >= 3 and s["refused"] == 0
+
+
 def test_fragments_on_a_worker_of_two_threads_hand_their_results_over_exactly():
     """Two threads: each thread's fragments make block results that tasks on the other thread read
     (GEMMs launched on the task's stream, returned at launch) while this thread's next fragments run."""
