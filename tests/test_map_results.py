@@ -20,6 +20,7 @@ from test_balance import setup
 from test_map import fails_on_seven, plan_of, slow_identity
 
 import dask_octopus
+from dask_octopus.placement.pins import MAP_INFIX
 from dask_octopus.plugins.scheduler import OctopusSchedulerPlugin
 
 
@@ -182,6 +183,26 @@ async def test_an_item_that_kills_its_worker_fails_alone_and_the_others_keep_the
     assert sorted(got) == [i for i in range(16) if i != 7]  # (was: KilledWorker for the whole call)
     with pytest.raises(KilledWorker):  # raised as that item's error
         await in_thread(dask_octopus.map, ends_its_process_on_seven, [5, 7, 9], client=c, group=4, gather=True)
+
+
+@pytest.mark.parametrize("group", [None, 4])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
+             config={"distributed.scheduler.allowed-failures": 1, "octopus.map.learn-result-size": False,
+                     "distributed.scheduler.worker-saturation": 1.0})
+async def test_an_item_that_kills_its_worker_fails_alone_among_futures_per_item(c, s, a, b, group):
+    """Futures per item: a task whose worker went down while running it is placed (and queued) by Dask
+    from then on, a batch as one task per item read by that item's future; so the item that kills its
+    workers fails with ``KilledWorker`` alone (each task pinned to its worker was sent there at once and
+    counted every death with it)."""
+    await setup(c, s, [1.0, 1.0])
+    futures = await in_thread(dask_octopus.map, ends_its_process_on_seven, range(16), client=c, group=group)
+    # (results held by a worker that went down are computed again: gathered, not by their status now)
+    assert await c.gather(futures[:7] + futures[8:]) == [i for i in range(16) if i != 7]
+    with pytest.raises(KilledWorker):
+        await futures[7]
+    # the plan's run (the dashboard's) ended: the tasks Dask placed since left it, none is waited for
+    (run,) = [r.current for name, r in s.plugins["octopus"].plan_records.records.items() if MAP_INFIX in name]
+    assert run.ended, run
 
 
 def fails_on_three(x):

@@ -18,7 +18,8 @@ group can be replayed) through Dask's fusion and leaves the grouping to this mod
 where tasks will run. (Otherwise, and with local schedulers, the optimizer groups them itself.)
 Group tasks are never regrouped, but a fragment task whose worker left while running it is split
 (:func:`hold_if_lost`, :func:`split_fragment`): it runs again as one task per member, so that a
-member that takes its worker down fails only what reads it, as Dask fails such a task.
+member that takes its worker down fails only what reads it, as Dask fails such a task; so is a
+``map`` batch read through a future per item (:func:`split_batch`), one task per item.
 
 Computing the same dataframe again while the scheduler holds the first compute's result (twice at
 once, or again before the client has released the first result) works: Dask keeps the task it has,
@@ -47,6 +48,7 @@ from dask_octopus._compat import (
     Alias,
     DataNode,
     GraphNode,
+    List,
     Task,
     TaskRef,
     annotated_restrictions,
@@ -72,6 +74,8 @@ from dask_octopus.groups.rewrite import (
 )
 from dask_octopus.groups.streams import collected, pick, run_fragment
 from dask_octopus.placement.bandwidth import Bandwidths
+from dask_octopus.placement.items import pick_item, run_batch
+from dask_octopus.placement.pins import ALONE_INFIX, MAP_INFIX
 from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling.working_set import MEASURE
 
@@ -718,12 +722,39 @@ def _hold(ts: TaskState) -> Restrictions:
 
 
 def hold_if_lost(ts: TaskState) -> Restrictions | None:
-    """Hold the task ``ts`` (:func:`_hold`) if it is a fragment task of two members or more that a worker
-    left while running it (Dask counts it *suspicious*); ``None``: not held."""
-    fragment = fragment_of(ts.run_spec)
-    if not (ts.suspicious and fragment is not None and len(fragment.members) > 1):
+    """Hold the task ``ts`` (:func:`_hold`) if a worker left while running it (Dask counts it *suspicious*)
+    and it is a fragment task of two members or more, or a ``map`` batch task of two items or more read
+    through a future per item (:func:`split_batch`); ``None``: not held."""
+    if not ts.suspicious:
         return None
-    return _hold(ts)
+    fragment = fragment_of(ts.run_spec)
+    if (fragment is not None and len(fragment.members) > 1) or _batch_items(ts) is not None:
+        return _hold(ts)
+    return None
+
+
+def _picked_item(node: Any, key: Key) -> int | None:
+    """The position of the item of the ``map`` batch task ``key`` that ``node`` (a run spec) picks, where
+    it is such a pick (a future per item); else ``None``."""
+    if (isinstance(node, Task) and node.func is pick_item and isinstance(node.args[0], TaskRef)
+            and node.args[0].key == key):
+        return node.args[1]
+    return None
+
+
+def _batch_items(ts: TaskState) -> list[Any] | None:
+    """The items of ``ts``, a ``map`` batch task of two items or more that only tasks picking one of its
+    items read (futures per item), as its run spec gives them (values, or nodes reading futures); else
+    ``None``."""
+    spec = ts.run_spec
+    if not (isinstance(spec, Task) and spec.func is run_batch) or ts.who_wants or not ts.dependents:
+        return None
+    items = spec.args[1]
+    items = list(items.args) if isinstance(items, List) else items
+    if (not isinstance(items, list) or len(items) < 2
+            or any(_picked_item(rts.run_spec, ts.key) is None for rts in ts.dependents)):
+        return None
+    return items
 
 
 def hold_if_too_large(scheduler: Scheduler, ts: TaskState,
@@ -854,35 +885,82 @@ def split_fragment(scheduler: Scheduler, ts: TaskState, held: Restrictions, stim
                            *(read(fragment.outputs[i]) for i in positions))
         after[ckey] = max(order[fragment.outputs[i]] for i in positions)
         readers[rts] = ckey
-    tasks = scheduler.tasks
-    if tasks.keys() & specs.keys():
+    if scheduler.tasks.keys() & specs.keys():
         raise ValueError(f"the parts of fragment task {key!r} exist already (split before, still held)")
     # nothing changed so far; from here on nothing raises
+    _install(scheduler, ts, specs, after, _restrictions(ts),
+             {rts: rts.run_spec.substitute({key: ckey}) for rts, ckey in readers.items()}, stimulus_id,
+             None if made is None else lambda: made(list(parts), list(readers.values())))
+    return list(parts)
+
+
+def split_batch(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulus_id: str, pinned: bool,
+                made: Callable[[], None] | None = None) -> list[Key]:
+    """Run the ``map`` batch task ``ts``, held by :func:`hold_if_lost` after its worker left while running
+    it, as one batch task per item, each read by the task that picked that item (the item's future), so
+    that an item that takes its workers down fails (``KilledWorker``) alone, as a task of ``client.map``
+    does. ``pinned``: ``ts`` was pinned by a plan (the parts are not: Dask places and queues them, as
+    ``client.map``'s tasks; else they keep its restrictions, the user's). ``made`` is called once the
+    parts exist, before any runs and before ``ts`` is forgotten. Returns the parts' keys; ``[]``
+    where the task is left as it was, no longer held: it is not waiting to run (forgotten, cancelled) or
+    no longer read so; a :class:`ValueError` says why it cannot be split, before anything changed.
+    """
+    key = ts.key
+    if scheduler.tasks.get(key) is not ts:  # forgotten meanwhile (and perhaps made again)
+        return []
+    items = _batch_items(ts)
+    if ts.state not in ("waiting", "no-worker") or items is None:
+        run_whole(scheduler, ts, held, stimulus_id)
+        return []
+    func, _, kwargs, resource, group, to_host = ts.run_spec.args
+    name = key[0].replace(MAP_INFIX, ALONE_INFIX, 1)
+    readers = {rts: (name, *key[1:], _picked_item(rts.run_spec, key)) for rts in ts.dependents}
+    specs = {part: Task(part, run_batch, func, List(items[part[-1]]), kwargs, resource, group, to_host)
+             for part in readers.values()}
+    if scheduler.tasks.keys() & specs.keys():
+        raise ValueError(f"the parts of map batch task {key!r} exist already (split before, still held)")
+    # nothing changed so far; from here on nothing raises
+    _install(scheduler, ts, specs, {part: part[-1] for part in specs},
+             (None, held[1], held[2], False) if pinned else held,
+             {rts: Task(rts.key, pick_item, TaskRef(part), 0) for rts, part in readers.items()}, stimulus_id, made)
+    return list(specs)
+
+
+def _install(scheduler: Scheduler, ts: TaskState, specs: Mapping[Key, Task], after: Mapping[Key, int],
+             restrictions: Restrictions, readers: Mapping[TaskState, GraphNode], stimulus_id: str,
+             made: Callable[[], None] | None = None) -> None:
+    """Run the held task ``ts`` as the new tasks ``specs``, each taking its priority (then ``after[k]``),
+    retries, annotations and span, and ``restrictions``: each task that read ``ts`` runs its new spec
+    (``readers``, reading those tasks instead), and ``ts``, read by none, is forgotten. ``made`` is called
+    once the new tasks exist, before any runs."""
+    key, tasks = ts.key, scheduler.tasks
     computation = next((c for c in reversed(scheduler.computations) if ts.group in c.groups), None)
     for k, spec in specs.items():
         nts = scheduler.new_task(k, spec, "released", computation=computation)
         nts.priority, nts.retries = (*ts.priority, after[k]), ts.retries
         nts.annotations = dict(ts.annotations or {})
-        _restrict(nts, _restrictions(ts))
+        _restrict(nts, restrictions)
         if nts.group.span_id is None:
             nts.group.span_id = ts.group.span_id
     for k, spec in specs.items():  # (a part may read a part made after it)
         _relink(tasks[k], spec.dependencies, tasks)
     if made is not None:
-        made(list(parts), list(readers.values()))
-    for rts, ckey in readers.items():
-        rts.run_spec = rts.run_spec.substitute({key: ckey})
-        _relink(rts, rts.run_spec.dependencies, tasks)
-        if rts.waiting_on and ts in rts.waiting_on:  # (the gatherer's waiters are set as it starts waiting)
+        made()
+    needed = {}
+    for rts, spec in readers.items():
+        rts.run_spec = spec
+        _relink(rts, spec.dependencies, tasks)
+        news = [tasks[d] for d in spec.dependencies if d in specs]
+        if rts.waiting_on and ts in rts.waiting_on:  # (a new task's waiters are set as it starts waiting)
             rts.waiting_on.discard(ts)
-            rts.waiting_on.add(tasks[ckey])
+            rts.waiting_on.update(news)
             if ts.waiters:
                 ts.waiters.discard(rts)
+        if rts.state == "waiting" or rts.who_wants:
+            needed.update((d.key, "waiting") for d in news)
     spans = scheduler.extensions.get("spans")
     if spans is not None:
         spans.observe_tasks([tasks[k] for k in specs], code=(), span_metadata={})
-    # one stimulus: the gatherers that a waiting reader waits on start waiting (and with them the parts
-    # they read); the fragment task, read by none, is forgotten (recommendations run last first)
-    needed = {ckey: "waiting" for rts, ckey in readers.items() if rts.state == "waiting" or rts.who_wants}
+    # one stimulus: the new tasks that a waiting reader waits on start waiting (and with them the tasks
+    # they read); ``ts``, read by none, is forgotten (recommendations run last first)
     scheduler.transitions({key: "forgotten", **needed}, stimulus_id)
-    return list(parts)

@@ -87,6 +87,7 @@ def _reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str
 
 RETIRED = 64  #: map plans kept after their tasks went, for the timings that arrive later
 MAP_INFIX = "octopus-map"  #: a map's tasks are named ``<function>-octopus-map-<token>`` (their plan's name)
+ALONE_INFIX = "octopus-alone"  #: and its items run alone after a lost worker, ``<function>-octopus-alone-...``
 
 
 class Placement:
@@ -328,6 +329,21 @@ class Placement:
             # (not one given again under this name since, whose graph is to come: a map of the same items)
             if plan is not None and plan.counts is not None and name not in self._unpinned:
                 self._retire(name)
+
+    def lost_map_task(self, ts: TaskState) -> bool:
+        """Whether ``ts`` is a pinned task of a ``map`` plan that a worker left while running it (Dask counts
+        it *suspicious*): :meth:`unpin` it, so that Dask places and queues it from then on, as
+        ``client.map``'s tasks, and an item that takes the workers running it down counts its deaths
+        against the tasks running beside it, not against every task pinned to its worker (Dask sends a
+        worker all its pinned tasks at once: they failed with ``KilledWorker`` together)."""
+        block = self.pins.get(ts.key)
+        plan = self.plans.get(block[0]) if block is not None else None
+        return bool(ts.suspicious) and plan is not None and plan.counts is not None
+
+    def unpin(self, ts: TaskState) -> None:
+        """Let Dask place the pinned task ``ts`` from now on, as a task of no plan (its pin forgotten)."""
+        ts.worker_restrictions, ts.loose_restrictions = None, False  # (a pin: the user's restrictions are none)
+        self.forget(ts.key)
 
     def _forget_unpinned(self, key: Key) -> None:
         """Retire the unpinned ``map`` plan of ``key`` once Dask forgot its last task."""

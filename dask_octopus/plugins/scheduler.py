@@ -31,7 +31,7 @@ from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistor
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
-from dask_octopus.groups.rewrite import timing_prefix
+from dask_octopus.groups.rewrite import fragment_of, timing_prefix
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
 from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo, malformed, parallel_threads
@@ -707,6 +707,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self._steal_for(worker)
         elif start == "processing" and finish == "released":
             self._hold_if_lost(key)
+            self._unpin_if_lost(key)
         if finish == "memory":
             self._hold_if_too_large(key)
 
@@ -718,6 +719,22 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if (ts is not None and self.held.get(key, (None,))[0] is not ts
                 and (held := scheduler_groups.hold_if_lost(ts)) is not None):
             self._split_later(ts, held, "whose worker left while running it")
+
+    @_guarded
+    def _unpin_if_lost(self, key: Any) -> None:
+        """Let Dask place a ``map`` task whose worker left while running it, unless it is held to be split
+        (:meth:`~dask_octopus.placement.pins.Placement.lost_map_task`)."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None and self.held.get(key, (None,))[0] is not ts and self.placement.lost_map_task(ts):
+            self._leave_run(key)
+            self.placement.unpin(ts)
+
+    @_guarded
+    def _leave_run(self, key: Any) -> None:
+        """The pinned task ``key`` runs as Dask places it from now on: its plan's run counts it no more
+        (neither as finished nor as lost)."""
+        if (record := self._plan_record(key)) is not None:
+            record.split(key, ())
 
     @_guarded
     def _hold_if_too_large(self, key: Any) -> None:
@@ -741,21 +758,28 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.held[ts.key] = (ts, held, why)
 
     def _split_held(self, stimulus_id: str) -> None:
-        """Split the held fragment tasks (:func:`~dask_octopus.groups.scheduler.split_fragment`); one that
-        cannot be split runs again whole, as Dask would run it."""
+        """Split the held tasks: fragment tasks (:func:`~dask_octopus.groups.scheduler.split_fragment`) and
+        ``map`` batch tasks (:func:`~dask_octopus.groups.scheduler.split_batch`); one that cannot be split
+        runs again whole, as Dask would run it."""
         while self.held:
             key, (ts, held, why) = self.held.popitem()
+            batch = fragment_of(ts.run_spec) is None
+            kind, each = ("map batch task", "item") if batch else ("fragment task", "member")
             try:
-                parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
-                                                        functools.partial(self._split_made, key))
+                if batch:
+                    parts = scheduler_groups.split_batch(self.scheduler, ts, held, stimulus_id,
+                                                         key in self.placement.pins,
+                                                         functools.partial(self._leave_run, key))
+                else:
+                    parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
+                                                            functools.partial(self._split_made, key))
             except Exception as e:  # raised before anything changed
                 (logger.info if isinstance(e, ValueError) else logger.exception)(
-                    "dask_octopus: fragment task %s runs whole: %s", key, e)
+                    "dask_octopus: %s %s runs whole: %s", kind, key, e)
                 scheduler_groups.run_whole(self.scheduler, ts, held, stimulus_id)
                 continue
             if parts:
-                logger.info("dask_octopus: fragment task %s, %s, runs as %d tasks, one per member", key, why,
-                            len(parts))
+                logger.info("dask_octopus: %s %s, %s, runs as %d tasks, one per %s", kind, key, why, len(parts), each)
 
     @_guarded
     def _split_made(self, key: Any, parts: list, gatherers: list) -> None:
