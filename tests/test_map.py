@@ -174,6 +174,25 @@ async def test_a_worker_where_the_worker_plugin_did_not_load_gets_no_items(c, s,
     assert {k: w for k, w in rec.worker.items() if w != a.address} == {}
 
 
+@pytest.mark.parametrize("group", [None, 4])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=60,
+             config={"distributed.scheduler.work-stealing": False})
+async def test_items_of_a_lost_worker_placed_by_dask_keep_off_a_worker_without_the_plugin(c, s, a, b, w, group):
+    """The tasks (and a batch's items) that a worker was running when it went down are placed by Dask from
+    then on, but not on a worker where the worker plugin did not load, where this package's code fails
+    (loosely, as the tasks of a graph: Dask's work stealing may still move them there)."""
+    def missing(plugin, name=None, catch_errors=True):
+        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+
+    w.handlers["plugin-add"] = missing
+    rec = await setup(c, s, [1.0, 1.0, 1.0])
+    futures = await call(c, slow_identity, list(range(8)), group=group, to_host=True, delay=0.1)
+    await async_poll_for(lambda: any(m["worker"] == a.address for _, m in s.get_events("slow-identity")), 20)
+    await s.remove_worker(a.address, stimulus_id="test-lost", expected=False)  # as a worker lost mid-task
+    assert await c.gather(futures) == list(range(8))
+    assert {k for k, worker in rec.worker.items() if worker == w.address} == set()
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60,
              config={"distributed.worker.memory.pause": False})
 async def test_items_planned_on_workers_all_paused_wait_for_them_unscattered(c, s, a, b):

@@ -340,10 +340,14 @@ class Placement:
         plan = self.plans.get(block[0]) if block is not None else None
         return bool(ts.suspicious) and plan is not None and plan.counts is not None
 
-    def unpin(self, ts: TaskState) -> None:
-        """Let Dask place the pinned task ``ts`` from now on, as a task of no plan (its pin forgotten)."""
-        ts.worker_restrictions, ts.loose_restrictions = None, False  # (a pin: the user's restrictions are none)
+    def unpin(self, ts: TaskState) -> bool:
+        """Let Dask place the task ``ts`` from now on, as a task of no plan (its pin forgotten); ``False``
+        where it has no pin (restrictions the user gave are never touched)."""
+        if ts.key not in self.pins:
+            return False
+        ts.worker_restrictions, ts.loose_restrictions = None, False
         self.forget(ts.key)
+        return True
 
     def _forget_unpinned(self, key: Key) -> None:
         """Retire the unpinned ``map`` plan of ``key`` once Dask forgot its last task."""

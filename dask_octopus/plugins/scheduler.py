@@ -257,6 +257,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.bad_timings = set()
         # fragment tasks to split: the task, its restrictions and why (logged as it is split)
         self.held: dict[Any, tuple[Any, scheduler_groups.Restrictions, str]] = {}
+        # map tasks unpinned after a lost worker (Dask places them): the plan whose run counts them
+        self.unpinned: dict[Any, str] = {}
         self.sent_fragments = scheduler_groups.SentFragments()  # released as Dask forgets their tasks
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
@@ -674,8 +676,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             for gkey, members in made.items():
                 self.placement.inherit(gkey, members)
         self.sent_fragments.add(scheduler, chain(tasks, made))
-        if failed := self._not_loaded_here():
-            scheduler_groups.keep_off(scheduler, chain(tasks, made), failed)
+        self._keep_off(chain(tasks, made))
         if unread:  # after update_graph: later plugins are still given these keys
             scheduler.loop.add_callback(scheduler_groups.forget_unread, scheduler, unread, stimulus_id)
         if pinned:  # a new run of these plans, for the dashboard: the pinned tasks that will run
@@ -692,6 +693,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self._record_loss(key)
         if finish == "forgotten":
             self.placement.forget(key)
+            self.unpinned.pop(key, None)
             self.sent_fragments.forget(key)
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
             worker = kwargs["worker"]
@@ -726,15 +728,21 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         (:meth:`~dask_octopus.placement.pins.Placement.lost_map_task`)."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and self.held.get(key, (None,))[0] is not ts and self.placement.lost_map_task(ts):
-            self._leave_run(key)
-            self.placement.unpin(ts)
+            self._unpin(ts)
 
-    @_guarded
-    def _leave_run(self, key: Any) -> None:
-        """The pinned task ``key`` runs as Dask places it from now on: its plan's run counts it no more
-        (neither as finished nor as lost)."""
-        if (record := self._plan_record(key)) is not None:
-            record.split(key, ())
+    def _unpin(self, ts: Any) -> None:
+        """Let Dask place the pinned task ``ts`` from now on (kept off workers where the worker plugin did
+        not load, where it runs this package's code); its plan's run still counts it."""
+        block = self.placement.pins.get(ts.key)
+        if block is not None and self.placement.unpin(ts):
+            self.unpinned[ts.key] = block[0]
+            self._keep_off([ts.key])
+
+    def _keep_off(self, keys: Iterable[Any]) -> None:
+        """Keep the new tasks ``keys`` that run this package's code off the workers where the worker plugin
+        did not load (:func:`~dask_octopus.groups.scheduler.keep_off`)."""
+        if failed := self._not_loaded_here():
+            scheduler_groups.keep_off(self.scheduler, keys, failed)
 
     @_guarded
     def _hold_if_too_large(self, key: Any) -> None:
@@ -769,7 +777,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 if batch:
                     parts = scheduler_groups.split_batch(self.scheduler, ts, held, stimulus_id,
                                                          key in self.placement.pins,
-                                                         functools.partial(self._leave_run, key))
+                                                         functools.partial(self._batch_split, key))
                 else:
                     parts = scheduler_groups.split_fragment(self.scheduler, ts, held, stimulus_id,
                                                             functools.partial(self._split_made, key))
@@ -780,6 +788,15 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 continue
             if parts:
                 logger.info("dask_octopus: %s %s, %s, runs as %d tasks, one per %s", kind, key, why, len(parts), each)
+
+    @_guarded
+    def _batch_split(self, key: Any, parts: list) -> None:
+        """The ``map`` batch task ``key`` is split into ``parts``, one per item: placed by Dask, they count
+        in its plan's run in its place."""
+        if (record := self._plan_record(key)) is not None:
+            record.split(key, parts)
+            self.unpinned.update((k, record.name) for k in parts)
+        self._keep_off(parts)
 
     @_guarded
     def _split_made(self, key: Any, parts: list, gatherers: list) -> None:
@@ -834,9 +851,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         self.placement.steal_for(self.scheduler, worker)
 
     def _plan_record(self, key: Any) -> PlanRecord | None:
-        """The dashboard's record of the plan task ``key`` is pinned to, if kept."""
+        """The dashboard's record of the plan task ``key`` is pinned to (or was, :attr:`unpinned`), if kept."""
         block = self.placement.pins.get(key)
-        return self.plan_records.get(block[0]) if block is not None else None
+        name = block[0] if block is not None else self.unpinned.get(key)
+        return self.plan_records.get(name) if name is not None else None
 
     @_guarded
     def _record_finish(self, key: Any, worker: str, startstops: list[dict]) -> None:
@@ -930,7 +948,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         every pinned task run anywhere (Dask's placement), as when the plugin is unregistered."""
         try:
             if self.scheduler.workers:
-                n = self.placement.rehome(self.scheduler, self.speeds(), stimulus_id)
+                n = self.placement.rehome(self.scheduler, dict(self._loaded(self.speeds())), stimulus_id)
                 if n:
                     logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left", n)
         except Exception:
