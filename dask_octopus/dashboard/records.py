@@ -120,8 +120,8 @@ class Run:
 
     def split(self, key: Any, parts: Collection[Any]) -> bool:
         """Task ``key`` of the run does its work as the tasks ``parts`` from now on (a fragment split into
-        its members): they count in its place (none: a task placed by Dask from now on leaves the run).
-        Returns whether ``key`` was one of the run's that had not finished."""
+        its members): they count in its place. Returns whether ``key`` was one of the run's that had
+        not finished."""
         if key not in self.pending:
             return False
         self.pending.remove(key)
