@@ -164,6 +164,21 @@ def ends_its_process_on_seven(x):
     return x
 
 
+def deaths(s):
+    """The workers lost so far (each logged under two topics)."""
+    return {m["stimulus_id"] for events in s.get_events().values() for _, m in events
+            if isinstance(m, dict) and m.get("action") == "remove-worker"}
+
+
+def ends_its_process_once_on_odd(x, flags):
+    """``x``, but an odd ``x`` takes its worker process down the first time it runs (a worker lost once)."""
+    flag = os.path.join(flags, str(x))
+    if x % 2 and not os.path.exists(flag):
+        open(flag, "w").close()
+        os._exit(1)
+    return x
+
+
 @pytest.mark.parametrize("how", ["map", "imap", "imap-async"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
              config={"distributed.scheduler.allowed-failures": 0, "octopus.map.learn-result-size": False,
@@ -189,23 +204,28 @@ async def test_an_item_that_kills_its_worker_fails_alone_and_the_others_keep_the
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120,
              config={"distributed.scheduler.allowed-failures": 1, "octopus.map.learn-result-size": False,
                      "distributed.scheduler.worker-saturation": 1.0})
-async def test_an_item_that_kills_its_worker_fails_alone_among_futures_per_item(c, s, a, b, group):
+async def test_an_item_that_kills_its_worker_fails_alone_among_futures_per_item(c, s, a, b, group, tmp_path):
     """Futures per item: a task whose worker went down while running it is placed (and queued) by Dask
     from then on, a batch as one task per item read by that item's future; so the item that kills its
     workers fails with ``KilledWorker`` alone (each task pinned to its worker was sent there at once and
-    counted every death with it)."""
+    counted every death with it), and items that each take a worker down once all give their results
+    (counted for one another's deaths, they failed at their own)."""
     await setup(c, s, [1.0, 1.0])
+    futures = await in_thread(dask_octopus.map, ends_its_process_once_on_odd, range(8), client=c, group=group,
+                              flags=str(tmp_path))
+    assert await c.gather(futures) == list(range(8))
+    del futures
+    before = deaths(s)
     futures = await in_thread(dask_octopus.map, ends_its_process_on_seven, range(16), client=c, group=group)
     # (results held by a worker that went down are computed again: gathered, not by their status now)
     assert await c.gather(futures[:7] + futures[8:]) == [i for i in range(16) if i != 7]
     with pytest.raises(KilledWorker):
         await futures[7]
-    # as many deaths as a task of client.map's takes: allowed-failures + 1 (a batch's count goes to its items)
-    deaths = {m["stimulus_id"] for events in s.get_events().values() for _, m in events  # (under two topics)
-              if isinstance(m, dict) and m.get("action") == "remove-worker"}
-    assert len(deaths) == 2, deaths
+    # the first death counts against none of the tasks pinned there (most did not run): the item takes one
+    # worker more than a task of client.map's (allowed-failures + 2)
+    assert len(deaths(s) - before) == 3
     # the plan's run (the dashboard's) counts the tasks Dask placed since: ended, that item lost
-    (run,) = [r.current for name, r in s.plugins["octopus"].plan_records.records.items() if MAP_INFIX in name]
+    run = [r.current for name, r in s.plugins["octopus"].plan_records.records.items() if MAP_INFIX in name][-1]
     assert run.ended and not run.complete, run
 
 

@@ -900,8 +900,10 @@ def split_batch(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulu
     it, as one batch task per item, each read by the task that picked that item (the item's future), so
     that an item that takes its workers down fails (``KilledWorker``) alone, as a task of ``client.map``
     does. ``pinned``: ``ts`` was pinned by a plan (the parts are not: Dask places and queues them, as
-    ``client.map``'s tasks; else they keep its restrictions, the user's). Each part counts the deaths of
-    the workers that ran the batch (Dask's *suspicious*), as the item's own task would. ``made`` is called
+    ``client.map``'s tasks; else they keep its restrictions, the user's). The parts count no death of the
+    workers that ran the batch (Dask's *suspicious*): the scheduler cannot tell which item was running,
+    and an item counted for another's death would fail at its own first one; the item that kills its
+    workers then takes one more of them than its own task would (Dask's ``allowed-failures`` + 2). ``made`` is called
     with the parts' keys once they exist, before any runs and before ``ts`` is forgotten. Returns the
     parts' keys; ``[]`` where the task is left as it was, no longer held: it is not waiting to run
     (forgotten, cancelled) or no longer read so; a :class:`ValueError` says why it cannot be split,
@@ -925,15 +927,15 @@ def split_batch(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulu
     _install(scheduler, ts, specs, {part: part[-1] for part in specs},
              (None, held[1], held[2], False) if pinned else held,
              {rts: Task(rts.key, pick_item, TaskRef(part), 0) for rts, part in readers.items()}, stimulus_id,
-             None if made is None else lambda: made(list(specs)), ts.suspicious)
+             None if made is None else lambda: made(list(specs)))
     return list(specs)
 
 
 def _install(scheduler: Scheduler, ts: TaskState, specs: Mapping[Key, Task], after: Mapping[Key, int],
              restrictions: Restrictions, readers: Mapping[TaskState, GraphNode], stimulus_id: str,
-             made: Callable[[], None] | None = None, suspicious: int = 0) -> None:
+             made: Callable[[], None] | None = None) -> None:
     """Run the held task ``ts`` as the new tasks ``specs``, each taking its priority (then ``after[k]``),
-    retries, annotations and span, ``restrictions`` and ``suspicious``: each task that read ``ts`` runs
+    retries, annotations and span, and ``restrictions``: each task that read ``ts`` runs
     its new spec (``readers``, reading those tasks instead; those waiting, or wanted and not in memory,
     then wait for them), and ``ts``, read by none, is forgotten. ``made`` is called once the new tasks
     exist, before any runs."""
@@ -944,7 +946,6 @@ def _install(scheduler: Scheduler, ts: TaskState, specs: Mapping[Key, Task], aft
         nts.priority, nts.retries = (*ts.priority, after[k]), ts.retries
         nts.annotations = dict(ts.annotations or {})
         _restrict(nts, restrictions)
-        nts.suspicious = suspicious
         if nts.group.span_id is None:
             nts.group.span_id = ts.group.span_id
     for k, spec in specs.items():  # (a part may read a part made after it)

@@ -335,17 +335,20 @@ class Placement:
         it *suspicious*): :meth:`unpin` it, so that Dask places and queues it from then on, as
         ``client.map``'s tasks, and an item that takes the workers running it down counts its deaths
         against the tasks running beside it, not against every task pinned to its worker (Dask sends a
-        worker all its pinned tasks at once: they failed with ``KilledWorker`` together)."""
+        worker all its pinned tasks at once: they failed with ``KilledWorker`` together); that first
+        death is not counted against it either (most of them did not run)."""
         block = self.pins.get(ts.key)
         plan = self.plans.get(block[0]) if block is not None else None
         return bool(ts.suspicious) and plan is not None and plan.counts is not None
 
     def unpin(self, ts: TaskState) -> bool:
-        """Let Dask place the task ``ts`` from now on, as a task of no plan (its pin forgotten); ``False``
-        where it has no pin (restrictions the user gave are never touched)."""
+        """Let Dask place the task ``ts`` from now on, as a task of no plan (its pin forgotten) and count
+        the deaths of the workers that run it from then on only (Dask's *suspicious*; a task sent to a
+        pinned worker with all the others pinned there counted its death, whether it ran or not);
+        ``False`` where it has no pin (restrictions the user gave are never touched)."""
         if ts.key not in self.pins:
             return False
-        ts.worker_restrictions, ts.loose_restrictions = None, False
+        ts.worker_restrictions, ts.loose_restrictions, ts.suspicious = None, False, 0
         self.forget(ts.key)
         return True
 
