@@ -903,11 +903,11 @@ def split_batch(scheduler: Scheduler, ts: TaskState, held: Restrictions, stimulu
     ``client.map``'s tasks; else they keep its restrictions, the user's). The parts count no death of the
     workers that ran the batch (Dask's *suspicious*): the scheduler cannot tell which item was running,
     and an item counted for another's death would fail at its own first one; the item that kills its
-    workers then takes one more of them than its own task would (Dask's ``allowed-failures`` + 2). ``made`` is called
-    with the parts' keys once they exist, before any runs and before ``ts`` is forgotten. Returns the
-    parts' keys; ``[]`` where the task is left as it was, no longer held: it is not waiting to run
-    (forgotten, cancelled) or no longer read so; a :class:`ValueError` says why it cannot be split,
-    before anything changed.
+    workers then takes one more of them than its own task would (Dask's ``allowed-failures`` + 2).
+    ``made`` is called with the parts' keys once they exist, before any runs and before ``ts`` is
+    forgotten. Returns the parts' keys; ``[]`` where the task is left as it was, no longer held: it is
+    not waiting to run (forgotten, cancelled) or no longer read so; a :class:`ValueError` says why it
+    cannot be split, before anything changed.
     """
     key = ts.key
     if scheduler.tasks.get(key) is not ts:  # forgotten meanwhile (and perhaps made again)
