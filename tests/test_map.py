@@ -290,6 +290,27 @@ async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b,
     assert how == "map" or [i for i, _ in got] == list(range(32))
 
 
+@pytest.mark.parametrize("how", ["map", "imap"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], Worker=Nanny, timeout=60)
+async def test_a_map_that_lost_its_only_worker_waits_for_the_next_one(c, s, a, how):
+    """Planned again after its only worker left with the items scattered to it, a map waits for a worker,
+    as Dask's tasks do, instead of raising that the cluster has no workers."""
+    await setup(c, s, [1.0])
+    items = [np.full(2**14, float(i)) for i in range(16)]  # 2 MiB in all: scattered to the worker
+    if how == "map":
+        run = call(c, slow_total, items, cost=[1] * 16, group=2, delay=0.1, gather=True)
+    else:
+        run = asyncio.get_running_loop().run_in_executor(None, lambda: sorted(dask_octopus.imap(
+            slow_total, items, client=c, cost=[1] * 16, group=2, delay=0.1)))
+    await async_poll_for(lambda: s.get_events("slow-identity"), timeout=30)
+    await a.close()  # (killed, its nanny would start it again at once)
+    await asyncio.sleep(0.5)
+    assert not run.done() and not s.workers
+    async with Nanny(s.address, nthreads=2):
+        got = await run
+    assert (got if how == "map" else [r for _, r in got]) == [float(x.sum()) for x in items]
+
+
 @pytest.mark.parametrize("group", [None, 2])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, Worker=Nanny, timeout=120)
 async def test_futures_of_large_local_items_survive_a_lost_worker(c, s, a, b, group):

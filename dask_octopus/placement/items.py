@@ -36,7 +36,7 @@ from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_
 from dask_octopus.placement.pins import ALONE_INFIX, MAP_INFIX
 from dask_octopus.placement.transfers import item_seconds
 from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, client_of, wait_for
-from dask_octopus.plugins.messages import WorkerInfo
+from dask_octopus.plugins.messages import NO_WORKERS, WorkerInfo
 from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
 
@@ -224,7 +224,7 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
 
 
 def _plan_items(client: Client, costs: list[float], resource: str, items: list[Any], nbytes: list[float],
-                prefix: str) -> tuple[list[str], list[WorkerInfo], list[bool], Packing, float | None]:
+                prefix: str, started: bool) -> tuple[list[str], list[WorkerInfo], list[bool], Packing, float | None]:
     """Live workers (sorted), what the scheduler knows of each, which of them have no per-item seconds
     of the function fitted yet, the packing of ``costs`` onto them, counting the transfer of items that
     are futures already on some worker (of ``nbytes`` each), and the seconds of one unit of the packing's finish times
@@ -235,9 +235,18 @@ def _plan_items(client: Client, costs: list[float], resource: str, items: list[A
     all its threads at once, so its speed counts once per thread, and so do its items' fixed parts
     (not the transfers of its items); but a GPU worker's weight is its device's, which its threads share:
     it counts once (:func:`~dask_octopus.plugins.messages.parallel_threads`). Fitted seconds, timed while
-    the threads ran side by side, count the sharing already."""
-    info = {w: WorkerInfo.of(v) for w, v in call_scheduler(client, "octopus_workers", resource=resource,
-                                                           prefix=prefix).items()}
+    the threads ran side by side, count the sharing already. Where the cluster has no workers, raises
+    ``ValueError``; or, once the map ``started`` (submitted some of its work: workers left since), waits
+    for one, as its tasks submitted already wait."""
+    while True:
+        try:
+            found = call_scheduler(client, "octopus_workers", resource=resource, prefix=prefix)
+            break
+        except ValueError as e:
+            if not started or str(e) != NO_WORKERS:
+                raise
+        client.wait_for_workers(1)
+    info = {w: WorkerInfo.of(v) for w, v in found.items()}
     workers = sorted(info)
     threads = [max(1, info[w].threads) for w in workers]
     moves = item_seconds(client, items, nbytes, workers)  # moving items that are futures, at measured bandwidths
@@ -395,8 +404,10 @@ def _compute_delayed(client: Client, items: list[Any]) -> None:
 
 def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool, probe: bool = True, pure: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
-    """Plan ``items``, register the plan and submit it as one graph. ``per_item``: one future per item
+            per_item: bool, probe: bool = True, pure: bool = True,
+            started: bool = False) -> tuple[list[Future], list[list[int]], set[int]]:
+    """Plan ``items``, register the plan and submit it as one graph (``started``: some of the map's work was
+    submitted already, :func:`_plan_items`). ``per_item``: one future per item
     (and no batches), named by their work unless ``pure`` is false; else one future per batch task,
     with the indices of its items. Also returns the indices of the items that were futures failed
     already (:func:`_failed_inputs`). Batches of a
@@ -410,12 +421,12 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     failed = _failed_inputs(items)
     label = _label(func)
     prefix = key_split(f"{label}-{MAP_INFIX}-{'0' * 32}")
-    workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, nbytes, prefix)
+    workers, info, unfitted, packing, scale = _plan_items(client, costs, resource, items, nbytes, prefix, started)
     # an item and its result, as large as the function's recent batches made them (else RESULT_SIZE)
     result_size = next((w.result_size for w in info if w.result_size is not None), None)
     if result_size is None and probe and batched and len(items) > 1 and config.get("map.learn-result-size"):
         usable = {i for i, b in enumerate(nbytes) if i not in failed and b > 0}
-        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item, pure)
+        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item, pure, started)
     result_size = RESULT_SIZE if result_size is None else result_size
     batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
                        scale, [b * (1 + result_size) for b in nbytes], [w.budget for w in info])
@@ -469,7 +480,7 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
 
 def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], usable: Collection[int],
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool, pure: bool = True) -> tuple[list[Future], list[list[int]], set[int]]:
+            per_item: bool, pure: bool = True, started: bool = False) -> tuple[list[Future], list[list[int]], set[int]]:
     """:func:`_submit` of batches of a function none of whose tasks has finished yet: its cheapest item of
     ``usable`` (not failed already, of known bytes) first, alone, and once that finished (the scheduler
     then knows the bytes of result per byte of item) the others, in batches that count their results
@@ -486,7 +497,7 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
     def submit(indices: list[int], probe: bool) -> list[Future]:
         some = [items[i] for i in indices]
         part = _submit(client, func, some, [costs[i] for i in indices], group, resource, to_host, kwargs,
-                       per_item, probe=probe, pure=pure)
+                       per_item, probe=probe, pure=pure, started=started or bool(parts))
         for i, item in zip(indices, some):
             items[i] = item
         parts.append((indices, part))
@@ -716,7 +727,7 @@ class _Batches:
         self._failed: set[int] = set()  # futures failed when submitted: ItemErrors in their batches
         self._resent: Counter[int] = Counter()  # times each item was sent again after workers left with it
         self._alone: set[Any] = set()  # the keys of the tasks of one item each, not pinned (_each_alone)
-        self._futures = self._submit(list(range(len(items))))
+        self._futures = self._submit(list(range(len(items))), started=False)
 
     def take(self) -> list[Future]:
         """The futures of the batch tasks first submitted, held here no more (a stream holds no result
@@ -724,13 +735,13 @@ class _Batches:
         futures, self._futures = self._futures, []
         return futures
 
-    def _submit(self, indices: list[int]) -> list[Future]:
+    def _submit(self, indices: list[int], started: bool = True) -> list[Future]:
         client, func, group, resource, to_host, kwargs = self._submit_args
         items = [self._items[i] for i in indices]
         cost = self._cost if self._cost is None or callable(self._cost) else [self._cost[i] for i in indices]
         with dask.annotate(**self._annotations):
             futures, batches, failed = _submit(client, func, items, cost, group, resource, to_host, kwargs,
-                                               per_item=False)
+                                               per_item=False, started=started)
         for i, sent in zip(indices, items):
             if isinstance(sent, Future) and isinstance(self._items[i], Future):
                 self._sent[i] = sent  # (given or computed: it may fail)

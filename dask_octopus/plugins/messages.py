@@ -12,6 +12,9 @@ from typing import Any, NamedTuple, TypedDict
 #: worker where the function fails at once would otherwise look fast
 DONE_SHARE = "octopus-done-share"
 
+#: the error of a handler that plans onto the workers where the cluster has none
+NO_WORKERS = "the cluster has no workers"
+
 
 class Profile(TypedDict, total=False):
     """A worker's calibration as the worker plugin reports it, and, from ``octopus_profiles``, its

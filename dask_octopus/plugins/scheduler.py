@@ -34,7 +34,7 @@ from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import fragment_of, timing_prefix
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
-from dask_octopus.plugins.messages import DONE_SHARE, Profile, WorkerInfo, malformed, parallel_threads
+from dask_octopus.plugins.messages import DONE_SHARE, NO_WORKERS, Profile, WorkerInfo, malformed, parallel_threads
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
 from dask_octopus.profiling.itemcosts import ItemCostFit
@@ -555,7 +555,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         once every worker ran enough of them), summing to 1."""
         check_resource(resource)
         if not self.scheduler.workers:
-            raise ValueError("the cluster has no workers")
+            raise ValueError(NO_WORKERS)
         return self.model.weights(self.scheduler.workers, resource, prefix)
 
     def workers(self, resource: str = "compute", prefix: str | None = None) -> dict[str, WorkerInfo]:
