@@ -110,9 +110,6 @@ async def test_no_task_of_dask_octopus_s_code_runs_where_the_worker_plugin_did_n
     compute that run dask_octopus's code run on the other workers, also where the inputs are held
     there (blocks persisted on both, chains of delayed calls); exact results, and the worker still
     runs the compute's plain tasks."""
-    def missing(plugin, name=None, catch_errors=True):
-        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
-
     b.handlers["plugin-add"] = missing
     await setup(c, s, [1.0, 1.0])
     assert s.plugins["octopus"].profiles[b.address]["error"].startswith("the worker plugin did not load there")
@@ -133,34 +130,70 @@ async def test_no_task_of_dask_octopus_s_code_runs_where_the_worker_plugin_did_n
     assert not [k for k, spec in ran_on_b.items() if b"dask_octopus" in spec]
 
 
+def missing(plugin, name=None, catch_errors=True):
+    """A worker's ``plugin-add`` handler where dask_octopus is not installed."""
+    raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
+
+
 def gated(name):
     """0, once the distributed Event ``name`` is set."""
     Event(name).wait()
     return 0
 
 
+@pytest.mark.parametrize("joins", [True, False])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
 async def test_tasks_kept_off_a_worker_where_the_plugin_did_not_load_run_once_their_workers_left(c, s, a, b,
-                                                                                                grouped_by):
-    """The tasks kept off a worker where the worker plugin did not load are restricted loosely to the
-    others: once those have all left, they run on the workers that are there (a worker that joined since),
-    where strict restrictions to the workers of the moment left them waiting for ever."""
-    def missing(plugin, name=None, catch_errors=True):
-        raise ModuleNotFoundError("No module named 'dask_octopus'", name="dask_octopus")
-
+                                                                                                grouped_by, joins):
+    """The tasks kept off a worker where the worker plugin did not load are restricted to the others there
+    are: once those have all left, they run on a worker that joined since, or, where none did, on that
+    worker (they would fail there without the package), where restrictions to the workers of the moment
+    left them waiting for ever."""
     b.handlers["plugin-add"] = missing
-    await setup(c, s, [1.0, 1.0])
+    rec = await setup(c, s, [1.0, 1.0])
     gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the compute waits for it
     await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
     with dask_octopus.annotate():
         chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
     futures = c.compute(chains)
     await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
-    async with Worker(s.address, nthreads=1) as w3:
-        await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
+    async with contextlib.AsyncExitStack() as stack:
+        if joins:
+            w3 = await stack.enter_async_context(Worker(s.address, nthreads=1))
+            await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
         await Event("gate").set()
         await a.close()
         assert await asyncio.wait_for(c.gather(futures), 20) == list(range(2, 10))
+        assert {w for k, w in rec.worker.items() if k != gate.key} == {w3.address if joins else b.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_work_stealing_moves_no_task_kept_off_a_worker_where_the_plugin_did_not_load_there(c, s, a, b,
+                                                                                               grouped_by):
+    """The tasks kept off a worker where the worker plugin did not load are restricted strictly to the
+    others there are, a worker that joins among them: restricted loosely, Dask's work stealing gave them
+    to that worker where it alone was idle."""
+    b.handlers["plugin-add"] = missing
+    rec = await setup(c, s, [1.0, 1.0])
+    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+
+    def steal(rounds):  # rounds of work stealing, at once (Dask's: every 100 ms)
+        for _ in range(rounds):
+            s.extensions["stealing"].balance()
+
+    steal(20)  # b idle, a busy
+    async with Worker(s.address, nthreads=1) as w3:
+        await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
+        steal(20)
+        await Event("gate").set()
+        assert await c.gather(futures) == list(range(2, 18))
+        ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
+        assert b.address not in ours.values() and w3.address in ours.values()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])

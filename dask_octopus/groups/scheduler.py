@@ -66,7 +66,6 @@ from dask_octopus.groups.rewrite import (
     fragment_of,
     inner_keys,
     needed_by,
-    nested_tasks,
     of_fragments,
     picks_a_result,
     read_before_grouping,
@@ -656,31 +655,6 @@ def place_readers(scheduler: Scheduler, key: Key, worker: str) -> None:
                 and not dts.resource_restrictions):
             dts.worker_restrictions = {worker}
             dts.loose_restrictions = True
-
-
-def _runs_octopus_code(node: Any) -> bool:
-    """Whether the run spec ``node`` calls a function of dask_octopus (a fragment task, a guard, a task
-    picking a fragment's result, also inline, a ``map`` batch): a worker without the package cannot
-    unpickle it."""
-    return any(getattr(t.func, "__module__", "").startswith("dask_octopus.") for t in nested_tasks(node))
-
-
-def keep_off(scheduler: Scheduler, keys: Iterable[Key], workers: Collection[str]) -> None:
-    """Keep the new tasks of ``keys`` that run dask_octopus's code (:func:`_runs_octopus_code`) off
-    ``workers`` (where the worker plugin did not load: without the package, or with bad settings, they
-    fail there): restricted to the other workers they may run on, loosely where they were not
-    restricted (should those all leave, such a task runs where Dask finds room, as before, rather than
-    waiting for ever for workers that are gone). Tasks restricted to hosts, or to ``workers`` alone, are
-    left as they are."""
-    workers = set(workers)
-    for key in keys:
-        ts = scheduler.tasks.get(key)
-        if ts is None or ts.state != "released" or ts.host_restrictions or not _runs_octopus_code(ts.run_spec):
-            continue
-        allowed = set(ts.worker_restrictions or scheduler.workers) - workers
-        if allowed:
-            ts.loose_restrictions = ts.loose_restrictions or not ts.worker_restrictions
-            ts.worker_restrictions = allowed
 
 
 def _unread(ts: TaskState) -> bool:

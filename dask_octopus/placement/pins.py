@@ -76,7 +76,7 @@ def _pin_where_held(ts: TaskState) -> bool:
     return True
 
 
-def _reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str) -> int:
+def reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str) -> int:
     """Schedule the tasks among ``changed`` (whose restrictions changed) that wait in ``no-worker``;
     returns how many changed."""
     recs = {ts.key: "processing" for ts in changed if ts in scheduler.unrunnable}
@@ -468,7 +468,7 @@ class Placement:
             else:
                 continue
             repinned.append(ts)
-        return _reschedule(scheduler, repinned, stimulus_id)
+        return reschedule(scheduler, repinned, stimulus_id)
 
     def hold(self, scheduler: Scheduler, worker: str, running: bool, stimulus_id: str) -> int:
         """Follow the status of ``worker``: while it is not running (paused by its memory, retiring),
@@ -488,7 +488,7 @@ class Placement:
                 continue
             ts.loose_restrictions = not running
             changed.append(ts)
-        return _reschedule(scheduler, changed, stimulus_id)
+        return reschedule(scheduler, changed, stimulus_id)
 
     def loosen(self, scheduler: Scheduler, stimulus_id: str) -> int:
         """Let every pinned task run elsewhere too (loose restrictions) and forget the pins: the plugin
@@ -510,4 +510,4 @@ class Placement:
         self._pinned.clear()
         self._pinned_on.clear()
         self.stealable_keys.clear()
-        return _reschedule(scheduler, changed, stimulus_id)
+        return reschedule(scheduler, changed, stimulus_id)

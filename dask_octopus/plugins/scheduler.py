@@ -32,6 +32,7 @@ from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
 from dask_octopus.groups.planning import ANNOTATION
 from dask_octopus.groups.rewrite import fragment_of, timing_prefix
+from dask_octopus.placement.kept_off import KeptOff
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
 from dask_octopus.plugins.messages import DONE_SHARE, NO_WORKERS, Profile, WorkerInfo, malformed, parallel_threads
@@ -260,6 +261,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         # map tasks unpinned after a lost worker (Dask places them): the plan whose run counts them
         self.unpinned: dict[Any, str] = {}
         self.sent_fragments = scheduler_groups.SentFragments()  # released as Dask forgets their tasks
+        self.kept_off = KeptOff()  # tasks of this package's code kept off workers where the worker plugin did not load
         self.history = WeightHistory()
         self.plan_records = PlanRecords()
         self._sampler: _Sampler | None = None
@@ -386,6 +388,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 self.profiles[address] = {"error": NOT_LOADED + error}
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
+                self._keep_off_again("octopus-not-loaded")
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
@@ -481,6 +484,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if not self.registered():
             self._retire()
             self.placement.loosen(self.scheduler, "octopus-unregistered")
+            self.kept_off.update(self.scheduler, (), "octopus-unregistered")
             return
         if self.history_failed:
             return
@@ -694,6 +698,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if finish == "forgotten":
             self.placement.forget(key)
             self.unpinned.pop(key, None)
+            self.kept_off.forget(key)
             self.sent_fragments.forget(key)
         elif finish == "memory" and start == "processing" and "startstops" in kwargs:
             worker = kwargs["worker"]
@@ -740,9 +745,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     def _keep_off(self, keys: Iterable[Any]) -> None:
         """Keep the new tasks ``keys`` that run this package's code off the workers where the worker plugin
-        did not load (:func:`~dask_octopus.groups.scheduler.keep_off`)."""
-        if failed := self._not_loaded_here():
-            scheduler_groups.keep_off(self.scheduler, keys, failed)
+        did not load (:meth:`~dask_octopus.placement.kept_off.KeptOff.add`)."""
+        self.kept_off.add(self.scheduler, keys, self._not_loaded_here())
+
+    @_guarded
+    def _keep_off_again(self, stimulus_id: str) -> None:
+        """Keep the tasks kept off workers where the worker plugin did not load off those there are now
+        (:meth:`~dask_octopus.placement.kept_off.KeptOff.update`), after workers joined or left or one
+        told that it did not load."""
+        if n := self.kept_off.update(self.scheduler, self._not_loaded_here(), stimulus_id):
+            logger.debug("dask_octopus: %d tasks kept off workers without the worker plugin restricted anew", n)
 
     @_guarded
     def _hold_if_too_large(self, key: Any) -> None:
@@ -796,6 +808,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
             self.unpinned.update((k, record.name) for k in parts)
+        self.kept_off.inherit(self.scheduler, key, parts, self._not_loaded_here())
         self._keep_off(parts)
 
     @_guarded
@@ -805,6 +818,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         forgotten), and their fragments are released as theirs are forgotten."""
         for k in chain(parts, gatherers):
             self.placement.inherit(k, (key,))
+        self.kept_off.inherit(self.scheduler, key, chain(parts, gatherers), self._not_loaded_here())
         self.sent_fragments.add(self.scheduler, parts)
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
@@ -924,6 +938,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if scheduler.workers[worker].status in HELD:  # joined paused (a new worker is "init" until it runs)
                 self.placement.hold(scheduler, worker, False, "add-worker")
         finally:
+            self._keep_off_again("add-worker")
             self._rehome("add-worker")
 
     @_guarded
@@ -941,6 +956,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                     del self.item_costs[prefix]
             self.bad_timings.discard(worker)
         finally:  # (also after an error above: a task pinned to the worker that left would wait forever)
+            self._keep_off_again(stimulus_id)
             self._rehome(stimulus_id)
 
     def _rehome(self, stimulus_id: str) -> None:
