@@ -290,6 +290,26 @@ async def test_local_items_scattered_to_a_lost_worker_are_sent_again(c, s, a, b,
     assert how == "map" or [i for i, _ in got] == list(range(32))
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_local_items_of_a_worker_lost_between_the_plan_and_their_scatter_travel_in_the_graph(c, s, a, b):
+    """A worker lost after the plan put items on it, before they were scattered there: its items travel in
+    the graph, its blocks go to the other worker (the scatter's error, ``KeyError`` or ``CommClosedError``,
+    failed the map)."""
+    await setup(c, s, [1.0, 1.0])
+    items = [np.full(2**15, float(i)) for i in range(16)]  # 4 MiB in all: scattered to their planned workers
+    scatter, tried = c.scatter, []
+
+    def scatter_once_a_left(data, workers, **kwargs):
+        tried.append(workers)
+        if workers == [a.address] and a.address in s.workers:
+            c.sync(s.remove_worker, a.address, stimulus_id="test-lost")
+        return scatter(data, workers=workers, **kwargs)
+
+    c.scatter = scatter_once_a_left
+    assert await call(c, np.sum, items, gather=True) == [x.sum() for x in items]
+    assert [a.address] in tried and list(s.workers) == [b.address]
+
+
 @pytest.mark.parametrize("how", ["map", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], Worker=Nanny, timeout=60)
 async def test_a_map_that_lost_its_only_worker_waits_for_the_next_one(c, s, a, how):

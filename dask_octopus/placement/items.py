@@ -332,7 +332,9 @@ def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batc
     worker), when they hold :data:`SCATTER_BYTES` or more in all (``nbytes`` each): the graph then
     carries keys, not data. Not to the ``held`` workers (paused or retiring: planned on only when all
     are): Dask's scatter refuses them and fails after its connect timeout, where the graph carrying the
-    items waits for a worker, as Dask's ``client.map`` does."""
+    items waits for a worker, as Dask's ``client.map`` does. Where the planned worker left since the plan
+    was made, its items stay in the graph (the plan's blocks there go to the other workers as it is
+    registered)."""
     local = [i for i, it in enumerate(items) if not isinstance(it, Future)]
     if sum(nbytes[i] for i in local) < SCATTER_BYTES:
         return
@@ -341,7 +343,11 @@ def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batc
         if worker not in held:
             planned.setdefault(worker, []).extend(i for i in idx if not isinstance(items[i], Future))
     for worker, idx in planned.items():
-        for i, fut in zip(idx, client.scatter([items[i] for i in idx], workers=[worker], hash=False)):
+        try:
+            futures = client.scatter([items[i] for i in idx], workers=[worker], hash=False)
+        except (KeyError, OSError):  # the scheduler has it no more, or it is closing (or gone: the connect timeout)
+            continue
+        for i, fut in zip(idx, futures):
             items[i] = fut
 
 
