@@ -196,6 +196,103 @@ async def test_work_stealing_moves_no_task_kept_off_a_worker_where_the_plugin_di
         assert b.address not in ours.values() and w3.address in ours.values()
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_tasks_submitted_before_a_worker_where_the_plugin_did_not_load_joined_are_kept_off_it(c, s, a,
+                                                                                                   grouped_by):
+    """A worker with bad settings that joins while an annotated compute runs, and tells that the worker
+    plugin did not load there: the compute's tasks that run dask_octopus's code are kept off it from then
+    on, those submitted before it joined too (Dask's work stealing gave it the fragment queued on a)."""
+    rec = await setup(c, s, [1.0])
+    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    with dask.config.set({"octopus.streams.max-graphs": 0}):  # its own setting (a worker in this process)
+        late = await Worker(s.address, nthreads=1)
+    async with late:
+        await async_poll_for(lambda: "error" in s.plugins["octopus"].profiles.get(late.address, {}), 10)
+        for _ in range(20):  # rounds of work stealing, at once (Dask's: every 100 ms)
+            s.extensions["stealing"].balance()
+        await Event("gate").set()
+        assert await c.gather(futures) == list(range(2, 18))
+        ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
+        assert ours and set(ours.values()) == {a.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_tasks_sent_to_a_worker_before_it_told_that_the_plugin_did_not_load_are_placed_again(c, s, a, b,
+                                                                                                  grouped_by):
+    """The tasks that run dask_octopus's code sent to a worker (waiting there) before it told that the worker
+    plugin did not load there are placed again, on the others."""
+    rec = await setup(c, s, [1.0, 1.0])
+    gates = [c.submit(gated, f"gate-{w.name}", workers=[w.address], pure=False) for w in (a, b)]
+    await async_poll_for(lambda: all(g.key in s.tasks and s.tasks[g.key].state == "processing" for g in gates), 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(ts.key) == FRAGMENT_PREFIX for ts in s.workers[b.address].processing),
+                         10)
+    s.plugins["octopus"].report_not_loaded(b.address, "ModuleNotFoundError(\"No module named 'dask_octopus'\")")
+    for w in (a, b):
+        await Event(f"gate-{w.name}").set()
+    assert await c.gather(futures) == list(range(2, 18))
+    ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
+    assert ours and set(ours.values()) == {a.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_a_joining_worker_takes_no_task_kept_off_before_it_tells_that_the_plugin_loaded(c, s, a, b,
+                                                                                             grouped_by):
+    """A worker that joins takes none of the tasks kept off the workers where the worker plugin did not
+    load before it told that it loaded there (here it did not: bad settings): taken to have it from the
+    start, it was given fragments by Dask's work stealing before it told."""
+    b.handlers["plugin-add"] = missing
+    rec = await setup(c, s, [1.0, 1.0])
+    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    told = s.handlers["octopus_not_loaded"]
+
+    def steal_then_tell(worker, error):
+        for _ in range(20):  # rounds of work stealing, at once (Dask's: every 100 ms), before it tells
+            s.extensions["stealing"].balance()
+        return told(worker, error)
+
+    s.handlers["octopus_not_loaded"] = steal_then_tell
+    with dask.config.set({"octopus.streams.max-graphs": 0}):  # its own setting (a worker in this process)
+        late = await Worker(s.address, nthreads=1)
+    async with late:
+        await async_poll_for(lambda: "error" in s.plugins["octopus"].profiles.get(late.address, {}), 10)
+        await Event("gate").set()
+        assert await c.gather(futures) == list(range(2, 18))
+        ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
+        assert ours and set(ours.values()) == {a.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_tasks_kept_off_by_an_unregistered_plugin_run_once_their_workers_left(c, s, a, b, grouped_by):
+    """Unregistered, the plugin no longer keeps the restrictions of the tasks kept off a worker where the
+    worker plugin did not load up to date: they are loosened (those that wait in ``no-worker`` for a worker
+    that left run elsewhere), not left waiting for ever."""
+    b.handlers["plugin-add"] = missing
+    await setup(c, s, [1.0, 1.0])
+    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
+    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    await c.unregister_scheduler_plugin("octopus")  # its remove_worker hook no longer runs
+    await Event("gate").set()
+    await a.close()
+    assert await asyncio.wait_for(c.gather(futures), 20) == list(range(2, 10))
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
 async def test_a_failing_task_outside_annotate_fails_only_what_reads_it(c, s, a, grouped_by):
     """Eight loads built outside ``annotate``, each read by one task built inside it: the loads join

@@ -12,7 +12,7 @@ from decimal import Decimal
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, Nanny, wait
+from distributed import Client, LocalCluster, Nanny, Worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
@@ -308,6 +308,27 @@ async def test_local_items_of_a_worker_lost_between_the_plan_and_their_scatter_t
     c.scatter = scatter_once_a_left
     assert await call(c, np.sum, items, gather=True) == [x.sum() for x in items]
     assert [a.address] in tried and list(s.workers) == [b.address]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_a_map_whose_only_worker_left_as_its_plan_was_made_waits_for_the_next_one(c, s, a):
+    """The only worker lost after the plan put items on it, before the plan was registered: its blocks
+    wait for the next worker (registering the plan raised that the cluster had no workers)."""
+    await setup(c, s, [1.0])
+    items = [np.full(2**15, float(i)) for i in range(16)]  # 4 MiB in all: scattered to their planned workers
+    scatter = c.scatter
+
+    def scatter_once_a_left(data, workers, **kwargs):
+        if a.address in s.workers:
+            c.sync(s.remove_worker, a.address, stimulus_id="test-lost")
+        return scatter(data, workers=workers, **kwargs)
+
+    c.scatter = scatter_once_a_left
+    run = call(c, np.sum, items, gather=True)
+    await asyncio.sleep(0.5)
+    assert not run.done() and not s.workers
+    async with Worker(s.address, nthreads=1):
+        assert await run == [x.sum() for x in items]
 
 
 @pytest.mark.parametrize("how", ["map", "imap"])

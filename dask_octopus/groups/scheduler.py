@@ -74,7 +74,7 @@ from dask_octopus.groups.rewrite import (
 from dask_octopus.groups.streams import collected, pick, run_fragment
 from dask_octopus.placement.bandwidth import Bandwidths
 from dask_octopus.placement.items import pick_item, run_batch
-from dask_octopus.placement.pins import ALONE_INFIX, MAP_INFIX
+from dask_octopus.placement.pins import ALONE_INFIX, HELD, MAP_INFIX
 from dask_octopus.plugins.messages import plannable_memory
 from dask_octopus.profiling.working_set import MEASURE
 
@@ -683,7 +683,6 @@ def forget_unread(scheduler: Scheduler, keys: Iterable[Key], stimulus_id: str) -
         scheduler.transitions(recs, stimulus_id)
 
 
-HELD = "octopus-held"  # a worker restriction no worker has: a fragment task kept from running until split
 GATHER_PREFIX = "octopus-gathered"  # a split fragment's results that one of its readers picks
 
 

@@ -88,6 +88,7 @@ def reschedule(scheduler: Scheduler, changed: list[TaskState], stimulus_id: str)
 RETIRED = 64  #: map plans kept after their tasks went, for the timings that arrive later
 MAP_INFIX = "octopus-map"  #: a map's tasks are named ``<function>-octopus-map-<token>`` (their plan's name)
 ALONE_INFIX = "octopus-alone"  #: and its items run alone after a lost worker, ``<function>-octopus-alone-...``
+HELD = "octopus-held"  #: a worker restriction no worker has: a task kept from running until split
 
 
 class Placement:

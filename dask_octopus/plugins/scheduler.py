@@ -388,7 +388,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 self.profiles[address] = {"error": NOT_LOADED + error}
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
-                self._keep_off_again("octopus-not-loaded")
+                self._keep_off_again("octopus-not-loaded", failed_now=True)
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
@@ -484,7 +484,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if not self.registered():
             self._retire()
             self.placement.loosen(self.scheduler, "octopus-unregistered")
-            self.kept_off.update(self.scheduler, (), "octopus-unregistered")
+            self.kept_off.loosen(self.scheduler, "octopus-unregistered")
             return
         if self.history_failed:
             return
@@ -522,9 +522,14 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return {"calibrate": wp.calibrate, "calibration_seconds": wp.seconds, "device": wp.device}
 
     def report(self, worker: str, profile: Profile) -> None:
-        """Store a worker's calibration; called by :class:`OctopusWorkerPlugin`."""
+        """Store a worker's calibration; called by :class:`OctopusWorkerPlugin` (the plugin loaded there: the
+        tasks kept off workers where it did not may run there from now on, :meth:`_keep_off_again`)."""
         if worker not in self.scheduler.workers:
             return  # it left while calibrating
+        self._store_profile(worker, profile)
+        self._keep_off_again("octopus-report")
+
+    def _store_profile(self, worker: str, profile: Profile) -> None:
         self.unreported.discard(worker)
         why = f"not a mapping: {profile!r}" if not isinstance(profile, Mapping) else malformed(profile)
         if why is not None:  # (the dashboard and the CLI show a profile's fields)
@@ -630,7 +635,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         blocks, ``pieces``: each is pinned, loosely, to the workers holding the block it slices when
         that block is in memory as the graph arrives. A ``map`` plan gives the bytes of each task's
         items as ``nbytes`` (without ``source``): the bytes of result per byte of items are learned
-        for its prefix. Returns the plan's worker per block, those that left replaced by others."""
+        for its prefix. Returns the plan's worker per block, those that left replaced by others (where none
+        is left, kept: :meth:`add_worker` moves them to the workers that join)."""
         check_resource(resource)
         if not isinstance(name, str) or not name:
             raise ValueError(f"plan name must be a collection's key name (a non-empty str), got {name!r}")
@@ -640,9 +646,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             raise ValueError(f"plan {name} axis must be a non-negative int (the block index's place), got {axis!r}")
         if not set(workers) <= self.scheduler.workers.keys():  # left while the client planned: to the others
             left = sorted(set(workers) - self.scheduler.workers.keys())
-            workers = reassign(workers, self.speeds(resource))
-            logger.info("dask_octopus: plan %s names workers that left (%s): their blocks go to the others",
-                        name, ", ".join(left))
+            if self.scheduler.workers:
+                workers = reassign(workers, self.speeds(resource))
+            logger.info("dask_octopus: plan %s names workers that left (%s): their blocks go to the %s",
+                        name, ", ".join(left), "others" if self.scheduler.workers else "workers that join")
         for label, values in (("costs", costs), ("counts", counts), ("stealable flags", stealable),
                               ("sizes", sizes), ("block bytes", nbytes)):
             if values is not None and len(values) != len(workers):
@@ -658,7 +665,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         blocks = Counter(workers)  # a worker runs as many of its blocks at once as its threads (parallel_threads)
         threads = {w: parallel_threads(self.profiles.get(w, {}), ws.nthreads)
                    for w, ws in self.scheduler.workers.items()}
-        speeds = {w: v * max(1, min(threads.get(w, 1), blocks[w])) for w, v in self.speeds(resource).items()}
+        weights = self.speeds(resource) if self.scheduler.workers else {}
+        speeds = {w: v * max(1, min(threads.get(w, 1), blocks[w])) for w, v in weights.items()}
         self.plan_records.add(PlanRecord(name, time.time(), list(workers), [float(x) for x in loads], speeds))
         return list(workers)
 
@@ -746,14 +754,24 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def _keep_off(self, keys: Iterable[Any]) -> None:
         """Keep the new tasks ``keys`` that run this package's code off the workers where the worker plugin
         did not load (:meth:`~dask_octopus.placement.kept_off.KeptOff.add`)."""
-        self.kept_off.add(self.scheduler, keys, self._not_loaded_here())
+        self.kept_off.add(self.scheduler, keys, *self._kept_off_workers())
+
+    def _kept_off_workers(self) -> tuple[set[str], frozenset[str] | None]:
+        """The live workers where the worker plugin did not load, and those that the tasks kept off them
+        may run on: those that told that it loaded there, else (none did yet) any other; ``None`` where
+        there is no other."""
+        failed = self._not_loaded_here()
+        others = self.scheduler.workers.keys() - failed
+        return failed, frozenset(others & self.profiles.keys() or others) or None
 
     @_guarded
-    def _keep_off_again(self, stimulus_id: str) -> None:
-        """Keep the tasks kept off workers where the worker plugin did not load off those there are now
-        (:meth:`~dask_octopus.placement.kept_off.KeptOff.update`), after workers joined or left or one
-        told that it did not load."""
-        if n := self.kept_off.update(self.scheduler, self._not_loaded_here(), stimulus_id):
+    def _keep_off_again(self, stimulus_id: str, failed_now: bool = False) -> None:
+        """Keep the tasks kept off workers where the worker plugin did not load off those there are now, on
+        the workers there are now (:meth:`~dask_octopus.placement.kept_off.KeptOff.update`), after workers
+        joined or left or one told whether it loaded; where one told that it did not (``failed_now``), also
+        the tasks submitted before (:meth:`~dask_octopus.placement.kept_off.KeptOff.adopt`)."""
+        keep = self.kept_off.adopt if failed_now else self.kept_off.update
+        if n := keep(self.scheduler, *self._kept_off_workers(), stimulus_id):
             logger.debug("dask_octopus: %d tasks kept off workers without the worker plugin restricted anew", n)
 
     @_guarded
@@ -808,7 +826,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
             self.unpinned.update((k, record.name) for k in parts)
-        self.kept_off.inherit(self.scheduler, key, parts, self._not_loaded_here())
+        self.kept_off.inherit(self.scheduler, key, parts, self._kept_off_workers()[1])
         self._keep_off(parts)
 
     @_guarded
@@ -818,7 +836,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         forgotten), and their fragments are released as theirs are forgotten."""
         for k in chain(parts, gatherers):
             self.placement.inherit(k, (key,))
-        self.kept_off.inherit(self.scheduler, key, chain(parts, gatherers), self._not_loaded_here())
+        self.kept_off.inherit(self.scheduler, key, chain(parts, gatherers), self._kept_off_workers()[1])
         self.sent_fragments.add(self.scheduler, parts)
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
