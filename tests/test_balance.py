@@ -1250,3 +1250,16 @@ async def test_a_worker_where_the_worker_plugin_did_not_load_gets_no_balanced_bl
     assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {a.address}
     assert await c.compute(y.sum()) == 1600
     assert set(await dask_octopus.profiles(c)) == {a.address, b.address}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_blocks_planned_on_a_worker_that_then_tells_that_the_plugin_did_not_load_go_to_the_others(c, s, a, b):
+    """A worker that tells after a plan was made that the worker plugin did not load there (a worker that
+    joined meanwhile, say) has its blocks moved to the others, as those of a worker that left."""
+    rec = await setup(c, s, [1.0, 1.0])
+    y = await run_balance(c, da.ones((400, 4), chunks=(100, 4)))
+    assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {a.address, b.address}
+    s.plugins["octopus"].report_not_loaded(b.address, "ValueError('bad octopus setting')")
+    assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {a.address}
+    assert await c.compute(y.sum()) == 1600
+    assert {w for k, w in rec.worker.items() if "octopus-blocks" in k[0]} == {a.address}  # (fused with sum)

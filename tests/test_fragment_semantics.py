@@ -141,6 +141,45 @@ def gated(name):
     return 0
 
 
+async def gated_chains(c, s, workers, n):
+    """The futures of an annotated compute of ``n`` chains of two ``inc``, submitted while each of ``workers``
+    runs a task that waits for :func:`open_gate` (its fragments queue behind it)."""
+    gates = [c.submit(gated, f"gate-{w.address}", workers=[w.address], pure=False) for w in workers]
+    await async_poll_for(lambda: all(g.key in s.tasks and s.tasks[g.key].state == "processing" for g in gates), 10)
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(n)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    return futures
+
+
+async def open_gate(worker):
+    """Let the task of :func:`gated_chains` that waits on ``worker`` end."""
+    await Event(f"gate-{worker.address}").set()
+
+
+async def steal(s, rounds=20):
+    """Rounds of Dask's work stealing, at once (Dask's: one every 100 ms), and the moves they asked for
+    confirmed or refused by the workers."""
+    for _ in range(rounds):
+        s.extensions["stealing"].balance()
+    await async_poll_for(lambda: not s.extensions["stealing"].in_flight, 10)
+
+
+def fragments_ran_on(rec):
+    """The workers that ran fragment tasks (as :class:`WhereRan` recorded them)."""
+    return {w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
+
+
+async def with_bad_settings(s):
+    """A worker (in this process) with its own bad ``octopus`` settings, once it told the scheduler that the
+    worker plugin did not load there."""
+    with dask.config.set({"octopus.streams.max-graphs": 0}):
+        worker = await Worker(s.address, nthreads=1)
+    await async_poll_for(lambda: "error" in s.plugins["octopus"].profiles.get(worker.address, {}), 10)
+    return worker
+
+
 @pytest.mark.parametrize("joins", [True, False])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
 async def test_tasks_kept_off_a_worker_where_the_plugin_did_not_load_run_once_their_workers_left(c, s, a, b,
@@ -151,144 +190,121 @@ async def test_tasks_kept_off_a_worker_where_the_plugin_did_not_load_run_once_th
     left them waiting for ever."""
     b.handlers["plugin-add"] = missing
     rec = await setup(c, s, [1.0, 1.0])
-    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the compute waits for it
-    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
-    with dask_octopus.annotate():
-        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
-    futures = c.compute(chains)
-    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    futures = await gated_chains(c, s, [a], 8)
     async with contextlib.AsyncExitStack() as stack:
         if joins:
             w3 = await stack.enter_async_context(Worker(s.address, nthreads=1))
             await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
-        await Event("gate").set()
+        await open_gate(a)
         await a.close()
         assert await asyncio.wait_for(c.gather(futures), 20) == list(range(2, 10))
-        assert {w for k, w in rec.worker.items() if k != gate.key} == {w3.address if joins else b.address}
+        assert {w for k, w in rec.worker.items() if not k.startswith("gated-")} == {w3.address if joins
+                                                                                   else b.address}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
-async def test_work_stealing_moves_no_task_kept_off_a_worker_where_the_plugin_did_not_load_there(c, s, a, b,
-                                                                                               grouped_by):
+async def test_work_stealing_moves_no_task_kept_off_a_worker_where_the_plugin_did_not_load_there(c, s, a, b):
     """The tasks kept off a worker where the worker plugin did not load are restricted strictly to the
     others there are, a worker that joins among them: restricted loosely, Dask's work stealing gave them
     to that worker where it alone was idle."""
     b.handlers["plugin-add"] = missing
     rec = await setup(c, s, [1.0, 1.0])
-    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
-    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
-    with dask_octopus.annotate():
-        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
-    futures = c.compute(chains)
-    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
-
-    def steal(rounds):  # rounds of work stealing, at once (Dask's: every 100 ms)
-        for _ in range(rounds):
-            s.extensions["stealing"].balance()
-
-    steal(20)  # b idle, a busy
+    futures = await gated_chains(c, s, [a], 16)
+    await steal(s)  # b idle, a busy
     async with Worker(s.address, nthreads=1) as w3:
         await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
-        steal(20)
-        await Event("gate").set()
+        await steal(s)
+        await open_gate(a)
         assert await c.gather(futures) == list(range(2, 18))
-        ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
-        assert b.address not in ours.values() and w3.address in ours.values()
+        assert b.address not in fragments_ran_on(rec) and w3.address in fragments_ran_on(rec)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
-async def test_tasks_submitted_before_a_worker_where_the_plugin_did_not_load_joined_are_kept_off_it(c, s, a,
-                                                                                                   grouped_by):
+async def test_tasks_submitted_before_a_worker_where_the_plugin_did_not_load_joined_are_kept_off_it(c, s, a):
     """A worker with bad settings that joins while an annotated compute runs, and tells that the worker
     plugin did not load there: the compute's tasks that run dask_octopus's code are kept off it from then
     on, those submitted before it joined too (Dask's work stealing gave it the fragment queued on a)."""
     rec = await setup(c, s, [1.0])
-    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
-    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
-    with dask_octopus.annotate():
-        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
-    futures = c.compute(chains)
-    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
-    with dask.config.set({"octopus.streams.max-graphs": 0}):  # its own setting (a worker in this process)
-        late = await Worker(s.address, nthreads=1)
-    async with late:
-        await async_poll_for(lambda: "error" in s.plugins["octopus"].profiles.get(late.address, {}), 10)
-        for _ in range(20):  # rounds of work stealing, at once (Dask's: every 100 ms)
-            s.extensions["stealing"].balance()
-        await Event("gate").set()
+    futures = await gated_chains(c, s, [a], 16)
+    async with await with_bad_settings(s):
+        await steal(s)
+        await open_gate(a)
         assert await c.gather(futures) == list(range(2, 18))
-        ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
-        assert ours and set(ours.values()) == {a.address}
+        assert fragments_ran_on(rec) == {a.address}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
-async def test_tasks_sent_to_a_worker_before_it_told_that_the_plugin_did_not_load_are_placed_again(c, s, a, b,
-                                                                                                  grouped_by):
+async def test_tasks_sent_to_a_worker_before_it_told_that_the_plugin_did_not_load_are_placed_again(c, s, a, b):
     """The tasks that run dask_octopus's code sent to a worker (waiting there) before it told that the worker
     plugin did not load there are placed again, on the others."""
     rec = await setup(c, s, [1.0, 1.0])
-    gates = [c.submit(gated, f"gate-{w.name}", workers=[w.address], pure=False) for w in (a, b)]
-    await async_poll_for(lambda: all(g.key in s.tasks and s.tasks[g.key].state == "processing" for g in gates), 10)
-    with dask_octopus.annotate():
-        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
-    futures = c.compute(chains)
+    futures = await gated_chains(c, s, [a, b], 16)
     await async_poll_for(lambda: any(key_split(ts.key) == FRAGMENT_PREFIX for ts in s.workers[b.address].processing),
                          10)
     s.plugins["octopus"].report_not_loaded(b.address, "ModuleNotFoundError(\"No module named 'dask_octopus'\")")
     for w in (a, b):
-        await Event(f"gate-{w.name}").set()
+        await open_gate(w)
     assert await c.gather(futures) == list(range(2, 18))
-    ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
-    assert ours and set(ours.values()) == {a.address}
+    assert fragments_ran_on(rec) == {a.address}
+
+
+STARTS = []  # the items counted_inc started
+
+
+def counted_inc(x):
+    STARTS.append(x)
+    time.sleep(0.2)
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60)
+async def test_tasks_running_where_alone_the_plugin_did_not_load_run_once_when_a_worker_joins(c, s, a):
+    """Where only workers on which the worker plugin did not load are left (bad settings here: the package
+    imports), Dask runs the tasks kept off them there; a worker that joins later does not have those that
+    already run there released and run again."""
+    STARTS.clear()
+    await setup(c, s, [1.0])
+    s.plugins["octopus"].report_not_loaded(a.address, "ValueError('bad octopus setting')")
+    with dask_octopus.annotate():
+        chains = [dask.delayed(counted_inc)(dask.delayed(inc)(i)) for i in range(8)]
+    futures = c.compute(chains)
+    await async_poll_for(lambda: STARTS, 10)
+    async with Worker(s.address, nthreads=2):
+        assert await c.gather(futures) == list(range(2, 10))
+    assert sorted(STARTS) == list(range(1, 9))
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
-async def test_a_joining_worker_takes_no_task_kept_off_before_it_tells_that_the_plugin_loaded(c, s, a, b,
-                                                                                             grouped_by):
+async def test_a_joining_worker_takes_no_task_kept_off_before_it_tells_that_the_plugin_loaded(c, s, a, b):
     """A worker that joins takes none of the tasks kept off the workers where the worker plugin did not
     load before it told that it loaded there (here it did not: bad settings): taken to have it from the
     start, it was given fragments by Dask's work stealing before it told."""
     b.handlers["plugin-add"] = missing
     rec = await setup(c, s, [1.0, 1.0])
-    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
-    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
-    with dask_octopus.annotate():
-        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(16)]
-    futures = c.compute(chains)
-    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    futures = await gated_chains(c, s, [a], 16)
     told = s.handlers["octopus_not_loaded"]
 
-    def steal_then_tell(worker, error):
-        for _ in range(20):  # rounds of work stealing, at once (Dask's: every 100 ms), before it tells
-            s.extensions["stealing"].balance()
+    async def steal_then_tell(worker, error):  # (Dask awaits a handler's coroutine)
+        await steal(s)
         return told(worker, error)
 
     s.handlers["octopus_not_loaded"] = steal_then_tell
-    with dask.config.set({"octopus.streams.max-graphs": 0}):  # its own setting (a worker in this process)
-        late = await Worker(s.address, nthreads=1)
-    async with late:
-        await async_poll_for(lambda: "error" in s.plugins["octopus"].profiles.get(late.address, {}), 10)
-        await Event("gate").set()
+    async with await with_bad_settings(s):
+        await open_gate(a)
         assert await c.gather(futures) == list(range(2, 18))
-        ours = {k: w for k, w in rec.worker.items() if key_split(k) == FRAGMENT_PREFIX}
-        assert ours and set(ours.values()) == {a.address}
+        assert fragments_ran_on(rec) == {a.address}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
-async def test_tasks_kept_off_by_an_unregistered_plugin_run_once_their_workers_left(c, s, a, b, grouped_by):
+async def test_tasks_kept_off_by_an_unregistered_plugin_run_once_their_workers_left(c, s, a, b):
     """Unregistered, the plugin no longer keeps the restrictions of the tasks kept off a worker where the
     worker plugin did not load up to date: they are loosened (those that wait in ``no-worker`` for a worker
     that left run elsewhere), not left waiting for ever."""
     b.handlers["plugin-add"] = missing
     await setup(c, s, [1.0, 1.0])
-    gate = c.submit(gated, "gate", workers=[a.address], pure=False)  # a busy: the fragments queue there
-    await async_poll_for(lambda: gate.key in s.tasks and s.tasks[gate.key].state == "processing", 10)
-    with dask_octopus.annotate():
-        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
-    futures = c.compute(chains)
-    await async_poll_for(lambda: any(key_split(k) == FRAGMENT_PREFIX for k in s.tasks), 10)
+    futures = await gated_chains(c, s, [a], 8)
     await c.unregister_scheduler_plugin("octopus")  # its remove_worker hook no longer runs
-    await Event("gate").set()
+    await open_gate(a)
     await a.close()
     assert await asyncio.wait_for(c.gather(futures), 20) == list(range(2, 10))
 

@@ -331,25 +331,19 @@ async def test_a_map_whose_only_worker_left_as_its_plan_was_made_waits_for_the_n
         assert await run == [x.sum() for x in items]
 
 
-@pytest.mark.parametrize("how", ["map", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], Worker=Nanny, timeout=60)
-async def test_a_map_that_lost_its_only_worker_waits_for_the_next_one(c, s, a, how):
+async def test_a_map_that_lost_its_only_worker_waits_for_the_next_one(c, s, a):
     """Planned again after its only worker left with the items scattered to it, a map waits for a worker,
-    as Dask's tasks do, instead of raising that the cluster has no workers."""
+    as Dask's tasks do, instead of raising that the cluster has no workers (``imap`` plans again alike)."""
     await setup(c, s, [1.0])
     items = [np.full(2**14, float(i)) for i in range(16)]  # 2 MiB in all: scattered to the worker
-    if how == "map":
-        run = call(c, slow_total, items, cost=[1] * 16, group=2, delay=0.1, gather=True)
-    else:
-        run = asyncio.get_running_loop().run_in_executor(None, lambda: sorted(dask_octopus.imap(
-            slow_total, items, client=c, cost=[1] * 16, group=2, delay=0.1)))
+    run = call(c, slow_total, items, cost=[1] * 16, group=2, delay=0.1, gather=True)
     await async_poll_for(lambda: s.get_events("slow-identity"), timeout=30)
     await a.close()  # (killed, its nanny would start it again at once)
     await asyncio.sleep(0.5)
     assert not run.done() and not s.workers
     async with Nanny(s.address, nthreads=2):
-        got = await run
-    assert (got if how == "map" else [r for _, r in got]) == [float(x.sum()) for x in items]
+        assert await run == [float(x.sum()) for x in items]
 
 
 @pytest.mark.parametrize("group", [None, 2])

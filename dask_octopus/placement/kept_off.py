@@ -35,6 +35,7 @@ class KeptOff:
 
     def __init__(self) -> None:
         self._keys: set[Key] = set()  # the tasks restricted here, that were not restricted
+        self._allowed: frozenset[str] | None = None  # their restrictions (one object: compared by identity)
 
     def add(self, scheduler: Scheduler, keys: Iterable[Key], failed: Collection[str],
             allowed: frozenset[str] | None) -> None:
@@ -51,28 +52,29 @@ class KeptOff:
                     ts.worker_restrictions = others
                 continue
             self._keys.add(key)
-            _restrict(ts, allowed)
+            _restrict(ts, self._shared(allowed))
 
     def adopt(self, scheduler: Scheduler, failed: Collection[str], allowed: frozenset[str] | None,
-              stimulus_id: str) -> int:
-        """:meth:`update`, after a worker told that the worker plugin did not load there, keeping off also
-        the tasks not restricted and not done that run dask_octopus's code, submitted while no worker had
-        failed. Returns the number of tasks changed."""
+              now: Collection[str], stimulus_id: str) -> int:
+        """:meth:`update`, after the workers ``now`` told that the worker plugin did not load there, keeping
+        off also the tasks not restricted and not done that run dask_octopus's code, submitted while no
+        worker had failed, and placing again those kept off that were sent to ``now`` (a worker runs no
+        task before it set its plugins up). Returns the number of tasks changed."""
         for ts in scheduler.tasks.values():
             if (ts.key not in self._keys and ts.state not in _DONE and not ts.worker_restrictions
                     and not ts.host_restrictions and runs_octopus_code(ts.run_spec)):
                 self._keys.add(ts.key)
-        return self.update(scheduler, failed, allowed, stimulus_id)
+        return self.update(scheduler, failed, allowed, stimulus_id, now)
 
     def update(self, scheduler: Scheduler, failed: Collection[str], allowed: frozenset[str] | None,
-               stimulus_id: str) -> int:
+               stimulus_id: str, sent_to: Collection[str] = ()) -> int:
         """Restrict the tasks kept off to ``allowed`` now, after workers joined or left or told whether the
         worker plugin loaded there; with ``failed`` empty, let them run anywhere and forget them. Those
         waiting in ``no-worker`` are scheduled; those queued (where Dask takes no restriction into account)
-        or sent to a worker of ``failed`` (which runs no task before it set the plugin up) are released, to
-        be placed again. Tasks done, or held to be split, are left as they are (a task recomputed after a
-        worker left is released before this runs). Returns the number of tasks changed."""
-        restrictions = allowed if failed else None
+        or sent to a worker of ``sent_to`` are released, to be placed again. Tasks done, or held to be
+        split, are left as they are (a task recomputed after a worker left is released before this runs).
+        Returns the number of tasks changed."""
+        restrictions = self._shared(allowed) if failed else None
         changed: list[TaskState] = []
         again: dict[Key, str] = {}
         for key in list(self._keys):
@@ -82,11 +84,11 @@ class KeptOff:
                 continue
             if ts.state in _DONE or ts.worker_restrictions == {HELD}:
                 continue
-            if ts.worker_restrictions != restrictions:
+            if ts.worker_restrictions is not restrictions:
                 _restrict(ts, restrictions)
                 changed.append(ts)
             if restrictions and (ts in scheduler.queued
-                                 or (ts.processing_on is not None and ts.processing_on.address in failed)):
+                                 or (ts.processing_on is not None and ts.processing_on.address in sent_to)):
                 again[key] = "released"
         if not failed:
             self._keys.clear()
@@ -102,7 +104,7 @@ class KeptOff:
         for k in keys:
             if (ts := scheduler.tasks.get(k)) is not None:
                 self._keys.add(k)
-                _restrict(ts, allowed)
+                _restrict(ts, self._shared(allowed))
 
     def loosen(self, scheduler: Scheduler, stimulus_id: str) -> int:
         """Let the tasks kept off run elsewhere too (loose restrictions) and forget them: the plugin that
@@ -113,6 +115,13 @@ class KeptOff:
             ts.loose_restrictions = True
         self._keys.clear()
         return reschedule(scheduler, changed, stimulus_id)
+
+    def _shared(self, allowed: frozenset[str] | None) -> frozenset[str] | None:
+        """``allowed``, as the object the tasks hold where it is equal (a cluster's thousand workers compared
+        for each of its hundred thousand tasks at each worker event would hold up the scheduler)."""
+        if allowed != self._allowed:
+            self._allowed = allowed
+        return self._allowed
 
     def forget(self, key: Key) -> None:
         """The task ``key`` was forgotten."""

@@ -383,12 +383,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def _not_loaded(self, failed: Mapping[str, str]) -> None:
         """Record the workers still here where the worker plugin failed to set up, with their errors (each
         logged once: the worker and the setup's broadcast may both tell it)."""
+        now = set()
         for address, error in failed.items():
             if address in self.scheduler.workers and self.profiles.get(address) != {"error": NOT_LOADED + error}:
                 self.profiles[address] = {"error": NOT_LOADED + error}
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
-                self._keep_off_again("octopus-not-loaded", failed_now=True)
+                now.add(address)
+        if now:  # the tasks of this package's code, and the blocks pinned there, go to the others
+            self._keep_off_again("octopus-not-loaded", now)
+            self._rehome("octopus-not-loaded")
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
@@ -765,13 +769,18 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         return failed, frozenset(others & self.profiles.keys() or others) or None
 
     @_guarded
-    def _keep_off_again(self, stimulus_id: str, failed_now: bool = False) -> None:
+    def _keep_off_again(self, stimulus_id: str, failed_now: Collection[str] = ()) -> None:
         """Keep the tasks kept off workers where the worker plugin did not load off those there are now, on
         the workers there are now (:meth:`~dask_octopus.placement.kept_off.KeptOff.update`), after workers
-        joined or left or one told whether it loaded; where one told that it did not (``failed_now``), also
-        the tasks submitted before (:meth:`~dask_octopus.placement.kept_off.KeptOff.adopt`)."""
-        keep = self.kept_off.adopt if failed_now else self.kept_off.update
-        if n := keep(self.scheduler, *self._kept_off_workers(), stimulus_id):
+        joined or left or one told whether it loaded; where some told now that it did not (``failed_now``),
+        also the tasks submitted before, and those sent there
+        (:meth:`~dask_octopus.placement.kept_off.KeptOff.adopt`)."""
+        failed, allowed = self._kept_off_workers()
+        if failed_now:
+            n = self.kept_off.adopt(self.scheduler, failed, allowed, failed_now, stimulus_id)
+        else:
+            n = self.kept_off.update(self.scheduler, failed, allowed, stimulus_id)
+        if n:
             logger.debug("dask_octopus: %d tasks kept off workers without the worker plugin restricted anew", n)
 
     @_guarded
@@ -837,6 +846,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         for k in chain(parts, gatherers):
             self.placement.inherit(k, (key,))
         self.kept_off.inherit(self.scheduler, key, chain(parts, gatherers), self._kept_off_workers()[1])
+        self._keep_off(chain(parts, gatherers))  # (held before a worker told that the plugin did not load)
         self.sent_fragments.add(self.scheduler, parts)
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
