@@ -234,6 +234,24 @@ async def test_tasks_submitted_before_a_worker_where_the_plugin_did_not_load_joi
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
+async def test_results_kept_off_a_worker_that_left_since_are_computed_again_where_the_workers_are(c, s, a, b):
+    """Once the worker where the worker plugin did not load left, no task is kept off: results computed
+    while it was there, lost with their worker later, are computed again on the workers there are then
+    (their restrictions of that time would keep them waiting for ever)."""
+    b.handlers["plugin-add"] = missing
+    await setup(c, s, [1.0, 1.0])
+    with dask_octopus.annotate():
+        chains = [dask.delayed(inc)(dask.delayed(inc)(i)) for i in range(8)]
+    held = c.compute(chains)  # (their results held: computed again when lost)
+    await wait(held)
+    await b.close()
+    async with Worker(s.address, nthreads=1) as w3:
+        await async_poll_for(lambda: w3.address in s.plugins["octopus"].profiles, 10)
+        await a.close()
+        assert await asyncio.wait_for(c.gather(held), 20) == list(range(2, 10))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60)
 async def test_tasks_sent_to_a_worker_before_it_told_that_the_plugin_did_not_load_are_placed_again(c, s, a, b):
     """The tasks that run dask_octopus's code sent to a worker (waiting there) before it told that the worker
     plugin did not load there are placed again, on the others."""

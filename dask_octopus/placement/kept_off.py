@@ -71,9 +71,8 @@ class KeptOff:
         """Restrict the tasks kept off to ``allowed`` now, after workers joined or left or told whether the
         worker plugin loaded there; with ``failed`` empty, let them run anywhere and forget them. Those
         waiting in ``no-worker`` are scheduled; those queued (where Dask takes no restriction into account)
-        or sent to a worker of ``sent_to`` are released, to be placed again. Tasks done, or held to be
-        split, are left as they are (a task recomputed after a worker left is released before this runs).
-        Returns the number of tasks changed."""
+        or sent to a worker of ``sent_to`` are released, to be placed again. Tasks held to be split are left
+        as they are, and so are tasks done while some are kept off. Returns the number of tasks changed."""
         restrictions = self._shared(allowed) if failed else None
         changed: list[TaskState] = []
         again: dict[Key, str] = {}
@@ -82,8 +81,8 @@ class KeptOff:
             if ts is None:
                 self._keys.discard(key)
                 continue
-            if ts.state in _DONE or ts.worker_restrictions == {HELD}:
-                continue
+            if ts.worker_restrictions == {HELD} or (failed and ts.state in _DONE):
+                continue  # (a task done is restricted anew when computed again: released before this runs)
             if ts.worker_restrictions is not restrictions:
                 _restrict(ts, restrictions)
                 changed.append(ts)
