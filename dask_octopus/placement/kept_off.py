@@ -39,13 +39,14 @@ class KeptOff:
 
     def add(self, scheduler: Scheduler, keys: Iterable[Key], failed: Collection[str],
             allowed: frozenset[str] | None) -> None:
-        """Keep the new tasks of ``keys`` (released, not restricted to hosts) that run dask_octopus's code
-        off ``failed``. A task restricted to ``failed`` alone is left as it is."""
+        """Keep the new tasks of ``keys`` (released, not restricted to hosts, not kept off already) that run
+        dask_octopus's code off ``failed``. A task restricted to ``failed`` alone is left as it is."""
         if not failed:
             return
         for key in keys:
             ts = scheduler.tasks.get(key)
-            if ts is None or ts.state != "released" or ts.host_restrictions or not runs_octopus_code(ts.run_spec):
+            if (key in self._keys or ts is None or ts.state != "released" or ts.host_restrictions
+                    or not runs_octopus_code(ts.run_spec)):
                 continue
             if ts.worker_restrictions:
                 if others := set(ts.worker_restrictions) - set(failed):

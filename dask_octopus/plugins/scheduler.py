@@ -390,9 +390,18 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                 logger.warning("dask_octopus: the worker plugin did not load on %s (%s): %s; it gets the mean weight",
                                address, error, remedy(error))
                 now.add(address)
-        if now:  # the tasks of this package's code, and the blocks pinned there, go to the others
-            self._keep_off_again("octopus-not-loaded", now)
-            self._rehome("octopus-not-loaded")
+        if now:
+            self._failed_now(now)
+
+    @_guarded
+    def _failed_now(self, workers: Collection[str]) -> None:
+        """The tasks of this package's code, and the blocks pinned there, go to other workers than
+        ``workers``, which told now that the worker plugin did not load there (the tasks held to be split
+        split first, as where a worker left)."""
+        stimulus_id = f"octopus-not-loaded-{time.time()}"
+        self._split_held(stimulus_id)
+        self._keep_off_again(stimulus_id, workers)
+        self._rehome(stimulus_id)
 
     def _after_calibrations(self, handler: F) -> Callable[..., Any]:
         """The RPC handler ``handler``, answering once :meth:`calibrations` returned: a plan made
@@ -994,7 +1003,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if self.scheduler.workers:
                 n = self.placement.rehome(self.scheduler, dict(self._loaded(self.speeds())), stimulus_id)
                 if n:
-                    logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left", n)
+                    logger.info("dask_octopus: re-pinned %d tasks of blocks whose worker left (or cannot run "
+                                "them: the worker plugin did not load there)", n)
         except Exception:
             self.placement.loosen(self.scheduler, stimulus_id)
             raise
