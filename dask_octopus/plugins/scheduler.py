@@ -772,8 +772,10 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def _kept_off_workers(self) -> tuple[set[str], frozenset[str] | None]:
         """The live workers where the worker plugin did not load, and those that the tasks kept off them
         may run on: those that told that it loaded there, else (none did yet) any other; ``None`` where
-        there is no other."""
+        there is no other (or none is kept off: no worker failed)."""
         failed = self._not_loaded_here()
+        if not failed:  # (the usual case, at every graph: no set of the workers made)
+            return failed, None
         others = self.scheduler.workers.keys() - failed
         return failed, frozenset(others & self.profiles.keys() or others) or None
 
