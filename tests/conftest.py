@@ -2,11 +2,20 @@ import dask
 import distributed.core
 import pytest
 from distributed.utils_test import cleanup, loop, loop_in_thread  # noqa: F401  (fixtures)
+from hypothesis import settings
 
 import dask_octopus  # noqa: F401  (registers its dask.config defaults)
 from dask_octopus import config
 from dask_octopus.groups.memo import plans
 from dask_octopus.profiling.probes import gpu_available
+
+# The suite runs in two processes on CI's two cores (README: ``-n 2 --dist loadgroup``). Tests that start
+# CPU co-tenants (burner processes pinned to a worker's core) and assert what they slow share the xdist
+# group "cpu-cotenant": one process runs them one after the other, never two co-tenants at once (a demo's
+# on the core a test keeps free for its reference worker). Hypothesis has no deadline: an example of a
+# pure function may wait past 200 ms for a core the other process holds, without being slow.
+settings.register_profile("octopus", deadline=None)
+settings.load_profile("octopus")
 
 
 @pytest.fixture(autouse=True)

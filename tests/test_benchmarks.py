@@ -30,6 +30,7 @@ def test_each_benchmark_says_what_this_machine_cannot_start_before_starting(scri
     (exit code 2, one line) before any cluster starts; they were tracebacks, some after the whole run."""
     main = load_script(f"benchmarks/{script}.py").main
     monkeypatch.setattr(protocol, "gpu_count", lambda: 0)
+    monkeypatch.chdir(tmp_path)  # (click makes the default --out folder as it reads the defaults)
     gpu_only = script in ("dask_cuda_overhead", "fft_filter")
     result = CliRunner().invoke(main, [] if gpu_only else ["--type", "gpu"])
     assert result.exit_code == 2 and "CuPy sees no GPU on this machine" in result.output, result.output

@@ -19,6 +19,7 @@ from dask_octopus.cli import main, profile_table
 from dask_octopus.profiling.probes import gpu_count
 
 
+@pytest.mark.xdist_group("cpu-cotenant")  # (tests/conftest.py)
 def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path, monkeypatch):
     from dask_octopus.bench import experiment
 
@@ -49,6 +50,7 @@ def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path, monkey
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.xdist_group("cpu-cotenant")  # (tests/conftest.py)
 def test_the_demo_fails_where_balance_s_result_differs_from_equal_blocks(tmp_path, monkeypatch):
     from dask_octopus.bench import experiment
 
@@ -352,6 +354,7 @@ def test_module_entry_point():
     assert "demo" in out.stdout and "profile" in out.stdout
 
 
+@pytest.mark.xdist_group("cpu-cotenant")  # (tests/conftest.py)
 def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tmp_path):
     import signal
     import time
@@ -386,6 +389,7 @@ def test_ctrl_c_in_the_demo_stops_cluster_and_cotenant_and_a_second_run_works(tm
     assert again.returncode == 0 and "timeline written" in again.stdout, again.stdout + again.stderr
 
 
+@pytest.mark.xdist_group("cpu-cotenant")  # (tests/conftest.py)
 def test_ctrl_c_while_the_demo_s_workers_start_stops_it_once_they_are_up(tmp_path):
     """A Ctrl-C while the worker processes start (they must not see it: each would print a traceback) is
     held, not dropped: the demo stops once they are up, exit code 130, and no process is left."""

@@ -10,7 +10,8 @@ import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant, pin_workers
 from dask_octopus.bench.workloads import gemm_repeat
 
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
+pytestmark = [pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores"),
+              pytest.mark.xdist_group("cpu-cotenant")]  # (tests/conftest.py)
 
 
 @pytest.fixture

@@ -514,6 +514,7 @@ async def awaited_inc(x):
     return x + 1
 
 
+@pytest.mark.xdist_group("cpu-cotenant")  # (tests/conftest.py)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
 def test_a_second_map_is_better_planned_after_a_slowdown():
     with dask.config.set(NO_STEALING), \
