@@ -50,7 +50,7 @@ def test_online_refinement_after_a_real_slowdown(pinned_client):
         # would hand its share of their process group's CPU time (Linux's autogroups) to the slowed one,
         # whose last tasks then ran as fast as the other's
         # (ten timings of the slowed one: the model moves weights only past 2.5 standard errors of the
-        # timings' noise, and six, on two cores shared with other tests, fell short once in four runs)
+        # timings' noise, which the other test process, on the same two cores, raises)
         futs = [c.submit(gemm_repeat, data[w], 20, workers=[w], pure=False)
                 for w in plan for _ in range(10 if w == slow else 30)]
         wait(futs)
