@@ -1102,6 +1102,27 @@ def test_tasks_of_a_dropped_plan_stay_pinned_to_live_workers_when_workers_change
     assert tasks[("y", 1)].worker_restrictions is None and ("y", 1) not in placement.pins
 
 
+def test_octopus_max_plans_drops_the_oldest_plan_whose_graph_came_first():
+    """Past octopus.max-plans, the plan dropped is the oldest whose tasks are pinned (their pins stand
+    without it), not an older one whose graph is still to come (a persist that reached the scheduler
+    after the next plans: its blocks got no pin, and ran where Dask put them); where every plan waits
+    for its graph, the oldest."""
+    tasks = {(name, 0): task_state((name, 0)) for name in "xyzwv"}
+    scheduler = Stub(tasks=tasks)
+    placement = Placement(max_plans=2)
+    placement.add_plan("x", ["a"])
+    placement.add_plan("y", ["b"])
+    assert placement.update_graph(scheduler, [("y", 0)]) == 1  # y's graph came; x's is to come
+    placement.add_plan("z", ["a"])
+    assert list(placement.plans) == ["x", "z"]
+    assert placement.update_graph(scheduler, [("x", 0)]) == 1 and tasks[("x", 0)].worker_restrictions == {"a"}
+    placement.add_plan("w", ["b"])  # x's graph came: x goes
+    assert list(placement.plans) == ["z", "w"]
+    placement.add_plan("v", ["a"])  # none came: the oldest goes
+    assert list(placement.plans) == ["w", "v"]
+    assert tasks[("y", 0)].worker_restrictions == {"b"}  # (pins of dropped plans stand)
+
+
 def test_a_task_made_of_several_takes_the_pin_of_the_first_pinned_one():
     """A fragment (or a split fragment's part) is pinned as the first of its members that is pinned: a
     fragment whose first member reads no planned block (made inside it) is pinned all the same (so it

@@ -649,9 +649,10 @@ async def test_tasks_pinned_by_plans_dropped_since_still_count_per_worker(c, s, 
     from dask_octopus.dashboard.snapshot import take
 
     await dask_octopus.register(c, calibration_seconds=0.05)
-    ys = [c.persist(await dask_octopus.balance(da.ones((1000 + i, 10), chunks=(100, 10)), client=c))
-          for i in range(5)]
-    await wait(ys)
+    ys = []
+    for i in range(5):  # each graph in before the next plan (one to come would keep its plan: max-plans)
+        ys.append(c.persist(await dask_octopus.balance(da.ones((1000 + i, 10), chunks=(100, 10)), client=c)))
+        await wait(ys[-1])
     snap = take(s.plugins["octopus"], 10)
     blocks = [len(y.chunks[0]) for y in ys]  # (10 or 11 each: as the weights calibrated cut them)
     assert sum(r.pinned for r in snap.workers) == sum(blocks) and sum(blocks) > sum(blocks[-2:]) + 20

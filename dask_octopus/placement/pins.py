@@ -119,12 +119,17 @@ class Placement:
                  source: str | None = None, nbytes: list[float] | None = None, pieces: str | None = None) -> None:
         """Remember that block ``i`` of collection ``name`` belongs on ``workers[i]``; with ``source``
         and the blocks' ``nbytes``, the tasks pinned for it are marked for measuring their working sets;
-        the tasks named ``pieces`` (slices of input blocks) run where the blocks they slice are held."""
+        the tasks named ``pieces`` (slices of input blocks) run where the blocks they slice are held. Past
+        ``max_plans``, the oldest plan whose graph came is dropped (its pins stand), else the oldest."""
         self.plans[name] = Plan(list(workers), 1 + axis, costs, counts, stealable, source, nbytes, pieces)
         self.plans.move_to_end(name)
         self._unpinned.add(name)
         while len(self.plans) > self.max_plans:
-            self._unpinned.discard(self.plans.popitem(last=False)[0])
+            # the oldest whose graph came (its tasks' pins stand without it), before one whose graph is to
+            # come (a persist that reached the scheduler after the next plans): its tasks would get no pin
+            old = next((n for n in self.plans if n not in self._unpinned), next(iter(self.plans)))
+            del self.plans[old]
+            self._unpinned.discard(old)
 
     def cost_of(self, key: Key) -> tuple[float, int | None] | None:
         """The planned cost of the task ``key`` and its number of items (``None`` if not given), if it
