@@ -764,10 +764,16 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             self.unpinned[ts.key] = block[0]
             self._keep_off([ts.key])
 
-    def _keep_off(self, keys: Iterable[Any]) -> None:
+    def _keep_off(self, keys: Iterable[Any], parent: Any = None) -> None:
         """Keep the new tasks ``keys`` that run this package's code off the workers where the worker plugin
-        did not load (:meth:`~dask_octopus.placement.kept_off.KeptOff.add`)."""
-        self.kept_off.add(self.scheduler, keys, *self._kept_off_workers())
+        did not load (:meth:`~dask_octopus.placement.kept_off.KeptOff.add`); those that run the work of
+        the task ``parent`` (its parts, as it was split) as it was kept off
+        (:meth:`~dask_octopus.placement.kept_off.KeptOff.inherit`)."""
+        failed, allowed = self._kept_off_workers()
+        if parent is not None:
+            keys = list(keys)
+            self.kept_off.inherit(self.scheduler, parent, keys, allowed)
+        self.kept_off.add(self.scheduler, keys, failed, allowed)
 
     def _kept_off_workers(self) -> tuple[set[str], frozenset[str] | None]:
         """The live workers where the worker plugin did not load, and those that the tasks kept off them
@@ -846,8 +852,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
             self.unpinned.update((k, record.name) for k in parts)
-        self.kept_off.inherit(self.scheduler, key, parts, self._kept_off_workers()[1])
-        self._keep_off(parts)
+        self._keep_off(parts, key)
 
     @_guarded
     def _split_made(self, key: Any, parts: list, gatherers: list) -> None:
@@ -856,8 +861,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         forgotten), and their fragments are released as theirs are forgotten."""
         for k in chain(parts, gatherers):
             self.placement.inherit(k, (key,))
-        self.kept_off.inherit(self.scheduler, key, chain(parts, gatherers), self._kept_off_workers()[1])
-        self._keep_off(chain(parts, gatherers))  # (held before a worker told that the plugin did not load)
+        self._keep_off(chain(parts, gatherers), key)  # (also held before a worker told that the plugin did not load)
         self.sent_fragments.add(self.scheduler, parts)
         if (record := self._plan_record(key)) is not None:
             record.split(key, parts)
