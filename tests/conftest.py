@@ -1,3 +1,6 @@
+import fcntl
+import os
+
 import dask
 import distributed.core
 import pytest
@@ -12,10 +15,32 @@ from dask_octopus.profiling.probes import gpu_available
 # The suite runs in two processes on CI's two cores (README: ``-n 2 --dist loadgroup``). Tests that start
 # CPU co-tenants (burner processes pinned to a worker's core) and assert what they slow share the xdist
 # group "cpu-cotenant": one process runs them one after the other, never two co-tenants at once (a demo's
-# on the core a test keeps free for its reference worker). Hypothesis has no deadline: an example of a
-# pure function may wait past 200 ms for a core the other process holds, without being slow.
+# on the core a test keeps free for its reference worker), and each runs alone (below). Hypothesis has no
+# deadline: an example of a pure function may wait past 200 ms for a core the other process holds,
+# without being slow.
 settings.register_profile("octopus", deadline=None)
 settings.load_profile("octopus")
+COTENANT_GROUP = "cpu-cotenant"
+
+
+@pytest.fixture(autouse=True)
+def cotenant_tests_run_alone(request, tmp_path_factory):
+    """Under xdist, a test of the group ``cpu-cotenant`` runs while no test of the other process does:
+    its co-tenant must be the only load its workers share their cores with (a calibration that saw a
+    co-tenant's worker at the other's speed, 0.50 of the weight, while the other process ran its tests).
+    File locks in the run's shared temporary directory: the group's tests take the lock alone, the others
+    share it; a test waiting to run alone holds the gate, so the other process starts no new test first."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    marker = request.node.get_closest_marker("xdist_group")
+    alone = marker is not None and marker.args[:1] == (COTENANT_GROUP,)
+    root = tmp_path_factory.getbasetemp().parent  # the run's, above each process's popen-gwN
+    with open(root / "cotenant.gate", "a") as gate, open(root / "cotenant.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,13 @@ def test_specs_follow_the_scenarios():
     assert sizes.count((360, 640)) == 58 and sizes.count((2160, 3840)) == 2
 
 
-def test_images_example_runs_every_variant_on_cpu(tmp_path):
+def test_images_example_runs_every_variant_on_cpu(tmp_path, monkeypatch):
+    import dask_octopus.bench.images as bench_images
+
+    # each worker's estimate of the scheduler's clock off by an hour: a busy machine's error (tens to
+    # hundreds of ms, bench.workloads.clock_shifts) put a short pass's tasks before its start
+    monkeypatch.setattr(bench_images, "clock_shifts",
+                        lambda client: {w: 3600.0 for w in client.scheduler_info()["workers"]})
     out = tmp_path / "images.json"
     result = CliRunner().invoke(images.main, ["--type", "cpu", "--scale", "0.03", "--runs", "1",
                                               "--scenarios", "web,video", "--json-out", str(out)])
@@ -32,8 +38,8 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path):
     assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
-    # each worker's pipelines run within the measured time (the task stream's times with each worker's
-    # estimate of the scheduler's clock taken back off: bench.workloads.clock_shifts)
+    # each worker's pipelines run within the measured time, read on the worker's own clock whatever its
+    # estimate of the scheduler's
     spans = {v: (video["work_span_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
     assert all(0 < span < total for span, total in spans.values()), spans
 

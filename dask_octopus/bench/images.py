@@ -98,11 +98,15 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
             seconds = time.perf_counter() - start
         if run >= warmup:
             shifts = clock_shifts(client)
+            pipelines = [r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX]
             busy = intervals(stream.data, t0, shifts=shifts)
-            work = intervals([r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX], t0, shifts=shifts)
+            work = intervals(pipelines, t0, shifts=shifts)
             times[v].seconds.append(seconds)
             times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
-            times[v].work_span.append(max(max(b for _, b in iv) - min(a for a, _ in iv) for iv in work.values()))
+            # a span is read on one worker's clock: without the shift, whose error can put a short pass's
+            # tasks before t0, where intervals() clamps them to 0 (a span of 0.0 under load)
+            own = intervals(pipelines, 0.0)
+            times[v].work_span.append(max(max(b for _, b in iv) - min(a for a, _ in iv) for iv in own.values()))
             times[v].last = PassRecord(seconds, busy, work)
         flat = [to_host(r) for r in in_input_order(results, v, len(items), len(workers))]
         if not reference:
