@@ -14,7 +14,7 @@ import pytest
 from dask.core import flatten
 from dask.sizeof import sizeof
 from dask.utils import key_split
-from distributed import Event, Nanny, Worker, get_worker, wait
+from distributed import Event, Nanny, Worker, futures_of, get_worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
@@ -127,6 +127,33 @@ async def test_persisted_balance_pins_downstream_passes(c, s, a, b):
     assert await z == 400 * 8 * 2
     mm = [k for k in rec.worker if isinstance(k, tuple) and "matmul" in key_split(k)]
     assert mm and all(rec.worker[k] == (slow, fast)[k[1]] for k in mm)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
+             config={"distributed.scheduler.active-memory-manager.start": False,
+                     "distributed.scheduler.active-memory-manager.measure": "managed"})
+async def test_the_memory_manager_keeps_persisted_blocks_on_their_planned_workers(c, s, a, b):
+    rec = await setup(c, s, [1.0, 1.0])
+    x = da.arange(800 * 8, chunks=800).reshape((800, 8)).rechunk((100, 8))
+    y = c.persist(await run_balance(c, x, per_worker=2))
+    await wait(y)
+    blocks = list(flatten(y.__dask_keys__()))
+    home = {k: rec.worker[k] for k in blocks}
+    assert sorted(home.values()) == sorted([a.address, b.address] * 2)
+    # a task on each worker read every block (a copy of each on both), and the first worker holds more
+    # data: Dask's ReduceReplicas would drop the copies there, its own blocks' included
+    for w in (a, b):
+        await c.submit(lambda parts: len(parts), futures_of(y), workers=[w.address], pure=False)
+    assert all(len(s.tasks[k].who_has) == 2 for k in blocks)
+    heavy = await c.scatter(np.ones(2**22), workers=[a.address])
+    await c.amm.run_once()
+    await async_poll_for(lambda: all(len(s.tasks[k].who_has) == 1 for k in blocks), 10)
+    assert {k: next(iter(s.tasks[k].who_has)).address for k in blocks} == home
+    rec.worker.clear()
+    np.testing.assert_array_equal(await c.compute((y + 1).sum(axis=1)), (x + 1).sum(axis=1).compute(scheduler="sync"))
+    ran = per_block_tasks(rec)  # each block's sum, and its aggregate
+    assert len(ran) == 8 and all(w == home[(y.name, k[1], 0)] for k, w in ran.items()), ran
+    del heavy
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

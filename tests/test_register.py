@@ -570,6 +570,35 @@ async def test_registering_again_after_unregistering_calibrates_the_workers_anew
     assert all(s.handlers[name] is handler for name, handler in plugin(s)._handlers.items())  # the new one's kept
 
 
+def reduce_replicas(s):
+    """The replica-reducing policies of the scheduler's active memory manager, each with the plugin
+    whose homes it keeps (``None``: Dask's own)."""
+    return sorted(((type(p).__name__, getattr(p, "home", None)) for p in s.extensions["amm"].policies), key=str)
+
+
+@gen_cluster(client=True, config=FAST)
+async def test_the_memory_manager_keeps_homes_while_a_plugin_is_registered(c, s, a, b):
+    assert reduce_replicas(s) == [("ReduceReplicas", None)]
+    await dask_octopus.register(c, calibrate=False)
+    first = plugin(s)
+    await dask_octopus.register(c, calibrate=False)  # idempotent: the same plugin, one policy
+    assert reduce_replicas(s) == [("ReduceReplicasOffHome", first.placement.home)]
+    await c.unregister_scheduler_plugin("octopus")
+    await dask_octopus.register(c, calibrate=False)  # before the first noticed its unregistration
+    second = plugin(s)
+    await async_poll_for(lambda: first._sampler is None, 5)
+    assert reduce_replicas(s) == [("ReduceReplicasOffHome", second.placement.home)]  # the first took only its own
+    await c.unregister_scheduler_plugin("octopus")
+    await async_poll_for(lambda: second._sampler is None, 5)
+    assert reduce_replicas(s) == [("ReduceReplicas", None)]
+
+
+@gen_cluster(client=True, config={**FAST, "distributed.scheduler.active-memory-manager.policies": []})
+async def test_a_memory_manager_configured_without_reduce_replicas_gets_none(c, s, a, b):
+    await dask_octopus.register(c, calibrate=False)
+    assert reduce_replicas(s) == []
+
+
 @gen_cluster(client=True, config=FAST)
 async def test_a_plugin_registered_over_another_without_idempotence_starts_and_serves(c, s, a, b):
     """Dask installs a plugin registered with ``idempotent=False`` in place of the one there, without

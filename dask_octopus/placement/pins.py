@@ -169,6 +169,12 @@ class Placement:
         found = self.measured_block(key) if key in self.one_block else None
         return None if found is None else found[1]
 
+    def home(self, key: Key) -> str | None:
+        """The worker a plan pinned the task ``key`` to, while Dask knows the task (``None`` for a
+        stealable block, which may run elsewhere)."""
+        block = self.pins.get(key)
+        return None if block is None or self.stealable(block) else self._pinned_on.get(key)
+
     def worker_of(self, block: Block) -> str | None:
         plan = self.plans.get(block[0])
         return plan.workers[block[1]] if plan and block[1] < len(plan.workers) else None

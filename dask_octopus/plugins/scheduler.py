@@ -35,6 +35,7 @@ from dask_octopus.groups.rewrite import fragment_of, timing_prefix
 from dask_octopus.placement.kept_off import KeptOff
 from dask_octopus.placement.pins import MAP_INFIX, Placement
 from dask_octopus.placement.planning import reassign
+from dask_octopus.placement.replicas import keep_homes, release_homes
 from dask_octopus.plugins.messages import DONE_SHARE, NO_WORKERS, Profile, WorkerInfo, malformed, parallel_threads
 from dask_octopus.plugins.worker import OctopusWorkerPlugin
 from dask_octopus.profiling.gpu_timing import TOPIC as GPU_TIMINGS
@@ -336,6 +337,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
             if ws.status in HELD:
                 self.placement.hold(scheduler, address, False, "octopus-start")
         scheduler_groups.hosts.add(self)
+        keep_homes(scheduler, self.placement.home)
         self._filter_log(scheduler)
         self._serve()
         self._sampler = _Sampler(self)
@@ -445,8 +447,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
     def _retire(self) -> None:
         """Stop everything this plugin runs beside Dask's hooks: grouping, its filter of the scheduler's
-        log, sampling, its metrics and the RPC handlers that are still its own (a plugin registered since
-        has its own)."""
+        log, sampling, its metrics, its policy of the active memory manager and the RPC handlers that are
+        still its own (a plugin registered since has its own)."""
         self._retired = True  # (a handler waiting for calibrations answers now)
         scheduler_groups.hosts.discard(self)
         self._filter_log(None)
@@ -455,6 +457,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
         serve.withdraw(self)
         if self.scheduler is not None:
+            release_homes(self.scheduler, self.placement.home)
             for name, handler in self._handlers.items():
                 if self.scheduler.handlers.get(name) is handler:
                     del self.scheduler.handlers[name]

@@ -1,0 +1,73 @@
+"""Dask's active memory manager, told where planned blocks live.
+
+A task on another worker that reads a block leaves a copy there; Dask's ``ReduceReplicas`` policy
+later drops one of the two, from the worker whose memory is fuller, which may be the block's planned
+worker: the block then lives elsewhere, the next compute's pinned task fetches it back, and the
+policy drops a copy again. :class:`ReduceReplicasOffHome` is that policy with one
+change: it drops a pinned task's copies on other workers than the one its plan pinned it to.
+:func:`keep_homes` puts it in place of the scheduler's ``ReduceReplicas`` (the user's configuration of
+the active memory manager stands otherwise: its interval, its measure, whether it runs, other
+policies); :func:`release_homes` puts Dask's back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from distributed.active_memory_manager import ReduceReplicas, Suggestion
+
+if TYPE_CHECKING:
+    from dask.typing import Key
+    from distributed.active_memory_manager import SuggestionGenerator
+    from distributed.scheduler import Scheduler
+
+
+class ReduceReplicasOffHome(ReduceReplicas):
+    """``ReduceReplicas`` whose drops spare the copy on the worker ``home(key)`` names (``None``: any)."""
+
+    def __init__(self, home: Callable[[Key], str | None]):
+        self.home = home
+
+    def run(self) -> SuggestionGenerator:
+        suggestions = super().run()
+        chosen = None
+        while True:
+            try:
+                suggestion = suggestions.send(chosen)
+            except StopIteration:
+                return
+            chosen = yield self._off_home(suggestion)
+
+    def _off_home(self, suggestion: Suggestion) -> Suggestion:
+        ts = suggestion.ts
+        home = self.home(ts.key)
+        if suggestion.op != "drop" or home is None or ts.who_has is None:
+            return suggestion
+        others = {ws for ws in ts.who_has if ws.address != home}
+        if len(others) == len(ts.who_has):  # not at home (lost there, or moved): Dask chooses
+            return suggestion
+        candidates = others if suggestion.candidates is None else others & suggestion.candidates
+        return Suggestion("drop", ts, candidates)
+
+
+def keep_homes(scheduler: Scheduler, home: Callable[[Key], str | None]) -> None:
+    """Put a :class:`ReduceReplicasOffHome` asking ``home`` in place of the scheduler's ``ReduceReplicas``
+    (or of an earlier one of these); nothing where the active memory manager is not on the scheduler or
+    its configured policies leave ``ReduceReplicas`` out."""
+    amm = scheduler.extensions.get("amm")
+    found = [p for p in list(getattr(amm, "policies", ())) if type(p) in (ReduceReplicas, ReduceReplicasOffHome)]
+    for policy in found:
+        amm.policies.discard(policy)
+    if found:
+        amm.add_policy(ReduceReplicasOffHome(home))
+
+
+def release_homes(scheduler: Scheduler, home: Callable[[Key], str | None]) -> None:
+    """Put Dask's ``ReduceReplicas`` back in place of the :class:`ReduceReplicasOffHome` asking ``home``
+    (none where a later :func:`keep_homes` replaced it)."""
+    amm = scheduler.extensions.get("amm")
+    found = [p for p in list(getattr(amm, "policies", ())) if isinstance(p, ReduceReplicasOffHome) and p.home == home]
+    for policy in found:
+        amm.policies.discard(policy)
+        amm.add_policy(ReduceReplicas())
