@@ -1,5 +1,5 @@
 import fcntl
-import os
+from pathlib import Path
 
 import dask
 import distributed.core
@@ -23,19 +23,20 @@ settings.load_profile("octopus")
 COTENANT_GROUP = "cpu-cotenant"
 
 
-@pytest.fixture(autouse=True)
-def cotenant_tests_run_alone(request, tmp_path_factory):
-    """Under xdist, a test of the group ``cpu-cotenant`` runs while no test of the other process does:
-    its co-tenant must be the only load its workers share their cores with (a calibration that saw a
-    co-tenant's worker at the other's speed, 0.50 of the weight, while the other process ran its tests).
-    File locks in the run's shared temporary directory: the group's tests take the lock alone, the others
-    share it; a test waiting to run alone holds the gate, so the other process starts no new test first."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a test of the group ``cpu-cotenant`` runs (its fixtures' set-up and tear-down
+    included) while no test of the other process does: its co-tenant must be the only load its workers
+    share their cores with (a calibration saw a co-tenant's worker at the other's speed, 0.50 of the
+    weight, while the other process ran its tests). File locks in the run's temporary directory (each
+    process's is ``popen-gwN`` in it): the group's tests take the lock alone, the others share it; a test
+    waiting to run alone holds the gate, so the other process starts no new test first."""
+    basetemp = item.config.option.basetemp if hasattr(item.config, "workerinput") else None
+    if basetemp is None:
         yield
         return
-    marker = request.node.get_closest_marker("xdist_group")
-    alone = marker is not None and marker.args[:1] == (COTENANT_GROUP,)
-    root = tmp_path_factory.getbasetemp().parent  # the run's, above each process's popen-gwN
+    alone = any(COTENANT_GROUP in (*m.args, m.kwargs.get("name")) for m in item.iter_markers("xdist_group"))
+    root = Path(basetemp).parent
     with open(root / "cotenant.gate", "a") as gate, open(root / "cotenant.lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)

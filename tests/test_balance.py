@@ -4,6 +4,7 @@ import asyncio
 import logging
 import sys
 import time
+from types import SimpleNamespace
 
 import dask
 import dask.array as da
@@ -129,10 +130,15 @@ async def test_persisted_balance_pins_downstream_passes(c, s, a, b):
     assert mm and all(rec.worker[k] == (slow, fast)[k[1]] for k in mm)
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
-             config={"distributed.scheduler.active-memory-manager.start": False,
-                     "distributed.scheduler.active-memory-manager.measure": "managed"})
-async def test_the_memory_manager_keeps_persisted_blocks_on_their_planned_workers(c, s, a, b):
+AMM_BY_HAND = {"distributed.scheduler.active-memory-manager.start": False,  # run by the test (amm.run_once)
+               "distributed.scheduler.active-memory-manager.measure": "managed"}
+
+
+async def blocks_copied_to_both(c, s, a, b):
+    """Four balanced blocks persisted, two per worker, then read by a task on each worker (a copy of
+    each on both), the first worker holding more data: Dask's ReduceReplicas would drop the copies
+    there, its own blocks' included. Returns the recorder of where tasks ran, the input, the balanced
+    array, its keys, each one's worker, and the extra data."""
     rec = await setup(c, s, [1.0, 1.0])
     x = da.arange(800 * 8, chunks=800).reshape((800, 8)).rechunk((100, 8))
     y = c.persist(await run_balance(c, x, per_worker=2))
@@ -140,20 +146,54 @@ async def test_the_memory_manager_keeps_persisted_blocks_on_their_planned_worker
     blocks = list(flatten(y.__dask_keys__()))
     home = {k: rec.worker[k] for k in blocks}
     assert sorted(home.values()) == sorted([a.address, b.address] * 2)
-    # a task on each worker read every block (a copy of each on both), and the first worker holds more
-    # data: Dask's ReduceReplicas would drop the copies there, its own blocks' included
     for w in (a, b):
         await c.submit(lambda parts: len(parts), futures_of(y), workers=[w.address], pure=False)
     assert all(len(s.tasks[k].who_has) == 2 for k in blocks)
     heavy = await c.scatter(np.ones(2**22), workers=[a.address])
+    return SimpleNamespace(rec=rec, x=x, y=y, blocks=blocks, home=home, heavy=heavy)
+
+
+def holders(s, blocks):
+    return {k: sorted(ws.address for ws in s.tasks[k].who_has) for k in blocks}
+
+
+async def same_sums(c, t):
+    np.testing.assert_array_equal(await c.compute((t.y + 1).sum(axis=1)),
+                                  (t.x + 1).sum(axis=1).compute(scheduler="sync"))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=AMM_BY_HAND)
+async def test_the_memory_manager_keeps_persisted_blocks_on_their_planned_workers(c, s, a, b):
+    t = await blocks_copied_to_both(c, s, a, b)
     await c.amm.run_once()
-    await async_poll_for(lambda: all(len(s.tasks[k].who_has) == 1 for k in blocks), 10)
-    assert {k: next(iter(s.tasks[k].who_has)).address for k in blocks} == home
-    rec.worker.clear()
-    np.testing.assert_array_equal(await c.compute((y + 1).sum(axis=1)), (x + 1).sum(axis=1).compute(scheduler="sync"))
-    ran = per_block_tasks(rec)  # each block's sum, and its aggregate
-    assert len(ran) == 8 and all(w == home[(y.name, k[1], 0)] for k, w in ran.items()), ran
-    del heavy
+    await async_poll_for(lambda: all(len(s.tasks[k].who_has) == 1 for k in t.blocks), 10)
+    assert holders(s, t.blocks) == {k: [w] for k, w in t.home.items()}
+    t.rec.worker.clear()
+    await same_sums(c, t)
+    ran = per_block_tasks(t.rec)  # each block's sum, and its aggregate
+    assert len(ran) == 8 and all(w == t.home[(t.y.name, k[1], 0)] for k, w in ran.items()), ran
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2,
+             config={**AMM_BY_HAND, "distributed.worker.memory.pause": False})  # (the worker would unpause it)
+async def test_the_memory_manager_drops_first_the_copies_on_a_paused_worker(c, s, a, b):
+    t = await blocks_copied_to_both(c, s, a, b)
+    a.status = Status.paused  # (its memory monitor's doing): Dask drops the copies there, its blocks' too
+    await async_poll_for(lambda: s.workers[a.address].status == Status.paused, 5)
+    await c.amm.run_once()
+    await async_poll_for(lambda: all(len(s.tasks[k].who_has) == 1 for k in t.blocks), 10)
+    assert holders(s, t.blocks) == {k: [b.address] for k in t.blocks}
+    a.status = Status.running
+    await same_sums(c, t)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config=AMM_BY_HAND)
+async def test_a_worker_retired_while_its_blocks_have_copies_elsewhere_loses_none(c, s, a, b):
+    t = await blocks_copied_to_both(c, s, a, b)
+    for _ in range(3):  # the policies in either order (a set): the copies on the other worker stay
+        await c.retire_workers([a.address], close_workers=False, remove=False)
+    assert holders(s, t.blocks) == {k: [b.address] for k in t.blocks}
+    await same_sums(c, t)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

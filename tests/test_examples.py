@@ -38,8 +38,7 @@ def test_images_example_runs_every_variant_on_cpu(tmp_path, monkeypatch):
     assert len(alone) == 2 and 0 < video["ideal_seconds"] < min(alone.values())
     assert 0 < video["largest_item_seconds"] <= max(video["total_alone_seconds"].values())
     assert video["round_trip_seconds"] > 0
-    # each worker's pipelines run within the measured time, read on the worker's own clock whatever its
-    # estimate of the scheduler's
+    # each worker's pipelines run within the measured time, whatever its estimate of the scheduler's clock
     spans = {v: (video["work_span_seconds"][v], video["median_seconds"][v]) for v in video["seconds"]}
     assert all(0 < span < total for span, total in spans.values()), spans
 

@@ -103,8 +103,8 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
             work = intervals(pipelines, t0, shifts=shifts)
             times[v].seconds.append(seconds)
             times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
-            # a span is read on one worker's clock: without the shift, whose error can put a short pass's
-            # tasks before t0, where intervals() clamps them to 0 (a span of 0.0 under load)
+            # a span is a difference of one worker's times: read without its shift, whose error can put a
+            # short pass's tasks before t0, where intervals() clamps them to 0 (a span of 0.0 under load)
             own = intervals(pipelines, 0.0)
             times[v].work_span.append(max(max(b for _, b in iv) - min(a for a, _ in iv) for iv in own.values()))
             times[v].last = PassRecord(seconds, busy, work)

@@ -4,7 +4,8 @@ A task on another worker that reads a block leaves a copy there; Dask's ``Reduce
 later drops one of the two, from the worker whose memory is fuller, which may be the block's planned
 worker: the block then lives elsewhere, the next compute's pinned task fetches it back, and the
 policy drops a copy again. :class:`ReduceReplicasOffHome` is that policy with one
-change: it drops a pinned task's copies on other workers than the one its plan pinned it to.
+change: it drops a pinned task's copies on other workers than the one its plan pinned it to, while
+that worker runs (paused or retiring, Dask drops the copy there first, as it would).
 :func:`keep_homes` puts it in place of the scheduler's ``ReduceReplicas`` (the user's configuration of
 the active memory manager stands otherwise: its interval, its measure, whether it runs, other
 policies); :func:`release_homes` puts Dask's back.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distributed.active_memory_manager import ReduceReplicas, Suggestion
+from distributed.core import Status
 
 if TYPE_CHECKING:
     from dask.typing import Key
@@ -44,9 +46,12 @@ class ReduceReplicasOffHome(ReduceReplicas):
         home = self.home(ts.key)
         if suggestion.op != "drop" or home is None or ts.who_has is None:
             return suggestion
-        others = {ws for ws in ts.who_has if ws.address != home}
-        if len(others) == len(ts.who_has):  # not at home (lost there, or moved): Dask chooses
+        at_home = next((ws for ws in ts.who_has if ws.address == home), None)
+        if at_home is None or at_home.status != Status.running:
+            # not at home (lost there, or moved), or home paused or retiring: Dask chooses, and drops the
+            # copy there first (a retiring worker's RetireWorker counts the copy elsewhere as its move)
             return suggestion
+        others = ts.who_has - {at_home}
         candidates = others if suggestion.candidates is None else others & suggestion.candidates
         return Suggestion("drop", ts, candidates)
 
