@@ -149,7 +149,9 @@ def _error_of(future: Future) -> BaseException:
     try:
         future.result()  # (at once: a cancelled future's error is known)
     except CancelledError as e:
-        return e
+        # the future's own exception, raised: the traceback it took here held the frames of this call (the
+        # run, its batches' futures: their results on the workers) for as long as the caller holds the future
+        return e.with_traceback(None)
     return FutureCancelledError(future.key, reason=None)  # (submitted again since: cancelled when read)
 
 
@@ -834,7 +836,9 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
         for future in done:
             try:
                 result = future.result()
-            except Exception as e:  # (cancelled futures too) as with_results=True, raise_errors=False
+            except CancelledError as e:  # (the future's own exception: see _error_of)
+                result = e.with_traceback(None)
+            except Exception as e:  # as with_results=True, raise_errors=False
                 result = e
             again = run.again(future, result)
             if again is not None:
