@@ -337,8 +337,8 @@ async def test_items_scattered_by_the_user_and_lost_with_their_worker_fail_alone
     without them, each of them failing alone, as ``client.gather(errors="skip")`` leaves them out (the
     whole call raised the batch's ``CancelledError``). The items of ``b`` that batches on ``a`` read give
     their results: Dask's active memory manager, which keeps one of the two copies (here many times
-    before the kill), keeps ``b``'s (the plugin's ``ReduceReplicas``: data that pinned tasks read keeps
-    the worker it was held by)."""
+    before the kill), keeps ``b``'s (the plugin's ``ReduceReplicas``: data the user scattered that pinned
+    tasks read keeps the worker it was scattered to)."""
     await setup(c, s, [1.0, 1.0])
     items = (await c.scatter(list(range(8)), workers=[a.worker_address], hash=False)
              + await c.scatter(list(range(8, 16)), workers=[b.worker_address], hash=False))
@@ -353,10 +353,15 @@ async def test_items_scattered_by_the_user_and_lost_with_their_worker_fail_alone
     kept = {i + 1 for i, f in enumerate(items) if f.status == "finished"}
     assert [f.status for f in items[8:]] == ["finished"] * 8 and [f.status for f in items[:8]].count("cancelled") > 0
     assert kept <= set(got) <= set(range(1, 17)) and len(got) == len(set(got)) < 16
-    # the items' homes go with the map's tasks: none is held once it returned (the cancelled items' errors,
-    # raised here, held the call's frames, and its batches' futures, for as long as the test held the items)
-    await async_poll_for(lambda: all(s.plugins["octopus"].placement.home(f.key) is None for f in items[8:]), 10)
+    # none of the map's tasks is held once it returned (the cancelled items' errors, raised in it, held its
+    # frames and its batches' futures for as long as the test held the items); the items keep their home
+    # while Dask knows them
     await async_poll_for(lambda: not [k for k in s.tasks if "octopus" in str(k)], 10)
+    placement = s.plugins["octopus"].placement
+    assert [placement.home(f.key) for f in items[8:]] == [b.worker_address] * 8
+    keys = [f.key for f in items]
+    del items
+    await async_poll_for(lambda: all(placement.home(k) is None for k in keys), 10)
 
 
 class Annotations(SchedulerPlugin):

@@ -113,11 +113,9 @@ class Placement:
         self.held: set[str] = set()  # workers not running (paused, retiring): their pins are loose (hold)
         self._pinned: dict[str, set[Key]] = {}  # the pinned keys by the worker they are pinned to (for hold)
         self._pinned_on: dict[Key, str] = {}
-        # data that pinned tasks read, held by one worker as they were pinned (a map's items the user
-        # scattered, a persisted input): that worker, the pinned tasks reading each, each one's reads
-        self._read_home: dict[Key, str] = {}
-        self._readers: Counter[Key] = Counter()
-        self._reads: dict[Key, list[Key]] = {}
+        # data the user scattered (nothing can compute it again) that pinned tasks read: the worker that
+        # alone held it as the first of them was pinned (a map's items given as futures)
+        self._scattered_home: dict[Key, str] = {}
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
@@ -176,11 +174,11 @@ class Placement:
 
     def home(self, key: Key) -> str | None:
         """The worker a plan pinned the task ``key`` to, while Dask knows the task (``None`` for a
-        stealable block, which may run elsewhere); for data that pinned tasks read, held by one worker as
-        they were pinned, that worker, while Dask knows one of them."""
+        stealable block, which may run elsewhere); for data the user scattered that pinned tasks read,
+        the worker that alone held it as the first of them was pinned, while Dask knows the data."""
         block = self.pins.get(key)
         if block is None:
-            return self._read_home.get(key)
+            return self._scattered_home.get(key)
         return None if self.stealable(block) else self._pinned_on.get(key)
 
     def worker_of(self, block: Block) -> str | None:
@@ -302,7 +300,9 @@ class Placement:
         self._set_pin(ts.key, block)
         ts.worker_restrictions = {worker}
         self._index(ts.key, worker)
-        self._note_reads(ts)
+        for dts in ts.dependencies:
+            if dts.run_spec is None and dts.key not in self._scattered_home and dts.who_has and len(dts.who_has) == 1:
+                self._scattered_home[dts.key] = next(iter(dts.who_has)).address
         plan = self.plans[block[0]]
         one = (plan.source is not None and plan.nbytes is not None  # balance plans only
                and block[1] < len(plan.nbytes) and not picks_a_result(ts.run_spec)
@@ -332,33 +332,12 @@ class Placement:
             self._set_pin(key, self.pins[member])
             self._index(key, self._pinned_on.get(member))
 
-    def _note_reads(self, ts: TaskState) -> None:
-        """Note where the data that the newly pinned ``ts`` reads is held, where one worker holds it (not
-        a pinned task's: that has its own home)."""
-        if ts.key in self._reads:
-            return
-        held = [d for d in ts.dependencies if d.state == "memory" and d.key not in self.pins
-                and d.who_has is not None and len(d.who_has) == 1]
-        if held:
-            self._reads[ts.key] = [d.key for d in held]
-        for dts in held:
-            self._read_home.setdefault(dts.key, next(iter(dts.who_has)).address)
-            self._readers[dts.key] += 1
-
-    def _forget_reads(self, key: Key) -> None:
-        """Drop what the task ``key`` read: data that no pinned task Dask knows reads has no home."""
-        for dep in self._reads.pop(key, ()):
-            self._readers[dep] -= 1
-            if self._readers[dep] <= 0:
-                del self._readers[dep]
-                self._read_home.pop(dep, None)
-
     def forget(self, key: Key) -> None:
         """Drop the pin of a task that the scheduler forgot; a ``map`` plan goes with its last pin (its
         tasks run once: Dask forgot them all)."""
         block = self.pins.pop(key, None)
         self._index(key, None)
-        self._forget_reads(key)
+        self._scattered_home.pop(key, None)
         self.stealable_keys.discard(key)
         self.one_block.discard(key)
         if block is None:
@@ -552,8 +531,6 @@ class Placement:
         self._unpinned_count.clear()
         self._pinned.clear()
         self._pinned_on.clear()
-        self._read_home.clear()
-        self._readers.clear()
-        self._reads.clear()
+        self._scattered_home.clear()
         self.stealable_keys.clear()
         return reschedule(scheduler, changed, stimulus_id)

@@ -5,9 +5,9 @@ later drops one of the two, from the worker whose memory is fuller, which may be
 worker: the block then lives elsewhere, the next compute's pinned task fetches it back, and the
 policy drops a copy again. :class:`ReduceReplicasOffHome` is that policy with one
 change: it drops a pinned task's copies on other workers than the one its plan pinned it to, and the
-copies of data that pinned tasks read on other workers than the one that alone held it as they were
-pinned (:meth:`~dask_octopus.placement.pins.Placement.home`), while that worker runs (paused or
-retiring, Dask drops the copy there first, as it would).
+copies of data the user scattered that pinned tasks read on other workers than the one that alone held
+it as the first of them was pinned (:meth:`~dask_octopus.placement.pins.Placement.home`), while that
+worker runs (paused or retiring, Dask drops the copy there first, as it would).
 :func:`keep_homes` puts it in place of the scheduler's ``ReduceReplicas`` (the user's configuration of
 the active memory manager stands otherwise: its interval, its measure, whether it runs, other
 policies); :func:`release_homes` puts Dask's back.
