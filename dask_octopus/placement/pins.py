@@ -333,8 +333,8 @@ class Placement:
             self._index(key, self._pinned_on.get(member))
 
     def forget(self, key: Key) -> None:
-        """Drop the pin of a task that the scheduler forgot; a ``map`` plan goes with its last pin (its
-        tasks run once: Dask forgot them all)."""
+        """Drop the pin of a task that the scheduler forgot (or the home of scattered data it forgot); a
+        ``map`` plan goes with its last pin (its tasks run once: Dask forgot them all)."""
         block = self.pins.pop(key, None)
         self._index(key, None)
         self._scattered_home.pop(key, None)
