@@ -23,7 +23,7 @@ from distributed.core import Status
 
 if TYPE_CHECKING:
     from dask.typing import Key
-    from distributed.active_memory_manager import SuggestionGenerator
+    from distributed.active_memory_manager import ActiveMemoryManagerPolicy, SuggestionGenerator
     from distributed.scheduler import Scheduler
 
 
@@ -48,8 +48,8 @@ class ReduceReplicasOffHome(ReduceReplicas):
         home = self.home(ts.key)
         if suggestion.op != "drop" or home is None or ts.who_has is None:
             return suggestion
-        at_home = next((ws for ws in ts.who_has if ws.address == home), None)
-        if at_home is None or at_home.status != Status.running:
+        at_home = self.manager.scheduler.workers.get(home)
+        if at_home not in ts.who_has or at_home.status != Status.running:
             # not at home (lost there, or moved), or home paused or retiring: Dask chooses, and drops the
             # copy there first (a retiring worker's RetireWorker counts the copy elsewhere as its move)
             return suggestion
@@ -62,19 +62,22 @@ def keep_homes(scheduler: Scheduler, home: Callable[[Key], str | None]) -> None:
     """Put a :class:`ReduceReplicasOffHome` asking ``home`` in place of the scheduler's ``ReduceReplicas``
     (or of an earlier one of these); nothing where the active memory manager is not on the scheduler or
     its configured policies leave ``ReduceReplicas`` out."""
-    amm = scheduler.extensions.get("amm")
-    found = [p for p in list(getattr(amm, "policies", ())) if type(p) in (ReduceReplicas, ReduceReplicasOffHome)]
-    for policy in found:
-        amm.policies.discard(policy)
-    if found:
-        amm.add_policy(ReduceReplicasOffHome(home))
+    _replace(scheduler, lambda p: type(p) in (ReduceReplicas, ReduceReplicasOffHome),
+             lambda: ReduceReplicasOffHome(home))
 
 
 def release_homes(scheduler: Scheduler, home: Callable[[Key], str | None]) -> None:
     """Put Dask's ``ReduceReplicas`` back in place of the :class:`ReduceReplicasOffHome` asking ``home``
     (none where a later :func:`keep_homes` replaced it)."""
+    _replace(scheduler, lambda p: isinstance(p, ReduceReplicasOffHome) and p.home == home, ReduceReplicas)
+
+
+def _replace(scheduler: Scheduler, old: Callable[[ActiveMemoryManagerPolicy], bool],
+             new: Callable[[], ActiveMemoryManagerPolicy]) -> None:
+    """Put one policy ``new()`` in place of the active memory manager's policies that are ``old``, if any."""
     amm = scheduler.extensions.get("amm")
-    found = [p for p in list(getattr(amm, "policies", ())) if isinstance(p, ReduceReplicasOffHome) and p.home == home]
+    found = [p for p in list(getattr(amm, "policies", ())) if old(p)]
     for policy in found:
         amm.policies.discard(policy)
-        amm.add_policy(ReduceReplicas())
+    if found:
+        amm.add_policy(new())
