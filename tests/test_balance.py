@@ -301,6 +301,34 @@ async def test_a_dataframe_is_not_waited_for_on_a_cluster_without_workers(c, s):
             await asyncio.wait_for(call(c, coll), 10)
 
 
+MEMORY_TOO_SMALL = {"octopus.balance.memory-fraction": 1e-12}
+
+
+def broken_from_row_5(part):
+    if part.index[0] >= 5:
+        raise ValueError("rows from 5 are broken")
+    return part
+
+
+@pytest.mark.parametrize("stage", ["input", "plan"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_dataframe_balance_that_fails_leaves_no_task_behind(c, s, a, b, stage):
+    """balance computes a dataframe's partitions to plan it: where a partition fails, or the plan does
+    (it does not fit), the error reaches the caller and nothing of the input stays on the scheduler,
+    although the error's traceback still refers to the futures balance held."""
+    await setup(c, s, [1.0, 1.0])
+    df = dd.from_pandas(pd.DataFrame({"a": range(10)}), npartitions=2)
+    config = {}
+    if stage == "input":
+        df, error, match = df.map_partitions(broken_from_row_5), ValueError, "rows from 5 are broken"
+    else:
+        error, match, config = PlanningError, "does not fit in the workers' memory", MEMORY_TOO_SMALL
+    with dask.config.set(config), pytest.raises(error, match=match) as info:
+        await run_balance(c, df)
+    await async_poll_for(lambda: not s.tasks, timeout=5)
+    assert info.value.__traceback__ is not None  # (the traceback, and its frames, are still there)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_bad_input(c, s, a, b):
     x = da.ones((100, 4), chunks=10)
@@ -333,8 +361,7 @@ async def test_bad_input(c, s, a, b):
         with pytest.raises(exc, match=match):
             await call(c, coll, **kwargs)
     assert (await call(c, x, per_worker=np.int64(2))).numblocks == (4, 1)  # NumPy's integers are integers
-    with dask.config.set({"octopus.balance.memory-fraction": 1e-12}), \
-            pytest.raises(PlanningError, match="does not fit in the workers' memory"):
+    with dask.config.set(MEMORY_TOO_SMALL), pytest.raises(PlanningError, match="does not fit in the workers' memory"):
         await call(c, x)
 
 

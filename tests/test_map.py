@@ -645,6 +645,46 @@ async def test_delayed_items_with_the_default_cost_and_a_cost_callable(c, s, a, 
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_map_whose_cost_raises_leaves_no_task_behind(c, s, a, b, gather):
+    """The futures map made before it failed (the delayed items computed, the costs' tasks) are released,
+    although the error's traceback, which the caller keeps, refers to them."""
+    await setup(c, s, [1.0, 1.0])
+    items = [dask.delayed(np.ones)(n) for n in (10, 20, 30)]
+    with pytest.raises(ValueError, match="cost raised for item 1") as info:
+        await call(c, np.sum, items, cost=lambda a: 1 / (len(a) - 20), gather=gather)
+    await async_poll_for(lambda: not s.tasks, timeout=5)
+    assert info.value.__traceback__ is not None
+
+
+@pytest.mark.package_defaults
+@pytest.mark.parametrize("fail_at", [1, 2])  # the first plan, or the second (after the first item ran alone)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_map_whose_submission_fails_leaves_no_task_behind(c, s, a, b, fail_at, monkeypatch):
+    """Items scattered to their workers, and the task of the first item where it ran alone first (the
+    function is new: ``octopus.map.learn-result-size``), are released where a later step fails."""
+    await setup(c, s, [1.0, 1.0])
+    plans = []
+    call_scheduler = dask_octopus.placement.items.call_scheduler
+
+    def failing(client, handler, **kwargs):
+        if handler == "octopus_add_plan":
+            plans.append(kwargs["counts"])
+            if len(plans) == fail_at:
+                raise OSError("the scheduler went away")
+        return call_scheduler(client, handler, **kwargs)
+
+    monkeypatch.setattr("dask_octopus.placement.items.call_scheduler", failing)
+    items = [np.full(2**14, float(i)) for i in range(32)]  # 4 MiB in all: scattered to their planned workers
+    with dask.config.set({"octopus.map.learn-result-size": fail_at == 2}), \
+            pytest.raises(OSError, match="the scheduler went away") as info:
+        await call(c, np.sum, items, group=2, gather=True)
+    assert [sum(counts) for counts in plans] == ([32] if fail_at == 1 else [1, 31])
+    await async_poll_for(lambda: not s.tasks, timeout=5)
+    assert info.value.__traceback__ is not None
+
+
 class InputsWhereRun(SchedulerPlugin):
     """For each task of a map batch: where its inputs were when it ran, and where it ran."""
 

@@ -40,7 +40,7 @@ from dask_octopus.placement.planning import (
 )
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.placement.unfused import UnfusedTask
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, wait_for
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, release, wait_for
 from dask_octopus.plugins.messages import parallel_threads, plannable_memory
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
@@ -424,16 +424,34 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     values); where the nearer end would put the worker before the cut over its memory cap, the cut
     moves to the farther end. Divisions become unknown only when moving a cut would empty a partition,
     pass another cut or leave a worker over its cap."""
-    import dask.dataframe as dd
-    from dask import delayed
-
     # Planning needs each partition's rows, so the partitions are computed now, once: the balanced
     # collection is cut from these futures (which it keeps alive) instead of computing the input a
     # second time; an input already persisted is only read. But first, the plugin and a worker must be
     # there (NotRegisteredError, ValueError): the input is not computed for nothing, or waited for forever.
     call_scheduler(client, "octopus_speeds", resource=resource)
     parts = client.compute(df.to_delayed())
-    shapes = client.gather(client.map(_rows_and_bytes, parts, pure=False))
+    try:
+        return _cut_frame(client, df, parts, per_worker, resource, align)
+    except BaseException:
+        release(parts)  # the caller got none of them
+        raise
+
+
+def _gather_once(client: Client, futures: list[Future]) -> list[Any]:
+    """The results of ``futures``, which are released then, also where one of them failed."""
+    try:
+        return client.gather(futures)
+    finally:
+        release(futures)
+
+
+def _cut_frame(client: Client, df: Any, parts: list[Future], per_worker: int | None, resource: str,
+               align: int) -> Any:
+    """:func:`_balance_frame` once the partitions ``parts`` of ``df`` are computing."""
+    import dask.dataframe as dd
+    from dask import delayed
+
+    shapes = _gather_once(client, client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]
     source = key_split(df._name)
     holders, held = _holders(client, [[p] for p in parts])
@@ -492,7 +510,7 @@ def _snapped(client: Client, df: Any, parts: list, lengths: list[int], sizes: li
         i = bisect_right(ends, cut)  # the first partition ending after the cut (not empty), or the end
         where.append((i, cut - starts[i]))
     inner = [(i, r) for i, r in where if r > 0]
-    found = client.gather(client.compute([delayed(_run_at)(parts[i], r) for i, r in inner])) if inner else []
+    found = _gather_once(client, client.compute([delayed(_run_at)(parts[i], r) for i, r in inner])) if inner else []
     if any(f is None for f in found):
         return sizes, None
     runs, firsts, found = [], [], iter(found)

@@ -35,7 +35,14 @@ from dask_octopus.placement import tohost
 from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_bytes, split_tail
 from dask_octopus.placement.pins import ALONE_INFIX, MAP_INFIX
 from dask_octopus.placement.transfers import item_seconds
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, client_of, wait_for
+from dask_octopus.plugins.client import (
+    awaitable_on_async_clients,
+    call_scheduler,
+    client_of,
+    release,
+    released_on_error,
+    wait_for,
+)
 from dask_octopus.plugins.messages import NO_WORKERS, WorkerInfo
 from dask_octopus.profiling.itemcosts import SPREAD
 from dask_octopus.profiling.speedmodel import check_resource
@@ -212,9 +219,12 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
     else:
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
         costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
-        wait_for(client, costed)
-        # an item that failed upstream fails on its own when it runs: costed as one, meanwhile
-        found = {i: f.result() if f.status == "finished" else (True, 1.0) for i, f in zip(remote, costed)}
+        try:
+            wait_for(client, costed)
+            # an item that failed upstream fails on its own when it runs: costed as one, meanwhile
+            found = {i: f.result() if f.status == "finished" else (True, 1.0) for i, f in zip(remote, costed)}
+        finally:
+            release(costed)
         out = []
         for i, it in enumerate(items):
             ok, value = found[i] if i in found else _cost_of(cost, it)
@@ -421,8 +431,18 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     already (:func:`_failed_inputs`). Batches of a
     function whose results' size the scheduler does not know yet: :func:`_probed` (with ``probe``).
     The tasks take the Dask annotations in effect (``dask.annotate``; a ``priority`` comes before the
-    map's own order of its tasks)."""
-    _compute_delayed(client, items)
+    map's own order of its tasks). The futures it makes in place of ``items`` (delayed ones computed,
+    local ones scattered) are released where it fails."""
+    with released_on_error(items):
+        _compute_delayed(client, items)
+        return _plan_and_submit(client, func, items, cost, group, resource, to_host, kwargs, per_item, probe, pure,
+                                started)
+
+
+def _plan_and_submit(client: Client, func: Callable, items: list[Any], cost: Cost, group: int | None,
+                     resource: str, to_host: bool, kwargs: dict[str, Any], per_item: bool, probe: bool, pure: bool,
+                     started: bool) -> tuple[list[Future], list[list[int]], set[int]]:
+    """:func:`_submit`, once the delayed items are futures."""
     costs = _costs(client, items, cost)
     batched = group is not None or not per_item
     nbytes = _item_bytes(client, items, wait=batched)  # (one task per item: it waits for its item itself)
@@ -513,18 +533,22 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
 
     left = list(range(len(items)))
     deadline = time.monotonic() + parse_timedelta(config.get("map.learn-result-wait"))  # (for all the items)
-    for _ in range(PROBES):
-        candidates = [i for i in left if i in usable]
-        if not candidates or len(left) < 2:
-            break
-        first = min(candidates, key=costs.__getitem__)
-        left.remove(first)
-        (future,) = submit([first], probe=False)
-        ended = wait_for(client, [future], timeout=max(0.0, deadline - time.monotonic()))
-        if not ended or not _failed_alone(future, per_item):
-            break  # (not done in time: the others count RESULT_SIZE, as they would without it)
-    if left:  # (after PROBES failed items, counted RESULT_SIZE)
-        submit(left, probe=False)
+    try:
+        for _ in range(PROBES):
+            candidates = [i for i in left if i in usable]
+            if not candidates or len(left) < 2:
+                break
+            first = min(candidates, key=costs.__getitem__)
+            left.remove(first)
+            (future,) = submit([first], probe=False)
+            ended = wait_for(client, [future], timeout=max(0.0, deadline - time.monotonic()))
+            if not ended or not _failed_alone(future, per_item):
+                break  # (not done in time: the others count RESULT_SIZE, as they would without it)
+        if left:  # (after PROBES failed items, counted RESULT_SIZE)
+            submit(left, probe=False)
+    except BaseException:
+        release(f for _, (futures, _, _) in parts for f in futures)  # (the caller got none of them)
+        raise
     failed = {indices[j] for indices, (_, _, bad) in parts for j in bad}
     if per_item:
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
@@ -727,7 +751,6 @@ class _Batches:
         self._annotations = dict(annotations)
         self._submit_args = (client, func, group, resource, to_host, kwargs)
         self._cost = cost  # one per item, where a list (:func:`_listed`)
-        _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
         self._items = items
         self.where: dict[Any, list[int]] = {}
         self._sent: dict[int, Future] = {}  # items given as futures (or computed), of batches not finished
@@ -735,7 +758,9 @@ class _Batches:
         self._failed: set[int] = set()  # futures failed when submitted: ItemErrors in their batches
         self._resent: Counter[int] = Counter()  # times each item was sent again after workers left with it
         self._alone: set[Any] = set()  # the keys of the tasks of one item each, not pinned (_each_alone)
-        self._futures = self._submit(list(range(len(items))), started=False)
+        with released_on_error(items):
+            _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
+            self._futures = self._submit(list(range(len(items))), started=False)
 
     def take(self) -> list[Future]:
         """The futures of the batch tasks first submitted, held here no more (a stream holds no result

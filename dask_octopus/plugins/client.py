@@ -7,10 +7,11 @@ awaitable with an asynchronous one used in its event loop (:func:`awaitable_on_a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from distributed import Client, Future, as_completed, default_client
@@ -186,6 +187,26 @@ def wait_for(client: Client, futures: list[Future], timeout: float | None = None
     except TimeoutError:
         return False
     return True
+
+
+def release(futures: Iterable[Future]) -> None:
+    """Let go of ``futures`` now rather than when their last reference goes: an error's traceback keeps
+    the frames that raised it, and the futures they hold (Dask's among them, as ``Client.gather``'s), for
+    as long as the caller keeps the error (an interactive session keeps the last one)."""
+    for future in futures:
+        future.release()
+
+
+@contextlib.contextmanager
+def released_on_error(items: list[Any]) -> Iterator[None]:
+    """Where the block raises, :func:`release` the futures it put in ``items`` in place of what was there
+    (collections computed, local data scattered, ...): none reached the caller."""
+    given = list(items)
+    try:
+        yield
+    except BaseException:
+        release(now for now, was in zip(items, given) if now is not was and isinstance(now, Future))
+        raise
 
 
 def _missing_plugin(dask_scheduler: Any) -> str | None:
