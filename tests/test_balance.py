@@ -301,6 +301,32 @@ async def test_a_dataframe_is_not_waited_for_on_a_cluster_without_workers(c, s):
             await asyncio.wait_for(call(c, coll), 10)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_fewer_rows_than_workers_go_to_the_fastest(c, s, a, b, w3):
+    """Without ``per_worker``, a collection of fewer rows than workers gets one block per row, on the
+    fastest workers, and an empty one a single empty block; with it, too few rows are an error."""
+    rec = await setup(c, s, [1.0, 3.0, 2.0])
+    _, fastest, second = sorted(s.workers)
+    x = da.arange(8).reshape(2, 4).rechunk((2, 2))
+    y = await run_balance(c, x)
+    assert y.chunks == ((1, 1), (2, 2))
+    assert s.plugins["octopus"].placement.plans[y.name].workers == [fastest, second]
+    np.testing.assert_array_equal(await c.compute(y + 1), np.arange(8).reshape(2, 4) + 1)
+    assert {k[1]: w for k, w in per_block_tasks(rec).items() if "add" in key_split(k)} == {0: fastest, 1: second}
+    pdf = pd.DataFrame({"a": [5]})
+    df = await run_balance(c, dd.from_pandas(pdf, npartitions=1))
+    assert s.plugins["octopus"].placement.made[-1][1].workers == [fastest]
+    pd.testing.assert_frame_equal(await c.compute(df), pdf)
+    assert {w for k, w in rec.worker.items() if key_split(k) == "octopus-rows"} == {fastest}
+    empty = await run_balance(c, x[:0])
+    assert empty.chunks == ((0,), (2, 2))
+    assert (await c.compute(empty)).shape == (0, 4)
+    none = await run_balance(c, dd.from_pandas(pdf.iloc[:0], npartitions=1))
+    pd.testing.assert_frame_equal(await c.compute(none), pdf.iloc[:0])
+    with pytest.raises(PlanningError, match="2 rows are fewer than the 3 workers x per_worker=1 blocks"):
+        await run_balance(c, x, per_worker=1)
+
+
 MEMORY_TOO_SMALL = {"octopus.balance.memory-fraction": 1e-12}
 
 

@@ -645,15 +645,20 @@ async def test_delayed_items_with_the_default_cost_and_a_cost_callable(c, s, a, 
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
-@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("how", ["futures", "gather", "imap"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_a_map_whose_cost_raises_leaves_no_task_behind(c, s, a, b, gather):
+async def test_a_map_whose_cost_raises_leaves_no_task_behind(c, s, a, b, how):
     """The futures map made before it failed (the delayed items computed, the costs' tasks) are released,
     although the error's traceback, which the caller keeps, refers to them."""
     await setup(c, s, [1.0, 1.0])
     items = [dask.delayed(np.ones)(n) for n in (10, 20, 30)]
+    cost = lambda a: 1 / (len(a) - 20)  # noqa: E731
     with pytest.raises(ValueError, match="cost raised for item 1") as info:
-        await call(c, np.sum, items, cost=lambda a: 1 / (len(a) - 20), gather=gather)
+        if how == "imap":
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: dask_octopus.imap(np.sum, items, client=c, cost=cost))
+        else:
+            await call(c, np.sum, items, cost=cost, gather=how == "gather")
     await async_poll_for(lambda: not s.tasks, timeout=5)
     assert info.value.__traceback__ is not None
 

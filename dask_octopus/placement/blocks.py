@@ -100,6 +100,11 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     if len(kept[0]) < len(workers):  # what is left must fit too
         _check_fits(kept[2], total, nbytes, row_bytes, " (of those that can hold a block)")
     workers, weights, caps, limits = kept
+    if per_worker is None and total < len(workers):  # fewer rows than workers: the fastest take one each
+        fastest = sorted(sorted(range(len(workers)), key=weights.__getitem__, reverse=True)[:max(total, 1)])
+        workers, weights, caps, limits = ([seq[i] for i in fastest] for seq in (workers, weights, caps, limits))
+        if total == 0:  # nothing to cut: one empty block
+            return [0], workers, row_bytes, dict(zip(workers, caps))
     if total < len(workers) * (per_worker or 1):
         rows = "rows" if axis == 0 else f"entries along axis {axis}"
         raise PlanningError(f"{total} {rows} are fewer than the {len(workers)} workers x "
@@ -231,7 +236,8 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     per_worker
         Blocks per worker. ``None``: for each worker, the fewest that keep each of its blocks within
         the collection's largest block along ``axis``, so that no worker is asked to hold a block
-        larger than the user's own.
+        larger than the user's own; with fewer rows than workers, one row each on the fastest
+        workers (no rows: one empty block).
     resource
         Weights to plan by: ``"compute"`` or ``"memory"``.
     align
@@ -251,8 +257,8 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
     ValueError
         For a bad ``axis``, ``per_worker``, ``resource``, or unknown chunk sizes.
     PlanningError
-        When there are fewer rows than blocks, ``align`` is not an integer >= 1 or is larger than a
-        share, or the collection does not fit in the workers' memory.
+        When there are fewer rows than the blocks ``per_worker`` asks for, ``align`` is not an
+        integer >= 1 or is larger than a share, or the collection does not fit in the workers' memory.
     NotRegisteredError
         When the scheduler has no dask_octopus plugin.
 
