@@ -4,6 +4,7 @@ one place that reads and checks them."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import os
 from collections.abc import Callable, Mapping
@@ -18,6 +19,9 @@ from dask_octopus._checks import is_count, is_finite
 with open(os.path.join(os.path.dirname(__file__), "octopus.yaml")) as f:
     defaults = yaml.safe_load(f)
 
+# the settings as the environment and YAML files gave them: Dask's update_defaults replaces a value given
+# where a section of settings belongs (DASK_OCTOPUS__CALIBRATION=5) by that section, which check_all refuses
+_given = copy.deepcopy(dask.config.get("octopus", default=None))
 dask.config.update_defaults(defaults)
 
 
@@ -133,6 +137,7 @@ def check_all() -> None:
     for old, (new, why) in RENAMED.items():
         if dask.config.get(f"octopus.{old}", default=_MISSING) is not _MISSING:
             raise ValueError(f"octopus.{old} was renamed octopus.{new} ({why})")
+    _check_keys(_given, defaults["octopus"], "octopus")
     _check_keys(dask.config.get("octopus", default={}), defaults["octopus"], "octopus")
     for key in CHECKS:
         get(key)

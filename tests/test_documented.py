@@ -5,6 +5,8 @@ docs/tested-behaviour.md maps every row of the README's two tables to the test(s
 
 import asyncio
 import logging
+import os
+import subprocess
 import sys
 import threading
 import types
@@ -318,6 +320,29 @@ def test_a_misspelt_key_or_a_value_in_place_of_a_section_is_refused_naming_it(se
     with dask.config.set({"octopus.fragments": None}):  # a YAML section whose keys are all commented out
         config.check_all()
         assert config.get("fragments.max-bytes") == "auto"
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"DASK_OCTOPUS__CALIBRATION": "5"}, "octopus.calibration must be a section of settings (seconds, device, "
+                                         "wait), got 5"),
+    ({"yaml": "octopus: 5\n"}, "octopus must be a section of settings (calibration, refine, "),
+    ({"yaml": "octopus:\n  fragments:\n"}, None),  # a section whose keys are all commented out: the defaults
+])
+def test_a_value_in_place_of_a_section_from_the_environment_or_a_yaml_file_is_refused(given, message, tmp_path):
+    """Dask replaces a value that the environment or a YAML file gives where dask_octopus's defaults have a
+    section by that section as the package adds its defaults: the value as given is refused all the same."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    if "yaml" in given:
+        (tmp_path / "octopus.yaml").write_text(given["yaml"])
+        env["DASK_CONFIG"] = str(tmp_path)
+    else:
+        env.update(given)
+    code = "import dask_octopus; dask_octopus.config.check_all(); print('checked')"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if message is None:
+        assert run.returncode == 0 and run.stdout == "checked\n", run.stderr
+    else:
+        assert run.returncode == 1 and f"ValueError: {message}" in run.stderr, run.stderr
 
 
 def test_a_value_checked_once_is_not_taken_for_an_equal_value_of_another_type():
