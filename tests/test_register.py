@@ -192,7 +192,12 @@ async def test_a_worker_that_never_reports_is_waited_for_once(c, s, a):
     delayed_reports(s, None)
     async with Worker(s.address, nthreads=1) as b:
         with captured_logger("dask_octopus.plugins.scheduler") as log:
-            for _ in range(2):
+            # the caller is told too (the scheduler's log may be far away), once
+            with pytest.warns(UserWarning, match=rf"^dask_octopus: no calibration report from {b.address} within "
+                                                 r"octopus.calibration.wait=0.3s: they get the mean weight"):
+                assert (await dask_octopus.profiles(c))[b.address]["error"] == "not calibrated"
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
                 assert (await dask_octopus.profiles(c))[b.address]["error"] == "not calibrated"
         assert log.getvalue().count("no calibration report from") == 1, log.getvalue()
         assert b.address in log.getvalue() and plugin(s).unreported == {b.address}
@@ -209,7 +214,8 @@ async def test_each_worker_is_waited_for_from_when_it_joined(c, s, a):
     async with Worker(s.address, nthreads=1) as b:
         await asyncio.sleep(0.6)
         async with Worker(s.address, nthreads=1) as d:
-            with captured_logger("dask_octopus.plugins.scheduler") as log:
+            with captured_logger("dask_octopus.plugins.scheduler") as log, \
+                    pytest.warns(UserWarning, match=f"no calibration report from {b.address}, {d.address} within"):
                 assert set(await dask_octopus.speeds(c)) == {a.address, b.address, d.address}
             lines = [line for line in log.getvalue().splitlines() if "no calibration report from" in line]
             assert len(lines) == 2 and b.address in lines[0] and d.address in lines[1], lines

@@ -21,7 +21,9 @@ from dask_octopus._checks import check_flag
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.plugins.scheduler import (
     ERROR,
+    LATE,
     PRELOAD_ERROR,
+    REPLY,
     OctopusSchedulerPlugin,
     not_loaded,
     registered_plugin,
@@ -158,9 +160,14 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
             f"{remedy(first)} (they get the mean weight, no map items, balanced blocks or fragments)",
             UserWarning, stacklevel=3)
     if late:
-        warnings.warn(
-            f"dask_octopus: no calibration report from {', '.join(late)} within octopus.calibration.wait={wait}s: "
-            "they get the mean weight until they report", UserWarning, stacklevel=3)
+        _warn_late(late, wait, stacklevel=4)
+
+
+def _warn_late(late: list[str], wait: float, stacklevel: int) -> None:
+    """Warn that the workers ``late`` did not report their calibration within ``wait`` seconds."""
+    warnings.warn(f"dask_octopus: no calibration report from {', '.join(late)} within "
+                  f"octopus.calibration.wait={wait}s: they get the mean weight until they report", UserWarning,
+                  stacklevel=stacklevel)
 
 
 def wait_for(client: Client, futures: list[Future], timeout: float | None = None) -> bool:
@@ -255,6 +262,9 @@ def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     reply = client.sync(getattr(client.scheduler, handler), **kwargs)
     if reply is None:
         raise _not_registered(client)
+    if isinstance(reply, dict) and LATE in reply:  # (the scheduler logged it too: this is the caller's word)
+        _warn_late(*reply[LATE], stacklevel=3)
+        reply = reply[REPLY]
     if isinstance(reply, dict) and ERROR in reply:
         raise ValueError(reply[ERROR])
     return reply

@@ -78,6 +78,9 @@ HISTORY_INTERVAL = 1.0  #: seconds between two samples of the weights for the da
 HISTORY_SHARE = 0.02
 HISTORY_CALLBACK = "octopus-weight-history"  #: the sampler's name in ``Scheduler.periodic_callbacks``
 ERROR = "octopus-error"  #: key of a handler's reply that carries a ``ValueError``'s message
+#: keys of a handler's reply that waited for calibrations and gave up on some workers: those workers and
+#: ``octopus.calibration.wait``, and the reply itself
+LATE, REPLY = "octopus-late", "octopus-reply"
 #: attribute of a scheduler whose ``--preload dask_octopus`` failed (a bad setting): the error, for clients
 PRELOAD_ERROR = "_dask_octopus_preload_error"
 NOT_LOADED = "the worker plugin did not load there: "  #: the start of the profile error of such a worker
@@ -411,16 +414,19 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
 
         @functools.wraps(handler)
         async def answer(*args: Any, **kwargs: Any) -> Any:
-            await self.calibrations()
-            return handler(*args, **kwargs)
+            late = await self.calibrations()
+            reply = handler(*args, **kwargs)
+            return {LATE: [late, self.calibration_wait], REPLY: reply} if late else reply
 
         return answer
 
-    async def calibrations(self) -> None:
+    async def calibrations(self) -> list[str]:
         """Return once every live worker has reported its calibration (:meth:`report`) or has not for
         :attr:`calibration_wait` seconds since it joined: those are logged and waited for no more (they
         keep the mean weight until they report). Returns at once when this plugin is retired, and waits
-        for none where the worker plugin was unregistered (the workers that joined since never got it)."""
+        for none where the worker plugin was unregistered (the workers that joined since never got it).
+        Returns the workers this call stopped waiting for, as their wait ended."""
+        given_up: list[str] = []
         while not self._retired:
             pending = self.scheduler.workers.keys() - self.profiles.keys() - self.unreported
             if pending and self.worker_plugin.name not in self.scheduler.worker_plugins:
@@ -428,7 +434,7 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                "unregistered (call register to set it up again); they get the mean weight",
                                sorted(pending), self.worker_plugin.name)
                 self.unreported |= pending
-                return
+                return given_up
             now = time.monotonic()
             late = {w for w in pending if now - self.joined.get(w, self._started) >= self.calibration_wait}
             if late:
@@ -436,9 +442,11 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
                                "of joining; they get the mean weight until they report", sorted(late),
                                self.calibration_wait)
                 self.unreported |= late
+                given_up += sorted(late)
             if pending <= late:
-                return
+                return given_up
             await asyncio.sleep(0.02)
+        return given_up
 
     def registered(self) -> bool:
         """Whether this plugin is the one registered on its scheduler (Dask closes a plugin when its
