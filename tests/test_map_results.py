@@ -322,6 +322,29 @@ async def test_a_result_that_cannot_be_sent_raises_dask_s_error_as_client_gather
                             errors="skip" if how == "map-skip" else "raise")
 
 
+def a_lock_for_zero(a):
+    return threading.Lock() if a[0] == 0 else float(a.sum())
+
+
+@pytest.mark.parametrize("how", ["map", "imap", "imap-async"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, config={"octopus.map.learn-result-size": False})
+async def test_a_gathered_map_that_fails_mid_run_leaves_no_task_behind(c, s, a, b, how):
+    """A batch whose results cannot be sent ends a gathered ``map`` or an ``imap`` with that error: the
+    batches that finished and were not read, that batch and the items computed from delayed objects are
+    released, although the error's traceback, which the caller keeps, refers to them."""
+    await setup(c, s, [1.0, 1.0])
+    items = [dask.delayed(np.full)(10, float(n)) for n in range(8)]
+    with pytest.raises(TypeError, match="Could not serialize object of type lock") as info:
+        if how == "imap-async":
+            [pair async for pair in dask_octopus.imap(a_lock_for_zero, items, client=c, cost=[1.0] * 8)]
+        elif how == "imap":
+            await in_thread(lambda: list(dask_octopus.imap(a_lock_for_zero, items, client=c, cost=[1.0] * 8)))
+        else:
+            await in_thread(dask_octopus.map, a_lock_for_zero, items, client=c, cost=[1.0] * 8, gather=True)
+    await async_poll_for(lambda: not s.tasks, timeout=5)
+    assert info.value.__traceback__ is not None
+
+
 def slow_plus_one(x):
     worker = get_worker()
     worker.log_event("slow-identity", {"worker": worker.address})

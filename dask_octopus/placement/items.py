@@ -412,12 +412,14 @@ def _check_call(func: Callable, group: int | None, resource: str, errors: str, k
     return checked
 
 
-def _compute_delayed(client: Client, items: list[Any]) -> None:
-    """Replace the delayed objects (and other collections) among ``items`` by futures of their values."""
+def _compute_delayed(client: Client, items: list[Any]) -> list[int]:
+    """Replace the delayed objects (and other collections) among ``items`` by futures of their values;
+    returns their indices."""
     delayed_at = [i for i, it in enumerate(items) if is_dask_collection(it)]
     if delayed_at:
         for i, fut in zip(delayed_at, client.compute([items[i] for i in delayed_at])):
             items[i] = fut
+    return delayed_at
 
 
 def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
@@ -759,7 +761,8 @@ class _Batches:
         self._resent: Counter[int] = Counter()  # times each item was sent again after workers left with it
         self._alone: set[Any] = set()  # the keys of the tasks of one item each, not pinned (_each_alone)
         with released_on_error(items):
-            _compute_delayed(client, items)  # once: a future kept here keeps its error (computed again, it might not)
+            # once: a future kept here keeps its error (computed again, it might not)
+            self._computed = _compute_delayed(client, items)
             self._futures = self._submit(list(range(len(items))), started=False)
 
     def take(self) -> list[Future]:
@@ -818,18 +821,22 @@ class _Batches:
         alone (``KilledWorker``), not the items of the tasks pinned beside it."""
         client, func, group, resource, to_host, kwargs = self._submit_args
         label = _label(func)
-        futures = []
-        for i in indices:
-            item = self._items[i]
-            with dask.annotate(**self._annotations):  # (an item failed already: its ItemError, as in its batch)
-                future = client.submit(run_batch, func, [_failed_inputs([item]).get(0, item)], kwargs, resource,
-                                       group, to_host,
-                                       key=f"{label}-{ALONE_INFIX}-{uuid.uuid4().hex}")
-            if isinstance(item, Future):
-                self._sent[i] = item
-            self.where[future.key] = [i]
-            self._alone.add(future.key)
-            futures.append(future)
+        futures: list[Future] = []
+        try:
+            for i in indices:
+                item = self._items[i]
+                with dask.annotate(**self._annotations):  # (an item failed already: its ItemError, as in its batch)
+                    future = client.submit(run_batch, func, [_failed_inputs([item]).get(0, item)], kwargs, resource,
+                                           group, to_host,
+                                           key=f"{label}-{ALONE_INFIX}-{uuid.uuid4().hex}")
+                if isinstance(item, Future):
+                    self._sent[i] = item
+                self.where[future.key] = [i]
+                self._alone.add(future.key)
+                futures.append(future)
+        except BaseException:
+            release(futures)  # (the caller got none of them)
+            raise
         return futures
 
     def _forget(self, future: Future) -> list[int]:
@@ -846,6 +853,12 @@ class _Batches:
         for i in idx:
             self._items[i] = None
         return idx
+
+    def close(self) -> None:
+        """The run is over (its results read, or stopped early, or by an error): release the futures of the
+        items it computed that it still holds, now rather than when the last reference to it goes (an
+        error's traceback, which the caller may keep, holds it)."""
+        release(self._items[i] for i in self._computed if isinstance(self._items[i], Future))
 
 
 def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
@@ -874,10 +887,14 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
                 del future
                 yield from killed
                 continue
-            if future.status != "finished":
-                future.result()  # its exception, with its traceback, as Client.gather raises it
-            if isinstance(result, Exception):  # finished, but its result could not be sent (not picklable)
-                raise result
+            try:
+                if future.status != "finished":
+                    future.result()  # its exception, with its traceback, as Client.gather raises it
+                if isinstance(result, Exception):  # finished, but its result could not be sent (not picklable)
+                    raise result
+            except BaseException:
+                release([future])  # (the error's traceback holds it: Future.result's frames)
+                raise
             pairs = zip(run.finish(future), result)
             del future, result  # the batch's result is here now: the cluster need not hold it while it is read
             yield from pairs
@@ -887,6 +904,14 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             cancelled = run.client.cancel(pending)
             if inspect.isawaitable(cancelled):  # closed on the client's event loop (collected there)
                 run.client.loop.add_callback(lambda: cancelled)
+        _close(run, done)
+
+
+def _close(run: _Batches, done: as_completed) -> None:
+    """Release what ``run``, stopped, holds: the batch tasks that finished but were not read, the items it
+    computed."""
+    release(done.next_batch(block=False))
+    run.close()
 
 
 def _killed_alone(run: _Batches, future: Future, result: Any) -> list[tuple[int, Any]] | None:
@@ -921,8 +946,15 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
                 done.update(again)
                 continue
             killed = _killed_alone(run, future, result)
-            if future.status != "finished" and killed is None:
-                await future
+            if killed is None:  # as in _as_finished
+                try:
+                    if future.status != "finished":
+                        await future
+                    if isinstance(result, Exception):
+                        raise result
+                except BaseException:
+                    release([future])
+                    raise
             pairs = _checked(killed if killed is not None else zip(run.finish(future), result), errors)
             del future, result  # as in _as_finished
             for pair in pairs:
@@ -931,3 +963,4 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
         pending = _pending(done)
         if pending:
             await client.cancel(pending)
+        _close(run, done)
