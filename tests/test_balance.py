@@ -1276,20 +1276,36 @@ def test_a_worker_whose_memory_is_not_known_gets_no_cap_and_a_gpu_worker_counts_
     profiles = {"gpu": {"weight": 2.0, "device": "gpu", "threads": 2},  # (its threads share the device)
                 "cpu": {"weight": 1.0, "memory_total": 8 * 2**20, "threads": 3}}
     monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
-    workers, weights, caps, speed, limits, threads = blocks._workers_caps_and_speed(None, "compute", 8.0, "x")
+    workers, weights, caps, rates, limits, threads = blocks._workers_caps_and_speed(None, "compute", 8.0, "x")
     assert workers == ["cpu", "gpu"] and weights == [1.0, 2.0] and threads == {"cpu": 3, "gpu": 1}
-    assert caps[1] is None and caps[0] > 0 and limits == [sys.maxsize, sys.maxsize] and speed is None
+    assert caps[1] is None and caps[0] > 0 and limits == [sys.maxsize, sys.maxsize] and rates is None
 
 
 def test_the_workers_speed_for_memory_plans_is_rows_per_second(monkeypatch):
-    """For resource="memory" the workers' total speed (which decides whether moving an already-held
-    layout is worth its seconds) is their streaming bytes per second over the row's bytes."""
+    """For resource="memory" each worker's speed (which decides whether moving an already-held layout
+    is worth its seconds) is its streaming bytes per second over the row's bytes."""
     profiles = {"a": {"weight": 2.0, "memory": 4e9, "memory_total": 2**30, "threads": 1},
                 "b": {"weight": 1.0, "memory": 2e9, "memory_total": 2**30, "threads": 1}}
     monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
-    assert blocks._workers_caps_and_speed(None, "memory", 8.0, "x")[3] == 6e9 / 8.0
-    assert blocks._workers_caps_and_speed(None, "memory", 8e3, "x")[3] == 6e9 / 8e3
+    assert blocks._workers_caps_and_speed(None, "memory", 8.0, "x")[3] == {"a": 4e9 / 8.0, "b": 2e9 / 8.0}
+    assert blocks._workers_caps_and_speed(None, "memory", 8e3, "x")[3] == {"a": 4e9 / 8e3, "b": 2e9 / 8e3}
     assert blocks._workers_caps_and_speed(None, "compute", 8.0, "x")[3] is None
+
+
+def test_a_memory_plan_times_a_pass_by_the_workers_it_plans_on(monkeypatch):
+    """The pass time that decides whether moving held blocks is worth it counts the streaming speed of
+    the workers that get blocks: not that of one left out, whose memory holds no block."""
+    profiles = {"a": {"weight": 2.0, "memory": 4e9, "memory_total": 2**30, "threads": 1},
+                "b": {"weight": 1.0, "memory": 2e9, "memory_total": 2**30, "threads": 1},
+                "c": {"weight": 1.0, "memory": 8e9, "memory_total": 8, "threads": 1}}  # too small for a block
+    monkeypatch.setattr(blocks, "call_scheduler", lambda client, op, **kw: profiles)
+    monkeypatch.setattr(blocks, "rechunk_seconds", lambda *args: 0.0)
+    seen = []
+    monkeypatch.setattr(blocks, "worth_moving", lambda *args, speed, move_seconds: seen.append(speed) or False)
+    with pytest.warns(UserWarning, match="c can hold"):
+        sizes, workers, _, _ = blocks._plan(None, 1000, 8000.0, "memory", 1, 1, [500, 500], "x", ["a", "b"])
+    assert (sizes, workers) == ([500, 500], ["a", "b"])  # kept, as worth_moving said
+    assert seen == [(4e9 + 2e9) / 8.0]
 
 
 def slow_rows(b, per_row):

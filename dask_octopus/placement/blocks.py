@@ -48,15 +48,15 @@ from dask_octopus.profiling.working_set import MIN_BASIS
 
 def _workers_caps_and_speed(
     client: Client, resource: str, row_bytes: float, source: str,
-) -> tuple[list[str], list[float], list[int | None], float | None, list[int], dict[str, int]]:
+) -> tuple[list[str], list[float], list[int | None], dict[str, float] | None, list[int], dict[str, int]]:
     """Sorted worker addresses, their weights, how many rows each may hold, the time scale of a pass,
     how many rows each may process at once and each one's threads.
 
-    The time scale is, for ``resource="memory"``, the workers' total speed in rows per second, each
-    row read once at the calibrated streaming speeds; ``None`` for ``"compute"`` (the work per row is
-    not known before the graph that consumes the blocks is) or where a worker has no streaming
-    figure. The rows a worker may process at once: its memory share divided among its threads and by
-    the working set per byte of block learned from earlier runs on blocks of inputs named like this
+    The time scale is, for ``resource="memory"``, each worker's speed in rows per second, each row
+    read once at its calibrated streaming speed; ``None`` for ``"compute"`` (the work per row is not
+    known before the graph that consumes the blocks is) or where a worker has no streaming figure.
+    The rows a worker may process at once: its memory share divided among its threads and by the
+    working set per byte of block learned from earlier runs on blocks of inputs named like this
     one (``source``, a key prefix), and never below :data:`~dask_octopus.profiling.working_set.MIN_BASIS`
     bytes; no limit (``sys.maxsize``) before any such run."""
     profiles = call_scheduler(client, "octopus_profiles", resource=resource, source=source, planning=True)
@@ -74,9 +74,10 @@ def _workers_caps_and_speed(
                                                                                       * row_bytes)))
                       if memory and ratio and row_bytes > 0 else sys.maxsize)
     streams = [profiles[w].get("memory") for w in workers]
-    speed = sum(streams) / row_bytes if resource == "memory" and row_bytes > 0 and all(streams) else None
+    rates = ({w: v / row_bytes for w, v in zip(workers, streams)}
+             if resource == "memory" and row_bytes > 0 and all(streams) else None)
     threads = {w: parallel_threads(profiles[w], profiles[w].get("threads") or 1) for w in workers}
-    return workers, [profiles[w]["weight"] for w in workers], caps, speed, limits, threads
+    return workers, [profiles[w]["weight"] for w in workers], caps, rates, limits, threads
 
 
 def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: int | None, align: int,
@@ -94,7 +95,7 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     current one and within what the worker can process at once (the working set learned for
     ``source``); with it, a warning where a block is not. ``axis`` names the rows in errors."""
     row_bytes = nbytes / total if total else 0.0
-    workers, weights, caps, speed, limits, threads_of = _workers_caps_and_speed(client, resource, row_bytes, source)
+    workers, weights, caps, rates, limits, threads_of = _workers_caps_and_speed(client, resource, row_bytes, source)
     _check_fits(caps, total, nbytes, row_bytes, "")
     kept = _without_small(workers, weights, caps, limits, (per_worker or 1) * align, row_bytes)
     if len(kept[0]) < len(workers):  # what is left must fit too
@@ -121,6 +122,7 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     # as it has blocks where fewer
     threads = [threads_of[w] for w in workers]
     single = sum(weights)
+    speed = None if rates is None else sum(rates[w] for w in workers)  # (of the workers planned on)
     if per_worker is None:
         plan = block_sizes_within(total, weights, [min(max(current), n) for n in limits], align=align, caps=caps,
                                   threads=threads)
