@@ -199,7 +199,7 @@ def wait_for(client: Client, futures: list[Future], timeout: float | None = None
 def release(futures: Iterable[Future]) -> None:
     """Let go of ``futures`` now rather than when their last reference goes: an error's traceback keeps
     the frames that raised it, and the futures they hold (Dask's among them, as ``Client.gather``'s), for
-    as long as the caller keeps the error (an interactive session keeps the last one)."""
+    as long as the caller keeps the error (IPython and Jupyter keep the last one)."""
     for future in futures:
         future.release()
 
