@@ -8,6 +8,7 @@ blocks and the tasks that consume only them when the graph arrives.
 
 from __future__ import annotations
 
+import heapq
 import math
 import numbers
 import sys
@@ -102,7 +103,7 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
         _check_fits(kept[2], total, nbytes, row_bytes, " (of those that can hold a block)")
     workers, weights, caps, limits = kept
     if per_worker is None and total < len(workers):  # fewer rows than workers: the fastest take one each
-        fastest = sorted(sorted(range(len(workers)), key=weights.__getitem__, reverse=True)[:max(total, 1)])
+        fastest = sorted(heapq.nlargest(max(total, 1), range(len(workers)), key=weights.__getitem__))
         workers, weights, caps, limits = ([seq[i] for i in fastest] for seq in (workers, weights, caps, limits))
         if total == 0:  # nothing to cut: one empty block
             return [0], workers, row_bytes, dict(zip(workers, caps))
