@@ -1189,6 +1189,28 @@ async def test_the_same_dataframe_computed_without_annotate_while_held_leaves_no
     await async_poll_for(lambda: not s.tasks, timeout=10)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_without_the_plugin_a_held_annotated_result_computed_plainly_is_dask_s_collision(c, s, a):
+    """Without the plugin nothing on the scheduler sees the graphs: the held annotated result's task reads
+    fragments, the plain compute's reads the partial sums. Exact, Dask's warning is logged, and the plain
+    graph's tasks that only its version of the held keys would read stay on the scheduler, released and
+    holding no data (Dask's handling of a reused key: dask/dask#9888), until the scheduler restarts."""
+    x = da.from_array(np.arange(256.0).reshape(32, 8), chunks=(2, 8))
+
+    def build():  # 16 blocks, partial means of 4 of them: those of two fragments of 2 stay tasks
+        return x.map_blocks(np.abs).mean(axis=0)
+
+    with dask_octopus.annotate(group=2):
+        held = c.compute(build())
+    expected = await held
+    with captured_logger("distributed.scheduler") as log:
+        np.testing.assert_array_equal(await c.compute(build()), expected)
+    assert "Detected different `run_spec`" in log.getvalue()
+    del held
+    await async_poll_for(lambda: all(ts.state == "released" for ts in s.tasks.values()), timeout=5)
+    assert s.tasks and not a.data
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_an_annotated_dataframe_computed_again_while_its_result_is_held_logs_no_collision(c, s, a, b):
     """The same annotated sum computed again before the client released the first result (as a loop
