@@ -882,20 +882,7 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             if again is not None:
                 done.update(again)
                 continue
-            killed = _killed_alone(run, future, result)
-            if killed is not None:
-                del future
-                yield from killed
-                continue
-            try:
-                if future.status != "finished":
-                    future.result()  # its exception, with its traceback, as Client.gather raises it
-                if isinstance(result, Exception):  # finished, but its result could not be sent (not picklable)
-                    raise result
-            except BaseException:
-                release([future])  # (the error's traceback holds it: Future.result's frames)
-                raise
-            pairs = zip(run.finish(future), result)
+            pairs = _read(run, future, result)
             del future, result  # the batch's result is here now: the cluster need not hold it while it is read
             yield from pairs
     finally:  # stopped early, or by an error: the tasks not finished are not wanted any more
@@ -914,13 +901,18 @@ def _close(run: _Batches, done: as_completed) -> None:
     run.close()
 
 
-def _killed_alone(run: _Batches, future: Future, result: Any) -> list[tuple[int, Any]] | None:
-    """The item of the batch task ``future`` with its ``KilledWorker`` as its :class:`ItemError`, where the
-    task ended so after :meth:`_Batches.again` (the item ran alone: it killed the workers that ran it);
-    ``None`` otherwise."""
-    if future.status != "finished" and isinstance(result, KilledWorker):
+def _read(run: _Batches, future: Future, result: Any) -> Iterable[tuple[int, Any]]:
+    """``(index, result)`` of the items of the batch task ``future`` of ``run``, read with ``result`` (its
+    result, or the exception reading it raised) after :meth:`_Batches.again` passed it: the item of a task
+    of one item that killed the workers that ran it (the item ran alone) with its ``KilledWorker`` as its
+    :class:`ItemError`; else raises the exception of a batch that failed, or whose result could not be
+    sent (not picklable), releasing the batch (the error's traceback holds it: ``Future.result``'s frames)."""
+    if isinstance(result, KilledWorker) and future.status != "finished":
         return list(zip(run.finish(future), [ItemError(result)]))
-    return None
+    if isinstance(result, Exception):
+        release([future])
+        raise result
+    return zip(run.finish(future), result)
 
 
 def _pending(done: as_completed) -> list[Future]:
@@ -945,17 +937,7 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
             if again is not None:
                 done.update(again)
                 continue
-            killed = _killed_alone(run, future, result)
-            if killed is None:  # as in _as_finished
-                try:
-                    if future.status != "finished":
-                        await future
-                    if isinstance(result, Exception):
-                        raise result
-                except BaseException:
-                    release([future])
-                    raise
-            pairs = _checked(killed if killed is not None else zip(run.finish(future), result), errors)
+            pairs = _checked(_read(run, future, result), errors)
             del future, result  # as in _as_finished
             for pair in pairs:
                 yield pair
