@@ -789,8 +789,9 @@ async def test_a_worker_too_small_for_one_block_gets_none_and_the_others_all(c, 
     rec = await setup(c, s, [1.0, 1.0])
     x = da.ones((40, 2**18), chunks=(10, 2**18))  # rows of 2 MiB; a may hold 0.6 x 2 MB: no row
     for options in ({}, {"per_worker": 2}, {"align": 4}):
-        with pytest.warns(UserWarning, match=f"balance: {a.address} can hold 0.0 B .* it gets no blocks"):
+        with pytest.warns(UserWarning, match=f"balance: {a.address} can hold 0.0 B .* it gets no blocks") as caught:
             y = await run_balance(c, x, **options)
+        assert {w.filename for w in caught if "it gets no blocks" in str(w.message)} == {__file__}  # the caller's
         assert set(s.plugins["octopus"].placement.plans[y.name].workers) == {b.address}, options
         z = c.persist(y + 1)
         assert await c.compute(z.sum()) == 2 * 40 * 2**18

@@ -51,6 +51,13 @@ def plugin(s) -> OctopusSchedulerPlugin:
     return s.plugins["octopus"]
 
 
+def named_here(caught, text: str) -> None:
+    """Assert that the warnings of ``caught`` saying ``text`` (one at least) name a line of this file: the
+    caller's, not the package's."""
+    said = [w for w in caught if text in str(w.message)]
+    assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
+
+
 @gen_cluster(client=True, config=FAST)
 async def test_register_twice_is_harmless(c, s, a, b):
     await c.register_plugin(OctopusSchedulerPlugin())
@@ -194,8 +201,9 @@ async def test_a_worker_that_never_reports_is_waited_for_once(c, s, a):
         with captured_logger("dask_octopus.plugins.scheduler") as log:
             # the caller is told too (the scheduler's log may be far away), once
             with pytest.warns(UserWarning, match=rf"^dask_octopus: no calibration report from {b.address} within "
-                                                 r"octopus.calibration.wait=0.3s: they get the mean weight"):
+                                                 r"octopus.calibration.wait=0.3s: they get the mean weight") as caught:
                 assert (await dask_octopus.profiles(c))[b.address]["error"] == "not calibrated"
+            named_here(caught, "no calibration report")
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 assert (await dask_octopus.profiles(c))[b.address]["error"] == "not calibrated"
@@ -203,6 +211,35 @@ async def test_a_worker_that_never_reports_is_waited_for_once(c, s, a):
         assert b.address in log.getvalue() and plugin(s).unreported == {b.address}
     await async_poll_for(lambda: b.address not in s.workers, 5)
     assert not plugin(s).unreported
+
+
+LATE_CALLS = {  # each on a line of its own: the line a warning of the call names
+    "speeds": lambda c, x: dask_octopus.speeds(c),
+    "profiles": lambda c, x: dask_octopus.profiles(c),
+    "balance": lambda c, x: dask_octopus.balance(x, client=c),
+    "map": lambda c, x: dask_octopus.map(abs, [1, -2], client=c),
+    "imap": lambda c, x: list(dask_octopus.imap(abs, [1, -2], client=c)),
+}
+
+
+def test_the_calls_that_wait_for_a_calibration_warn_naming_the_caller_s_line():
+    """A worker that never reports its calibration: each call that gives up waiting for it warns naming the
+    line that called it (they named a line of the package, as deep in it as each warned)."""
+    from distributed import LocalCluster
+
+    with dask.config.set({**FAST, "octopus.calibration.wait": "300ms"}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c)
+        delayed_reports(cluster.scheduler, None)
+        x = da.ones(8, chunks=4)
+        for name, call in LATE_CALLS.items():
+            cluster.scale(len(cluster.workers) + 1)  # one that joins, never reports and is waited for once
+            c.wait_for_workers(len(cluster.workers))
+            with pytest.warns(UserWarning, match="no calibration report from") as caught:
+                call(c, x)
+            lines = [(w.filename, w.lineno) for w in caught if "no calibration report" in str(w.message)]
+            assert lines == [(__file__, call.__code__.co_firstlineno)], name
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "1s"})
@@ -556,8 +593,10 @@ async def test_uncalibrated_gpu_workers_without_cupy_report_at_once_as_gpu_worke
 @gen_cluster(client=True, config=FAST)
 async def test_registering_again_with_other_options_says_it_changes_nothing(c, s, a, b):
     await dask_octopus.register(c, calibrate=False)
-    with pytest.warns(UserWarning, match=r"already registered .* changes nothing.*unregister_scheduler_plugin"):
+    with pytest.warns(UserWarning, match=r"already registered .* changes nothing.*unregister_scheduler_plugin") \
+            as caught:
         await dask_octopus.register(c, calibration_seconds=0.2)
+    named_here(caught, "changes nothing")
     assert plugin(s).worker_plugin.calibrate is False  # the first registration stands
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -989,8 +1028,10 @@ async def test_a_worker_where_the_worker_plugin_does_not_load_is_named_and_not_w
     b.handlers["plugin-add"] = missing
     with (dask.config.set({"octopus.calibration.wait": "30s"}),
           pytest.warns(UserWarning, match=rf"worker plugin did not load on {b.address} "
-                                          r"\(ModuleNotFoundError\(\"No module named 'dask_octopus'\"\)\): install")):
+                                          r"\(ModuleNotFoundError\(\"No module named 'dask_octopus'\"\)\): install")
+          as caught):
         await dask_octopus.register(c, calibration_seconds=0.05)
+    named_here(caught, "did not load on")
     start = time.monotonic()
     weights = await dask_octopus.speeds(c)
     assert time.monotonic() - start < 5 and weights[b.address] == pytest.approx(0.5)
@@ -1071,8 +1112,9 @@ async def test_a_worker_whose_calibration_hangs_holds_register_no_longer_than_th
     start = time.monotonic()
     with (dask.config.set({"octopus.calibration.wait": "1s"}),
           pytest.warns(UserWarning, match=rf"no calibration report from {b.address} within "
-                                          r"octopus\.calibration\.wait=1s: they get the mean weight")):
+                                          r"octopus\.calibration\.wait=1s: they get the mean weight") as caught):
         await dask_octopus.register(c, calibration_seconds=0.05)
+    named_here(caught, "no calibration report")
     assert time.monotonic() - start < 10
     start = time.monotonic()
     weights = await dask_octopus.speeds(c)

@@ -12,7 +12,6 @@ import heapq
 import math
 import numbers
 import sys
-import warnings
 from collections import Counter
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -41,7 +40,7 @@ from dask_octopus.placement.planning import (
 )
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.placement.unfused import UnfusedTask
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, release, wait_for
+from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, release, wait_for, warn_caller
 from dask_octopus.plugins.messages import parallel_threads, plannable_memory
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
@@ -186,10 +185,10 @@ def _without_small(workers: list[str], weights: list[float], caps: list[int | No
             f"share is {format_bytes(largest * row_bytes)} at octopus.balance.memory-fraction={fraction}; "
             "lower per_worker or align, or add memory")
     for i in small:
-        warnings.warn(
+        warn_caller(
             f"balance: {workers[i]} can hold {format_bytes(caps[i] * row_bytes)} of this collection at "
             f"octopus.balance.memory-fraction={fraction}, less than its fewest rows ({minimum}, "
-            f"{format_bytes(minimum * row_bytes)}): it gets no blocks", UserWarning, stacklevel=6)
+            f"{format_bytes(minimum * row_bytes)}): it gets no blocks")
     keep = [i for i in range(len(workers)) if i not in small]
     return ([workers[i] for i in keep], [weights[i] for i in keep], [caps[i] for i in keep],
             [limits[i] for i in keep])
@@ -201,11 +200,11 @@ def _warn_over_working_set(workers: list[str], plan: list[list[int]], limits: li
     over = [(w, max(blocks), n) for w, blocks, n in zip(workers, plan, limits) if max(blocks) > n]
     if over:
         w, rows, n = over[0]
-        warnings.warn(
+        warn_caller(
             f"balance: blocks of {format_bytes(rows * row_bytes)} on {w} are larger than the "
             f"{format_bytes(n * row_bytes)} it can process at once: earlier tasks on blocks of "
             f"{source!r} needed more memory per byte of block; leave per_worker=None to size blocks by it",
-            WorkingSetWarning, stacklevel=6)  # the caller of balance (through _plan, _balance_* and its wrapper)
+            WorkingSetWarning)
 
 
 def _plan_or_none(total: int, weights: list[float], per_worker: int, align: int,

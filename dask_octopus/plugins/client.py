@@ -10,8 +10,12 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+from types import FrameType
 from typing import Any, TypeVar
 
 from distributed import Client, Future, as_completed, default_client
@@ -33,6 +37,10 @@ from dask_octopus.profiling.speedmodel import check_resource
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# the line that called a public function for an asynchronous client, read in the thread that runs it
+_CALLER: ContextVar[tuple[str, int, dict[str, Any]] | None] = ContextVar("dask_octopus_caller", default=None)
+
 
 class NotRegisteredError(RuntimeError):
     """The scheduler has no dask_octopus plugin."""
@@ -49,10 +57,44 @@ def client_of(client: Client | None) -> Client:
     return client
 
 
+def _outside(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` up its stack that runs no code of this package."""
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return frame
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` naming the line that called into this package: the first line outside it on
+    this thread's stack, or, in the thread running a call for an asynchronous client, the line that
+    made the call (:func:`awaitable_on_async_clients`), however deep in the package the warning is."""
+    caller = _CALLER.get()
+    if caller is None:
+        frame = _outside(sys._getframe(1))
+        if frame is None:  # (called from none of the user's code)
+            warnings.warn(message, category, stacklevel=2)
+            return
+        caller = (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+    filename, lineno, module_globals = caller
+    # as warnings.warn does for a frame: the module's registry makes the "default" action show it once per line
+    warnings.warn_explicit(message, category, filename, lineno, module_globals.get("__name__"),
+                           module_globals.setdefault("__warningregistry__", {}), module_globals)
+
+
+def _called_from(caller: tuple[str, int, dict[str, Any]] | None, func: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> Any:
+    token = _CALLER.set(caller)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _CALLER.reset(token)
+
+
 def awaitable_on_async_clients(func: F) -> F:
     """Make ``func`` (which takes a ``client`` argument, default: the default client) return an
     awaitable when its client is asynchronous and called from its event loop, as distributed's own
-    API does: ``func`` then runs in a thread, where the client's calls block as usual."""
+    API does: ``func`` then runs in a thread, where the client's calls block as usual (and its
+    warnings name the line that called it: :func:`warn_caller`)."""
     signature = inspect.signature(func)
 
     @functools.wraps(func)
@@ -60,7 +102,9 @@ def awaitable_on_async_clients(func: F) -> F:
         bound = signature.bind(*args, **kwargs)
         client = bound.arguments["client"] = client_of(bound.arguments.get("client"))
         if client.asynchronous:
-            return asyncio.to_thread(func, *bound.args, **bound.kwargs)
+            frame = _outside(sys._getframe(1))
+            caller = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+            return asyncio.to_thread(_called_from, caller, func, *bound.args, **bound.kwargs)
         return func(*bound.args, **bound.kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -148,26 +192,23 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         return
     name, options, failed, late, wait = current
     if options != plugin.options():
-        warnings.warn(
+        warn_caller(
             f"dask_octopus is already registered on this scheduler with {options}; register() with "
             f"{plugin.options()} changes nothing. To change them, first call "
-            f"client.unregister_scheduler_plugin({name!r})",
-            UserWarning, stacklevel=3)
+            f"client.unregister_scheduler_plugin({name!r})")
     if failed:
         first = failed[min(failed)]
-        warnings.warn(
+        warn_caller(
             f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} ({first}): "
-            f"{remedy(first)} (they get the mean weight, no map items, balanced blocks or fragments)",
-            UserWarning, stacklevel=3)
+            f"{remedy(first)} (they get the mean weight, no map items, balanced blocks or fragments)")
     if late:
-        _warn_late(late, wait, stacklevel=4)
+        _warn_late(late, wait)
 
 
-def _warn_late(late: list[str], wait: float, stacklevel: int) -> None:
+def _warn_late(late: list[str], wait: float) -> None:
     """Warn that the workers ``late`` did not report their calibration within ``wait`` seconds."""
-    warnings.warn(f"dask_octopus: no calibration report from {', '.join(late)} within "
-                  f"octopus.calibration.wait={wait}s: they get the mean weight until they report", UserWarning,
-                  stacklevel=stacklevel)
+    warn_caller(f"dask_octopus: no calibration report from {', '.join(late)} within "
+                f"octopus.calibration.wait={wait}s: they get the mean weight until they report")
 
 
 def wait_for(client: Client, futures: list[Future], timeout: float | None = None) -> bool:
@@ -263,7 +304,7 @@ def call_scheduler(client: Client | None, handler: str, **kwargs: Any) -> Any:
     if reply is None:
         raise _not_registered(client)
     if isinstance(reply, dict) and LATE in reply:  # (the scheduler logged it too: this is the caller's word)
-        _warn_late(*reply[LATE], stacklevel=3)
+        _warn_late(*reply[LATE])
         reply = reply[REPLY]
     if isinstance(reply, dict) and ERROR in reply:
         raise ValueError(reply[ERROR])
