@@ -686,6 +686,24 @@ async def test_dataframe_cuts_stay_multiples_of_align_where_index_boundaries_are
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_cuts_on_edges_with_empty_partitions_keep_the_input_s_unique_divisions(c, s, a, b):
+    """Each worker holds its half and an empty partition after it: the plan keeps the blocks (two of no
+    rows). Each cut on an edge where empty partitions sit takes its own division; they took the first
+    division after the empty ones, each alike (0, 1000, 1000, 1999, 1999), which Dask refuses to
+    repartition to."""
+    await setup(c, s, [1.0, 1.0])
+    pdf = pd.DataFrame({"v": np.arange(1000.0)}, index=pd.Index(np.arange(1000) * 2, name="i"))
+    pieces = [pdf.iloc[:500], pdf.iloc[:0], pdf.iloc[500:], pdf.iloc[:0]]
+    futures = [await c.scatter(p, workers=[w]) for p, w in zip(pieces, [a.address, a.address, b.address, b.address])]
+    divisions = (0, 999, 1000, 1998, 1999)  # of the empty partitions: (999, 1000) and (1998, 1999)
+    df = dd.from_delayed(futures, meta=pdf.iloc[:0], divisions=divisions)
+    bdf = await run_balance(c, df)
+    assert (await c.compute(bdf.map_partitions(len))).tolist() == [500, 0, 500, 0]  # kept
+    assert bdf.divisions == divisions
+    pd.testing.assert_frame_equal(await c.compute(bdf.repartition(divisions=list(bdf.divisions))), pdf)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_dataframe_cuts_that_cannot_move_leave_divisions_unknown(c, s, a, b):
     await setup(c, s, [3.0, 1.0])
     pdf = pd.DataFrame({"a": np.arange(100)}, index=np.repeat([0, 1], [30, 70]))

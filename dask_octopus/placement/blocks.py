@@ -504,9 +504,10 @@ def _snapped(client: Client, df: Any, parts: list, lengths: list[int], sizes: li
     block, over its ``caps``) or a partition's index is not sorted.
 
     Old partition edges are boundaries already (a value never spans two partitions of known
-    divisions); for the other cuts, one small task per cut on the partition holding it, all
-    computed in one round trip."""
-    from bisect import bisect_right
+    divisions); where empty partitions sit at one, each cut there takes the next of their divisions
+    (the input's own, which are unique, as Dask requires). For the other cuts, one small task per cut
+    on the partition holding it, all computed in one round trip."""
+    from bisect import bisect_left, bisect_right
     from itertools import accumulate
 
     from dask import delayed
@@ -514,8 +515,12 @@ def _snapped(client: Client, df: Any, parts: list, lengths: list[int], sizes: li
     ends = list(accumulate(lengths))
     starts = [*(e - n for e, n in zip(ends, lengths)), ends[-1]]  # and the end, as a partition to come
     where = []  # (old partition, row in it) of the first row after each cut
+    taken = 0  # the last old partition edge (by the partition it starts) that a cut took
     for cut in accumulate(sizes[:-1]):
         i = bisect_right(ends, cut)  # the first partition ending after the cut (not empty), or the end
+        if cut == starts[i]:  # on an edge: the first one there that no cut took (none left: the last one)
+            i = min(i, bisect_left(starts, cut, lo=taken + 1))
+        taken = i
         where.append((i, cut - starts[i]))
     inner = [(i, r) for i, r in where if r > 0]
     found = _gather_once(client, client.compute([delayed(_run_at)(parts[i], r) for i, r in inner])) if inner else []
