@@ -686,6 +686,26 @@ async def test_dataframe_cuts_stay_multiples_of_align_where_index_boundaries_are
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_balanced_frame_converts_to_arrays(c, s, a, b):
+    """``to_dask_array``, ``.values`` and ``to_records`` of a balanced frame (with divisions, a cut inside a
+    partition): each raised Dask's "lost dependencies" (or "Cycle detected" with ``lengths=True``) where
+    the frame was Dask's ``from_delayed`` over the blocks; computed twice, the frame holding its inputs."""
+    rec = await setup(c, s, [3.0, 1.0])
+    pdf = pd.DataFrame({"v": np.arange(100.0), "w": np.arange(100.0) * 2})
+    bdf = await run_balance(c, dd.from_pandas(pdf, npartitions=2), per_worker=1)  # 75 | 25 rows
+    assert bdf.known_divisions and bdf.npartitions == 2
+    for _ in range(2):
+        np.testing.assert_array_equal(await c.compute(bdf.to_dask_array()), pdf.to_numpy())
+        with_lengths = await asyncio.get_running_loop().run_in_executor(None, lambda: bdf.to_dask_array(lengths=True))
+        assert sorted(with_lengths.chunks[0]) == [25, 75]
+        np.testing.assert_array_equal(await c.compute(with_lengths), pdf.to_numpy())
+        np.testing.assert_array_equal(await c.compute(bdf.v.values), pdf.v.to_numpy())
+        np.testing.assert_array_equal(await c.compute(bdf.to_records()), pdf.to_records())
+    (name, plan), = s.plugins["octopus"].placement.plans.items()
+    assert [rec.worker[name, j] for j in range(2)] == plan.workers  # each block where planned
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_cuts_on_edges_with_empty_partitions_keep_the_input_s_unique_divisions(c, s, a, b):
     """Each worker holds its half and an empty partition after it: the plan keeps the blocks (two of no
     rows). Each cut on an edge where empty partitions sit takes its own division; they took the first

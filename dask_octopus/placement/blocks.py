@@ -26,6 +26,7 @@ from distributed import Client, Future
 
 from dask_octopus import config
 from dask_octopus._checks import is_count
+from dask_octopus._compat import Task, TaskRef
 from dask_octopus.placement.planning import (
     PlanningError,
     at_once,
@@ -398,12 +399,13 @@ def _named_blocks(x: da.Array, axis: int, workers: list[str]) -> da.Array:
     return da.Array(graph, name, x.chunks, meta=x._meta)
 
 
-def _take_rows(pieces: list[tuple[Any, int, int]]) -> Any:
-    """Concatenate row ranges of partitions (pandas or cuDF, through Dask's concat dispatch)."""
+def _take_rows(bounds: tuple[tuple[int, int], ...], *parts: Any) -> Any:
+    """Concatenate the rows ``bounds[i]`` (start, stop) of each partition ``parts[i]`` (pandas or cuDF,
+    through Dask's concat dispatch)."""
     from dask.dataframe.methods import concat
 
-    parts = [p.iloc[a:b] for p, a, b in pieces]
-    return parts[0] if len(parts) == 1 else concat(parts)
+    taken = [p.iloc[a:b] for p, (a, b) in zip(parts, bounds, strict=True)]
+    return taken[0] if len(taken) == 1 else concat(taken)
 
 
 def _rows_and_bytes(part: Any) -> tuple[int, int]:
@@ -455,9 +457,10 @@ def _gather_once(client: Client, futures: list[Future]) -> list[Any]:
 
 def _cut_frame(client: Client, df: Any, parts: list[Future], per_worker: int | None, resource: str,
                align: int) -> Any:
-    """:func:`_balance_frame` once the partitions ``parts`` of ``df`` are computing."""
+    """:func:`_balance_frame` once the partitions ``parts`` of ``df`` are computing: a frame of tasks
+    (``dd.from_graph``, as Dask's ``persist`` makes; Dask's ``from_delayed`` frames fail its array
+    conversions: ``to_dask_array``, ``.values``) reading the futures ``parts``, which it holds."""
     import dask.dataframe as dd
-    from dask import delayed
 
     shapes = _gather_once(client, client.map(_rows_and_bytes, parts, pure=False))
     lengths = [n for n, _ in shapes]
@@ -479,22 +482,26 @@ def _cut_frame(client: Client, df: Any, parts: list[Future], per_worker: int | N
     for j, seg in enumerate(segments):
         for i, a, b in seg:
             wanted[i, workers[j]] += b - a
-    blocks = []
+    layer: dict[Any, Task] = {}
     for j, seg in enumerate(segments):
-        rows = []
+        bounds, reads = [], []
         for i, a, b in seg:
             # the rows another worker takes of a partition, when not all of it, are cut where it is held
             where = held.get(parts[i].key, ())
             if where and workers[j] not in where and wanted[i, workers[j]] < lengths[i]:
-                rows.append((delayed(_take_rows)([(parts[i], a, b)], dask_key_name=(pieces, j, i)), 0, b - a))
+                layer[pieces, j, i] = Task((pieces, j, i), _take_rows, ((a, b),), parts[i])
+                bounds.append((0, b - a))
+                reads.append(TaskRef((pieces, j, i)))
             else:
-                rows.append((parts[i], a, b))
-        # a kept empty partition: no rows, its columns
-        rows = rows or [(parts[min(j, len(parts) - 1)], 0, 0)]
-        blocks.append(delayed(_take_rows)(rows, dask_key_name=(name, j)))
+                bounds.append((a, b))
+                reads.append(parts[i])
+        if not reads:  # a kept empty partition: no rows, its columns
+            bounds, reads = [(0, 0)], [parts[min(j, len(parts) - 1)]]
+        layer[name, j] = Task((name, j), _take_rows, tuple(bounds), *reads)
     call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource,
                    source=source, nbytes=[n * row_bytes for n in sizes], pieces=pieces)
-    return dd.from_delayed(blocks, meta=df._meta, divisions=divisions, prefix="octopus-balance", verify_meta=False)
+    keys = [(name, j) for j in range(len(segments))]
+    return dd.from_graph(layer, df._meta, divisions or (None,) * (len(keys) + 1), keys, "octopus-balance")
 
 
 def _snapped(client: Client, df: Any, parts: list, lengths: list[int], sizes: list[int], workers: list[str],
