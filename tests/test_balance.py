@@ -304,7 +304,8 @@ async def test_a_dataframe_is_not_waited_for_on_a_cluster_without_workers(c, s):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
 async def test_fewer_rows_than_workers_go_to_the_fastest(c, s, a, b, w3):
     """Without ``per_worker``, a collection of fewer rows than workers gets one block per row, on the
-    fastest workers, and an empty one a single empty block; with it, too few rows are an error."""
+    fastest workers, and an empty one a single empty block (also with ``align`` above 1); with it, or with
+    ``align`` above 1, too few rows are an error."""
     rec = await setup(c, s, [1.0, 3.0, 2.0])
     _, fastest, second = sorted(s.workers)
     x = da.arange(8).reshape(2, 4).rechunk((2, 2))
@@ -325,6 +326,9 @@ async def test_fewer_rows_than_workers_go_to_the_fastest(c, s, a, b, w3):
     pd.testing.assert_frame_equal(await c.compute(none), pdf.iloc[:0])
     with pytest.raises(PlanningError, match="2 rows are fewer than the 3 workers x per_worker=1 blocks"):
         await run_balance(c, x, per_worker=1)
+    with pytest.raises(PlanningError, match=r"align=2 is larger than the smallest worker.s share \(0.8 of 2\)"):
+        await run_balance(c, x, align=2)
+    assert (await run_balance(c, x[:0], align=2)).chunks == ((0,), (2, 2))
 
 
 MEMORY_TOO_SMALL = {"octopus.balance.memory-fraction": 1e-12}

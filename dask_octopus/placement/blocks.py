@@ -240,7 +240,8 @@ def balance(collection: Any, *, client: Client | None = None, axis: int = 0, per
         Blocks per worker. ``None``: for each worker, the fewest that keep each of its blocks within
         the collection's largest block along ``axis``, so that no worker is asked to hold a block
         larger than the user's own; with fewer rows than workers, one row each on the fastest
-        workers (no rows: one empty block; with ``align`` above 1, an error).
+        workers (with ``align`` above 1, an error: a row is not a multiple of it), and no rows
+        make one empty block.
     resource
         Weights to plan by: ``"compute"`` or ``"memory"``.
     align
