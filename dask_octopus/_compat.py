@@ -14,6 +14,8 @@ When a new release moves one of these, this is the only module to change.
   state there only, not where a client builds or a local scheduler runs a graph).
 - ``Scheduler._get_prefix_duration``: the duration Dask expects of a task (its prefix's average),
   which ``map``'s stealing weighs against the time to fetch a task's inputs.
+- ``WorkStealing.unknown_durations``: the running tasks of prefixes of no known duration, which Dask's
+  work stealing keeps until a task of the prefix finishes in memory (``drop_unknown_duration``).
 - ``distributed.dashboard.scheduler.template_variables``: the variables of the dashboard's page
   template, whose ``plots`` list is its "More..." menu (the ``/octopus`` page adds itself there).
 - The scheduler's ``plugin-add`` message to its workers and ``Scheduler.worker_plugins``: what
@@ -183,6 +185,20 @@ def expected_duration(scheduler: Any, ts: Any) -> float:
     """Seconds Dask expects the task ``ts`` to run (its prefix's average, or the default for unknown
     prefixes)."""
     return scheduler._get_prefix_duration(ts.prefix)
+
+
+def drop_unknown_duration(scheduler: Any, ts: Any) -> None:
+    """Forget ``ts``, a task that stopped running without a result (it failed, or was released), among the
+    tasks of unknown duration of Dask's work stealing on ``scheduler``: it keeps them until a task of their
+    prefix finishes in memory, never for a prefix whose tasks all failed, and with them their run specs
+    (which hold the client's futures of a computation's inputs where the scheduler runs in the client's
+    process, as ``LocalCluster``'s does: the inputs then stayed in the workers' memory)."""
+    unknown = getattr(scheduler.extensions.get("stealing"), "unknown_durations", None)
+    tasks = None if unknown is None else unknown.get(ts.prefix.name)
+    if tasks:
+        tasks.discard(ts)
+        if not tasks:
+            del unknown[ts.prefix.name]
 
 
 def measured_bandwidths(scheduler: Any) -> tuple[float, dict[tuple[str, str], float]]:

@@ -1,6 +1,7 @@
 """balance(): sizes from the weights, exact values, placement from the scheduler's records, faults, bad input."""
 
 import asyncio
+import gc
 import logging
 import sys
 import time
@@ -357,6 +358,37 @@ async def test_a_dataframe_balance_that_fails_leaves_no_task_behind(c, s, a, b, 
         await run_balance(c, df)
     await async_poll_for(lambda: not s.tasks, timeout=5)
     assert info.value.__traceback__ is not None  # (the traceback, and its frames, are still there)
+
+
+def sum_of_broken(frame):
+    """The sum of ``frame``'s ``v`` through :func:`broken_from_row_5`, computed inside ``annotate``."""
+    with dask_octopus.annotate():
+        return frame.map_partitions(broken_from_row_5).v.sum().compute()
+
+
+def test_a_failed_annotated_compute_of_a_balanced_frame_keeps_no_input():
+    """A step fails in a fragment; the task that reads it raises the error as it runs. Dask's work stealing
+    keeps a task that was running until a task of its prefix finishes in memory (none here): that task
+    held the blocks' run specs, and through them the input partitions' futures, in the client's process
+    (where LocalCluster runs the scheduler), so the input stayed in the workers' memory. (Dask's log of
+    the messages it sent the workers holds them too, until later messages push them out: none here.)"""
+    from distributed import Client, LocalCluster
+
+    with dask.config.set({"distributed.admin.low-level-log-length": 0}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c, calibrate=False)
+        bdf = dask_octopus.balance(dd.from_pandas(pd.DataFrame({"v": np.arange(200.0)}), npartitions=8))
+        with pytest.raises(ValueError, match="rows from 5 are broken"):
+            sum_of_broken(bdf)
+        del bdf
+        s = cluster.scheduler
+        deadline = time.monotonic() + 5
+        while s.tasks and time.monotonic() < deadline:
+            gc.collect()  # (the error's traceback, Dask's compute frames among it, is cyclic garbage now)
+            time.sleep(0.05)
+        assert not s.tasks, sorted({(key_split(k), ts.state) for k, ts in s.tasks.items()})
+        assert not any(c.run(lambda dask_worker: len(dask_worker.data)).values())
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

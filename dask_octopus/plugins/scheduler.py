@@ -26,7 +26,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_octopus import config
 from dask_octopus._checks import is_finite
-from dask_octopus._compat import SCHEDULER_LOGGER, add_worker_plugin, measured_bandwidths
+from dask_octopus._compat import SCHEDULER_LOGGER, add_worker_plugin, drop_unknown_duration, measured_bandwidths
 from dask_octopus.dashboard.records import PlanRecord, PlanRecords, WeightHistory
 from dask_octopus.groups import scheduler as scheduler_groups
 from dask_octopus.groups.collector import collector_paused
@@ -747,8 +747,19 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         elif start == "processing" and finish == "released":
             self._hold_if_lost(key)
             self._unpin_if_lost(key)
+        if start == "processing" and finish in ("erred", "released"):
+            self._drop_unknown_duration(key)
         if finish == "memory":
             self._hold_if_too_large(key)
+
+    @_guarded
+    def _drop_unknown_duration(self, key: Any) -> None:
+        """Let Dask's work stealing forget a task that stopped running without a result
+        (:func:`~dask_octopus._compat.drop_unknown_duration`): a fragment's failed step fails the task that
+        reads it as that task runs (Dask fails the dependents of a failed task without running them)."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None:
+            drop_unknown_duration(self.scheduler, ts)
 
     @_guarded
     def _hold_if_lost(self, key: Any) -> None:
