@@ -7,6 +7,7 @@ import logging
 import math
 import operator
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -234,12 +235,28 @@ def test_the_calls_that_wait_for_a_calibration_warn_naming_the_caller_s_line():
         delayed_reports(cluster.scheduler, None)
         x = da.ones(8, chunks=4)
         for name, call in LATE_CALLS.items():
-            cluster.scale(len(cluster.workers) + 1)  # one that joins, never reports and is waited for once
-            c.wait_for_workers(len(cluster.workers))
+            joined = len(cluster.scheduler.workers) + 1  # one that joins, never reports and is waited for once
+            cluster.scale(joined)
+            c.wait_for_workers(joined)
             with pytest.warns(UserWarning, match="no calibration report from") as caught:
                 call(c, x)
             lines = [(w.filename, w.lineno) for w in caught if "no calibration report" in str(w.message)]
             assert lines == [(__file__, call.__code__.co_firstlineno)], name
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "300ms"})
+async def test_an_asynchronous_imap_warns_naming_the_line_that_called_it(c, s, a):
+    """Its plan is made in a thread as the iteration starts, where the caller's line is on no stack."""
+    await dask_octopus.register(c)
+    delayed_reports(s, None)
+    async with Worker(s.address, nthreads=1):
+        await c.wait_for_workers(2)
+        with pytest.warns(UserWarning, match="no calibration report from") as caught:
+            line = sys._getframe().f_lineno + 1
+            results = dask_octopus.imap(abs, [1, -2], client=c)
+            assert sorted([r async for r in results]) == [(0, 1), (1, 2)]
+    lines = [(w.filename, w.lineno) for w in caught if "no calibration report" in str(w.message)]
+    assert lines == [(__file__, line)]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "1s"})

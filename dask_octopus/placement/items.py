@@ -36,9 +36,12 @@ from dask_octopus.placement.packing import Packing, check_costs, pack, split_by_
 from dask_octopus.placement.pins import ALONE_INFIX, MAP_INFIX
 from dask_octopus.placement.transfers import item_seconds
 from dask_octopus.plugins.client import (
+    Caller,
     awaitable_on_async_clients,
     call_scheduler,
+    called_from,
     client_of,
+    outside_caller,
     release,
     released_on_error,
     wait_for,
@@ -713,8 +716,9 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     group = _check_call(func, group, resource, errors, kwargs, to_host=to_host, pure=pure)
     items, cost = _listed(items, cost)
     annotations = dask.get_annotations()  # also of the tasks sent while the results are read
-    if client.asynchronous:
-        return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors, annotations)
+    if client.asynchronous:  # (its warnings name this call's line, as the others' do)
+        return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors, annotations,
+                           outside_caller())
     if not items:
         return iter(())
     return _closing(_as_finished(_Batches(client, func, items, cost, group, resource, to_host, kwargs, annotations)),
@@ -921,11 +925,12 @@ def _pending(done: as_completed) -> list[Future]:
 
 
 async def _imap_async(client: Client, func: Callable, items: list[Any], cost: Any, group: int | None, resource: str,
-                      to_host: bool, kwargs: dict[str, Any], errors: str,
-                      annotations: Mapping[str, Any]) -> AsyncIterator[tuple[int, Any]]:
+                      to_host: bool, kwargs: dict[str, Any], errors: str, annotations: Mapping[str, Any],
+                      caller: Caller | None) -> AsyncIterator[tuple[int, Any]]:
     if not items:
         return
-    run = await asyncio.to_thread(_Batches, client, func, items, cost, group, resource, to_host, kwargs, annotations)
+    run = await asyncio.to_thread(called_from, caller, _Batches, client, func, items, cost, group, resource, to_host,
+                                  kwargs, annotations)
     done = as_completed(run.take(), loop=client.loop)
     try:
         async for future in done:
@@ -933,7 +938,7 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
                 result = await future  # read as the caller gets to it (_as_finished)
             except Exception as e:
                 result = e
-            again = await asyncio.to_thread(run.again, future, result)
+            again = await asyncio.to_thread(called_from, caller, run.again, future, result)
             if again is not None:
                 done.update(again)
                 continue

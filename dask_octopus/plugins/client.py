@@ -37,9 +37,11 @@ from dask_octopus.profiling.speedmodel import check_resource
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+Caller = tuple[str, int, dict[str, Any]]  # a line of code: its file, its number, its module's globals
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # the line that called a public function for an asynchronous client, read in the thread that runs it
-_CALLER: ContextVar[tuple[str, int, dict[str, Any]] | None] = ContextVar("dask_octopus_caller", default=None)
+_CALLER: ContextVar[Caller | None] = ContextVar("dask_octopus_caller", default=None)
 
 
 class NotRegisteredError(RuntimeError):
@@ -64,25 +66,43 @@ def _outside(frame: FrameType | None) -> FrameType | None:
     return frame
 
 
+def outside_caller() -> Caller | None:
+    """The line that called into this package: the first one outside it on this thread's stack (``None``
+    where none is: the package's own command line, say)."""
+    frame = _outside(sys._getframe(1))
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+
+
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` naming the line that called into this package: the first line outside it on
-    this thread's stack, or, in the thread running a call for an asynchronous client, the line that
-    made the call (:func:`awaitable_on_async_clients`), however deep in the package the warning is."""
-    caller = _CALLER.get()
+    """``warnings.warn`` naming the line that called into this package, however deep in it the warning is.
+
+    Parameters
+    ----------
+    message
+        The warning's text.
+    category
+        Its class.
+
+    Notes
+    -----
+    The line is the first outside the package on this thread's stack or, in a thread that runs a call for
+    an asynchronous client (:func:`called_from`), the line that made the call. The warning filters act
+    on it as on ``warnings.warn``'s.
+    """
+    caller = _CALLER.get() or outside_caller()
     if caller is None:
-        frame = _outside(sys._getframe(1))
-        if frame is None:  # (called from none of the user's code)
-            warnings.warn(message, category, stacklevel=2)
-            return
-        caller = (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+        warnings.warn(message, category, stacklevel=2)
+        return
     filename, lineno, module_globals = caller
     # as warnings.warn does for a frame: the module's registry makes the "default" action show it once per line
     warnings.warn_explicit(message, category, filename, lineno, module_globals.get("__name__"),
                            module_globals.setdefault("__warningregistry__", {}), module_globals)
 
 
-def _called_from(caller: tuple[str, int, dict[str, Any]] | None, func: Callable[..., Any], *args: Any,
-                 **kwargs: Any) -> Any:
+def called_from(caller: Caller | None, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)``, whose warnings name ``caller`` (:func:`outside_caller`, taken where the call
+    was made): for a call that ``asyncio.to_thread`` runs, in a thread where the caller's line is on no
+    stack."""
     token = _CALLER.set(caller)
     try:
         return func(*args, **kwargs)
@@ -94,7 +114,7 @@ def awaitable_on_async_clients(func: F) -> F:
     """Make ``func`` (which takes a ``client`` argument, default: the default client) return an
     awaitable when its client is asynchronous and called from its event loop, as distributed's own
     API does: ``func`` then runs in a thread, where the client's calls block as usual (and its
-    warnings name the line that called it: :func:`warn_caller`)."""
+    warnings name the line that called it: :func:`called_from`)."""
     signature = inspect.signature(func)
 
     @functools.wraps(func)
@@ -102,9 +122,7 @@ def awaitable_on_async_clients(func: F) -> F:
         bound = signature.bind(*args, **kwargs)
         client = bound.arguments["client"] = client_of(bound.arguments.get("client"))
         if client.asynchronous:
-            frame = _outside(sys._getframe(1))
-            caller = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
-            return asyncio.to_thread(_called_from, caller, func, *bound.args, **bound.kwargs)
+            return asyncio.to_thread(called_from, outside_caller(), func, *bound.args, **bound.kwargs)
         return func(*bound.args, **bound.kwargs)
 
     return wrapper  # type: ignore[return-value]
