@@ -368,14 +368,12 @@ def sum_of_broken(frame):
 
 def test_a_failed_annotated_compute_of_a_balanced_frame_keeps_no_input():
     """A step fails in a fragment; the task that reads it raises the error as it runs. Dask's work stealing
-    keeps a task that was running until a task of its prefix finishes in memory (none here): that task
-    held the blocks' run specs, and through them the input partitions' futures, in the client's process
-    (where LocalCluster runs the scheduler), so the input stayed in the workers' memory. (Dask's log of
-    the messages it sent the workers holds them too, until later messages push them out: none here.)"""
+    keeps a task that was running until a task of its prefix finishes in memory (none here), with its run
+    spec and what that holds (the blocks' run specs, which held the input partitions' futures: in the
+    client's process, where LocalCluster runs the scheduler, the input stayed in the workers' memory)."""
     from distributed import Client, LocalCluster
 
-    with dask.config.set({"distributed.admin.low-level-log-length": 0}), \
-            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as c:
         dask_octopus.register(c, calibrate=False)
         bdf = dask_octopus.balance(dd.from_pandas(pd.DataFrame({"v": np.arange(200.0)}), npartitions=8))
@@ -389,6 +387,7 @@ def test_a_failed_annotated_compute_of_a_balanced_frame_keeps_no_input():
             time.sleep(0.05)
         assert not s.tasks, sorted({(key_split(k), ts.state) for k, ts in s.tasks.items()})
         assert not any(c.run(lambda dask_worker: len(dask_worker.data)).values())
+        assert not s.extensions["stealing"].unknown_durations  # (forgotten tasks)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
@@ -739,6 +738,19 @@ async def test_a_balanced_frame_converts_to_arrays(c, s, a, b):
         np.testing.assert_array_equal(await c.compute(bdf.to_records()), pdf.to_records())
     (name, plan), = s.plugins["octopus"].placement.plans.items()
     assert [rec.worker[name, j] for j in range(2)] == plan.workers  # each block where planned
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_balanced_frame_dropped_after_a_compute_leaves_nothing_behind(c, s, a, b):
+    """The frame's tasks read its input partitions by key: where they held their futures as arguments, the
+    scheduler (in this process, as LocalCluster's) kept them in its log of the messages it sent the
+    workers, and the partitions stayed in memory until 1,000 more messages pushed them out."""
+    await setup(c, s, [3.0, 1.0])
+    pdf = pd.DataFrame({"v": np.arange(100.0)})
+    bdf = await run_balance(c, dd.from_pandas(pdf, npartitions=4), per_worker=1)
+    assert await c.compute(bdf.v.sum()) == pdf.v.sum()
+    del bdf
+    await async_poll_for(lambda: not s.tasks and not a.data and not b.data, timeout=5)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)

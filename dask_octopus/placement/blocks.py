@@ -460,7 +460,10 @@ def _cut_frame(client: Client, df: Any, parts: list[Future], per_worker: int | N
                align: int) -> Any:
     """:func:`_balance_frame` once the partitions ``parts`` of ``df`` are computing: a frame of tasks
     (``dd.from_graph``, as Dask's ``persist`` makes; Dask's ``from_delayed`` frames fail its array
-    conversions: ``to_dask_array``, ``.values``) reading the futures ``parts``, which it holds."""
+    conversions: ``to_dask_array``, ``.values``) reading the futures ``parts``, which its graph holds
+    under their keys: the tasks read them by key (a future in a task's arguments is one in the scheduler's
+    log of the messages it sent, for 1,000 messages more, in the client's process where ``LocalCluster``
+    runs the scheduler: the partitions stayed in memory that long)."""
     import dask.dataframe as dd
 
     shapes = _gather_once(client, client.map(_rows_and_bytes, parts, pure=False))
@@ -483,21 +486,24 @@ def _cut_frame(client: Client, df: Any, parts: list[Future], per_worker: int | N
     for j, seg in enumerate(segments):
         for i, a, b in seg:
             wanted[i, workers[j]] += b - a
-    layer: dict[Any, Task] = {}
+    layer: dict[Any, Task | Future] = {}
     for j, seg in enumerate(segments):
         bounds, reads = [], []
         for i, a, b in seg:
             # the rows another worker takes of a partition, when not all of it, are cut where it is held
             where = held.get(parts[i].key, ())
+            layer[parts[i].key] = parts[i]
             if where and workers[j] not in where and wanted[i, workers[j]] < lengths[i]:
-                layer[pieces, j, i] = Task((pieces, j, i), _take_rows, ((a, b),), parts[i])
+                layer[pieces, j, i] = Task((pieces, j, i), _take_rows, ((a, b),), TaskRef(parts[i].key))
                 bounds.append((0, b - a))
                 reads.append(TaskRef((pieces, j, i)))
             else:
                 bounds.append((a, b))
-                reads.append(parts[i])
+                reads.append(TaskRef(parts[i].key))
         if not reads:  # a kept empty partition: no rows, its columns
-            bounds, reads = [(0, 0)], [parts[min(j, len(parts) - 1)]]
+            part = parts[min(j, len(parts) - 1)]
+            layer[part.key] = part
+            bounds, reads = [(0, 0)], [TaskRef(part.key)]
         layer[name, j] = Task((name, j), _take_rows, tuple(bounds), *reads)
     call_scheduler(client, "octopus_add_plan", name=name, workers=workers, axis=0, sizes=sizes, resource=resource,
                    source=source, nbytes=[n * row_bytes for n in sizes], pieces=pieces)
