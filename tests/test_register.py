@@ -7,6 +7,7 @@ import logging
 import math
 import operator
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -242,6 +243,28 @@ def test_the_calls_that_wait_for_a_calibration_warn_naming_the_caller_s_line():
                 call(c, x)
             lines = [(w.filename, w.lineno) for w in caught if "no calibration report" in str(w.message)]
             assert lines == [(__file__, call.__code__.co_firstlineno)], name
+
+
+WARNED_AT_A_PROMPT = """\
+from distributed import Client, LocalCluster
+import dask_octopus
+with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as c:
+    dask_octopus.register(c, calibrate=False)
+    dask_octopus.register(c, calibration_seconds=0.3)
+"""
+
+
+@pytest.mark.parametrize("how", ["-c", "-"])
+def test_a_warning_reaches_code_run_by_python_c_or_from_stdin(how):
+    """The line of ``__main__`` that ``python -c``, a script on stdin or the interactive prompt runs has no
+    source its loader gives: the warning named it and raised ImportError ("'__main__' is not a built-in
+    module") where it was asked for that source."""
+    args = [sys.executable, "-c", WARNED_AT_A_PROMPT] if how == "-c" else [sys.executable, "-"]
+    done = subprocess.run(args, input=WARNED_AT_A_PROMPT if how == "-" else None, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    where = "<string>" if how == "-c" else "<stdin>"
+    assert f"{where}:5: UserWarning: dask_octopus is already registered on this scheduler" in done.stderr, done.stderr
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "300ms"})

@@ -94,9 +94,10 @@ def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
         warnings.warn(message, category, stacklevel=2)
         return
     filename, lineno, module_globals = caller
-    # as warnings.warn does for a frame: the module's registry makes the "default" action show it once per line
+    # as warnings.warn does for a frame: the module's registry makes the "default" action show it once per
+    # line (no module_globals: its loader, asked for the line's source, refuses __main__ at a prompt, -c, stdin)
     warnings.warn_explicit(message, category, filename, lineno, module_globals.get("__name__"),
-                           module_globals.setdefault("__warningregistry__", {}), module_globals)
+                           module_globals.setdefault("__warningregistry__", {}))
 
 
 def called_from(caller: Caller | None, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
