@@ -41,7 +41,14 @@ from dask_octopus.placement.planning import (
 )
 from dask_octopus.placement.transfers import rechunk_seconds
 from dask_octopus.placement.unfused import UnfusedTask
-from dask_octopus.plugins.client import awaitable_on_async_clients, call_scheduler, release, wait_for, warn_caller
+from dask_octopus.plugins.client import (
+    awaitable_on_async_clients,
+    call_scheduler,
+    release,
+    released_on_error,
+    wait_for,
+    warn_caller,
+)
 from dask_octopus.plugins.messages import parallel_threads, plannable_memory
 from dask_octopus.profiling.speedmodel import check_resource
 from dask_octopus.profiling.working_set import MIN_BASIS
@@ -440,12 +447,10 @@ def _balance_frame(df: Any, client: Client, per_worker: int | None, resource: st
     # second time; an input already persisted is only read. But first, the plugin and a worker must be
     # there (NotRegisteredError, ValueError): the input is not computed for nothing, or waited for forever.
     call_scheduler(client, "octopus_speeds", resource=resource)
-    parts = client.compute(df.to_delayed())
-    try:
+    parts: list[Future] = []
+    with released_on_error(parts):  # the caller got none of them
+        parts.extend(client.compute(df.to_delayed()))
         return _cut_frame(client, df, parts, per_worker, resource, align)
-    except BaseException:
-        release(parts)  # the caller got none of them
-        raise
 
 
 def _gather_once(client: Client, futures: list[Future]) -> list[Any]:

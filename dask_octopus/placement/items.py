@@ -526,6 +526,7 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
     ``map`` would not return its futures meanwhile, where ``client.map`` returns at once). Items
     scattered to their workers on the way replace those of ``items``, as :func:`_submit` does."""
     parts: list[tuple[list[int], tuple[list[Future], list[list[int]], set[int]]]] = []
+    made: list[Future] = []  # their futures
 
     def submit(indices: list[int], probe: bool) -> list[Future]:
         some = [items[i] for i in indices]
@@ -534,11 +535,12 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
         for i, item in zip(indices, some):
             items[i] = item
         parts.append((indices, part))
+        made.extend(part[0])
         return part[0]
 
     left = list(range(len(items)))
     deadline = time.monotonic() + parse_timedelta(config.get("map.learn-result-wait"))  # (for all the items)
-    try:
+    with released_on_error(made):  # (the caller got none of them)
         for _ in range(PROBES):
             candidates = [i for i in left if i in usable]
             if not candidates or len(left) < 2:
@@ -551,9 +553,6 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
                 break  # (not done in time: the others count RESULT_SIZE, as they would without it)
         if left:  # (after PROBES failed items, counted RESULT_SIZE)
             submit(left, probe=False)
-    except BaseException:
-        release(f for _, (futures, _, _) in parts for f in futures)  # (the caller got none of them)
-        raise
     failed = {indices[j] for indices, (_, _, bad) in parts for j in bad}
     if per_item:
         futures: list[Future] = [None] * len(items)  # type: ignore[list-item]
@@ -826,7 +825,7 @@ class _Batches:
         client, func, group, resource, to_host, kwargs = self._submit_args
         label = _label(func)
         futures: list[Future] = []
-        try:
+        with released_on_error(futures):  # (the caller got none of them)
             for i in indices:
                 item = self._items[i]
                 with dask.annotate(**self._annotations):  # (an item failed already: its ItemError, as in its batch)
@@ -838,9 +837,6 @@ class _Batches:
                 self.where[future.key] = [i]
                 self._alone.add(future.key)
                 futures.append(future)
-        except BaseException:
-            release(futures)  # (the caller got none of them)
-            raise
         return futures
 
     def _forget(self, future: Future) -> list[int]:

@@ -266,13 +266,14 @@ def release(futures: Iterable[Future]) -> None:
 
 @contextlib.contextmanager
 def released_on_error(items: list[Any]) -> Iterator[None]:
-    """Where the block raises, :func:`release` the futures it put in ``items`` in place of what was there
-    (collections computed, local data scattered, ...): none reached the caller."""
+    """Where the block raises, :func:`release` the futures it put in ``items``, in place of what was there
+    (collections computed, local data scattered, ...) or after it (futures made): none reached the caller."""
     given = list(items)
     try:
         yield
     except BaseException:
-        release(now for now, was in zip(items, given) if now is not was and isinstance(now, Future))
+        release(now for i, now in enumerate(items)
+                if isinstance(now, Future) and (i >= len(given) or now is not given[i]))
         raise
 
 
