@@ -115,8 +115,9 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
         if total == 0:  # nothing to cut: one empty block
             return [0], workers, row_bytes, dict(zip(workers, caps))
     if total < len(workers) * (per_worker or 1):
-        rows = "rows" if axis == 0 else f"entries along axis {axis}"
-        raise PlanningError(f"{total} {rows} are fewer than the {len(workers)} workers x "
+        one = total == 1
+        rows = ("row" if one else "rows") if axis == 0 else f"entr{'y' if one else 'ies'} along axis {axis}"
+        raise PlanningError(f"{total} {rows} {'is' if one else 'are'} fewer than the {len(workers)} workers x "
                             f"per_worker={per_worker or 1} blocks")
     index = {w: i for i, w in enumerate(workers)}
     held = [index.get(h) for h in holders]
