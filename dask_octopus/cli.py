@@ -31,10 +31,20 @@ def console() -> Console:
     return c if c.is_terminal else Console(width=160)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """Show a warning as a line of the command's own: its class and text (the line of code it names is the
+    package's, or click's that called it, which says nothing to the command's user)."""
+    click.echo(f"{category.__name__}: {message}", err=True)
+
+
 @click.group()
 @click.version_option(package_name="dask-octopus")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Speed-weighted placement for heterogeneous Dask clusters."""
+    ctx.with_resource(warnings.catch_warnings())  # (as it was once the command returns: CliRunner, say)
+    warnings.showwarning = _show_warning
 
 
 @main.command()

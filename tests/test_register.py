@@ -245,6 +245,30 @@ def test_the_calls_that_wait_for_a_calibration_warn_naming_the_caller_s_line():
             assert lines == [(__file__, call.__code__.co_firstlineno)], name
 
 
+def test_the_command_line_shows_a_warning_as_a_line_of_its_own():
+    """``dask-octopus profile`` where a worker never reports its calibration: the warning is the command's
+    own line, its class and text (it named the line of click's that called the command, and that line)."""
+    from click.testing import CliRunner
+    from distributed import LocalCluster
+
+    from dask_octopus.cli import main
+
+    with dask.config.set({**FAST, "octopus.calibration.wait": "300ms"}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c)
+        delayed_reports(cluster.scheduler, None)
+        first = set(cluster.scheduler.workers)
+        cluster.scale(2)
+        c.wait_for_workers(2)
+        (late,) = set(cluster.scheduler.workers) - first
+        result = CliRunner().invoke(main, ["profile", "--scheduler-address", cluster.scheduler_address])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.stderr.splitlines() if "no calibration report" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"UserWarning: dask_octopus: no calibration report from {late} ")
+    assert result.stderr.strip() == warned[0]  # nothing else: no file name, no source line
+
+
 WARNED_AT_A_PROMPT = """\
 from distributed import Client, LocalCluster
 import dask_octopus
