@@ -27,14 +27,21 @@ dask.config.update_defaults(defaults)
 
 def _parses(parse: Callable[[Any], Any]) -> Callable[[Any], bool]:
     def ok(value: Any) -> bool:
-        if isinstance(value, bool):  # (Dask's parsers take True for 1)
+        # (Dask's parsers take True for 1, and an empty or blank string for 1 byte)
+        if isinstance(value, bool) or (isinstance(value, str) and not value.strip()):
             return False
         try:
             return is_finite(parse(value))
-        except (TypeError, ValueError, KeyError, AttributeError):  # (Dask's parsers: AttributeError for None, lists)
+        except (TypeError, ValueError, KeyError, AttributeError,  # (Dask's parsers: AttributeError for None, lists,
+                IndexError, OverflowError):  # IndexError for an empty duration, OverflowError for 1e999s)
             return False
 
     return ok
+
+
+def _size(value: Any) -> bool:
+    """A size that parses, given as a string or as a whole number of bytes (Dask's parser takes 0.5 for 0)."""
+    return _parses(parse_bytes)(value) and (isinstance(value, str) or float(value).is_integer())
 
 
 def _integer(minimum: int) -> Callable[[Any], bool]:
@@ -58,17 +65,17 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # key: (what it must b
     "map.learn-result-size": ("true or false", lambda v: isinstance(v, bool)),
     "map.learn-result-wait": ("a duration such as 5s", _parses(parse_timedelta)),
     "max-plans": ("an integer >= 1", _integer(1)),
-    "fragments.max-bytes": ("auto or a size such as 2GiB", lambda v: v == "auto" or _parses(parse_bytes)(v)),
+    "fragments.max-bytes": ("auto or a size such as 2GiB", lambda v: v == "auto" or _size(v)),
     "fragments.plan-memo": ("an integer >= 0", _integer(0)),
     "fragments.task-cost": ("a duration of 0 or more such as 1ms",
                             lambda v: _parses(parse_timedelta)(v) and parse_timedelta(v) >= 0),
     "streams.max-streams": ("an integer >= 1", _integer(1)),
-    "streams.large-bytes": ("a size such as 128MiB", _parses(parse_bytes)),
+    "streams.large-bytes": ("a size such as 128MiB", _size),
     "streams.capture": ("true or false", lambda v: isinstance(v, bool)),
     "streams.capture-after": ("an integer >= 1", _integer(1)),
     "streams.max-graphs": ("an integer >= 1", _integer(1)),
-    "streams.max-graph-bytes": ("a size such as 4GiB", _parses(parse_bytes)),
-    "streams.capture-spare-bytes": ("a size such as 32MiB", _parses(parse_bytes)),
+    "streams.max-graph-bytes": ("a size such as 4GiB", _size),
+    "streams.capture-spare-bytes": ("a size such as 32MiB", _size),
     "streams.switch-interval": ("off or a duration of 1us or more, such as 100us",  # (off: YAML reads it as false)
                                 lambda v: v is False or v == "off" or (_parses(parse_timedelta)(v)
                                                                        and parse_timedelta(v) >= 1e-6)),

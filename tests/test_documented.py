@@ -267,6 +267,19 @@ async def test_max_plans_from_dask_config_drops_the_oldest_plans(c, s, a, b):
     ("streams.max-graph-bytes", [1], r"octopus.streams.max-graph-bytes must be a size such as 4GiB, got \[1\]"),
     ("calibration.wait", [1], r"octopus.calibration.wait must be a duration such as 30s, got \[1\]"),
     ("refine.min-duration", None, "octopus.refine.min-duration must be a duration such as 2ms, got None"),
+    # an empty or blank value (an empty environment variable): Dask's parsers raise IndexError for a duration,
+    # read a size as 1 byte; a duration or size too large for them (OverflowError); a size of part of a byte
+    ("calibration.wait", "", "octopus.calibration.wait must be a duration such as 30s, got ''"),
+    ("refine.min-duration", " ", "octopus.refine.min-duration must be a duration such as 2ms, got ' '"),
+    ("map.steal-min-seconds", "", "octopus.map.steal-min-seconds must be a duration such as 50ms, got ''"),
+    ("fragments.task-cost", "", "octopus.fragments.task-cost must be a duration of 0 or more such as 1ms, got ''"),
+    ("streams.switch-interval", "", "octopus.streams.switch-interval must be off or a duration of 1us or more, "),
+    ("calibration.wait", "1e999s", "octopus.calibration.wait must be a duration such as 30s, got '1e999s'"),
+    ("fragments.max-bytes", "", "octopus.fragments.max-bytes must be auto or a size such as 2GiB, got ''"),
+    ("streams.large-bytes", " ", "octopus.streams.large-bytes must be a size such as 128MiB, got ' '"),
+    ("fragments.max-bytes", float("inf"), "octopus.fragments.max-bytes must be auto or a size such as 2GiB, got inf"),
+    ("streams.max-graph-bytes", "1e999", "octopus.streams.max-graph-bytes must be a size such as 4GiB, got '1e999'"),
+    ("streams.capture-spare-bytes", 0.5, "octopus.streams.capture-spare-bytes must be a size such as 32MiB, got 0.5"),
 ])
 def test_the_other_settings_are_validated_naming_the_key(key, value, message):
     with dask.config.set({f"octopus.{key}": value}), pytest.raises(ValueError, match=message):
