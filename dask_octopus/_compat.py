@@ -25,6 +25,8 @@ When a new release moves one of these, this is the only module to change.
 - The text of the scheduler's warning that a key came with another run spec than the one it has
   (``run_spec_collision``: the warning is dropped where the only difference is our grouping), and
   the names low-level fusion gives the tasks it fuses (``fused_name_of``).
+- ``Client._scheduler_identity``: the scheduler's identity a client keeps from its connection (its ``id``
+  tells whether two clients share a scheduler, whatever address each was given: ``scheduler_id``).
 - CuPy's ``cupy.fft._fft._exec_fft`` and ``_exec_fftn``, through which every FFT of ``cupy.fft`` and
   ``cupyx.scipy.fft`` runs (``counting_ffts``: a CUDA graph that captured one reads a cuFFT plan that
   CuPy's plan cache may free).
@@ -77,6 +79,7 @@ __all__ = [
     "resolve_aliases",
     "run_spec_collision",
     "running_schedulers",
+    "scheduler_id",
 ]
 
 execute_subgraph = _execute_subgraph
@@ -155,6 +158,12 @@ def running_schedulers() -> list[Any] | None:
         return None
     done = (Status.closing, Status.closed, Status.failed)
     return [s for s in list(instances) if s.status not in done]
+
+
+def scheduler_id(client: Any) -> str | None:
+    """The id of the scheduler that ``client`` is connected to, as it said on connecting (``None`` where
+    unknown), without asking it again."""
+    return getattr(client, "_scheduler_identity", {}).get("id")
 
 
 def in_offload_thread() -> bool:

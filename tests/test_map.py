@@ -12,7 +12,7 @@ from decimal import Decimal
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster, Nanny, Worker, wait
+from distributed import Client, LocalCluster, Nanny, Scheduler, Worker, wait
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster
@@ -444,6 +444,7 @@ async def test_bad_input(c, s, a, b):
         (items, dict(cost=lambda x: "big"), TypeError, "cost of item 0 must be a real number"),
         (items, dict(to_host="no"), TypeError, "to_host must be True or False, got 'no'"),
         (items, dict(pure=None), TypeError, "pure must be True or False, got None"),
+        (None, {}, TypeError, "^items must be an iterable, got NoneType None$"),
         (items, dict(retries=2), TypeError,  # client.map's keyword: map's other keywords go to func
          r"^func 'len' cannot be called as func\(item, \*\*kwargs\) with the keyword arguments \['retries'\]: "
          r"got an unexpected keyword argument 'retries' \(map passes .* use dask.annotate\(...\) around the call\)$"),
@@ -458,6 +459,14 @@ async def test_bad_input(c, s, a, b):
                 await loop.run_in_executor(None, functools.partial(run, len, values, **kwargs))
         with pytest.raises(TypeError, match="func must be callable, got int 5"):
             await loop.run_in_executor(None, functools.partial(run, 5, items))
+        # what does not pickle, named (distributed's own error named only the graph's type)
+        held = await c.scatter([1, 2])
+        for args, kwargs, match in [((keywords, items), dict(lk=lock), r"^kwargs\['lk'\] cannot be pickled"),
+                                    ((str, [1, lock]), {}, "^item 1 cannot be pickled"),
+                                    ((str, held), dict(cost=lambda x: bool(lock)), "^cost cannot be pickled")]:
+            with pytest.raises(TypeError, match=match):
+                await loop.run_in_executor(None, functools.partial(run, *args, **kwargs))
+        del held
         # any iterable of costs, one per item, in every way
         costs = (1 for _ in items)
         assert await loop.run_in_executor(None, functools.partial(run, str, items, cost=costs)) == ["0", "1", "2"]
@@ -489,6 +498,31 @@ async def test_bad_input(c, s, a, b):
 
 def scaled(x, k):
     return x * k
+
+
+def keywords(x, **kwargs):
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_an_item_that_is_a_future_of_another_scheduler_is_refused_naming_it(c, s, a):
+    """The scheduler knows no such key: a bare KeyError from it before (and its tracebacks logged)."""
+    await setup(c, s, [1.0])
+    async with Scheduler(dashboard_address=":0") as other, Client(other.address, asynchronous=True) as elsewhere:
+        foreign = elsewhere.submit(abs, -1)  # (pending: that scheduler has no worker)
+        mine = await c.scatter(2)
+        again = await Client(s.address.replace("127.0.0.1", "localhost"), asynchronous=True)
+        try:  # a client of the same scheduler under another address: its futures are items as any
+            assert await c.gather(await call(c, abs, [mine, await again.scatter(-3)])) == [2, 3]
+        finally:
+            await again.close()
+        message = (rf"^item 1 is a future of another scheduler \({other.address}\) than this client's "
+                   rf"\({s.address}\)$")
+        for gather in (False, True):
+            with pytest.raises(ValueError, match=message):
+                await call(c, abs, [mine, foreign], gather=gather)
+        with pytest.raises(ValueError, match=message):
+            await asyncio.to_thread(lambda: list(dask_octopus.imap(abs, [mine, foreign], client=c)))
 
 
 def draw(item):

@@ -28,7 +28,7 @@ from distributed.client import FutureCancelledError
 
 from dask_octopus import config
 from dask_octopus._checks import check_flag
-from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input
+from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input, scheduler_id
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
@@ -192,10 +192,20 @@ def _given_costs(cost: Iterable[float], n: int) -> list[float]:
     return out
 
 
-def _listed(items: Iterable[Any], cost: Cost) -> tuple[list[Any], Cost]:
+def _listed(client: Client, items: Iterable[Any], cost: Cost) -> tuple[list[Any], Cost]:
     """``items`` as a list, and ``cost``, where given as numbers, as a list of one per item (checked:
-    before anything is computed or submitted, whatever the mode)."""
+    before anything is computed or submitted, whatever the mode); ``TypeError`` where ``items`` is not
+    iterable, ``ValueError`` for an item that is a future of another scheduler (the scheduler knows no
+    such key)."""
+    if not isinstance(items, Iterable):
+        raise TypeError(f"items must be an iterable, got {type(items).__name__} {items!r}")
     items = list(items)
+    here = scheduler_id(client)
+    for i, it in enumerate(items):
+        there = scheduler_id(it.client) if isinstance(it, Future) and it.client is not client else None
+        if None not in (here, there) and there != here:
+            raise ValueError(f"item {i} is a future of another scheduler ({it.client.scheduler.address}) than "
+                             f"this client's ({client.scheduler.address})")
     return items, (cost if cost is None or callable(cost) else _given_costs(cost, len(items)))
 
 
@@ -221,6 +231,8 @@ def _costs(client: Client, items: list[Any], cost: Cost) -> list[float]:
         out = [_default_cost(i, it) for i, it in enumerate(items)]
     else:
         remote = [i for i, it in enumerate(items) if isinstance(it, Future)]
+        if remote:  # (it runs where they are)
+            _check_pickles("cost", cost)
         costed = client.map(partial(_cost_of, cost), [items[i] for i in remote], pure=False)
         try:
             wait_for(client, costed)
@@ -408,11 +420,35 @@ def _check_call(func: Callable, group: int | None, resource: str, errors: str, k
     checked = check_group_spec(resource, group)
     if errors not in ERRORS:
         raise ValueError(f"errors must be one of {', '.join(ERRORS)}, got {errors!r}")
-    try:
-        cloudpickle.dumps(func)  # distributed's dumps would log its own tracebacks first
-    except Exception as e:
-        raise TypeError(f"func cannot be pickled, so it cannot be sent to workers: {e!r}") from e
+    _check_pickles("func", func)  # distributed's dumps would log its own tracebacks first
     return checked
+
+
+def _unpicklable(what: str, value: Any) -> TypeError | None:
+    """The ``TypeError`` saying that ``what`` cannot be sent to workers, where ``value`` does not pickle
+    (its buffers are passed over, not copied), else ``None``."""
+    try:
+        cloudpickle.dumps(value, protocol=5, buffer_callback=lambda buffer: None)
+    except Exception as e:
+        error = TypeError(f"{what} cannot be pickled, so it cannot be sent to workers: {e!r}")
+        error.__cause__ = e
+        return error
+    return None
+
+
+def _check_pickles(what: str, value: Any) -> None:
+    """Raise :func:`_unpicklable`'s error where ``value`` does not pickle."""
+    error = _unpicklable(what, value)
+    if error is not None:
+        raise error
+
+
+def _named_unpicklable(items: list[Any], kwargs: Mapping[str, Any]) -> TypeError | None:
+    """For a graph that distributed could not serialize: the error naming the first keyword argument or
+    local item that does not pickle (``None`` where each does)."""
+    named = [*((f"kwargs[{k!r}]", v) for k, v in kwargs.items()),
+             *((f"item {i}", it) for i, it in enumerate(items) if not isinstance(it, Future))]
+    return next((e for e in (_unpicklable(what, value) for what, value in named) if e is not None), None)
 
 
 def _compute_delayed(client: Client, items: list[Any]) -> list[int]:
@@ -508,7 +544,14 @@ def _plan_and_submit(client: Client, func: Callable, items: list[Any], cost: Cos
     # One graph: one update_graph on the scheduler. Its keys already carry the map's token, so the
     # expression takes it too instead of tokenizing every task again (as Client.submit does).
     graph = AnnotatedLLGExpr(dsk, {"priority": priority}, _determ_token=token)
-    return client.get(graph, keys, sync=False), [idx for _, idx, _ in batches] if not per_item else [], set(failed)
+    try:
+        futures = client.get(graph, keys, sync=False)
+    except TypeError:  # (distributed's: "Could not serialize object of type AnnotatedLLGExpr", naming nothing)
+        named = _named_unpicklable(items, kwargs)
+        if named is None:
+            raise
+        raise named from named.__cause__
+    return futures, [idx for _, idx, _ in batches] if not per_item else [], set(failed)
 
 
 def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], usable: Collection[int],
@@ -652,14 +695,17 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     ------
     TypeError
         When ``func`` is not callable, is a coroutine function, cannot be pickled or cannot take
-        ``kwargs`` (by its signature, where it has one), ``cost`` is neither a callable nor numbers,
-        ``gather``, ``to_host`` or ``pure`` is not True or False, or ``client`` is not a Client.
+        ``kwargs`` (by its signature, where it has one), ``items`` is not iterable, a keyword
+        argument, a local item or a ``cost`` callable sent to workers cannot be pickled (naming it),
+        ``cost`` is neither a callable nor numbers, ``gather``, ``to_host`` or ``pure`` is not True or
+        False, or ``client`` is not a Client.
     RuntimeError
         When ``client`` is closed.
     ValueError
         For costs of the wrong length, negative or NaN (without ``cost``: an item's ``nbytes`` that
-        is not a number), a ``cost`` callable that raises (the original error chained), an unknown
-        ``resource`` or ``errors``, ``errors`` without ``gather=True``, or a ``group`` below 1.
+        is not a number), a ``cost`` callable that raises (the original error chained), an item that
+        is a future of another scheduler, an unknown ``resource`` or ``errors``, ``errors`` without
+        ``gather=True``, or a ``group`` below 1.
     NotRegisteredError
         When the scheduler has no dask_octopus plugin.
 
@@ -672,7 +718,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
     group = _check_call(func, group, resource, errors, kwargs, to_host=to_host, gather=gather, pure=pure)
     if errors != "raise" and not gather:
         raise ValueError("errors applies to gathered results: pass gather=True, or give errors to client.gather")
-    items, cost = _listed(items, cost)
+    items, cost = _listed(client, items, cost)
     if not items:
         return []
     if not gather:
@@ -713,7 +759,7 @@ def imap(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] |
     """
     client = client_of(client)
     group = _check_call(func, group, resource, errors, kwargs, to_host=to_host, pure=pure)
-    items, cost = _listed(items, cost)
+    items, cost = _listed(client, items, cost)
     annotations = dask.get_annotations()  # also of the tasks sent while the results are read
     if client.asynchronous:  # (its warnings name this call's line, as the others' do)
         return _imap_async(client, func, items, cost, group, resource, to_host, kwargs, errors, annotations,
