@@ -392,6 +392,26 @@ async def test_probe_failure_on_one_worker_is_reported_and_others_unaffected(c, 
 
 
 @gen_cluster(client=True, config=FAST)
+async def test_register_warns_naming_the_workers_whose_calibration_failed(c, s, a, b, monkeypatch):
+    """The caller is told, not only the scheduler's log (``register(device="gpu")`` where the workers
+    have no CuPy, say: register returned as if all was well)."""
+    from dask_octopus.plugins import worker as worker_plugin
+
+    def without_cupy(seconds, device):
+        raise ModuleNotFoundError("No module named 'cupy'")
+
+    monkeypatch.setattr(worker_plugin, "run_probes", without_cupy)
+    first, second = sorted([a.address, b.address])
+    message = (rf"^dask_octopus: calibration failed on {first}, {second} \(ModuleNotFoundError: No module named "
+               r"'cupy'\): they get the mean weight until their task timings set it \(dask_octopus.profiles\(\) "
+               r"shows each error\)$")
+    with pytest.warns(UserWarning, match=message) as caught:
+        await dask_octopus.register(c, device="gpu")
+    named_here(caught, "calibration failed")
+    assert await c.scheduler.octopus_speeds() == {first: pytest.approx(0.5), second: pytest.approx(0.5)}
+
+
+@gen_cluster(client=True, config=FAST)
 async def test_invalid_calibration_figures_are_excluded_with_a_warning(c, s, a, b):
     await c.register_plugin(OctopusSchedulerPlugin())
     with captured_logger("dask_octopus.plugins.scheduler", level=logging.WARNING) as log:

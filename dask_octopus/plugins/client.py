@@ -29,6 +29,7 @@ from dask_octopus.plugins.scheduler import (
     PRELOAD_ERROR,
     REPLY,
     OctopusSchedulerPlugin,
+    not_calibrated,
     not_loaded,
     registered_plugin,
     remedy,
@@ -140,11 +141,11 @@ def _settings_error(dask_scheduler: Any) -> str | None:
 
 
 async def _registered_options(dask_scheduler: Any
-                              ) -> tuple[str, dict[str, Any], dict[str, str], list[str], float] | None:
+                              ) -> tuple[str, dict[str, Any], dict[str, str], dict[str, str], list[str], float] | None:
     """The name and options of the plugin registered on ``dask_scheduler`` (``None``: none is), its worker
     plugin set up again where that was unregistered alone, the live workers where that did not load, and,
-    once the others calibrated, those that did not report within ``octopus.calibration.wait`` seconds
-    (and those seconds)."""
+    once the others calibrated, those whose calibration failed (with the error) and those that did not
+    report within ``octopus.calibration.wait`` seconds (and those seconds)."""
     plugin = registered_plugin(dask_scheduler)
     if plugin is None:
         return None
@@ -153,7 +154,8 @@ async def _registered_options(dask_scheduler: Any
     await plugin.calibrations()
     name = next(n for n, p in list(dask_scheduler.plugins.items()) if p is plugin)
     late = sorted(plugin.unreported & dask_scheduler.workers.keys() - plugin.profiles.keys())
-    return name, plugin.options(), not_loaded(plugin.profiles), late, plugin.calibration_wait
+    return (name, plugin.options(), not_loaded(plugin.profiles), not_calibrated(plugin.profiles), late,
+            plugin.calibration_wait)
 
 
 @awaitable_on_async_clients
@@ -209,7 +211,7 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
     current = client.run_on_scheduler(_registered_options)  # the one that stands: a concurrent call's, maybe
     if current is None:
         return
-    name, options, failed, late, wait = current
+    name, options, failed, uncalibrated, late, wait = current
     if options != plugin.options():
         warn_caller(
             f"dask_octopus is already registered on this scheduler with {options}; register() with "
@@ -220,6 +222,11 @@ def register(client: Client | None = None, *, calibrate: bool = True, **options:
         warn_caller(
             f"dask_octopus's worker plugin did not load on {', '.join(sorted(failed))} ({first}): "
             f"{remedy(first)} (they get the mean weight, no map items, balanced blocks or fragments)")
+    if uncalibrated:
+        first = uncalibrated[min(uncalibrated)]
+        warn_caller(
+            f"dask_octopus: calibration failed on {', '.join(sorted(uncalibrated))} ({first}): they get the mean "
+            "weight until their task timings set it (dask_octopus.profiles() shows each error)")
     if late:
         _warn_late(late, wait)
 

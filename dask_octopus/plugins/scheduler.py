@@ -97,6 +97,12 @@ def not_loaded(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """The workers of ``profiles`` where the worker plugin did not load, with the error."""
     return {w: p["error"][len(NOT_LOADED):] for w, p in profiles.items()
             if isinstance(p.get("error"), str) and p["error"].startswith(NOT_LOADED)}
+
+
+def not_calibrated(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The workers of ``profiles`` whose calibration failed where the worker plugin loaded, with the error."""
+    return {w: p["error"] for w, p in profiles.items()
+            if isinstance(p.get("error"), str) and not p["error"].startswith(NOT_LOADED)}
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
