@@ -131,6 +131,7 @@ async def test_persisted_balance_pins_downstream_passes(c, s, a, b):
     assert mm and all(rec.worker[k] == (slow, fast)[k[1]] for k in mm)
 
 
+NO_AMM = {"distributed.scheduler.active-memory-manager.start": False}  # (retire_workers runs it still)
 AMM_BY_HAND = {"distributed.scheduler.active-memory-manager.start": False,  # run by the test (amm.run_once)
                "distributed.scheduler.active-memory-manager.measure": "managed"}
 
@@ -1101,6 +1102,109 @@ def test_a_worker_that_joins_takes_only_moved_blocks_no_task_of_which_started():
     placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "c-joined")
     assert placement.plans["y"].workers == ["a", "a", "a", "c"]  # blocks 1 (its reader ran) and 2 (running) stay
     assert tasks[("y", 3)].worker_restrictions == {"c"} and tasks[("y", 2)].worker_restrictions == {"a"}
+
+
+def test_blocks_whose_worker_left_go_to_the_survivor_holding_their_data():
+    """Dask's retirement moves a leaving worker's data to survivors: each of its blocks held there stays
+    with the survivor that holds it, not the one its share would give it (the next compute would
+    fetch it back); the blocks held nowhere are shared by weight (the scheduler's side alone)."""
+    placement = Placement()
+    placement.add_plan("y", ["a", "b", "c", "c"])
+    a, b = Stub(address="a"), Stub(address="b")
+    held = {("y", 0): {a}, ("y", 1): {b}, ("y", 2): {b}, ("y", 3): set()}  # c's two: one moved to b, one lost
+    tasks = {k: task_state(k, "memory" if w else "released", who_has=w) for k, w in held.items()}
+    for key in tasks:
+        placement.pins[key] = key
+    scheduler = Stub(tasks=tasks, unrunnable=[], transitions=lambda *args: None)
+    placement.rehome(scheduler, {"a": 1.0, "b": 1.0}, "c-retired")
+    # by share alone, in block order, block 2 went to a, 3 to b: block 2's data is on b
+    assert placement.plans["y"].workers == ["a", "b", "b", "a"]
+    assert tasks[("y", 2)].worker_restrictions == {"b"} and tasks[("y", 3)].worker_restrictions == {"a"}
+
+
+def test_moved_blocks_that_had_started_are_shared_again_once_forgotten():
+    """Blocks moved to a survivor that were running as a worker joined stay with it then; once their
+    tasks are forgotten (computed and released), they are shared again, with the joined worker too, when
+    the next graph comes (they stayed on the survivor for good: each later compute 1.5x slower)."""
+    placement = Placement()
+    placement.add_plan("y", ["a", "a", "b", "b"])
+    tasks = {("y", i): task_state(("y", i), "processing") for i in range(4)}
+    for key in tasks:
+        placement.pins[key] = key
+    scheduler = Stub(tasks=tasks, unrunnable=[], transitions=lambda *args: None)
+    placement.rehome(scheduler, {"a": 1.0}, "b-left")
+    placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "c-joined")
+    assert placement.plans["y"].workers == ["a"] * 4 and not placement.reshare  # all four running
+    placement.forget(("y", 0))
+    assert not placement.reshare  # a's own block: not moved
+    placement.forget(("y", 2))
+    assert placement.reshare
+    for i in (1, 3):
+        placement.forget(("y", i))
+    scheduler.tasks.clear()
+    placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "update-graph")
+    assert placement.plans["y"].workers == ["a", "a", "c", "c"] and not placement.reshare
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_moved_blocks_running_as_a_worker_joined_are_its_share_at_the_next_compute(c, s, a, b):
+    """Blocks moved to a survivor that run there as a worker joins stay with it for that compute; at the
+    next, the worker that joined takes its share (they stayed with the survivor for good)."""
+    rec = await setup(c, s, [1.0, 1.0])
+    first, second = Event(), Event()
+    g, y, plan, on_b = await gated_plan(c, s, a, b, first)
+    placement = s.plugins["octopus"].placement
+    # b's blocks wait on a (a's own run): one runs there as a worker joins, a's one thread busy with it
+    fut = c.compute(y.map_blocks(double_waiting_for, second.name, on_b, dtype=float).sum(axis=1))
+
+    def moved():  # the tasks pinned with b's blocks
+        return [s.tasks[k] for k, block in list(placement.pins.items()) if block[1] in on_b and k in s.tasks]
+
+    key = fut.key
+    await async_poll_for(lambda: key in s.tasks and moved(), timeout=10)
+    await b.close()  # its blocks move to a, not started
+    assert plan.workers == [a.address] * 4
+    await first.set()
+    await async_poll_for(lambda: any(ts.state == "processing" for ts in moved()), timeout=10)
+    started = {placement.pins[ts.key][1] for ts in moved() if ts.state in ("processing", "memory")}
+    async with Worker(s.address, nthreads=1) as newcomer:
+        await c.wait_for_workers(2)
+        assert {plan.workers[i] for i in started} == {a.address}  # started on a: they stay
+        await second.set()
+        np.testing.assert_array_equal(await fut, np.full(400, 2 * 8 * 2.0))
+        del fut, g
+        await async_poll_for(lambda: not moved(), timeout=10)  # computed and forgotten
+        rec.worker.clear()
+        np.testing.assert_array_equal(await c.compute((y * 3).sum(axis=1)), np.full(400, 3 * 8 * 2.0))
+        assert [plan.workers[i] for i in on_b] == [newcomer.address] * 2
+        blocks = {k: w for k, w in rec.worker.items() if key_split(k).startswith("rechunk-merge")}  # y's, fused
+        assert len(blocks) == 4 and {w for k, w in blocks.items() if k[1] in on_b} == {newcomer.address}, blocks
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, config=NO_AMM)
+async def test_a_retired_worker_s_persisted_blocks_are_pinned_where_dask_moved_them(c, s, a, b, w):
+    """Dask's retirement spreads a leaving worker's data over the survivors: its persisted blocks are pinned
+    where each went (two of four were pinned to the other survivor, each compute fetched them there)."""
+    await setup(c, s, [1.0, 1.0, 1.0])
+    x = da.ones((1200, 50), chunks=(100, 50))
+    y = c.persist(await run_balance(c, x, per_worker=4))
+    await wait(y)
+    plan = s.plugins["octopus"].placement.plans[y.name]
+    leaving = plan.workers[0]
+    await c.retire_workers([leaving])
+    await async_poll_for(lambda: leaving not in s.workers, timeout=10)
+    keys = [k for k in flatten(y.__dask_keys__())]
+    assert all(plan.workers[k[1]] in {ws.address for ws in s.tasks[k].who_has} for k in keys)  # each where it is
+    np.testing.assert_array_equal(await c.compute((y + 1).sum(axis=1)), np.full(1200, 100.0))
+    # each block read where it is: no copy fetched to another worker (the memory manager is off: it would stay)
+    assert all(len(s.tasks[k].who_has) == 1 for k in keys), {k: s.tasks[k].who_has for k in keys}
+
+
+def double_waiting_for(block, name, waiting, block_info=None):
+    """``block * 2``, once the event ``name`` is set for the blocks ``waiting`` (by their row of blocks)."""
+    if block_info[None]["chunk-location"][0] in waiting:
+        Event(name).wait(30)
+    return block * 2
 
 
 def wait_then_double(block, name):

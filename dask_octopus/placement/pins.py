@@ -116,6 +116,9 @@ class Placement:
         # data the user scattered (nothing can compute it again) that pinned tasks read: the worker that
         # alone held it as the first of them was pinned (a map's items given as futures)
         self._scattered_home: dict[Key, str] = {}
+        # a task of a block moved off a worker that left was forgotten: share the moved blocks again
+        # (rehome) before the next graph is pinned, as when a worker joins
+        self.reshare = False
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
                  counts: list[int] | None = None, stealable: list[bool] | None = None,
@@ -344,10 +347,12 @@ class Placement:
             self._forget_unpinned(key)
             return
         name = block[0]
+        plan = self.plans.get(name)
+        if plan is not None and block[1] in plan.moved:
+            self.reshare = True
         self._pins_of[name] -= 1
         if self._pins_of[name] <= 0:
             del self._pins_of[name]
-            plan = self.plans.get(name)
             # (not one given again under this name since, whose graph is to come: a map of the same items)
             if plan is not None and plan.counts is not None and name not in self._unpinned:
                 self._retire(name)
@@ -438,33 +443,48 @@ class Placement:
             stealing.move_task_request(ts, ts.processing_on, ws)
 
     def rehome(self, scheduler: Scheduler, weights: dict[str, float], stimulus_id: str) -> int:
-        """Move blocks planned on workers that left to the live ones, ``weights`` (:func:`reassign`).
+        """Move blocks planned on workers that left to the live ones, ``weights``: each to the live worker
+        that holds its data (a task pinned with it in memory there: Dask's retirement moved it), the
+        others by :func:`reassign`.
 
         Blocks moved so before none of whose tasks has started (none is processing or done: their plan
         waits for its inputs, or has no task in the scheduler now, computed and released or forgotten
         by ``client.restart``) are shared again among the live workers: after a worker left, the
         survivors took its blocks, and a worker that joins before they ran (its nanny restarted it)
         takes its share back; a survivor that took them all would hold all the results, as Dask
-        alone spreads the recomputed tasks over the workers that are there when they are ready.
-        Updates the restrictions of the pinned tasks of moved blocks, and of those pinned to workers
-        that left under an earlier plan of the same name (unpins those of plans dropped since, pinned
-        to no live worker), and reschedules those stuck in ``no-worker``. Returns the
-        number of tasks re-pinned or unpinned.
+        alone spreads the recomputed tasks over the workers that are there when they are ready. Those
+        that had started as it joined are shared again once their tasks are forgotten, when the next
+        graph comes (:attr:`reshare`). Updates the restrictions of the pinned tasks of moved blocks,
+        and of those pinned to workers that left under an earlier plan of the same name (unpins those
+        of plans dropped since, pinned to no live worker), and reschedules those stuck in
+        ``no-worker``. Returns the number of tasks re-pinned or unpinned.
         """
         if not weights:
             return 0
         self.held &= weights.keys()
+        self.reshare = False
         moved: set[Block] = set()
         started: set[Block] = set()  # also the other blocks a started task fused or grouped into it
+        holder: dict[Block, str] = {}  # a live worker that holds a block's data
         for key, block in self.pins.items():
             if (ts := scheduler.tasks.get(key)) is not None and ts.state in _DONE:
                 started.add(block)
                 started.update(self._planned_blocks(key, ts.run_spec))
+                if ts.state == "memory" and block not in holder:
+                    live = sorted(ws.address for ws in ts.who_has or () if ws.address in weights)
+                    if live:
+                        holder[block] = live[0]
         for name, plan in self.plans.items():
             again = {i for i in plan.moved if (name, i) not in started}
             if all(w in weights for w in plan.workers) and not again:
                 continue
-            new = reassign([None if i in again else w for i, w in enumerate(plan.workers)], weights)
+            owners: list[str | None] = []
+            for i, w in enumerate(plan.workers):
+                if i in again:
+                    owners.append(None)
+                else:
+                    owners.append(w if w in weights else holder.get((name, i)))
+            new = reassign(owners, weights)
             changed = {i for i, (a, b) in enumerate(zip(plan.workers, new)) if a != b}
             moved.update((name, i) for i in changed)
             plan.moved |= changed

@@ -706,6 +706,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def update_graph(self, scheduler: Scheduler, *, tasks: list, keys: set | None = None,
                      annotations: dict | None = None, stimulus_id: str = "octopus-update-graph",
                      **kwargs: Any) -> None:
+        if self.placement.reshare:  # blocks moved off a worker that left, computed and forgotten since
+            self._rehome(stimulus_id)
         pinned = self.placement.update_graph(scheduler, tasks)
         made: dict = {}
         unread = scheduler_groups.unread_tasks(scheduler, tasks, keys or ())
