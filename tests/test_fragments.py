@@ -519,6 +519,33 @@ def test_a_fragment_split_into_its_members_computes_what_it_computes():
     assert {p.members[0]: set(p.step_retries(0)) for p in kept} == {m: {2 if m == retried else 0} for m in members}
 
 
+def test_a_member_read_through_a_split_fragment_s_gatherer_is_known_as_regrouped():
+    """A fragment split as its worker left: the task that picked a member's value from it picks it from
+    the task gathering the parts' results; what the member read before the grouping is still known (the
+    parts keep it), so that task held, and the same collection computed again, is ours regrouped: Dask's
+    warning that the key came with another run spec is dropped (it was logged)."""
+    from dask_octopus._compat import convert_legacy_graph
+    from dask_octopus.groups.scheduler import regrouped
+
+    x = da.from_array(np.arange(64.0).reshape(16, 4), chunks=(2, 4))
+    (y,) = dask.optimize(x.map_blocks(inc).sum(split_every=2))
+    graph = convert_legacy_graph(dict(y.__dask_graph__()))
+    (top,) = y.__dask_keys__()
+    members = {k: v for k, v in graph.items() if not (isinstance(v, Task) and v.func is operator.getitem)
+               and k not in x.__dask_keys__() and not isinstance(v, DataNode)}
+    frag = Fragment(members, [top], dict.fromkeys(members, "memory"))
+    before = frozenset(graph[top].dependencies)
+    frag.read_before = {top: before}
+    (part,) = [p for p in frag.split() if top in p.outputs]
+    assert part.read_before == {top: before}
+    part_ts = Stub(key="part", run_spec=Task("part", streams.run_fragment, DataNode(None, part)), dependencies=set())
+    gatherer = Stub(key="gathered", run_spec=Task("gathered", streams.collected, 1, DataNode(None, (0,)),
+                                                  TaskRef("part")), dependencies={part_ts})
+    reader = Stub(key=top, run_spec=Task(top, streams.pick, TaskRef("gathered"), 0), dependencies={gatherer})
+    assert regrouped(reader, before)
+    assert not regrouped(reader, {("other", 0)})
+
+
 def gated(x, name):
     """``x``, once the test sets the event ``name``."""
     from distributed import Event

@@ -273,6 +273,7 @@ class Fragment:
                           [name for name in names if name in apart], tuple(specs[i] for i in steps), (member,),
                           (member,), None if self.retries is None else tuple(self.retries[i] for i in steps),
                           self.made)
+            part.read_before = {k: self.read_before[k] for k in part.outputs if k in self.read_before}
             parts.append(part)
         return parts
 

@@ -556,14 +556,21 @@ def group_new_tasks(scheduler: Scheduler, keys: Iterable[Key], marks: Mapping[Ke
 
 def _read_before(ts: TaskState) -> frozenset[Key] | None:
     """The keys the task ``ts`` read before the grouping rewrote its run spec: a member kept as a task
-    that picks its value from its fragment read what the member read
-    (:attr:`~dask_octopus.groups.fragment.Fragment.read_before`), a consumer that reads results of
-    fragments inline what :func:`~dask_octopus.groups.rewrite.read_before_grouping` says. ``None`` for a
-    task the grouping did not rewrite (or whose fragment no longer says)."""
+    that picks its value from its fragment (or, once that was split, from the task gathering the parts'
+    results for it: :func:`split_fragment`) read what the member read
+    (:attr:`~dask_octopus.groups.fragment.Fragment.read_before`, which the parts keep for their
+    members), a consumer that reads results of fragments inline what
+    :func:`~dask_octopus.groups.rewrite.read_before_grouping` says. ``None`` for a task the grouping did
+    not rewrite (or whose fragment no longer says)."""
     if not picks_a_result(ts.run_spec):
         return read_before_grouping(ts.run_spec)
-    fragment = next((fragment_of(d.run_spec) for d in ts.dependencies), None)
-    return fragment.read_before.get(ts.key) if fragment is not None else None
+    for dts in ts.dependencies:
+        gatherer = isinstance(dts.run_spec, Task) and dts.run_spec.func is collected
+        for source in (dts, *(dts.dependencies if gatherer else ())):
+            fragment = fragment_of(source.run_spec)
+            if fragment is not None and ts.key in fragment.read_before:
+                return fragment.read_before[ts.key]
+    return None
 
 
 def regrouped(ts: TaskState, dependencies: Collection[Key]) -> bool:
