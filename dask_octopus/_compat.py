@@ -27,6 +27,9 @@ When a new release moves one of these, this is the only module to change.
   the names low-level fusion gives the tasks it fuses (``fused_name_of``).
 - ``Client._scheduler_identity``: the scheduler's identity a client keeps from its connection (its ``id``
   tells whether two clients share a scheduler, whatever address each was given: ``scheduler_id``).
+- ``as_completed.queue`` and ``.thread_condition``: where ``next`` of an ``as_completed`` waits for a
+  future to finish, which its client's event loop reports (``next_completed`` stops waiting once that
+  client closed: the loop then stopped, and ``next`` would wait for ever).
 - CuPy's ``cupy.fft._fft._exec_fft`` and ``_exec_fftn``, through which every FFT of ``cupy.fft`` and
   ``cupyx.scipy.fft`` runs (``counting_ffts``: a CUDA graph that captured one reads a cuFFT plan that
   CuPy's plan cache may free).
@@ -75,6 +78,7 @@ __all__ = [
     "execute_subgraph",
     "expected_duration",
     "in_offload_thread",
+    "next_completed",
     "parse_input",
     "resolve_aliases",
     "run_spec_collision",
@@ -158,6 +162,19 @@ def running_schedulers() -> list[Any] | None:
         return None
     done = (Status.closing, Status.closed, Status.failed)
     return [s for s in list(instances) if s.status not in done]
+
+
+def next_completed(done: Any, closed: Callable[[], bool]) -> Any:
+    """``next(done)``, the next future of the ``distributed.as_completed`` ``done`` to finish
+    (``StopIteration`` where none is left), but ``RuntimeError`` once ``closed()`` says that its client
+    closed while it waited: the client's event loop, which tells ``done`` of each future that finishes,
+    stopped with it."""
+    while done.queue.empty() and not done.is_empty():
+        if closed():
+            raise RuntimeError("the client closed while its futures were being waited for")
+        with done.thread_condition:
+            done.thread_condition.wait(timeout=0.1)
+    return next(done)
 
 
 def scheduler_id(client: Any) -> str | None:

@@ -950,3 +950,38 @@ async def test_batches_of_more_than_a_worker_holds_run_in_parts_instead_of_killi
     results = await in_thread(dask_octopus.map, np.negative, items, client=c, gather=True)
     assert [(r.shape, r[0], r[-1]) for r in results] == [((2**22,), -i, -i) for i in range(32)]
     assert max(plan_of(s)[1].counts) == 3  # 0.2 x 1000 MiB over 64 MiB (an item and its result)
+
+
+@pytest.mark.parametrize("how", ["gathered", "streamed"])
+def test_a_map_whose_client_another_thread_closes_raises_rather_than_waiting_for_ever(how, monkeypatch):
+    """The client closed by another thread of the program once the batches are submitted: its event
+    loop, which reports each batch that finishes, stops with it. ``map(gather=True)`` and ``imap`` say
+    that the client is closed, as for a close at any other moment (they waited for ever)."""
+    from dask_octopus.placement import items as items_module
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as admin:
+            dask_octopus.register(admin, calibrate=False)
+        c = Client(cluster, set_as_default=False)
+        real = items_module.as_completed
+
+        def closing(*args, **kwargs):  # the other thread's close, at this moment
+            c.close()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(items_module, "as_completed", closing)
+        calls = {"gathered": lambda: dask_octopus.map(abs, [-1, -2], client=c, gather=True),
+                 "streamed": lambda: list(dask_octopus.imap(abs, [-1, -2], client=c))}
+        outcome = []
+
+        def run():
+            try:
+                outcome.append(calls[how]())
+            except Exception as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)  # (a daemon: where it waits for ever, the test ends)
+        thread.start()
+        thread.join(30)
+        assert outcome, "still waiting 30 s after the client closed"
+        assert isinstance(outcome[0], RuntimeError) and str(outcome[0]).startswith("the client is closed"), outcome

@@ -28,7 +28,7 @@ from distributed.client import FutureCancelledError
 
 from dask_octopus import config
 from dask_octopus._checks import check_flag
-from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, parse_input, scheduler_id
+from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, next_completed, parse_input, scheduler_id
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
@@ -915,9 +915,16 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     ``as_completed`` reading ``future.result()`` does: read as soon as they finish (``with_results``),
     several batches' results were sent at once, and a worker holding them spilled (96 results of 32
     MiB in batches of 6, two 1 GiB CPU workers) read them all back to send them and died."""
-    done = as_completed(run.take(), loop=run.client.loop)
+    client = run.client
+    done = as_completed(run.take(), loop=client.loop)
     try:
-        for future in done:
+        while True:
+            try:
+                future = next_completed(done, lambda: client.status in ("closing", "closed"))
+            except StopIteration:
+                break
+            except RuntimeError:  # (another thread closed the client)
+                raise RuntimeError(f"the client is {client.status}: {client!r}") from None
             try:
                 result = future.result()
             except CancelledError as e:  # (the future's own exception: see _error_of)
@@ -933,10 +940,10 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             yield from pairs
     finally:  # stopped early, or by an error: the tasks not finished are not wanted any more
         pending = _pending(done)
-        if pending:
-            cancelled = run.client.cancel(pending)
+        if pending and client.status not in ("closing", "closed"):  # (a closed client released them all)
+            cancelled = client.cancel(pending)
             if inspect.isawaitable(cancelled):  # closed on the client's event loop (collected there)
-                run.client.loop.add_callback(lambda: cancelled)
+                client.loop.add_callback(lambda: cancelled)
         _close(run, done)
 
 
