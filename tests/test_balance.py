@@ -1112,14 +1112,18 @@ def test_blocks_whose_worker_left_go_to_the_survivor_holding_their_data():
     placement.add_plan("y", ["a", "b", "c", "c"])
     a, b = Stub(address="a"), Stub(address="b")
     held = {("y", 0): {a}, ("y", 1): {b}, ("y", 2): {b}, ("y", 3): set()}  # c's two: one moved to b, one lost
-    tasks = {k: task_state(k, "memory" if w else "released", who_has=w) for k, w in held.items()}
-    for key in tasks:
+    tasks = {k: task_state(k, "memory" if w else "released", who_has=w, nbytes=800) for k, w in held.items()}
+    # a small result pinned with block 2 (a reader's), held on a and met first: the block's own data decides
+    tasks[("s", 2)] = task_state(("s", 2), "memory", who_has={a}, nbytes=8)
+    placement.pins[("s", 2)] = ("y", 2)
+    for key in held:
         placement.pins[key] = key
     scheduler = Stub(tasks=tasks, unrunnable=[], transitions=lambda *args: None)
     placement.rehome(scheduler, {"a": 1.0, "b": 1.0}, "c-retired")
     # by share alone, in block order, block 2 went to a, 3 to b: block 2's data is on b
     assert placement.plans["y"].workers == ["a", "b", "b", "a"]
     assert tasks[("y", 2)].worker_restrictions == {"b"} and tasks[("y", 3)].worker_restrictions == {"a"}
+    assert tasks[("s", 2)].worker_restrictions == {"b"}
 
 
 def test_moved_blocks_that_had_started_are_shared_again_once_forgotten():
@@ -1133,6 +1137,9 @@ def test_moved_blocks_that_had_started_are_shared_again_once_forgotten():
         placement.pins[key] = key
     scheduler = Stub(tasks=tasks, unrunnable=[], transitions=lambda *args: None)
     placement.rehome(scheduler, {"a": 1.0}, "b-left")
+    placement.forget(("y", 3))
+    assert not placement.reshare  # moved, but no worker joined while it ran: nothing to share again
+    placement.pins[("y", 3)] = ("y", 3)
     placement.rehome(scheduler, {"a": 1.0, "c": 1.0}, "c-joined")
     assert placement.plans["y"].workers == ["a"] * 4 and not placement.reshare  # all four running
     placement.forget(("y", 0))

@@ -116,8 +116,9 @@ class Placement:
         # data the user scattered (nothing can compute it again) that pinned tasks read: the worker that
         # alone held it as the first of them was pinned (a map's items given as futures)
         self._scattered_home: dict[Key, str] = {}
-        # a task of a block moved off a worker that left was forgotten: share the moved blocks again
-        # (rehome) before the next graph is pinned, as when a worker joins
+        # moved blocks that had started on the survivor that took them as a worker joined (rehome): once a
+        # task of one is forgotten, ``reshare`` asks to share them again before the next graph is pinned
+        self._stayed: set[Block] = set()
         self.reshare = False
 
     def add_plan(self, name: str, workers: list[str], axis: int = 0, costs: list[float] | None = None,
@@ -347,12 +348,13 @@ class Placement:
             self._forget_unpinned(key)
             return
         name = block[0]
-        plan = self.plans.get(name)
-        if plan is not None and block[1] in plan.moved:
+        if block in self._stayed:
+            self._stayed.discard(block)
             self.reshare = True
         self._pins_of[name] -= 1
         if self._pins_of[name] <= 0:
             del self._pins_of[name]
+            plan = self.plans.get(name)
             # (not one given again under this name since, whose graph is to come: a map of the same items)
             if plan is not None and plan.counts is not None and name not in self._unpinned:
                 self._retire(name)
@@ -453,7 +455,7 @@ class Placement:
         survivors took its blocks, and a worker that joins before they ran (its nanny restarted it)
         takes its share back; a survivor that took them all would hold all the results, as Dask
         alone spreads the recomputed tasks over the workers that are there when they are ready. Those
-        that had started as it joined are shared again once their tasks are forgotten, when the next
+        that had started stay, and are shared again once a task of theirs is forgotten, when the next
         graph comes (:attr:`reshare`). Updates the restrictions of the pinned tasks of moved blocks,
         and of those pinned to workers that left under an earlier plan of the same name (unpins those
         of plans dropped since, pinned to no live worker), and reschedules those stuck in
@@ -465,15 +467,15 @@ class Placement:
         self.reshare = False
         moved: set[Block] = set()
         started: set[Block] = set()  # also the other blocks a started task fused or grouped into it
-        holder: dict[Block, str] = {}  # a live worker that holds a block's data
+        holder: dict[Block, tuple[float, str]] = {}  # a live worker holding a block's largest task in memory
         for key, block in self.pins.items():
             if (ts := scheduler.tasks.get(key)) is not None and ts.state in _DONE:
                 started.add(block)
                 started.update(self._planned_blocks(key, ts.run_spec))
-                if ts.state == "memory" and block not in holder:
-                    live = sorted(ws.address for ws in ts.who_has or () if ws.address in weights)
-                    if live:
-                        holder[block] = live[0]
+                live = sorted(ws.address for ws in ts.who_has or () if ws.address in weights)
+                if ts.state == "memory" and live and ts.nbytes > holder.get(block, (-1.0, ""))[0]:
+                    holder[block] = (ts.nbytes, live[0])
+        self._stayed = {(name, i) for name, plan in self.plans.items() for i in plan.moved if (name, i) in started}
         for name, plan in self.plans.items():
             again = {i for i in plan.moved if (name, i) not in started}
             if all(w in weights for w in plan.workers) and not again:
@@ -483,7 +485,7 @@ class Placement:
                 if i in again:
                     owners.append(None)
                 else:
-                    owners.append(w if w in weights else holder.get((name, i)))
+                    owners.append(w if w in weights else holder.get((name, i), (0.0, None))[1])
             new = reassign(owners, weights)
             changed = {i for i, (a, b) in enumerate(zip(plan.workers, new)) if a != b}
             moved.update((name, i) for i in changed)

@@ -103,6 +103,8 @@ def not_calibrated(profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """The workers of ``profiles`` whose calibration failed where the worker plugin loaded, with the error."""
     return {w: p["error"] for w, p in profiles.items()
             if isinstance(p.get("error"), str) and not p["error"].startswith(NOT_LOADED)}
+
+
 _starts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scheduler -> the lock of its plugins' starts
 
 
@@ -706,8 +708,8 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
     def update_graph(self, scheduler: Scheduler, *, tasks: list, keys: set | None = None,
                      annotations: dict | None = None, stimulus_id: str = "octopus-update-graph",
                      **kwargs: Any) -> None:
-        if self.placement.reshare:  # blocks moved off a worker that left, computed and forgotten since
-            self._rehome(stimulus_id)
+        if self.placement.reshare:
+            self._reshare(stimulus_id)
         pinned = self.placement.update_graph(scheduler, tasks)
         made: dict = {}
         unread = scheduler_groups.unread_tasks(scheduler, tasks, keys or ())
@@ -1031,6 +1033,13 @@ class OctopusSchedulerPlugin(SchedulerPlugin):
         finally:  # (also after an error above: a task pinned to the worker that left would wait forever)
             self._keep_off_again(stimulus_id)
             self._rehome(stimulus_id)
+
+    @_guarded
+    def _reshare(self, stimulus_id: str) -> None:
+        """Share again the blocks moved off a worker that left which had started on a survivor as a worker
+        joined, computed and forgotten since (:attr:`~dask_octopus.placement.pins.Placement.reshare`),
+        before a new graph is pinned (on its own: where it fails, the graph is still pinned and grouped)."""
+        self._rehome(stimulus_id)
 
     def _rehome(self, stimulus_id: str) -> None:
         """Pin the tasks of blocks whose worker left to the workers there are; where that fails, let
