@@ -166,12 +166,12 @@ def running_schedulers() -> list[Any] | None:
 
 def next_completed(done: Any, closed: Callable[[], bool]) -> Any:
     """``next(done)``, the next future of the ``distributed.as_completed`` ``done`` to finish
-    (``StopIteration`` where none is left), but ``RuntimeError`` once ``closed()`` says that its client
-    closed while it waited: the client's event loop, which tells ``done`` of each future that finishes,
-    stopped with it."""
+    (``StopIteration`` where none is left), but ``None`` once ``closed()`` says that its client closed
+    while it waited: the client's event loop, which tells ``done`` of each future that finishes, stopped
+    with it (``next`` would wait for ever)."""
     while done.queue.empty() and not done.is_empty():
         if closed():
-            raise RuntimeError("the client closed while its futures were being waited for")
+            return None
         with done.thread_condition:
             done.thread_condition.wait(timeout=0.1)
     return next(done)

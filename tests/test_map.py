@@ -504,6 +504,26 @@ def keywords(x, **kwargs):
     return x
 
 
+def first_probed(x):
+    return x
+
+
+@pytest.mark.package_defaults  # (octopus.map.learn-result-size on: the cheapest item runs alone first)
+@pytest.mark.parametrize("gather", [True, False])
+def test_an_item_that_cannot_be_pickled_is_named_by_its_index_among_the_map_s_items(gather):
+    """A function none of whose tasks ran: its cheapest item runs alone first, the others after; the item
+    that cannot be pickled is named by its index in the map's items, not in those sent (it was item 2)."""
+    lock = threading.Lock()
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        dask_octopus.register(c, calibrate=False)
+        with pytest.raises(TypeError, match=r"^item 3 cannot be pickled"):
+            if gather:
+                dask_octopus.map(first_probed, [1, 2, 3, lock], gather=True)
+            else:
+                list(dask_octopus.imap(first_probed, [1, 2, 3, lock]))
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_an_item_that_is_a_future_of_another_scheduler_is_refused_naming_it(c, s, a):
     """The scheduler knows no such key: a bare KeyError from it before (and its tracebacks logged)."""

@@ -952,26 +952,35 @@ async def test_batches_of_more_than_a_worker_holds_run_in_parts_instead_of_killi
     assert max(plan_of(s)[1].counts) == 3  # 0.2 x 1000 MiB over 64 MiB (an item and its result)
 
 
+def slow_abs(x):
+    time.sleep(0.5)
+    return abs(x)
+
+
+@pytest.mark.parametrize("when", ["submitted", "running"])
 @pytest.mark.parametrize("how", ["gathered", "streamed"])
-def test_a_map_whose_client_another_thread_closes_raises_rather_than_waiting_for_ever(how, monkeypatch):
-    """The client closed by another thread of the program once the batches are submitted: its event
-    loop, which reports each batch that finishes, stops with it. ``map(gather=True)`` and ``imap`` say
-    that the client is closed, as for a close at any other moment (they waited for ever)."""
+def test_a_map_whose_client_another_thread_closes_raises_rather_than_waiting_for_ever(how, when, monkeypatch):
+    """The client (with an event loop of its own) closed by another thread of the program while
+    ``map(gather=True)`` or ``imap`` waits for its batches: as they were submitted (the loop, which
+    reports each batch that finishes, stopped with it: they waited for ever), or as they run (its futures
+    cancelled with it: they raised FutureCancelledError, reason unknown). Both say that the client is
+    closed, as for a close at any other moment."""
     from dask_octopus.placement import items as items_module
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
         with Client(cluster) as admin:
             dask_octopus.register(admin, calibrate=False)
-        c = Client(cluster, set_as_default=False)
-        real = items_module.as_completed
+        c = Client(cluster.scheduler_address, set_as_default=False)
+        if when == "submitted":
+            real = items_module.as_completed
 
-        def closing(*args, **kwargs):  # the other thread's close, at this moment
-            c.close()
-            return real(*args, **kwargs)
+            def closing(*args, **kwargs):  # the other thread's close, at this moment
+                c.close()
+                return real(*args, **kwargs)
 
-        monkeypatch.setattr(items_module, "as_completed", closing)
-        calls = {"gathered": lambda: dask_octopus.map(abs, [-1, -2], client=c, gather=True),
-                 "streamed": lambda: list(dask_octopus.imap(abs, [-1, -2], client=c))}
+            monkeypatch.setattr(items_module, "as_completed", closing)
+        calls = {"gathered": lambda: dask_octopus.map(slow_abs, [-1, -2], client=c, gather=True),
+                 "streamed": lambda: list(dask_octopus.imap(slow_abs, [-1, -2], client=c))}
         outcome = []
 
         def run():
@@ -982,6 +991,12 @@ def test_a_map_whose_client_another_thread_closes_raises_rather_than_waiting_for
 
         thread = threading.Thread(target=run, daemon=True)  # (a daemon: where it waits for ever, the test ends)
         thread.start()
+        if when == "running":
+            deadline = time.monotonic() + 10
+            while not any(ts.state == "processing" for ts in cluster.scheduler.tasks.values()):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            c.close()
         thread.join(30)
         assert outcome, "still waiting 30 s after the client closed"
-        assert isinstance(outcome[0], RuntimeError) and str(outcome[0]).startswith("the client is closed"), outcome
+        assert isinstance(outcome[0], RuntimeError) and str(outcome[0]).startswith("the client is clos"), outcome

@@ -117,7 +117,8 @@ def _plan(client: Client, total: int, nbytes: float, resource: str, per_worker: 
     if total < len(workers) * (per_worker or 1):
         one = total == 1
         rows = ("row" if one else "rows") if axis == 0 else f"entr{'y' if one else 'ies'} along axis {axis}"
-        raise PlanningError(f"{total} {rows} {'is' if one else 'are'} fewer than the {len(workers)} workers x "
+        counted = f"{len(workers)} worker{'' if len(workers) == 1 else 's'}"
+        raise PlanningError(f"{total} {rows} {'is' if one else 'are'} fewer than the {counted} x "
                             f"per_worker={per_worker or 1} blocks")
     index = {w: i for i, w in enumerate(workers)}
     held = [index.get(h) for h in holders]

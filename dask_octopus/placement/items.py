@@ -6,6 +6,7 @@ one future per item, or the results gathered per batch (``gather=True``, ``imap`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -40,7 +41,9 @@ from dask_octopus.plugins.client import (
     awaitable_on_async_clients,
     call_scheduler,
     called_from,
+    check_open,
     client_of,
+    closed,
     outside_caller,
     release,
     released_on_error,
@@ -197,9 +200,11 @@ def _listed(client: Client, items: Iterable[Any], cost: Cost) -> tuple[list[Any]
     before anything is computed or submitted, whatever the mode); ``TypeError`` where ``items`` is not
     iterable, ``ValueError`` for an item that is a future of another scheduler (the scheduler knows no
     such key)."""
-    if not isinstance(items, Iterable):
-        raise TypeError(f"items must be an iterable, got {type(items).__name__} {items!r}")
-    items = list(items)
+    try:
+        iterator = iter(items)  # (a sequence by __getitem__ alone, such as a map-style dataset, is)
+    except TypeError:
+        raise TypeError(f"items must be an iterable, got {type(items).__name__} {items!r}") from None
+    items = list(iterator)
     here = scheduler_id(client)
     for i, it in enumerate(items):
         there = scheduler_id(it.client) if isinstance(it, Future) and it.client is not client else None
@@ -443,11 +448,14 @@ def _check_pickles(what: str, value: Any) -> None:
         raise error
 
 
-def _named_unpicklable(items: list[Any], kwargs: Mapping[str, Any]) -> TypeError | None:
+def _named_unpicklable(items: list[Any], kwargs: Mapping[str, Any], numbers: Sequence[int] | None
+                       ) -> TypeError | None:
     """For a graph that distributed could not serialize: the error naming the first keyword argument or
-    local item that does not pickle (``None`` where each does)."""
+    local item that does not pickle, by its index in the map's items (``numbers``: those of ``items``,
+    where they are some of them); ``None`` where each pickles."""
     named = [*((f"kwargs[{k!r}]", v) for k, v in kwargs.items()),
-             *((f"item {i}", it) for i, it in enumerate(items) if not isinstance(it, Future))]
+             *((f"item {i if numbers is None else numbers[i]}", it) for i, it in enumerate(items)
+               if not isinstance(it, Future))]
     return next((e for e in (_unpicklable(what, value) for what, value in named) if e is not None), None)
 
 
@@ -463,10 +471,11 @@ def _compute_delayed(client: Client, items: list[Any]) -> list[int]:
 
 def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool, probe: bool = True, pure: bool = True,
-            started: bool = False) -> tuple[list[Future], list[list[int]], set[int]]:
+            per_item: bool, probe: bool = True, pure: bool = True, started: bool = False,
+            numbers: Sequence[int] | None = None) -> tuple[list[Future], list[list[int]], set[int]]:
     """Plan ``items``, register the plan and submit it as one graph (``started``: some of the map's work was
-    submitted already, :func:`_plan_items`). ``per_item``: one future per item
+    submitted already, :func:`_plan_items`; ``numbers``: the items' indices in the map's, where they are
+    some of them, for errors). ``per_item``: one future per item
     (and no batches), named by their work unless ``pure`` is false; else one future per batch task,
     with the indices of its items. Also returns the indices of the items that were futures failed
     already (:func:`_failed_inputs`). Batches of a
@@ -477,12 +486,12 @@ def _submit(client: Client, func: Callable, items: list[Any], cost: Cost,
     with released_on_error(items):
         _compute_delayed(client, items)
         return _plan_and_submit(client, func, items, cost, group, resource, to_host, kwargs, per_item, probe, pure,
-                                started)
+                                started, numbers)
 
 
 def _plan_and_submit(client: Client, func: Callable, items: list[Any], cost: Cost, group: int | None,
                      resource: str, to_host: bool, kwargs: dict[str, Any], per_item: bool, probe: bool, pure: bool,
-                     started: bool) -> tuple[list[Future], list[list[int]], set[int]]:
+                     started: bool, numbers: Sequence[int] | None) -> tuple[list[Future], list[list[int]], set[int]]:
     """:func:`_submit`, once the delayed items are futures."""
     costs = _costs(client, items, cost)
     batched = group is not None or not per_item
@@ -495,7 +504,8 @@ def _plan_and_submit(client: Client, func: Callable, items: list[Any], cost: Cos
     result_size = next((w.result_size for w in info if w.result_size is not None), None)
     if result_size is None and probe and batched and len(items) > 1 and config.get("map.learn-result-size"):
         usable = {i for i, b in enumerate(nbytes) if i not in failed and b > 0}
-        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item, pure, started)
+        return _probed(client, func, items, costs, usable, group, resource, to_host, kwargs, per_item, pure, started,
+                       numbers)
     result_size = RESULT_SIZE if result_size is None else result_size
     batches = _batches(costs, packing, [w.threads for w in info], batched, unfitted, config.get("map.steal-fraction"),
                        scale, [b * (1 + result_size) for b in nbytes], [w.budget for w in info])
@@ -547,7 +557,7 @@ def _plan_and_submit(client: Client, func: Callable, items: list[Any], cost: Cos
     try:
         futures = client.get(graph, keys, sync=False)
     except TypeError:  # (distributed's: "Could not serialize object of type AnnotatedLLGExpr", naming nothing)
-        named = _named_unpicklable(items, kwargs)
+        named = _named_unpicklable(items, kwargs, numbers)
         if named is None:
             raise
         raise named from named.__cause__
@@ -556,7 +566,8 @@ def _plan_and_submit(client: Client, func: Callable, items: list[Any], cost: Cos
 
 def _probed(client: Client, func: Callable, items: list[Any], costs: list[float], usable: Collection[int],
             group: int | None, resource: str, to_host: bool, kwargs: dict[str, Any],
-            per_item: bool, pure: bool = True, started: bool = False) -> tuple[list[Future], list[list[int]], set[int]]:
+            per_item: bool, pure: bool = True, started: bool = False,
+            numbers: Sequence[int] | None = None) -> tuple[list[Future], list[list[int]], set[int]]:
     """:func:`_submit` of batches of a function none of whose tasks has finished yet: its cheapest item of
     ``usable`` (not failed already, of known bytes) first, alone, and once that finished (the scheduler
     then knows the bytes of result per byte of item) the others, in batches that count their results
@@ -574,7 +585,8 @@ def _probed(client: Client, func: Callable, items: list[Any], costs: list[float]
     def submit(indices: list[int], probe: bool) -> list[Future]:
         some = [items[i] for i in indices]
         part = _submit(client, func, some, [costs[i] for i in indices], group, resource, to_host, kwargs,
-                       per_item, probe=probe, pure=pure, started=started or bool(parts))
+                       per_item, probe=probe, pure=pure, started=started or bool(parts),
+                       numbers=[numbers[i] for i in indices] if numbers is not None else indices)
         for i, item in zip(indices, some):
             items[i] = item
         parts.append((indices, part))
@@ -826,7 +838,7 @@ class _Batches:
         cost = self._cost if self._cost is None or callable(self._cost) else [self._cost[i] for i in indices]
         with dask.annotate(**self._annotations):
             futures, batches, failed = _submit(client, func, items, cost, group, resource, to_host, kwargs,
-                                               per_item=False, started=started)
+                                               per_item=False, started=started, numbers=indices)
         for i, sent in zip(indices, items):
             if isinstance(sent, Future) and isinstance(self._items[i], Future):
                 self._sent[i] = sent  # (given or computed: it may fail)
@@ -920,11 +932,10 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     try:
         while True:
             try:
-                future = next_completed(done, lambda: client.status in ("closing", "closed"))
+                future = next_completed(done, lambda: closed(client))
             except StopIteration:
                 break
-            except RuntimeError:  # (another thread closed the client)
-                raise RuntimeError(f"the client is {client.status}: {client!r}") from None
+            check_open(client)  # (closed by another thread meanwhile: its futures were cancelled with it)
             try:
                 result = future.result()
             except CancelledError as e:  # (the future's own exception: see _error_of)
@@ -940,10 +951,11 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             yield from pairs
     finally:  # stopped early, or by an error: the tasks not finished are not wanted any more
         pending = _pending(done)
-        if pending and client.status not in ("closing", "closed"):  # (a closed client released them all)
-            cancelled = client.cancel(pending)
-            if inspect.isawaitable(cancelled):  # closed on the client's event loop (collected there)
-                client.loop.add_callback(lambda: cancelled)
+        if pending and not closed(client):  # (a closed client released them all)
+            with contextlib.suppress(RuntimeError):  # (closed since: its loop is gone, and so are they)
+                cancelled = client.cancel(pending)
+                if inspect.isawaitable(cancelled):  # closed on the client's event loop (collected there)
+                    client.loop.add_callback(lambda: cancelled)
         _close(run, done)
 
 

@@ -55,9 +55,19 @@ def client_of(client: Client | None) -> Client:
     client = default_client() if client is None else client
     if not isinstance(client, Client):
         raise TypeError(f"client must be a distributed.Client, got {type(client).__name__} {client!r}")
-    if client.status in ("closing", "closed"):
-        raise RuntimeError(f"the client is {client.status}: {client!r}")
+    check_open(client)
     return client
+
+
+def closed(client: Client) -> bool:
+    """Whether ``client`` is closing or closed."""
+    return client.status in ("closing", "closed")
+
+
+def check_open(client: Client) -> None:
+    """Raise ``RuntimeError`` where ``client`` is closing or closed."""
+    if closed(client):
+        raise RuntimeError(f"the client is {client.status}: {client!r}")
 
 
 def _outside(frame: FrameType | None) -> FrameType | None:
