@@ -712,7 +712,7 @@ def map(func: Callable, items: Iterable[Any], *, cost: Callable[[Any], float] | 
         ``cost`` is neither a callable nor numbers, ``gather``, ``to_host`` or ``pure`` is not True or
         False, or ``client`` is not a Client.
     RuntimeError
-        When ``client`` is closed.
+        When ``client`` is closed (also by another thread while ``gather=True`` waits for results).
     ValueError
         For costs of the wrong length, negative or NaN (without ``cost``: an item's ``nbytes`` that
         is not a number), a ``cost`` callable that raises (the original error chained), an item that
@@ -926,7 +926,8 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     Each batch's results are read when the caller gets to them, one batch at a time, as a loop over
     ``as_completed`` reading ``future.result()`` does: read as soon as they finish (``with_results``),
     several batches' results were sent at once, and a worker holding them spilled (96 results of 32
-    MiB in batches of 6, two 1 GiB CPU workers) read them all back to send them and died."""
+    MiB in batches of 6, two 1 GiB CPU workers) read them all back to send them and died. Raises
+    ``RuntimeError`` where the client closes meanwhile (another thread closed it)."""
     client = run.client
     done = as_completed(run.take(), loop=client.loop)
     try:
