@@ -472,9 +472,10 @@ class Placement:
             if (ts := scheduler.tasks.get(key)) is not None and ts.state in _DONE:
                 started.add(block)
                 started.update(self._planned_blocks(key, ts.run_spec))
-                live = sorted(ws.address for ws in ts.who_has or () if ws.address in weights)
-                if ts.state == "memory" and live and ts.nbytes > holder.get(block, (-1.0, ""))[0]:
-                    holder[block] = (ts.nbytes, live[0])
+                if ts.state == "memory" and ts.who_has and ts.nbytes > holder.get(block, (-1.0, ""))[0]:
+                    live = sorted(ws.address for ws in ts.who_has or () if ws.address in weights)
+                    if live:
+                        holder[block] = (ts.nbytes, live[0])
         self._stayed = {(name, i) for name, plan in self.plans.items() for i in plan.moved if (name, i) in started}
         for name, plan in self.plans.items():
             again = {i for i in plan.moved if (name, i) not in started}
