@@ -54,7 +54,7 @@ def call_map(c, *args, **kwargs):
 def test_calibration_seconds_is_split_between_the_two_probes(monkeypatch):
     budgets = []
 
-    def fake_throughput(step, sync, work, seconds):
+    def fake_throughput(step, sync, work, seconds, stop):
         budgets.append(seconds)
         return 1.0
 
@@ -77,7 +77,7 @@ async def test_calibration_seconds_from_dask_config_is_each_worker_s_probe_budge
 @gen_cluster(client=True, nthreads=TWO)
 async def test_calibration_device_cpu_forces_numpy_probes_where_a_gpu_is_seen(c, s, a, b, monkeypatch, device,
                                                                                probed):
-    def gpu_probe(seconds):
+    def gpu_probe(seconds, stop):
         raise RuntimeError("the CuPy probe ran")
 
     monkeypatch.setattr(probes, "gpu_available", lambda: True)  # as on a GPU machine

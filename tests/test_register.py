@@ -372,11 +372,11 @@ async def test_probe_failure_on_one_worker_is_reported_and_others_unaffected(c, 
 
     calls = []
 
-    def flaky(seconds, device):
+    def flaky(seconds, device, stop):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("no device here")
-        return probes.run_probes(seconds, device)
+        return probes.run_probes(seconds, device, stop)
 
     monkeypatch.setattr(worker_plugin, "run_probes", flaky)
     with captured_logger("dask_octopus.plugins.scheduler", level=logging.WARNING) as log:
@@ -397,7 +397,7 @@ async def test_register_warns_naming_the_workers_whose_calibration_failed(c, s, 
     have no CuPy, say: register returned as if all was well)."""
     from dask_octopus.plugins import worker as worker_plugin
 
-    def without_cupy(seconds, device):
+    def without_cupy(seconds, device, stop):
         raise ModuleNotFoundError("No module named 'cupy'")
 
     monkeypatch.setattr(worker_plugin, "run_probes", without_cupy)
@@ -1028,6 +1028,42 @@ async def test_a_calibration_report_of_a_worker_that_left_is_dropped(c, s, a, b)
     assert set(await dask_octopus.profiles(c)) == {a.address, b.address}
 
 
+def test_probes_told_to_stop_stop_before_their_time_is_up():
+    from dask_octopus.profiling.probes import ProbeStopped, run_probes
+
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    start = time.perf_counter()
+    with pytest.raises(ProbeStopped, match=r"^stopped after [\d.]+ of 15 s$"):
+        run_probes(30, "cpu", stop)
+    assert time.perf_counter() - start < 5
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_worker_closing_while_it_calibrates_stops_its_probes(c, s, a, monkeypatch):
+    """A close waited for the probes' whole budget (a 20 s budget: a cluster's close raised "join
+    timed out" after 10 s, a nanny killed its worker after 4 s); the probes run on, reporting nothing."""
+    from dask_octopus.plugins import worker as worker_plugin
+
+    await dask_octopus.register(c, calibrate=False)
+    started = threading.Event()
+    real = worker_plugin.run_probes
+
+    def probes(seconds, device, stop):
+        started.set()
+        return real(seconds, device, stop)
+
+    monkeypatch.setattr(worker_plugin, "run_probes", probes)
+    calibrating = asyncio.ensure_future(a.plugin_add(worker_plugin.OctopusWorkerPlugin(seconds=30, device="cpu")))
+    await async_poll_for(started.is_set, 5)
+    with captured_logger("dask_octopus.plugins.worker", level=logging.WARNING) as log:
+        start = time.perf_counter()
+        await a.close()
+        assert await calibrating == {"status": "OK"}
+    assert time.perf_counter() - start < 10  # (the close waited 30 s: the probes ran to the end)
+    assert log.getvalue() == ""  # (no "calibration failed")
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_worker_plugin_replaced_while_calibrating_reports_nothing_and_keeps_nothing(c, s, a, monkeypatch):
     from dask_octopus.plugins import worker as worker_plugin
@@ -1035,7 +1071,7 @@ async def test_a_worker_plugin_replaced_while_calibrating_reports_nothing_and_ke
     await dask_octopus.register(c, calibrate=False)
     started, release = threading.Event(), threading.Event()
 
-    def slow_probes(seconds, device):
+    def slow_probes(seconds, device, stop):
         started.set()
         release.wait(10)
         return {"compute": 1e9, "memory": 1e9, "device": "cpu"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from distributed.core import Status
@@ -16,7 +17,7 @@ from dask_octopus import config
 from dask_octopus.groups.streams import EXTENSION, HEARTBEAT_KEY, RAISED_BY, StreamRuntime
 from dask_octopus.plugins.messages import Profile
 from dask_octopus.profiling.gpu_timing import GpuTaskTimer
-from dask_octopus.profiling.probes import gpu_available, probed_device, run_probes
+from dask_octopus.profiling.probes import ProbeStopped, gpu_available, probed_device, run_probes
 from dask_octopus.profiling.working_set import CupyPeak, RssPeak, WorkingSetMeter
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class OctopusWorkerPlugin(WorkerPlugin):
         self.worker = None
         self.profile = {}
         self._torn_down = False
+        self._stop: threading.Event | None = None  # ends a calibration running at teardown (a close waited for it)
 
     async def setup(self, worker: Worker) -> None:
         try:
@@ -89,13 +91,17 @@ class OctopusWorkerPlugin(WorkerPlugin):
         if not self.calibrate:
             profile = {"calibrated": False, "device": device, "error": None}
         else:
+            self._stop = threading.Event()  # (made here: the plugin travels pickled)
             try:
-                profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, device)
+                profile = await asyncio.get_running_loop().run_in_executor(None, run_probes, self.seconds, device,
+                                                                           self._stop)
                 profile["error"] = None
             except asyncio.CancelledError:
                 if worker.status in _CLOSING:  # closed while it calibrates (a Ctrl-C, a cluster closed): no
                     return  # report, and no traceback logged for a setup that had nothing left to do
                 raise
+            except ProbeStopped:  # torn down while it calibrates: the worker closes, or a new plugin reports
+                return
             except Exception as e:  # reported to the scheduler; the worker keeps working
                 logger.warning("dask_octopus calibration failed on %s: %r", worker.address, e)
                 profile = {"device": device, "error": f"{type(e).__name__}: {e}"}
@@ -151,6 +157,8 @@ class OctopusWorkerPlugin(WorkerPlugin):
 
     def teardown(self, worker: Worker) -> None:
         self._torn_down = True
+        if self._stop is not None:
+            self._stop.set()
         if self.timer is not None:
             self.timer.stop()
             self.timer = None

@@ -3,11 +3,13 @@
 CuPy on a GPU worker (device 0 of the worker's ``CUDA_VISIBLE_DEVICES``, as dask-cuda sets it),
 NumPy on a CPU worker. Each probe warms up, then repeats its operation for a time budget and
 reports throughput (total work / elapsed time), synchronising the device before reading a clock
-so a co-tenant that time-slices the device shows up as a lower figure.
+so a co-tenant that time-slices the device shows up as a lower figure. A probe told to stop (its
+worker closes) stops at its next clock reading.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +32,14 @@ def gpu_available() -> bool:
     return gpu_count() > 0
 
 
-def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float, seconds: float) -> float:
-    """Work per second of ``step`` repeated for about ``seconds`` after two warm-up calls."""
+class ProbeStopped(RuntimeError):
+    """The probes were told to stop before their time was up."""
+
+
+def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float, seconds: float,
+                stop: threading.Event) -> float:
+    """Work per second of ``step`` repeated for about ``seconds`` after two warm-up calls; raises
+    :class:`ProbeStopped` once ``stop`` is set."""
     step()
     step()
     sync()
@@ -45,18 +53,21 @@ def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float,
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break
+            if stop.is_set():
+                raise ProbeStopped(f"stopped after {elapsed:.3g} of {seconds:.3g} s")
     return check_finite(work * reps / elapsed, f"the probe's rate over {elapsed!r} s", error=RuntimeError)
 
 
-def _gemm_rate(xp: Any, n: int, sync: Callable[[], None], seconds: float) -> float:
+def _gemm_rate(xp: Any, n: int, sync: Callable[[], None], seconds: float, stop: threading.Event) -> float:
     """FLOP/s of an ``n x n`` float32 matrix product with the array module ``xp``."""
     a = xp.random.default_rng(0).random((n, n), dtype=xp.float32)
     b = a.T.copy()
     out = xp.empty_like(a)
-    return _throughput(lambda: xp.matmul(a, b, out=out), sync, 2.0 * n**3, seconds)
+    return _throughput(lambda: xp.matmul(a, b, out=out), sync, 2.0 * n**3, seconds, stop)
 
 
-def _stream_rate(xp: Any, elements: int, sync: Callable[[], None], seconds: float) -> float:
+def _stream_rate(xp: Any, elements: int, sync: Callable[[], None], seconds: float,
+                 stop: threading.Event) -> float:
     """Bytes/s of an elementwise ``sqrt(x) * 2 + 1`` over ``elements`` float32 values (three passes,
     each reading and writing the array)."""
     x = xp.ones(elements, dtype=xp.float32)
@@ -67,27 +78,27 @@ def _stream_rate(xp: Any, elements: int, sync: Callable[[], None], seconds: floa
         xp.multiply(y, 2, out=y)
         xp.add(y, 1, out=y)
 
-    return _throughput(stream, sync, 6.0 * x.nbytes, seconds)
+    return _throughput(stream, sync, 6.0 * x.nbytes, seconds, stop)
 
 
-def _probe_cpu(seconds: float) -> dict[str, Any]:
+def _probe_cpu(seconds: float, stop: threading.Event) -> dict[str, Any]:
     import numpy as np
     import psutil
 
-    compute = _gemm_rate(np, 384, lambda: None, seconds / 2)
-    memory = _stream_rate(np, 4 * 2**20, lambda: None, seconds / 2)  # 16 MiB: larger than caches
+    compute = _gemm_rate(np, 384, lambda: None, seconds / 2, stop)
+    memory = _stream_rate(np, 4 * 2**20, lambda: None, seconds / 2, stop)  # 16 MiB: larger than caches
     vm = psutil.virtual_memory()
     return {"device": "cpu", "name": "CPU", "compute": compute, "memory": memory,
             "memory_total": int(vm.total), "memory_free": int(vm.available)}
 
 
-def _probe_gpu(seconds: float) -> dict[str, Any]:
+def _probe_gpu(seconds: float, stop: threading.Event) -> dict[str, Any]:
     import cupy
 
     sync = cupy.cuda.get_current_stream().synchronize
     try:
-        compute = _gemm_rate(cupy, 4096, sync, seconds / 2)
-        memory = _stream_rate(cupy, 64 * 2**20, sync, seconds / 2)  # 256 MiB
+        compute = _gemm_rate(cupy, 4096, sync, seconds / 2, stop)
+        memory = _stream_rate(cupy, 64 * 2**20, sync, seconds / 2, stop)  # 256 MiB
     finally:
         cupy.get_default_memory_pool().free_all_blocks()
     props = cupy.cuda.runtime.getDeviceProperties(0)
@@ -111,11 +122,27 @@ def probed_device(device: str = "auto") -> str:
     return "gpu" if device == "gpu" or (device == "auto" and gpu_available()) else "cpu"
 
 
-def run_probes(seconds: float = 0.6, device: str = "auto") -> dict[str, Any]:
-    """Calibrate this process's device (:func:`probed_device` of ``device``); returns figures
-    (FLOP/s, bytes/s, memory) and timing."""
+def run_probes(seconds: float = 0.6, device: str = "auto", stop: threading.Event | None = None) -> dict[str, Any]:
+    """Calibrate this process's device.
+
+    Parameters
+    ----------
+    seconds
+        The probes' time budget.
+    device
+        ``"auto"``, ``"cpu"`` or ``"gpu"``: the device is :func:`probed_device` of it.
+    stop
+        Once set, the probes stop at their next clock reading (within one operation) and raise
+        :class:`ProbeStopped`.
+
+    Returns
+    -------
+    dict
+        The figures (FLOP/s, bytes/s, memory) and the probes' time.
+    """
     use_gpu = probed_device(device) == "gpu"
+    stop = stop if stop is not None else threading.Event()
     start = time.perf_counter()
-    result = _probe_gpu(seconds) if use_gpu else _probe_cpu(seconds)
+    result = _probe_gpu(seconds, stop) if use_gpu else _probe_cpu(seconds, stop)
     result["probe_seconds"] = time.perf_counter() - start
     return result
