@@ -31,9 +31,11 @@ def test_calibration_sees_a_cotenant(pinned_client):
     c, plan = pinned_client
     slow = min(plan)
     with CoTenant(cores=[plan[slow]], procs=2):
-        dask_octopus.register(c)
+        # a 2 s budget: in the default 0.6 s, what else ran on the two cores for a moment (the previous
+        # test's cluster closing) moved the weight by up to 0.2 (0.433 once in 24 runs)
+        dask_octopus.register(c, calibration_seconds=2)
         w = dask_octopus.speeds(c)
-    assert w[slow] < 0.4, w
+    assert w[slow] < 0.4, (w, dask_octopus.profiles(c))
 
 
 def test_online_refinement_after_a_real_slowdown(pinned_client):

@@ -1793,6 +1793,7 @@ async def test_a_cancelled_compute_stops_the_retries_of_its_fragments_and_guards
     futures = c.compute([dask.delayed(inc)(p) for p in parts], retries=200)
     await async_poll_for(lambda: len(TRIES) >= 10, timeout=30)
     await c.cancel(futures)
+    await async_poll_for(lambda: not s.tasks, timeout=30)  # (the cancel travels on the client's stream)
     await async_poll_for(lambda: not a.state.executing, timeout=30)
     stopped = len(TRIES)
     await asyncio.sleep(0.5)

@@ -265,6 +265,8 @@ async def test_an_input_cancelled_before_the_map_fails_alone_as_client_gather_ha
     await setup(c, s, [1.0, 1.0])
     cancelled = c.submit(blocked_until, "go", 3, pure=False)
     await c.cancel([cancelled])
+    # (forgotten first: the cancel travels on the client's stream, the event's set may overtake it)
+    await async_poll_for(lambda: cancelled.key not in s.tasks, timeout=5)
     await Event("go").set()  # (the worker's thread goes on to the map's tasks)
     assert cancelled.status == "cancelled"
     items = [cancelled if i == 3 else i for i in range(8)]
@@ -289,6 +291,8 @@ async def test_a_future_per_item_of_an_input_cancelled_before_the_map_fails_alon
     await setup(c, s, [1.0, 1.0])
     cancelled = c.submit(blocked_until, "go", 3, pure=False)
     await c.cancel([cancelled])
+    # (forgotten first: the cancel travels on the client's stream, the event's set may overtake it)
+    await async_poll_for(lambda: cancelled.key not in s.tasks, timeout=5)
     await Event("go").set()
     items = [cancelled if i == 3 else i for i in range(8)]
     futures = await in_thread(dask_octopus.map, inc, items, client=c, group=group)
