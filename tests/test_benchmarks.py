@@ -430,28 +430,40 @@ def test_overhead_benchmark_starts_fresh_clusters_warms_them_and_alternates(tmp_
     assert record["operations"]["dot"]["on_over_off"] == pytest.approx(1.1)
 
 
-def test_the_small_tasks_first_run_is_timed_once_per_run_each_on_a_runtime_that_forgot_its_fragments(monkeypatch):
+def test_the_small_tasks_first_run_is_timed_once_per_run_each_planned_anew_on_a_runtime_that_forgot(monkeypatch):
+    """Each first run is one: the worker's runtime forgot its fragments, and the scheduler its plans (from
+    the third compute of a shape on, it reused the plan of the first, renamed)."""
     from distributed import Client, LocalCluster
 
     from dask_octopus.bench.small_tasks import run_small_tasks
-    from dask_octopus.groups import streams
+    from dask_octopus.groups import memo, streams
 
-    events = []  # the worker's runtime: forgetting, and running a fragment
+    events = []  # the worker's runtime: forgetting, and running a fragment; the scheduler: planning
     monkeypatch.setattr(streams.StreamRuntime, "close", lambda self: events.append(("forget", self)))
     count = streams.StreamRuntime.count
     monkeypatch.setattr(streams.StreamRuntime, "count",
                         lambda self, n: events.append(("fragment", self)) or count(self, n))
+    plan = memo.PlanMemo.plan
+
+    def recorded_plan(self, inputs, make, *args):
+        made = []
+        out = plan(self, inputs, lambda: made.append(True) or make(), *args)
+        events.append(("planned" if made else "reused", None))
+        return out
+
+    monkeypatch.setattr(memo.PlanMemo, "plan", recorded_plan)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as client:
         dask_octopus.register(client, calibrate=False)
         (worker,) = cluster.workers.values()
         runtime = worker.extensions[streams.EXTENSION]
-        timings = {t.label: t for t in run_small_tasks(client, gpu=False, blocks=4, shape=(4, 4), runs=2, group=None)}
+        timings = {t.label: t for t in run_small_tasks(client, gpu=False, blocks=4, shape=(4, 4), runs=3, group=None)}
         ran = list(events)
-    assert len(timings["annotated, first run"].seconds) == 2 and len(timings["annotated, repeated"].seconds) == 2
-    assert all(rt is runtime for _, rt in ran)
+    assert len(timings["annotated, first run"].seconds) == 3 and len(timings["annotated, repeated"].seconds) == 3
+    assert all(rt is runtime for e, rt in ran if e in ("forget", "fragment"))
     kinds = [e for e, _ in ran]
-    assert kinds[:5] == ["forget", "fragment", "forget", "fragment", "fragment"] and kinds.count("forget") == 2
+    first_runs = ["forget", "planned", "fragment"] * 3
+    assert kinds[:9] == first_runs and kinds.count("forget") == 3  # (then the repeated runs)
 
 
 def test_task_intervals_take_each_worker_s_clock_shift_back_off():

@@ -91,6 +91,22 @@ def _forget_fragments(dask_worker: Any) -> None:
         rt.close()
 
 
+def _forget_plans() -> None:
+    """Drop the plans that the scheduler's process remembers (``octopus.fragments.plan-memo``): the
+    next annotated compute is planned from scratch, as a first one (from the third compute of a shape
+    on, the plan of the first was reused, renamed for the new keys)."""
+    from dask_octopus.groups.memo import plans
+
+    plans.clear()
+
+
+def forget_everything(client: Client) -> None:
+    """What the scheduler and the workers learned of annotated computes (plans, captured graphs,
+    layouts) forgotten: the next one runs as a first one."""
+    client.run_on_scheduler(_forget_plans)
+    client.run(_forget_fragments)
+
+
 def run_small_tasks(client: Client, *, gpu: bool, blocks: int, shape: tuple[int, int], runs: int,
                     group: int | None) -> list[Timing]:
     """Time the ways of running ``blocks`` blocks of ``shape`` through :func:`chain_sum` on the
@@ -125,8 +141,8 @@ def run_small_tasks(client: Client, *, gpu: bool, blocks: int, shape: tuple[int,
     }
     through_dask(False)  # warm-up: kernel compilation, first allocations
     _loop(local_blocks, xp)
-    for _ in range(runs):  # each the first sighting of its fragment: the worker forgets what it saw before
-        client.run(_forget_fragments)
+    for _ in range(runs):  # each the first sighting of its fragment: the cluster forgets what it saw before
+        forget_everything(client)
         settle(client)
         seconds, ways["first"].value = timed(lambda: through_dask(True))
         ways["first"].seconds.append(seconds)
