@@ -41,8 +41,10 @@ def test_demo_runs_both_parts_on_cpu_with_their_tables_and_pngs(tmp_path, monkey
     assert "parts: balance on 2 CPU workers; small tasks on 1 CPU worker" in out
     for text in ("calibrated weights", "equal", "balance", "speedup vs equal", "ideal", "timeline written"):
         assert text in out
-    balance_rows = re.findall(r"│\s+(equal|balance) │\s+\d+ │\s+\d+\.\d{3} │", out)
-    assert balance_rows == ["equal", "balance"]  # each with its blocks and seconds per pass
+    finishes = r"\d+\.\d{3},\s+\d+\.\d{3}\s+/\s+\d+\.\d{3}"
+    balance_rows = re.findall(r"│\s+(equal|balance) │\s+\d+ │\s+\d+\.\d{3} │\s+" + finishes + r"\s+│", out)
+    assert balance_rows == ["equal", "balance"]  # each with its blocks, seconds per pass, and the median pass's
+    # worker finishes beside that pass's own time
     assert "Small tasks: 64 blocks, one worker" in out
     for label in ("Dask, unannotated", "annotated, first run", "annotated, repeated", "plain loop in the client"):
         assert re.search(re.escape(label) + r" │.*│\s+\d+\.\d{4} │\s+\d+\.\d\dx │\s+\d+\.\d\d │", out), label

@@ -89,18 +89,20 @@ def describe_machine(gpu: bool, protocol: str) -> str:
 
 
 def balance_table(results: dict[str, Variant], ideal: float, runs: int = 1, reference: str = "equal") -> Table:
-    """Time per pass, each worker's finish time, spread, speedup over ``reference``, and the ratios to
-    the ideal of the whole pass and of the per-block phase (latest worker's last block), over the
-    passes of ``runs`` runs of each variant."""
+    """Time per pass, each worker's finish time and their spread in the median pass (with that pass's
+    time), speedup over ``reference``, and the ratios to the ideal of the whole pass and of the
+    per-block phase (latest worker's last block), over the passes of ``runs`` runs of each variant."""
     over = f"median of {runs} runs' passes" if runs > 1 else "median"
     table = Table(title=f"Balance: per pass ({over}); ideal = total rows / sum of worker speeds = {ideal:.3f} s")
-    for col in ("variant", "blocks", "s / pass", "worker finish (s)", "spread", f"speedup vs {reference}",
-                "pass x ideal", "blocks x ideal"):
+    for col in ("variant", "blocks", "s / pass", "median pass: worker finish / pass (s)", "finish spread",
+                f"speedup vs {reference}", "pass x ideal", "blocks x ideal"):
         table.add_column(col, justify="right")
     base = results[reference].seconds()
     for v in results.values():
         rec = v.median()
-        finish = ", ".join(f"{t:.3f}" for _, t in sorted(rec.finish().items()))
+        # (the finishes of one pass, beside its own time: of an even number of passes, the median
+        # "s / pass" is the mean of the middle two, and this pass the slower of them)
+        finish = ", ".join(f"{t:.3f}" for _, t in sorted(rec.finish().items())) + f" / {rec.seconds:.3f}"
         table.add_row(v.name, str(v.blocks), f"{v.seconds():.3f}", finish, f"{rec.spread():.0%}",
                       f"{base / v.seconds():.2f}x", f"{v.seconds() / ideal:.2f}", f"{v.block_makespan() / ideal:.2f}")
     return table
