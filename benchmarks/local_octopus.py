@@ -198,6 +198,25 @@ def compare(console: Any, old: dict[str, Any], new: dict[str, Any]) -> None:
     console.print(table)
 
 
+def check_local_sizes(ops: list[str], names: list[str], gpu: bool, devs: str | None, n_workers: int, size: int,
+                      square_size: int | None) -> None:
+    """Before a local cluster starts: CPU workers are pinned one per core, and a variant that cuts the
+    rows into K blocks per worker needs as many rows (raised late otherwise, after other variants ran)."""
+    cores = len(os.sched_getaffinity(0))
+    if not gpu and n_workers > cores:
+        raise click.BadParameter(f"{n_workers} CPU workers are pinned one per core, and this process may use "
+                                 f"{cores}", param_hint="--n-workers")
+    workers = (len(devs.split(",")) if devs else None) if gpu else n_workers  # (all GPUs: counted at start)
+    for op in (o for o in ops if o != "images" and workers):
+        rows = (square_size or size) if OPERATIONS[op].square else size
+        for name in names:
+            kind, per_worker, _ = parse_variant(name)
+            if kind != "defaults" and rows < workers * per_worker:
+                option = "--square-size" if OPERATIONS[op].square and square_size else "--size"
+                raise click.BadParameter(f"{op} has {rows} row{'s' * (rows != 1)}, fewer than the {workers} "
+                                         f"workers x {per_worker} blocks of variant {name}", param_hint=option)
+
+
 @contextlib.contextmanager
 def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
             scheduler_address: str | None) -> Iterator[Client]:
@@ -228,7 +247,8 @@ def connect(gpu: bool, devs: str | None, n_workers: int, protocol: str,
               help="rows per block of 'defaults' (default: one block per worker)")
 @click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True, help="timed passes per run")
 @click.option("--runs", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True, help="untimed passes per run")
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=1, show_default=True,
+              help="untimed passes per run (images: untimed rounds of every variant)")
 @click.option("--devs", default=None, help="GPUs for LocalCUDACluster (CUDA_VISIBLE_DEVICES form)")
 @click.option("--n-workers", type=click.IntRange(min=1), default=2, show_default=True, help="CPU workers")
 @protocol_option
@@ -264,6 +284,8 @@ def main(ops: list[str], kind: str, size: int, cols: int, square_size: int | Non
             parse_variant(name)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--variants") from None
+    if not scheduler_address:
+        check_local_sizes(ops, names, gpu, devs, n_workers, size, square_size)
     image_names = ["one-task-each", "equal-batches", "loop"] + (
         ["octopus", "octopus-gather", "octopus-gather-host"] if octopus != "off" else [])
     load = CoTenant.from_option(cotenant, gpu, cotenant_procs)

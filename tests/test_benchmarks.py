@@ -57,6 +57,23 @@ def test_lists_of_operations_name_known_ones_and_at_least_one(script, option, ch
     assert not list(tmp_path.iterdir())
 
 
+def test_the_suite_refuses_more_cpu_workers_than_cores_and_too_few_rows_before_starting(tmp_path, monkeypatch):
+    """Tracebacks once the cluster had started (from pinning the workers to cores), or after the
+    variants before the one that could not cut its rows (balance's PlanningError)."""
+    monkeypatch.setattr(local_octopus, "connect", lambda *a: pytest.fail("a cluster started"))
+    cases = [(["--n-workers", "3"], "Invalid value for --n-workers: 3 CPU workers are pinned one per core, and "
+                                    "this process may use 2"),
+             (["--size", "1", "--variants", "defaults,balance"],
+              "Invalid value for --size: matmul_iterate has 1 row, fewer than the 2 workers x 1 blocks of variant "
+              "balance"),
+             (["--size", "7"], "Invalid value for --size: matmul_iterate has 7 rows, fewer than the 2 workers x 4 "
+                               "blocks of variant over-4")]
+    monkeypatch.setattr(local_octopus.os, "sched_getaffinity", lambda pid: {0, 1})
+    for args, message in cases:
+        result = CliRunner().invoke(local_octopus.main, [*args, "--out", str(tmp_path)])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
 def test_suite_runs_every_operation_and_variant_on_cpu(tmp_path):
     result = CliRunner().invoke(local_octopus.main, [
         "--type", "cpu", "--operation", ",".join(OPS), "--size", "2000", "--cols", "32", "--width", "8",
