@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -487,17 +488,45 @@ def test_task_intervals_take_each_worker_s_clock_shift_back_off():
     """A worker adds its estimate of the scheduler's clock (``scheduler_delay``, from heartbeats) to its task
     timings; on one host every process reads the same clock, and the estimates of two workers can differ
     by more than a short pass: their finishes are compared only with the shifts taken off."""
-    from dask_octopus.bench.workloads import PassRecord, intervals
+    from dask_octopus.bench.workloads import ClockShifts, PassRecord, intervals
 
     stream = [{"key": ("block", 0), "worker": "a", "startstops": [{"action": "compute", "start": 100.2 + 0.05,
                                                                    "stop": 100.5 + 0.05}]},
               {"key": ("block", 1), "worker": "b", "startstops": [{"action": "compute", "start": 100.1 - 0.03,
                                                                    "stop": 100.5 - 0.03}]}]
-    busy = intervals(stream, 100.0, shifts={"a": 0.05, "b": -0.03})
+    busy = intervals(stream, 100.0, shifts={"a": ClockShifts(0.05), "b": ClockShifts(-0.03)})
     assert {w: [(round(a, 9), round(b, 9)) for a, b in iv] for w, iv in busy.items()} == {
         "a": [(0.2, 0.5)], "b": [(0.1, 0.5)]}
     assert PassRecord(0.6, busy, busy).spread() < 1e-9  # (0.08 / 0.6 with the shifts left on)
     # a shift estimated 0.02 s short: a task that ended as the pass began ends at 0, not before it
     early = [{"key": ("block", 2), "worker": "a", "startstops": [{"action": "compute", "start": 99.99,
                                                                   "stop": 100.03}]}]
-    assert intervals(early, 100.0, shifts={"a": 0.05}) == {"a": [(0.0, 0.0)]}
+    assert intervals(early, 100.0, shifts={"a": ClockShifts(0.05)}) == {"a": [(0.0, 0.0)]}
+
+
+def test_each_task_s_timings_lose_the_clock_shift_they_were_made_with():
+    """A heartbeat moves a worker's shift between its tasks: the shift read after a pass put the tasks
+    that ran before it up to 0.2 s after their pass ended (a finish past the pass). Here two tasks run
+    with shifts 100 s apart, each within the pass."""
+    from distributed import Client, LocalCluster, get_task_stream
+    from distributed.utils_test import inc
+
+    from dask_octopus.bench.workloads import clock_shifts, intervals, watch_clock_shifts
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        (worker,) = cluster.workers.values()
+        watch_clock_shifts(client)
+        client.run(lambda dask_worker: dask_worker.periodic_callbacks["heartbeat"].stop())  # (it sets a shift)
+        with get_task_stream(client) as stream:
+            t0 = time.time()
+            worker.scheduler_delay = 50.0
+            client.submit(inc, 1, key="first").result()
+            worker.scheduler_delay = -50.0
+            client.submit(inc, 2, key="second").result()
+            seconds = time.time() - t0
+        shifts = clock_shifts(client)
+        assert clock_shifts(client)[worker.address].tasks == {}  # (each read takes what was recorded)
+    assert [shifts[worker.address].of(k) for k in ("first", "second")] == [50.0, -50.0]
+    busy = intervals(stream.data, t0, shifts=shifts)
+    assert len(busy[worker.address]) == 2 and all(0 <= a <= b <= seconds for a, b in busy[worker.address])

@@ -29,6 +29,7 @@ from dask_octopus.bench.workloads import (
     intervals,
     synchronize,
     to_host,
+    watch_clock_shifts,
     workers_info,
 )
 from dask_octopus.placement.items import ITEM_PREFIX, run_batch
@@ -90,8 +91,10 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
     then fail). ``workers``: the cluster's workers, fastest last."""
     reference: list = []
     times = {v: VariantTimes() for v in variants}
+    watch_clock_shifts(client)
 
     def one_run(v: str, run: int) -> None:
+        clock_shifts(client)  # (what the workers recorded before the run: dropped)
         with get_task_stream(client) as stream:
             t0, start = time.time(), time.perf_counter()
             results = client.gather(run_variant(client, v, items, workers))

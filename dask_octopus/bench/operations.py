@@ -23,6 +23,7 @@ from dask_octopus.bench.workloads import (
     intervals,
     stencil_mean,
     subspace_iteration,
+    watch_clock_shifts,
 )
 from dask_octopus.groups.marks import annotate
 
@@ -32,7 +33,9 @@ def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, gro
     """``passes`` times: build the result (in stream groups when ``grouped``), persist it, wait; the last
     pass's record holds the result's :func:`~dask_octopus.bench.workloads.checksum`."""
     records = []
+    watch_clock_shifts(client)
     for i in range(passes):
+        clock_shifts(client)  # (what the workers recorded before the pass: dropped)
         with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 from dask.array.core import normalize_chunks
 from dask.utils import key_split
 from distributed import Client, get_task_stream, wait
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from dask_octopus.groups.marks import annotate
 from dask_octopus.groups.rewrite import FRAGMENT_PREFIX
@@ -144,27 +146,79 @@ def same_checksums(a: tuple[float, ...], b: tuple[float, ...], rtol: float = 1e-
     return bool(np.allclose(a, b, rtol=rtol, atol=0.0))
 
 
-def clock_shifts(client: Client) -> dict[str, float]:
-    """Each worker's ``scheduler_delay``: what it adds to its task timings (``startstops``) to put them
-    on the scheduler's clock, an estimate from its heartbeats that is off by tens to hundreds of ms on
-    a busy machine (two workers' finishes of one pass came apart by 0.04 s of a 0.07 s pass). On one
-    host every process reads the same clock: :func:`intervals` takes the shifts back off. Read after a
-    pass, they are those of its last heartbeats: a heartbeat during the pass may have moved one since
-    its tasks ran (by much less than the estimates differ between workers)."""
-    return client.run(lambda dask_worker: dask_worker.scheduler_delay)
+def _key_id(key: Hashable) -> str:
+    """A task key as text, the same on a worker and in a task stream record (which may hold a tuple key as
+    a list once it travelled)."""
+    return repr(tuple(key)) if isinstance(key, (tuple, list)) else repr(key)
+
+
+class TaskClockShifts(WorkerPlugin):
+    """Records, as each task starts running, the shift its worker adds to its timings (``startstops``):
+    its ``scheduler_delay`` then, an estimate of the scheduler's clock that each heartbeat replaces."""
+
+    name = "octopus-bench-clock-shifts"
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.shifts: dict[str, float] = {}
+        self.worker: Any = None
+
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+
+    def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
+        if finish == "executing" and self.worker is not None:
+            self.shifts[_key_id(key)] = self.worker.scheduler_delay
+
+
+def watch_clock_shifts(client: Client) -> None:
+    """Have the workers record each task's clock shift (:class:`TaskClockShifts`) from now on."""
+    client.register_plugin(TaskClockShifts())
+
+
+def _take_shifts(dask_worker: Any) -> tuple[float, dict[str, float]]:
+    plugin = dask_worker.plugins.get(TaskClockShifts.name)
+    tasks = {} if plugin is None else plugin.shifts
+    if plugin is not None:
+        plugin.shifts = {}
+    return dask_worker.scheduler_delay, tasks
+
+
+@dataclass(frozen=True)
+class ClockShifts:
+    """What one worker added to its task timings: each task's shift as it started (those recorded by
+    :class:`TaskClockShifts`), else the shift it adds now."""
+
+    now: float
+    tasks: dict[str, float] = field(default_factory=dict)
+
+    def of(self, key: Hashable) -> float:
+        return self.tasks.get(_key_id(key), self.now)
+
+
+def clock_shifts(client: Client) -> dict[str, ClockShifts]:
+    """Each worker's shifts of its task timings (``startstops``) onto the scheduler's clock, taken from
+    what its :class:`TaskClockShifts` recorded since the last call (see :func:`watch_clock_shifts`) and
+    the worker's ``scheduler_delay`` now: an estimate from its heartbeats, off by tens to hundreds of ms
+    on a busy machine (two workers' finishes of one pass came apart by 0.04 s of a 0.07 s pass), which
+    each heartbeat replaces. On one host every process reads the same clock: :func:`intervals` takes each
+    task's shift back off. Read after a pass, the shift of the moment put tasks that ran before a
+    heartbeat moved it up to 0.2 s after their pass ended: each task's own shift does not."""
+    return {w: ClockShifts(now, dict(tasks)) for w, (now, tasks) in client.run(_take_shifts).items()}
 
 
 def intervals(stream: list[dict], t0: float, names: tuple[str, ...] | None = None,
-              shifts: dict[str, float] | None = None) -> dict[str, list[tuple[float, float]]]:
+              shifts: dict[str, ClockShifts] | None = None) -> dict[str, list[tuple[float, float]]]:
     """Compute intervals per worker of the tasks whose key prefix is one of ``names`` (all by default),
-    from ``t0`` (this process's ``time.time()``), each worker's ``shifts`` (:func:`clock_shifts`) taken off,
-    and never before ``t0``: a shift's error (its heartbeats' round trips) can put a task of a short pass
-    before the pass began (a finish of -0.012 s)."""
+    from ``t0`` (this process's ``time.time()``), each task's shift on its worker (:func:`clock_shifts`)
+    taken off, and never before ``t0``: a shift's error (its heartbeats' round trips) can put a task of a
+    short pass before the pass began (a finish of -0.012 s)."""
     out: dict[str, list[tuple[float, float]]] = {}
     for rec in stream:
         if names is not None and key_split(rec["key"]) not in names:
             continue
-        origin = t0 + (shifts or {}).get(rec["worker"], 0.0)
+        shift = shifts[rec["worker"]].of(rec["key"]) if shifts and rec["worker"] in shifts else 0.0
+        origin = t0 + shift
         for ss in rec["startstops"]:
             if ss["action"] == "compute":
                 out.setdefault(rec["worker"], []).append((max(0.0, ss["start"] - origin),
@@ -203,7 +257,9 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
     w = client.persist((da.ones((cols, width), dtype=np.float32, chunks=(cols, width)) / np.float32(np.sqrt(cols)))
                        .map_blocks(xp.asarray, dtype=np.float32))
     records = []
+    watch_clock_shifts(client)
     for _ in range(passes):
+        clock_shifts(client)  # (what the workers recorded before the pass: dropped)
         with get_task_stream(client) as ts:
             t0 = time.time()
             start = time.perf_counter()
