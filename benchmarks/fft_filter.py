@@ -6,7 +6,8 @@ Each variant persists the array in its blocks, runs ``warmup_passes`` untimed pa
 plans for the variant's block shapes), then times ``passes`` of ``irfft(rfft(x) * lowpass)`` summed by
 row; with ``--runs`` above one the variants alternate in balanced orders and each variant's median is
 over the passes of all its runs. A variant that runs out of device memory is reported as such (its
-error), not timed.
+error), not timed. Each run's row sums are checked against the first variant's (a checksum taken after
+the timing): the script fails, after writing its record, where one differs.
 
     python benchmarks/fft_filter.py --rows 131072 --cols 32768 --chunk-rows 65536 --cotenant-procs 2 --out DIR
 """
@@ -27,7 +28,7 @@ from dask_octopus.bench.options import OutFolder
 from dask_octopus.bench.protocol import check_cluster, protocol_of, protocol_option
 from dask_octopus.bench.record import header, write_json
 from dask_octopus.bench.runner import interleave, settle, timed
-from dask_octopus.bench.workloads import random_matrix
+from dask_octopus.bench.workloads import checksum, random_matrix, same_checksums
 from dask_octopus.cli import console as make_console
 
 
@@ -42,7 +43,8 @@ def lowpass(block: Any, keep: float = 0.25) -> Any:
 
 def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: int, passes: int,
                 warmup_passes: int) -> dict[str, Any]:
-    """Blocks of ``variant`` and the seconds of each timed pass, or the error that stopped it."""
+    """Blocks of ``variant``, the seconds of each timed pass and the checksum of the row sums
+    (:func:`~dask_octopus.bench.workloads.checksum`), or the error that stopped it."""
     x = random_matrix(rows, cols, chunks=(chunk_rows, cols), gpu=True)
     if variant != "defaults":
         x = dask_octopus.balance(x, client=client, per_worker=1 if variant == "balance-1" else None)
@@ -52,7 +54,8 @@ def run_variant(client: Client, variant: str, rows: int, cols: int, chunk_rows: 
         wait(x)
         seconds = [timed(lambda: client.compute(x.map_blocks(lowpass).sum(axis=1)).result())[0]
                    for _ in range(warmup_passes + passes)][warmup_passes:]
-        return {"block_gib": blocks, "seconds": seconds}
+        values = checksum(client, x.map_blocks(lowpass).sum(axis=1))
+        return {"block_gib": blocks, "seconds": seconds, "checksum": values}
     except Exception as e:  # out of memory on a block too large for its worker: the point of the variant
         return {"block_gib": blocks, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     # (the blocks go with x, and settle() waits for that before the next variant: client.cancel(x) would
@@ -103,11 +106,19 @@ def main(rows: int, cols: int, chunk_rows: int, passes: int, warmup_passes: int,
                                                                     warmup_passes))
                                   for v in variants}, runs, between=lambda: settle(client))
     record["variants"] = {v: pooled(r) for v, r in results.items()}
+    reference = next((r["checksum"] for r in results[variants[0]] if "checksum" in r), None)
+    for r in record["variants"].values():  # (float32 FFTs of other batch sizes: equal to rtol 1e-4)
+        sums = [run["checksum"] for run in r["runs"] if "checksum" in run]
+        r["same_values_as_reference"] = (None if reference is None or not sums
+                                         else all(same_checksums(c, reference) for c in sums))
     for v, r in record["variants"].items():
         blocks = ", ".join(f"{b:.2f}" for b in r["block_gib"])
         outcome = f"{r['median_seconds']:.3f} s per pass" if "median_seconds" in r else r["error"][:120]
         console.print(f"{v:>10}: blocks {blocks} GiB; {outcome}")
     console.print(f"weights {record['weights']}; wrote {write_json(os.path.join(out, 'fft-filter-gpu.json'), record)}")
+    differ = [v for v, r in record["variants"].items() if r["same_values_as_reference"] is False]
+    if differ:  # (after the JSON: it holds each run's checksum)
+        raise click.ClickException(f"results differ from {variants[0]}'s: {', '.join(differ)}")
 
 
 if __name__ == "__main__":

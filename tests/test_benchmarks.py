@@ -404,6 +404,35 @@ def test_interleave_continues_the_run_orders_from_start():
     assert [run_orders(2)[r % 2] for r in (3, 4)] == [[1, 0], [0, 1]]
 
 
+@pytest.mark.parametrize("last", [(1.0, 2.0, 3.0), (1.0, 2.0, 3.5)])
+def test_the_fft_filter_checks_every_variant_s_row_sums_against_the_first_s(tmp_path, monkeypatch, last):
+    """fft_filter.py compared none (its 1.81x was unchecked): each run's checksum against the first
+    variant's, the script failing after it wrote its record (the cluster and the runs are stand-ins, CPU)."""
+    import contextlib
+    import types
+
+    fft = load_script("benchmarks/fft_filter.py")
+    sums = {"defaults": (1.0, 2.0, 3.0), "balance": (1.0, 2.0, 3.0 + 1e-6), "balance-1": last}
+    monkeypatch.setattr(fft, "check_cluster", lambda *a, **k: None)
+    monkeypatch.setattr(fft, "local_cluster", lambda *a, **k: contextlib.nullcontext("client"))
+    monkeypatch.setattr(fft, "protocol_of", lambda client: "tcp")
+    monkeypatch.setattr(fft, "header", lambda gpu, protocol, **fields: fields)  # (no GPU's hardware to read)
+    monkeypatch.setattr(fft, "slowest_target", lambda client, gpu: (None, {}))
+    monkeypatch.setattr(fft, "CoTenant", lambda **k: contextlib.nullcontext())
+    monkeypatch.setattr(fft, "settle", lambda client: None)
+    monkeypatch.setattr(fft, "dask_octopus", types.SimpleNamespace(register=lambda c: None, speeds=lambda c: {}))
+    monkeypatch.setattr(fft, "run_variant", lambda client, v, *a: {"block_gib": [1.0], "seconds": [0.1],
+                                                                   "checksum": sums[v]})
+    result = CliRunner().invoke(fft.main, ["--runs", "2", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "fft-filter-gpu.json").read_text())
+    same = {v: r["same_values_as_reference"] for v, r in record["variants"].items()}
+    if last == sums["defaults"]:
+        assert result.exit_code == 0 and same == {"defaults": True, "balance": True, "balance-1": True}
+    else:
+        assert result.exit_code == 1 and "results differ from defaults's: balance-1" in result.output
+        assert same == {"defaults": True, "balance": True, "balance-1": False}
+
+
 def test_overhead_benchmark_starts_fresh_clusters_warms_them_and_alternates(tmp_path, monkeypatch):
     """dask_cuda_overhead.py's schedule, with the cluster and local_cupy.py replaced by stand-ins (CPU)."""
     import contextlib

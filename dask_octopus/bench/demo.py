@@ -162,7 +162,7 @@ def run_tasks(*, gpu: bool, blocks: int | None, runs: int, group: int | None, ou
                       f"float32 ({'CuPy' if gpu else 'NumPy'}), an 8-kernel elementwise chain, then a sum")
         timings = run_small_tasks(client, gpu=gpu, blocks=blocks, shape=shape, runs=runs, group=group)
     console.print(tasks_table(timings, f"Small tasks: {blocks} blocks, one worker (median of {runs} runs; "
-                                       "each first run on a worker that forgot its fragments)"))
+                                       "each first run on a cluster that forgot its plans and fragments)"))
     png = bar_chart({t.label: t.median() for t in timings}, None, os.path.join(out, "demo-tasks.png"),
                     "seconds (log scale)", log=True,
                     title=f"{blocks} blocks of {shape[0]}x{shape[1]}, chain and sum, one {device} worker")
