@@ -41,6 +41,7 @@ import dask_octopus
 from dask_octopus.bench.cotenant import CoTenant
 from dask_octopus.bench.experiment import (
     Variant,
+    ideal_reference,
     ideal_seconds,
     local_cluster,
     parse_variant,
@@ -71,7 +72,7 @@ def array_table(op: str, results: dict[str, Variant], ideal: float | None, measu
     table = Table(title=f"{op}: per pass (median); "
                         + (f"ideal {ideal:.4f} s ({OPERATIONS[op].formula} over the workers' calibrated speeds)"
                            if ideal else "no calibrated ideal (a worker has no calibration)")
-                        + (f", measured ideal {measured:.4f} s" if measured else ""))
+                        + (f", measured ideal {measured:.4f} s (in {ideal_reference(results)})" if measured else ""))
     baselines = [b for b in BASELINES if b in results]
     for col in ["variant", "blocks", "s / pass", "spread", unit, "finish spread",
                 *[f"vs {b}" for b in baselines], "x ideal", "x measured ideal"]:
@@ -110,8 +111,10 @@ def run_array_op(client: Client, op: str, names: list[str], size: int, cols: int
         "ideal_seconds": ideal, "ideal_formula": "work per pass / sum of the workers' calibrated speeds "
                                                  f"({spec.resource}: {UNITS[spec.resource][0]})",
         "measured_ideal_seconds": measured,
-        "measured_ideal_formula": "rows / sum over workers of (rows / busy seconds of per-block tasks) in the first "
-                                  "pinned variant (operations that time their per-block tasks apart)",
+        "measured_ideal_variant": ideal_reference(results) if measured else None,
+        "measured_ideal_formula": "rows / sum over workers of (rows / busy seconds of per-block tasks) in "
+                                  "measured_ideal_variant: the first pinned variant, else the first variant (its "
+                                  "stolen tasks blur the figure); operations that time their per-block tasks apart",
         "variants": {v.name: {"median_seconds": v.seconds(), "spread": spread([r.seconds for r in v.passes]),
                               "median_block_makespan": v.block_makespan(), "blocks": v.blocks,
                               "grouped": parse_variant(v.name)[2], "rows_per_worker": v.rows,

@@ -3,7 +3,9 @@
 Pure Python (the model has no Dask in it): two workers ``a`` and ``b`` each report ``--timings``
 task timings of one prefix, in turns, under one scenario of noise and slowdown; after every
 timing the model's weights are read, and the error is ``|log(weight ratio / true ratio)|``, the true
-ratio being that of the workers' mean times (what a worker's share of the work takes). A scenario's
+ratio being that of the workers' mean times (what a worker's share of the work takes), but in the
+scenario of flukes: there a's rare 100x tasks (a mean of about 2) are what the model should leave out,
+so its truth is the workers' typical times, equal (1.0). A scenario's
 figure is its mean error over all timings and ``--seeds`` random seeds (0.1 is 10% off). Steps: ``b``
 changes speed (a slowdown after steady timings or after a warm-up, a mix of slow tasks that ends), and
 how many timings the weights take to stay within 15% of the truth for five timings in a row (median

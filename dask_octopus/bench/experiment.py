@@ -243,9 +243,13 @@ def run_variants(client: Client, variants: list[str], *, rows: int, cols: int, w
     return out
 
 
+def ideal_reference(results: dict[str, Variant]) -> str:
+    """The variant whose measured speeds make the ideal (:func:`ideal_seconds`): the first pinned
+    (``balance``) one, else the first variant (a task stolen from the worker holding its block then
+    counts that block's rows to one worker and its time to another: the figure is blurred)."""
+    return next((name for name in results if name.startswith("balance")), next(iter(results)))
+
+
 def ideal_seconds(results: dict[str, Variant], rows: int) -> float:
-    """Total rows over the sum of the workers' speeds measured in the pinned (``balance``) variant,
-    or in the first variant when no balance variant ran (stolen tasks then blur the figure)."""
-    pinned = [v for name, v in results.items() if name.startswith("balance")]
-    reference = pinned[0] if pinned else next(iter(results.values()))
-    return rows / sum(reference.speeds().values())
+    """Total rows over the sum of the workers' speeds measured in :func:`ideal_reference`'s variant."""
+    return rows / sum(results[ideal_reference(results)].speeds().values())
