@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
 import types
 import urllib.error
@@ -146,6 +147,14 @@ def slowly_increased(block):
     return block + 1
 
 
+HELD = threading.Event()  # (the workers run in this process)
+
+
+def held_increased(block):
+    HELD.wait(10)
+    return block + 1
+
+
 def test_an_annotated_compute_of_blocks_still_being_persisted_shows_its_own_run(dashboard_cluster):
     """Balanced blocks persisted and, before they are all in memory, an annotated compute reading them:
     the plan's latest complete run is that compute's (its fragment on each worker, each counted once),
@@ -153,12 +162,17 @@ def test_an_annotated_compute_of_blocks_still_being_persisted_shows_its_own_run(
     lc, client, _ = dashboard_cluster
     plugin = lc.scheduler.plugins["octopus"]
     x = dask_octopus.balance(da.ones((4000, 10), chunks=(100, 10)), per_worker=4)
-    x = x.map_blocks(slowly_increased, dtype=x.dtype).persist()
+    HELD.clear()  # the persist's blocks wait until the compute's run is seen (40 blocks of 20 ms left a
+    x = x.map_blocks(held_increased, dtype=x.dtype).persist()  # window of 0.1-0.3 s on a loaded machine)
     (record,) = plugin.plan_records.latest(5)
     with dask_octopus.annotate():
         total = client.compute((x * 2).sum())
-    wait_for(lambda: record.current is not None and record.current.number == 1)
-    assert [r.number for r in record._open] == [0, 1]  # (the persist's run still open as the compute came)
+    try:
+        wait_for(lambda: record.current is not None and record.current.number == 1)
+        opened = [r.number for r in record._open]
+    finally:
+        HELD.set()
+    assert opened == [0, 1]  # (the persist's run still open as the compute came)
     assert total.result() == 4 * 4000 * 10
     wait(x)
     wait_for(lambda: record.done is not None and record.done is record.current)
