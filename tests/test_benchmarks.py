@@ -413,15 +413,33 @@ def test_interleave_continues_the_run_orders_from_start():
     assert [run_orders(2)[r % 2] for r in (3, 4)] == [[1, 0], [0, 1]]
 
 
-@pytest.mark.parametrize("last", [(1.0, 2.0, 3.0), (1.0, 2.0, 3.5)])
-def test_the_fft_filter_checks_every_variant_s_row_sums_against_the_first_s(tmp_path, monkeypatch, last):
+@pytest.mark.parametrize("case, exit_code, message, same", [
+    ("equal", 0, None, {"defaults": True, "balance": True, "balance-1": True}),
+    ("differs", 1, "results differ from defaults's, or could not be read: balance-1",
+     {"defaults": True, "balance": True, "balance-1": False}),
+    ("defaults out of memory", 0, None, {"defaults": None, "balance": True, "balance-1": True}),
+    ("checksum failed", 1, "results differ from defaults's, or could not be read: balance",
+     {"defaults": True, "balance": False, "balance-1": True}),
+])
+def test_the_fft_filter_checks_every_variant_s_row_sums_against_the_first_s(tmp_path, monkeypatch, case, exit_code,
+                                                                             message, same):
     """fft_filter.py compared none (its 1.81x was unchecked): each run's checksum against the first
-    variant's, the script failing after it wrote its record (the cluster and the runs are stand-ins, CPU)."""
+    variant's that has one, the script failing after it wrote its record (the cluster and the runs are
+    stand-ins, CPU)."""
     import contextlib
     import types
 
     fft = load_script("benchmarks/fft_filter.py")
-    sums = {"defaults": (1.0, 2.0, 3.0), "balance": (1.0, 2.0, 3.0 + 1e-6), "balance-1": last}
+    sums = {"defaults": (1.0, 2.0, 3.0), "balance": (1.0, 2.0, 3.0 + 1e-6),
+            "balance-1": (1.0, 2.0, 3.5 if case == "differs" else 3.0)}
+
+    def run_variant(client, v, *args):
+        if v == "defaults" and case == "defaults out of memory":
+            return {"block_gib": [1.0], "error": "OutOfMemoryError: out of memory"}
+        if v == "balance" and case == "checksum failed":
+            return {"block_gib": [1.0], "seconds": [0.1], "checksum_error": "KilledWorker: ..."}
+        return {"block_gib": [1.0], "seconds": [0.1], "checksum": sums[v]}
+
     monkeypatch.setattr(fft, "check_cluster", lambda *a, **k: None)
     monkeypatch.setattr(fft, "local_cluster", lambda *a, **k: contextlib.nullcontext("client"))
     monkeypatch.setattr(fft, "protocol_of", lambda client: "tcp")
@@ -430,16 +448,12 @@ def test_the_fft_filter_checks_every_variant_s_row_sums_against_the_first_s(tmp_
     monkeypatch.setattr(fft, "CoTenant", lambda **k: contextlib.nullcontext())
     monkeypatch.setattr(fft, "settle", lambda client: None)
     monkeypatch.setattr(fft, "dask_octopus", types.SimpleNamespace(register=lambda c: None, speeds=lambda c: {}))
-    monkeypatch.setattr(fft, "run_variant", lambda client, v, *a: {"block_gib": [1.0], "seconds": [0.1],
-                                                                   "checksum": sums[v]})
+    monkeypatch.setattr(fft, "run_variant", run_variant)
     result = CliRunner().invoke(fft.main, ["--runs", "2", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "fft-filter-gpu.json").read_text())
-    same = {v: r["same_values_as_reference"] for v, r in record["variants"].items()}
-    if last == sums["defaults"]:
-        assert result.exit_code == 0 and same == {"defaults": True, "balance": True, "balance-1": True}
-    else:
-        assert result.exit_code == 1 and "results differ from defaults's: balance-1" in result.output
-        assert same == {"defaults": True, "balance": True, "balance-1": False}
+    assert {v: r["same_values_as_reference"] for v, r in record["variants"].items()} == same
+    assert record["reference_variant"] == ("balance" if case == "defaults out of memory" else "defaults")
+    assert result.exit_code == exit_code and (message is None or message in result.output), result.output
 
 
 def test_overhead_benchmark_starts_fresh_clusters_warms_them_and_alternates(tmp_path, monkeypatch):
@@ -549,22 +563,23 @@ def test_each_task_s_timings_lose_the_clock_shift_they_were_made_with():
     from distributed import Client, LocalCluster, get_task_stream
     from distributed.utils_test import inc
 
-    from dask_octopus.bench.workloads import clock_shifts, intervals, watch_clock_shifts
+    from dask_octopus.bench.workloads import TaskClockShifts, clock_shifts, intervals, watching_clock_shifts
 
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+    # (no heartbeat after the worker's start: each sets a shift of its own)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      heartbeat_interval="1h") as cluster, Client(cluster) as client:
         (worker,) = cluster.workers.values()
-        watch_clock_shifts(client)
-        client.run(lambda dask_worker: dask_worker.periodic_callbacks["heartbeat"].stop())  # (it sets a shift)
-        with get_task_stream(client) as stream:
-            t0 = time.time()
-            worker.scheduler_delay = 50.0
-            client.submit(inc, 1, key="first").result()
-            worker.scheduler_delay = -50.0
-            client.submit(inc, 2, key="second").result()
-            seconds = time.time() - t0
-        shifts = clock_shifts(client)
-        assert clock_shifts(client)[worker.address].tasks == {}  # (each read takes what was recorded)
+        with watching_clock_shifts(client):
+            with get_task_stream(client) as stream:
+                t0 = time.time()
+                worker.scheduler_delay = 50.0
+                client.submit(inc, 1, key="first").result()
+                worker.scheduler_delay = -50.0
+                client.submit(inc, 2, key="second").result()
+                seconds = time.time() - t0
+            shifts = clock_shifts(client)
+            assert clock_shifts(client)[worker.address].tasks == {}  # (each read takes what was recorded)
+        assert TaskClockShifts.name not in worker.plugins  # (it would keep an entry per task for good)
     assert [shifts[worker.address].of(k) for k in ("first", "second")] == [50.0, -50.0]
     busy = intervals(stream.data, t0, shifts=shifts)
     assert len(busy[worker.address]) == 2 and all(0 <= a <= b <= seconds for a, b in busy[worker.address])

@@ -29,7 +29,7 @@ from dask_octopus.bench.workloads import (
     intervals,
     synchronize,
     to_host,
-    watch_clock_shifts,
+    watching_clock_shifts,
     workers_info,
 )
 from dask_octopus.placement.items import ITEM_PREFIX, run_batch
@@ -91,7 +91,6 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
     then fail). ``workers``: the cluster's workers, fastest last."""
     reference: list = []
     times = {v: VariantTimes() for v in variants}
-    watch_clock_shifts(client)
 
     def one_run(v: str, run: int) -> None:
         clock_shifts(client)  # (what the workers recorded before the run: dropped)
@@ -106,9 +105,10 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
             work = intervals(pipelines, t0, shifts=shifts)
             times[v].seconds.append(seconds)
             times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
-            # a span is a difference of one worker's times: read without its shift, whose error can put a
-            # short pass's tasks before t0, where intervals() clamps them to 0 (a span of 0.0 under load)
-            own = intervals(pipelines, 0.0)
+            # a span is a difference of one worker's times, each with its own shift taken off, from the
+            # clock's origin (from t0, a shift's error can put a short pass's tasks before it, where
+            # intervals() clamps them to 0: a span of 0.0 under load)
+            own = intervals(pipelines, 0.0, shifts=shifts)
             times[v].work_span.append(max(max(b for _, b in iv) - min(a for a, _ in iv) for iv in own.values()))
             times[v].last = PassRecord(seconds, busy, work)
         flat = [to_host(r) for r in in_input_order(results, v, len(items), len(workers))]
@@ -117,7 +117,8 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
         elif not all(np.array_equal(a, b) for a, b in zip(reference, flat, strict=True)):
             times[v].same = False
 
-    interleave({v: partial(one_run, v) for v in variants}, runs, warmup=warmup)
+    with watching_clock_shifts(client):
+        interleave({v: partial(one_run, v) for v in variants}, runs, warmup=warmup)
     return times
 
 

@@ -23,7 +23,7 @@ from dask_octopus.bench.workloads import (
     intervals,
     stencil_mean,
     subspace_iteration,
-    watch_clock_shifts,
+    watching_clock_shifts,
 )
 from dask_octopus.groups.marks import annotate
 
@@ -33,20 +33,20 @@ def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, gro
     """``passes`` times: build the result (in stream groups when ``grouped``), persist it, wait; the last
     pass's record holds the result's :func:`~dask_octopus.bench.workloads.checksum`."""
     records = []
-    watch_clock_shifts(client)
-    for i in range(passes):
-        clock_shifts(client)  # (what the workers recorded before the pass: dropped)
-        with get_task_stream(client) as ts:
-            t0 = time.time()
-            start = time.perf_counter()
-            with annotate(resource=resource) if grouped else contextlib.nullcontext():
-                y = build()
-            y = client.persist(y)
-            wait(y)
-            seconds = time.perf_counter() - start
-        busy = intervals(ts.data, t0, shifts=clock_shifts(client))  # every task of the pass is per-block work here
-        records.append(PassRecord(seconds, busy, busy, checksum(client, y) if i == passes - 1 else None))
-        del y
+    with watching_clock_shifts(client):
+        for i in range(passes):
+            clock_shifts(client)  # (what the workers recorded before the pass: dropped)
+            with get_task_stream(client) as ts:
+                t0 = time.time()
+                start = time.perf_counter()
+                with annotate(resource=resource) if grouped else contextlib.nullcontext():
+                    y = build()
+                y = client.persist(y)
+                wait(y)
+                seconds = time.perf_counter() - start
+            busy = intervals(ts.data, t0, shifts=clock_shifts(client))  # every task of the pass is per-block work here
+            records.append(PassRecord(seconds, busy, busy, checksum(client, y) if i == passes - 1 else None))
+            del y
     return records
 
 

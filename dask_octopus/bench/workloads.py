@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +154,9 @@ def _key_id(key: Hashable) -> str:
 
 class TaskClockShifts(WorkerPlugin):
     """Records, as each task starts running, the shift its worker adds to its timings (``startstops``):
-    its ``scheduler_delay`` then, an estimate of the scheduler's clock that each heartbeat replaces."""
+    its ``scheduler_delay`` then, an estimate of the scheduler's clock that each heartbeat replaces (read
+    as the task's state turns to executing: a heartbeat that ends in the moment before the worker reads it
+    for the task, while its inputs are unpacked, goes unseen)."""
 
     name = "octopus-bench-clock-shifts"
     idempotent = True
@@ -171,9 +173,16 @@ class TaskClockShifts(WorkerPlugin):
             self.shifts[_key_id(key)] = self.worker.scheduler_delay
 
 
-def watch_clock_shifts(client: Client) -> None:
-    """Have the workers record each task's clock shift (:class:`TaskClockShifts`) from now on."""
+@contextlib.contextmanager
+def watching_clock_shifts(client: Client) -> Iterator[None]:
+    """Have the workers record each task's clock shift (:class:`TaskClockShifts`) within the block, and
+    no longer: registered, the plugin keeps an entry per task until :func:`clock_shifts` reads it."""
     client.register_plugin(TaskClockShifts())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # (a cluster closed meanwhile: nothing left to unregister)
+            client.unregister_worker_plugin(TaskClockShifts.name)
 
 
 def _take_shifts(dask_worker: Any) -> tuple[float, dict[str, float]]:
@@ -193,12 +202,13 @@ class ClockShifts:
     tasks: dict[str, float] = field(default_factory=dict)
 
     def of(self, key: Hashable) -> float:
+        """The shift of task ``key``'s timings."""
         return self.tasks.get(_key_id(key), self.now)
 
 
 def clock_shifts(client: Client) -> dict[str, ClockShifts]:
     """Each worker's shifts of its task timings (``startstops``) onto the scheduler's clock, taken from
-    what its :class:`TaskClockShifts` recorded since the last call (see :func:`watch_clock_shifts`) and
+    what its :class:`TaskClockShifts` recorded since the last call (see :func:`watching_clock_shifts`) and
     the worker's ``scheduler_delay`` now: an estimate from its heartbeats, off by tens to hundreds of ms
     on a busy machine (two workers' finishes of one pass came apart by 0.04 s of a 0.07 s pass), which
     each heartbeat replaces. On one host every process reads the same clock: :func:`intervals` takes each
@@ -257,28 +267,28 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
     w = client.persist((da.ones((cols, width), dtype=np.float32, chunks=(cols, width)) / np.float32(np.sqrt(cols)))
                        .map_blocks(xp.asarray, dtype=np.float32))
     records = []
-    watch_clock_shifts(client)
-    for _ in range(passes):
-        clock_shifts(client)  # (what the workers recorded before the pass: dropped)
-        with get_task_stream(client) as ts:
-            t0 = time.time()
-            start = time.perf_counter()
-            with annotate(resource="compute") if grouped else contextlib.nullcontext():
-                parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
-                                     meta=xp.empty((0, 0, 0), dtype=np.float32))
-            g = parts.sum(axis=0)
-            w = client.persist(g / da.linalg.norm(g))
-            wait(w)
-            # Broadcast W while every GPU is idle: on the legacy default stream a device-to-host copy
-            # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
-            client.replicate(w)
-            seconds = time.perf_counter() - start
-        # the per-block tasks: Dask fuses each block's product with the sum's per-block step (named for
-        # the sum); grouped, the fragments too
-        block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram", "sum")
-        shifts = clock_shifts(client)
-        records.append(PassRecord(seconds, intervals(ts.data, t0, shifts=shifts),
-                                  intervals(ts.data, t0, block_tasks, shifts)))
+    with watching_clock_shifts(client):
+        for _ in range(passes):
+            clock_shifts(client)  # (what the workers recorded before the pass: dropped)
+            with get_task_stream(client) as ts:
+                t0 = time.time()
+                start = time.perf_counter()
+                with annotate(resource="compute") if grouped else contextlib.nullcontext():
+                    parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
+                                         meta=xp.empty((0, 0, 0), dtype=np.float32))
+                g = parts.sum(axis=0)
+                w = client.persist(g / da.linalg.norm(g))
+                wait(w)
+                # Broadcast W while every GPU is idle: on the legacy default stream a device-to-host copy
+                # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
+                client.replicate(w)
+                seconds = time.perf_counter() - start
+            # the per-block tasks: Dask fuses each block's product with the sum's per-block step (named for
+            # the sum); grouped, the fragments too
+            block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram", "sum")
+            shifts = clock_shifts(client)
+            records.append(PassRecord(seconds, intervals(ts.data, t0, shifts=shifts),
+                                      intervals(ts.data, t0, block_tasks, shifts)))
     if records:
         records[-1].value = checksum(client, w)
     return records
