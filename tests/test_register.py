@@ -1039,10 +1039,12 @@ def test_probes_told_to_stop_stop_before_their_time_is_up():
     assert time.perf_counter() - start < 5
 
 
+@pytest.mark.parametrize("how", ["closed", "replaced"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
-async def test_a_worker_closing_while_it_calibrates_stops_its_probes(c, s, a, monkeypatch):
+async def test_a_worker_closing_while_it_calibrates_stops_its_probes(c, s, a, monkeypatch, how):
     """A close waited for the probes' whole budget (a 20 s budget: a cluster's close raised "join
-    timed out" after 10 s, a nanny killed its worker after 4 s); the probes run on, reporting nothing."""
+    timed out" after 10 s, a nanny killed its worker after 4 s); the probes ran on, reporting nothing.
+    A plugin replaced meanwhile (a new register's) stops them too: the new one reports."""
     from dask_octopus.plugins import worker as worker_plugin
 
     await dask_octopus.register(c, calibrate=False)
@@ -1058,10 +1060,15 @@ async def test_a_worker_closing_while_it_calibrates_stops_its_probes(c, s, a, mo
     await async_poll_for(started.is_set, 5)
     with captured_logger("dask_octopus.plugins.worker", level=logging.WARNING) as log:
         start = time.perf_counter()
-        await a.close()
+        if how == "closed":
+            await a.close()
+        else:
+            await a.plugin_add(worker_plugin.OctopusWorkerPlugin(calibrate=False), name="octopus-worker")
         assert await calibrating == {"status": "OK"}
-    assert time.perf_counter() - start < 10  # (the close waited 30 s: the probes ran to the end)
+    assert time.perf_counter() - start < 10  # (it waited 30 s: the probes ran to the end)
     assert log.getvalue() == ""  # (no "calibration failed")
+    if how == "replaced":
+        assert plugin(s).profiles[a.address]["calibrated"] is False  # the new plugin's report stands
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -36,16 +36,25 @@ class ProbeStopped(RuntimeError):
     """The probes were told to stop before their time was up."""
 
 
+def _check(stop: threading.Event, start: float, seconds: float) -> None:
+    if stop.is_set():
+        raise ProbeStopped(f"stopped after {time.perf_counter() - start:.3g} of {seconds:.3g} s")
+
+
 def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float, seconds: float,
                 stop: threading.Event) -> float:
     """Work per second of ``step`` repeated for about ``seconds`` after two warm-up calls; raises
-    :class:`ProbeStopped` once ``stop`` is set."""
-    step()
-    step()
+    :class:`ProbeStopped` once ``stop`` is set (looked at before each call: on a GPU, the calls queued
+    then run on)."""
+    start = time.perf_counter()
+    for _ in range(2):
+        _check(stop, start, seconds)
+        step()
     sync()
     reps = 0
     start = time.perf_counter()
     while True:
+        _check(stop, start, seconds)
         step()
         reps += 1
         if reps % 4 == 0 or reps < 4:
@@ -53,8 +62,6 @@ def _throughput(step: Callable[[], None], sync: Callable[[], None], work: float,
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break
-            if stop.is_set():
-                raise ProbeStopped(f"stopped after {elapsed:.3g} of {seconds:.3g} s")
     return check_finite(work * reps / elapsed, f"the probe's rate over {elapsed!r} s", error=RuntimeError)
 
 
