@@ -852,10 +852,11 @@ class _Batches:
         """The batch tasks that now run the items of the batch task ``future`` (with ``result``, its
         result or exception), where the scheduler cancelled it because a worker left with items scattered
         to it (once it ran, or before: the scheduler then refused the whole submission, every batch of it
-        cancelled for "lost dependencies"), or where it failed because an item given as a future failed,
-        or because it killed the workers that ran it (``KilledWorker``: an item that ends its worker's
-        process, out of memory, and the tasks pinned beside it; then each item runs alone, and only that
-        one fails: :meth:`_each_alone`); ``None`` for any other outcome."""
+        cancelled for "lost dependencies"; or as the client read its result from the worker that left), or
+        where it failed because an item given as a future failed, or because it killed the workers that
+        ran it (``KilledWorker``: an item that ends its worker's process, out of memory, and the tasks
+        pinned beside it; then each item runs alone, and only that one fails: :meth:`_each_alone`);
+        ``None`` for any other outcome."""
         idx = self.where[future.key]
         if future.status == "error" and isinstance(result, KilledWorker) and future.key not in self._alone:
             return self._each_alone(self._forget(future))
@@ -866,7 +867,9 @@ class _Batches:
             pass  # an item given as a future was cancelled, or lost with the worker holding it: it fails alone
         elif (isinstance(result, FutureCancelledError) and all(self._resent[i] < LOST_ROUNDS for i in idx)
               and (result.reason == "lost dependencies"
-                   or (result.reason == "already forgotten" and self._scattered & set(idx)))):
+                   # (the scheduler forgot it with its scattered item; a batch whose holder died as the
+                   # client read it is reported cancelled for no reason, "unknown", as the client asks)
+                   or (result.reason in ("already forgotten", "unknown") and self._scattered & set(idx)))):
             self._resent.update(idx)
         else:
             return None
