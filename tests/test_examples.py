@@ -19,12 +19,12 @@ def test_specs_follow_the_scenarios():
 
 
 def test_images_example_runs_every_variant_on_cpu(tmp_path, monkeypatch):
-    import dask_octopus.bench.images as bench_images
+    from dask_octopus.bench import workloads
     from dask_octopus.bench.workloads import ClockShifts
 
     # each worker's estimate of the scheduler's clock off by an hour: a busy machine's error (tens to
     # hundreds of ms, bench.workloads.clock_shifts) put a short pass's tasks before its start
-    monkeypatch.setattr(bench_images, "clock_shifts",
+    monkeypatch.setattr(workloads, "clock_shifts",
                         lambda client: {w: ClockShifts(3600.0) for w in client.scheduler_info()["workers"]})
     out = tmp_path / "images.json"
     result = CliRunner().invoke(images.main, ["--type", "cpu", "--scale", "0.03", "--runs", "1",

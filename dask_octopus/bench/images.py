@@ -18,16 +18,16 @@ from typing import Any
 
 import numpy as np
 from dask.utils import key_split
-from distributed import Client, Future, get_task_stream
+from distributed import Client, Future
 
 import dask_octopus
 from dask_octopus.bench.runner import interleave
 from dask_octopus.bench.workloads import (
     PassRecord,
-    clock_shifts,
     image_pipeline,
     intervals,
     synchronize,
+    timed_pass,
     to_host,
     watching_clock_shifts,
     workers_info,
@@ -93,16 +93,13 @@ def time_variants(client: Client, items: list, variants: list[str], runs: int, w
     times = {v: VariantTimes() for v in variants}
 
     def one_run(v: str, run: int) -> None:
-        clock_shifts(client)  # (what the workers recorded before the run: dropped)
-        with get_task_stream(client) as stream:
-            t0, start = time.time(), time.perf_counter()
+        with timed_pass(client) as timing:
             results = client.gather(run_variant(client, v, items, workers))
-            seconds = time.perf_counter() - start
         if run >= warmup:
-            shifts = clock_shifts(client)
-            pipelines = [r for r in stream.data if key_split(r["key"]) != ITEM_PREFIX]
-            busy = intervals(stream.data, t0, shifts=shifts)
-            work = intervals(pipelines, t0, shifts=shifts)
+            seconds, shifts = timing.seconds, timing.shifts
+            pipelines = [r for r in timing.stream if key_split(r["key"]) != ITEM_PREFIX]
+            busy = timing.intervals()
+            work = intervals(pipelines, timing.t0, shifts=shifts)
             times[v].seconds.append(seconds)
             times[v].work_end.append(max(b for iv in work.values() for _, b in iv))
             # a span is a difference of one worker's times, each with its own shift taken off, from the

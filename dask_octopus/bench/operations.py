@@ -9,20 +9,18 @@ measured streaming bandwidth for memory-bound ones.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import dask.array as da
-from distributed import Client, get_task_stream, wait
+from distributed import Client, wait
 
 from dask_octopus.bench.workloads import (
     PassRecord,
     checksum,
-    clock_shifts,
-    intervals,
     stencil_mean,
     subspace_iteration,
+    timed_pass,
     watching_clock_shifts,
 )
 from dask_octopus.groups.marks import annotate
@@ -35,17 +33,13 @@ def timed_passes(client: Client, build: Callable[[], da.Array], passes: int, gro
     records = []
     with watching_clock_shifts(client):
         for i in range(passes):
-            clock_shifts(client)  # (what the workers recorded before the pass: dropped)
-            with get_task_stream(client) as ts:
-                t0 = time.time()
-                start = time.perf_counter()
+            with timed_pass(client) as timing:
                 with annotate(resource=resource) if grouped else contextlib.nullcontext():
                     y = build()
                 y = client.persist(y)
                 wait(y)
-                seconds = time.perf_counter() - start
-            busy = intervals(ts.data, t0, shifts=clock_shifts(client))  # every task of the pass is per-block work here
-            records.append(PassRecord(seconds, busy, busy, checksum(client, y) if i == passes - 1 else None))
+            busy = timing.intervals()  # every task of the pass counts as per-block work here
+            records.append(PassRecord(timing.seconds, busy, busy, checksum(client, y) if i == passes - 1 else None))
             del y
     return records
 

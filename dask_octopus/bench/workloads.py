@@ -236,6 +236,36 @@ def intervals(stream: list[dict], t0: float, names: tuple[str, ...] | None = Non
     return out
 
 
+@dataclass
+class TimedPass:
+    """What :func:`timed_pass` measured: the wall ``seconds`` of the block, its tasks' records (the task
+    stream's), ``t0`` (this process's ``time.time()`` as it began) and each worker's clock shifts."""
+
+    t0: float = 0.0
+    seconds: float = 0.0
+    stream: list[dict] = field(default_factory=list)
+    shifts: dict[str, ClockShifts] = field(default_factory=dict)
+
+    def intervals(self, names: tuple[str, ...] | None = None) -> dict[str, list[tuple[float, float]]]:
+        """:func:`intervals` of the pass's tasks of ``names`` (all by default), from its start."""
+        return intervals(self.stream, self.t0, names, self.shifts)
+
+
+@contextlib.contextmanager
+def timed_pass(client: Client) -> Iterator[TimedPass]:
+    """Time the block as one pass, recording its tasks, within :func:`watching_clock_shifts`: the shifts
+    the workers recorded before it are dropped, those of its tasks read after it."""
+    clock_shifts(client)
+    timing = TimedPass()
+    with get_task_stream(client) as ts:
+        timing.t0 = time.time()
+        start = time.perf_counter()
+        yield timing
+        timing.seconds = time.perf_counter() - start
+    timing.stream = ts.data
+    timing.shifts = clock_shifts(client)
+
+
 def synchronize(a: Any) -> None:
     """Wait for the GPU work behind ``a`` (no-op for NumPy), so task timings are real."""
     if not isinstance(a, np.ndarray):
@@ -267,12 +297,12 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
     w = client.persist((da.ones((cols, width), dtype=np.float32, chunks=(cols, width)) / np.float32(np.sqrt(cols)))
                        .map_blocks(xp.asarray, dtype=np.float32))
     records = []
+    # the per-block tasks: Dask fuses each block's product with the sum's per-block step (named for the
+    # sum); grouped, the fragments too
+    block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram", "sum")
     with watching_clock_shifts(client):
         for _ in range(passes):
-            clock_shifts(client)  # (what the workers recorded before the pass: dropped)
-            with get_task_stream(client) as ts:
-                t0 = time.time()
-                start = time.perf_counter()
+            with timed_pass(client) as timing:
                 with annotate(resource="compute") if grouped else contextlib.nullcontext():
                     parts = da.blockwise(block_gram, "ijk", x, "ij", w, "jk", adjust_chunks={"i": 1}, dtype=np.float32,
                                          meta=xp.empty((0, 0, 0), dtype=np.float32))
@@ -282,13 +312,7 @@ def subspace_iteration(client: Client, x: da.Array, width: int, passes: int, gpu
                 # Broadcast W while every GPU is idle: on the legacy default stream a device-to-host copy
                 # waits for the sender's running kernels, so a worker fetching W mid-pass would stall.
                 client.replicate(w)
-                seconds = time.perf_counter() - start
-            # the per-block tasks: Dask fuses each block's product with the sum's per-block step (named for
-            # the sum); grouped, the fragments too
-            block_tasks = (FRAGMENT_PREFIX, "block_gram", "sum") if grouped else ("block_gram", "sum")
-            shifts = clock_shifts(client)
-            records.append(PassRecord(seconds, intervals(ts.data, t0, shifts=shifts),
-                                      intervals(ts.data, t0, block_tasks, shifts)))
+            records.append(PassRecord(timing.seconds, timing.intervals(), timing.intervals(block_tasks)))
     if records:
         records[-1].value = checksum(client, w)
     return records
