@@ -4,7 +4,7 @@ CuPy on a GPU worker (device 0 of the worker's ``CUDA_VISIBLE_DEVICES``, as dask
 NumPy on a CPU worker. Each probe warms up, then repeats its operation for a time budget and
 reports throughput (total work / elapsed time), synchronising the device before reading a clock
 so a co-tenant that time-slices the device shows up as a lower figure. A probe told to stop (its
-worker closes) stops at its next clock reading.
+worker closes) stops before its next operation.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def run_probes(seconds: float = 0.6, device: str = "auto", stop: threading.Event
     device
         ``"auto"``, ``"cpu"`` or ``"gpu"``: the device is :func:`probed_device` of it.
     stop
-        Once set, the probes stop at their next clock reading (within one operation) and raise
+        Once set, the probes stop before their next operation (a GEMM, a streaming pass) and raise
         :class:`ProbeStopped`.
 
     Returns
