@@ -473,7 +473,7 @@ class Placement:
                 started.add(block)
                 started.update(self._planned_blocks(key, ts.run_spec))
                 if ts.state == "memory" and ts.who_has and ts.nbytes > holder.get(block, (-1.0, ""))[0]:
-                    live = sorted(ws.address for ws in ts.who_has or () if ws.address in weights)
+                    live = sorted(ws.address for ws in ts.who_has if ws.address in weights)
                     if live:
                         holder[block] = (ts.nbytes, live[0])
         self._stayed = {(name, i) for name, plan in self.plans.items() for i in plan.moved if (name, i) in started}
