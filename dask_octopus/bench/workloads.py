@@ -187,9 +187,9 @@ def watching_clock_shifts(client: Client) -> Iterator[None]:
 
 def _take_shifts(dask_worker: Any) -> tuple[float, dict[str, float]]:
     plugin = dask_worker.plugins.get(TaskClockShifts.name)
-    tasks = {} if plugin is None else plugin.shifts
+    tasks: dict[str, float] = {}
     if plugin is not None:
-        plugin.shifts = {}
+        tasks, plugin.shifts = plugin.shifts, {}
     return dask_worker.scheduler_delay, tasks
 
 
@@ -214,7 +214,7 @@ def clock_shifts(client: Client) -> dict[str, ClockShifts]:
     each heartbeat replaces. On one host every process reads the same clock: :func:`intervals` takes each
     task's shift back off. Read after a pass, the shift of the moment put tasks that ran before a
     heartbeat moved it up to 0.2 s after their pass ended: each task's own shift does not."""
-    return {w: ClockShifts(now, dict(tasks)) for w, (now, tasks) in client.run(_take_shifts).items()}
+    return {w: ClockShifts(now, tasks) for w, (now, tasks) in client.run(_take_shifts).items()}
 
 
 def intervals(stream: list[dict], t0: float, names: tuple[str, ...] | None = None,
