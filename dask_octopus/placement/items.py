@@ -377,7 +377,10 @@ def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batc
     for worker, idx in planned.items():
         try:
             futures = client.scatter([items[i] for i in idx], workers=[worker], hash=False)
-        except (KeyError, OSError):  # the scheduler has it no more, or it is closing (or gone: the connect timeout)
+        except (KeyError, OSError) as e:  # the scheduler has it no more, or it is closing (or gone: connect timeout)
+            # its traceback and distributed's sync() hold each other: until Python collects that cycle, the
+            # frames of this call and of its callers, their items and the futures made, stayed held
+            e.__traceback__ = None
             continue
         for i, fut in zip(idx, futures):
             items[i] = fut
@@ -929,8 +932,12 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     Each batch's results are read when the caller gets to them, one batch at a time, as a loop over
     ``as_completed`` reading ``future.result()`` does: read as soon as they finish (``with_results``),
     several batches' results were sent at once, and a worker holding them spilled (96 results of 32
-    MiB in batches of 6, two 1 GiB CPU workers) read them all back to send them and died. Raises
-    ``RuntimeError`` where the client closes meanwhile (another thread closed it)."""
+    MiB in batches of 6, two 1 GiB CPU workers) read them all back to send them and died. A batch read
+    is released at once (:func:`_read`). A batch whose worker left after it finished (its result lost,
+    computed again) is read after those that finish meanwhile: waiting for it, the reader left them
+    unread on workers that paused, full, and so never computed it again (items of 40 MB on two 500 MB
+    nanny workers, as ``client.map``'s loop over ``as_completed`` does). Raises ``RuntimeError`` where the
+    client closes meanwhile (another thread closed it)."""
     client = run.client
     done = as_completed(run.take(), loop=client.loop)
     try:
@@ -940,6 +947,9 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             except StopIteration:
                 break
             check_open(client)  # (closed by another thread meanwhile: its futures were cancelled with it)
+            if future.status == "lost":  # read once computed again, after those finished meanwhile
+                done.add(future)
+                continue
             try:
                 result = future.result()
             except CancelledError as e:  # (the future's own exception: see _error_of)
@@ -950,9 +960,7 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             if again is not None:
                 done.update(again)
                 continue
-            pairs = _read(run, future, result)
-            del future, result  # the batch's result is here now: the cluster need not hold it while it is read
-            yield from pairs
+            yield from _read(run, future, result)
     finally:  # stopped early, or by an error: the tasks not finished are not wanted any more
         pending = _pending(done)
         if pending and not closed(client):  # (a closed client released them all)
@@ -976,10 +984,10 @@ def _read(run: _Batches, future: Future, result: Any) -> Iterable[tuple[int, Any
     of one item that killed the workers that ran it (the item ran alone) with its ``KilledWorker`` as its
     :class:`ItemError`; else raises the exception of a batch that failed, or whose result could not be
     sent (not picklable), releasing the batch (the error's traceback holds it: ``Future.result``'s frames)."""
+    release([future])  # read: the cluster need not hold it (nor wait for whatever else may still hold it)
     if isinstance(result, KilledWorker) and future.status != "finished":
         return list(zip(run.finish(future), [ItemError(result)]))
     if isinstance(result, Exception):
-        release([future])
         raise result
     return zip(run.finish(future), result)
 
@@ -999,6 +1007,9 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
     done = as_completed(run.take(), loop=client.loop)
     try:
         async for future in done:
+            if future.status == "lost":  # (as in _as_finished)
+                done.add(future)
+                continue
             try:
                 result = await future  # read as the caller gets to it (_as_finished)
             except Exception as e:
@@ -1007,9 +1018,7 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
             if again is not None:
                 done.update(again)
                 continue
-            pairs = _checked(_read(run, future, result), errors)
-            del future, result  # as in _as_finished
-            for pair in pairs:
+            for pair in _checked(_read(run, future, result), errors):
                 yield pair
     finally:
         pending = _pending(done)
