@@ -803,8 +803,9 @@ class _Batches:
     read them. An item given as a future (or a delayed object) that fails while the map runs fails
     the batch task that reads it. The results of this run are only gathered, so such batches can be
     submitted again: :meth:`again` plans and submits their items anew, from the items kept here (an
-    item lost with workers at most :data:`LOST_ROUNDS` times; a failed item then fails alone, as one
-    that failed before the map, :func:`_failed_inputs`). Computes the delayed items and submits ``items``
+    item lost with workers at most :data:`LOST_ROUNDS` times, then it fails alone,
+    :meth:`lost_for_good`; a failed item then fails alone, as one that failed before the map,
+    :func:`_failed_inputs`). Computes the delayed items and submits ``items``
     (a list it keeps; a first item alone first, :func:`_probed`): :meth:`take` hands over the batch
     tasks' futures; call :meth:`finish` with each that finished. Every task it submits, also later
     (from wherever the results are read), takes ``annotations`` (those of ``dask.annotate`` where the
@@ -868,15 +869,35 @@ class _Batches:
                 return None
         elif isinstance(result, FutureCancelledError) and self._failed_since(idx, "cancelled"):
             pass  # an item given as a future was cancelled, or lost with the worker holding it: it fails alone
-        elif (isinstance(result, FutureCancelledError) and all(self._resent[i] < LOST_ROUNDS for i in idx)
-              and (result.reason == "lost dependencies"
-                   # (the scheduler forgot it with its scattered item; a batch whose holder died as the
-                   # client read it is reported cancelled for no reason, "unknown", as the client asks)
-                   or (result.reason in ("already forgotten", "unknown") and self._scattered & set(idx)))):
+        elif self._lost_with_workers(idx, result) and all(self._resent[i] < LOST_ROUNDS for i in idx):
             self._resent.update(idx)
         else:
             return None
         return self._submit(self._forget(future))
+
+    def _lost_with_workers(self, indices: list[int], result: Any) -> bool:
+        """Whether ``result`` says the batch task of the items ``indices`` was cancelled because a worker left
+        with the items scattered to it (or its batch submitted with them)."""
+        return isinstance(result, FutureCancelledError) and (
+            result.reason == "lost dependencies"
+            # (the scheduler forgot it with its scattered item; a batch whose holder died as the client read
+            # it is reported cancelled for no reason, "unknown", as the client asks)
+            or (result.reason in ("already forgotten", "unknown") and bool(self._scattered & set(indices))))
+
+    def lost_for_good(self, future: Future, result: Any) -> list[tuple[int, ItemError]] | None:
+        """``(index, ItemError)`` for each item of the batch task ``future``, where it was lost with workers
+        (``result``) once more than :data:`LOST_ROUNDS` sendings again allow, so that its items fail alone,
+        the others' results kept; else ``None``. (Dask's own ``allowed-failures`` counts only workers that
+        die while running a task: data lost afterwards is computed again without end.)"""
+        idx = self.where[future.key]
+        if not (self._lost_with_workers(idx, result) and any(self._resent[i] >= LOST_ROUNDS for i in idx)):
+            return None
+        return [(i, ItemError(FutureCancelledError(
+            future.key, result.reason,
+            f"item {i} of the map was lost with the worker holding it (its batch's result, or the item scattered "
+            f"there) after it was sent again {self._resent[i]} times, the most allowed ({LOST_ROUNDS}): workers that "
+            f"leave (a nanny restarts a worker that outgrows its memory) lose the items on them")))
+            for i in self.finish(future)]
 
     def _failed_since(self, indices: list[int], status: str) -> bool:
         """Whether an item of ``indices`` given as a future (or computed) took ``status`` since it was submitted."""
@@ -982,11 +1003,14 @@ def _read(run: _Batches, future: Future, result: Any) -> Iterable[tuple[int, Any
     """``(index, result)`` of the items of the batch task ``future`` of ``run``, read with ``result`` (its
     result, or the exception reading it raised) after :meth:`_Batches.again` passed it: the item of a task
     of one item that killed the workers that ran it (the item ran alone) with its ``KilledWorker`` as its
-    :class:`ItemError`; else raises the exception of a batch that failed, or whose result could not be
+    :class:`ItemError`, the items of one lost with workers too often with theirs
+    (:meth:`_Batches.lost_for_good`); else raises the exception of a batch that failed, or whose result could not be
     sent (not picklable), releasing the batch (the error's traceback holds it: ``Future.result``'s frames)."""
     release([future])  # read: the cluster need not hold it (nor wait for whatever else may still hold it)
     if isinstance(result, KilledWorker) and future.status != "finished":
         return list(zip(run.finish(future), [ItemError(result)]))
+    if (lost := run.lost_for_good(future, result)) is not None:
+        return lost
     if isinstance(result, Exception):
         raise result
     return zip(run.finish(future), result)
