@@ -30,6 +30,8 @@ When a new release moves one of these, this is the only module to change.
 - ``as_completed.queue`` and ``.thread_condition``: where ``next`` of an ``as_completed`` waits for a
   future to finish, which its client's event loop reports (``next_completed`` stops waiting once that
   client closed: the loop then stopped, and ``next`` would wait for ever).
+- ``Future._result``: a future's result read on the client's event loop, as ``Future.result`` does
+  (``result_unless_lost`` stops reading where the future is lost meanwhile).
 - CuPy's ``cupy.fft._fft._exec_fft`` and ``_exec_fftn``, through which every FFT of ``cupy.fft`` and
   ``cupyx.scipy.fft`` runs (``counting_ffts``: a CUDA graph that captured one reads a cuFFT plan that
   CuPy's plan cache may free).
@@ -38,6 +40,7 @@ When a new release moves one of these, this is the only module to change.
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import functools
 import logging
@@ -175,6 +178,29 @@ def next_completed(done: Any, closed: Callable[[], bool]) -> Any:
         with done.thread_condition:
             done.thread_condition.wait(timeout=0.1)
     return next(done)
+
+
+LOST = ("lost", "pending")  # a finished future's status once its worker left (or reading it failed: reset)
+
+
+async def result_unless_lost(future: Any, reads: dict[Any, asyncio.Task], poll: float = 0.1) -> tuple[bool, Any]:
+    """``(True, result)`` of the finished ``future``, read as ``await future`` does (its exception raised),
+    or ``(False, None)`` where it is lost, before or while its result is read: its worker left, and Dask
+    computes it again (``Future.result`` would wait for that; the scheduler says "lost", or reading it
+    failed and the client reset it to "pending"; checked every ``poll`` s). A reading begun is kept in
+    ``reads`` by the future's key, and taken up again when the future is read next, not cancelled: the
+    client shares one gather among the readers of the moment, and its result would come twice."""
+    reading = reads.pop(future.key, None)
+    if reading is None:
+        if future.status in LOST:
+            return False, None
+        reading = asyncio.ensure_future(future._result())
+        reading.add_done_callback(lambda done: done.cancelled() or done.exception())  # (retrieved, if dropped)
+    while not (await asyncio.wait([reading], timeout=poll))[0]:
+        if future.status in LOST:
+            reads[future.key] = reading
+            return False, None
+    return True, reading.result()
 
 
 def scheduler_id(client: Any) -> str | None:

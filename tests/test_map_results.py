@@ -6,6 +6,7 @@ import asyncio
 import gc
 import math
 import os
+import signal
 import threading
 import time
 import traceback
@@ -770,9 +771,24 @@ async def test_a_batch_read_is_released_whatever_else_holds_its_future(c, s, a, 
     await async_poll_for(lambda: not s.tasks, timeout=5)  # (held here: Dask forgets them only when told)
 
 
-def held_back(x, name):
+class SlowToSend:
+    """``x`` as a result whose first sending from its worker (pickled) takes 3 s, its start told by
+    creating the file ``marker``."""
+
+    def __init__(self, x, marker):
+        self.x, self.marker = x, marker
+
+    def __reduce__(self):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(3)
+        return SlowToSend, (self.x, self.marker)
+
+
+def held_back(x, name, marker=None):
     """``x``; item 1 once the test lets it (event ``{name}-1``), and when computed again (its worker
-    left) once it lets it again (``{name}-again``); item 2 once it lets it (``{name}-2``)."""
+    left) once it lets it again (``{name}-again``); item 2 once it lets it (``{name}-2``). With a
+    ``marker``, item 1 as :class:`SlowToSend`."""
     from distributed import Event, get_worker
 
     if x == 1 and Event(f"{name}-ran").is_set():
@@ -782,7 +798,7 @@ def held_back(x, name):
         if x == 1:
             Event(f"{name}-ran").set()
     get_worker().log_event("held-back", {"worker": get_worker().address, "item": x})
-    return x
+    return SlowToSend(x, marker) if marker is not None and x == 1 else x
 
 
 @pytest.mark.parametrize("how", ["imap", "async for"])
@@ -802,9 +818,9 @@ async def test_a_batch_lost_after_it_finished_is_read_after_those_finished_meanw
     else:  # (the client is asynchronous here)
         it = dask_octopus.imap(*args, client=c, cost=[1, 1, 1], name=name)
         assert await it.__anext__() == (0, 0)
-    for x in (1, 2):
+    for x in (1, 2):  # item 1's batch finishes first (the reader's queue holds it first)
         await Event(f"{name}-{x}").set()
-        await async_poll_for(lambda x=x: any(m["item"] == x for _, m in s.get_events("held-back")), timeout=10)
+        await async_poll_for(lambda x=x: sum(ts.state == "memory" for ts in s.tasks.values()) == x, timeout=10)
     where = {m["item"]: m["worker"] for _, m in s.get_events("held-back")}
     assert len(set(where.values())) == 3  # one item a worker: a batch each
     # the two batches not read yet (the one read is released)
@@ -820,7 +836,7 @@ async def test_a_batch_lost_after_it_finished_is_read_after_those_finished_meanw
 
     rest = in_thread(lambda: order.extend(i for i, _ in it)) if how == "imap" else asyncio.ensure_future(
         read_the_rest())
-    await asyncio.sleep(1.0)  # the reader has read what it can (the lost batch, computed again, waits)
+    await async_poll_for(lambda: order == [2], timeout=20)  # (item 1, computed again, waits for the test)
     await Event(f"{name}-again").set()
     await asyncio.wait_for(rest, 20)
     assert order == [2, 1]
@@ -1114,3 +1130,29 @@ def test_a_map_whose_client_another_thread_closes_raises_rather_than_waiting_for
         thread.join(30)
         assert outcome, "still waiting 30 s after the client closed"
         assert isinstance(outcome[0], RuntimeError) and str(outcome[0]).startswith("the client is clos"), outcome
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, Worker=Nanny, timeout=120)
+async def test_a_batch_lost_as_its_result_is_read_is_read_after_those_finished_meanwhile(c, s, a, b, w, tmp_path):
+    """The worker of a finished batch dies as the reader reads its result: the reader takes the batches
+    that finish meanwhile first (``Future.result`` waited for the batch to be computed again)."""
+    await setup(c, s, [1.0, 1.0, 1.0])
+    name, marker = "lost-read", str(tmp_path / "sending")
+    it = await in_thread(dask_octopus.imap, held_back, [0, 1, 2], client=c, cost=[1, 1, 1], name=name,
+                         marker=marker)
+    assert await in_thread(next, it) == (0, 0)
+    for x in (1, 2):  # item 1's batch finishes first (the reader's queue holds it first)
+        await Event(f"{name}-{x}").set()
+        await async_poll_for(lambda x=x: sum(ts.state == "memory" for ts in s.tasks.values()) == x, timeout=10)
+    where = {m["item"]: m["worker"] for _, m in s.get_events("held-back")}
+    assert len(set(where.values())) == 3  # one item a worker: a batch each
+    await async_poll_for(lambda: [ts.state for ts in s.tasks.values()] == ["memory"] * 2, timeout=10)
+    order = []
+    rest = in_thread(lambda: order.extend(i for i, _ in it))
+    await async_poll_for(lambda: os.path.exists(marker), timeout=10)  # the reader is into item 1's batch
+    # (its event loop sends the result, asleep: a nanny's kill would wait for it to stop)
+    os.kill(next(n for n in (a, b, w) if n.worker_address == where[1]).pid, signal.SIGKILL)
+    await async_poll_for(lambda: order == [2], timeout=20)  # (item 1, computed again, waits for the test)
+    await Event(f"{name}-again").set()
+    await asyncio.wait_for(rest, 30)
+    assert order == [2, 1]

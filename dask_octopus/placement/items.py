@@ -29,7 +29,15 @@ from distributed.client import FutureCancelledError
 
 from dask_octopus import config
 from dask_octopus._checks import check_flag
-from dask_octopus._compat import AnnotatedLLGExpr, Task, TaskRef, next_completed, parse_input, scheduler_id
+from dask_octopus._compat import (
+    AnnotatedLLGExpr,
+    Task,
+    TaskRef,
+    next_completed,
+    parse_input,
+    result_unless_lost,
+    scheduler_id,
+)
 from dask_octopus.groups import streams
 from dask_octopus.groups.planning import check_group_spec
 from dask_octopus.placement import tohost
@@ -925,6 +933,9 @@ class _Batches:
         return futures
 
     def _forget(self, future: Future) -> list[int]:
+        """The indices of the items of the batch task ``future``, read or replaced: it is released, its
+        items' bookkeeping dropped."""
+        release([future])  # (an error's traceback, kept, would hold it: a failed batch's key stays on the scheduler)
         self._alone.discard(future.key)
         idx = self.where.pop(future.key)
         for i in idx:
@@ -957,10 +968,12 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
     is released at once (:func:`_read`). A batch whose worker left after it finished (its result lost,
     computed again) is read after those that finish meanwhile: waiting for it, the reader left them
     unread on workers that paused, full, and so never computed it again (items of 40 MB on two 500 MB
-    nanny workers, as ``client.map``'s loop over ``as_completed`` does). Raises ``RuntimeError`` where the
+    nanny workers, as ``client.map``'s loop over ``as_completed`` does); so is one lost as its result is
+    read (:func:`~dask_octopus._compat.result_unless_lost`). Raises ``RuntimeError`` where the
     client closes meanwhile (another thread closed it)."""
     client = run.client
     done = as_completed(run.take(), loop=client.loop)
+    reads: dict[Any, asyncio.Task] = {}  # (result_unless_lost's)
     try:
         while True:
             try:
@@ -968,15 +981,15 @@ def _as_finished(run: _Batches) -> Iterator[tuple[int, Any]]:
             except StopIteration:
                 break
             check_open(client)  # (closed by another thread meanwhile: its futures were cancelled with it)
-            if future.status == "lost":  # read once computed again, after those finished meanwhile
+            try:
+                read, result = client.sync(result_unless_lost, future, reads)
+            except CancelledError as e:  # (the future's own exception: see _error_of)
+                read, result = True, e.with_traceback(None)
+            except Exception as e:  # as with_results=True, raise_errors=False
+                read, result = True, e
+            if not read:  # lost: read once computed again, after those finished meanwhile
                 done.add(future)
                 continue
-            try:
-                result = future.result()
-            except CancelledError as e:  # (the future's own exception: see _error_of)
-                result = e.with_traceback(None)
-            except Exception as e:  # as with_results=True, raise_errors=False
-                result = e
             again = run.again(future, result)
             if again is not None:
                 done.update(again)
@@ -1029,15 +1042,16 @@ async def _imap_async(client: Client, func: Callable, items: list[Any], cost: An
     run = await asyncio.to_thread(called_from, caller, _Batches, client, func, items, cost, group, resource, to_host,
                                   kwargs, annotations)
     done = as_completed(run.take(), loop=client.loop)
+    reads: dict[Any, asyncio.Task] = {}  # (result_unless_lost's)
     try:
         async for future in done:
-            if future.status == "lost":  # (as in _as_finished)
+            try:
+                read, result = await result_unless_lost(future, reads)  # read as the caller gets to it (_as_finished)
+            except Exception as e:
+                read, result = True, e
+            if not read:  # (as in _as_finished)
                 done.add(future)
                 continue
-            try:
-                result = await future  # read as the caller gets to it (_as_finished)
-            except Exception as e:
-                result = e
             again = await asyncio.to_thread(called_from, caller, run.again, future, result)
             if again is not None:
                 done.update(again)
