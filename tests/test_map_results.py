@@ -801,6 +801,19 @@ def held_back(x, name, marker=None):
     return SlowToSend(x, marker) if marker is not None and x == 1 else x
 
 
+async def items_1_then_2_finished(s, name):
+    """Let items 1 and 2 of :func:`held_back` (each alone on a worker, item 0 read) finish, item 1's batch
+    first (a reader's queue then holds it first); the worker each ran on."""
+    for x in (1, 2):
+        await Event(f"{name}-{x}").set()
+        await async_poll_for(lambda x=x: sum(ts.state == "memory" for ts in s.tasks.values()) == x, timeout=10)
+    where = {m["item"]: m["worker"] for _, m in s.get_events("held-back")}
+    assert len(set(where.values())) == 3  # one item a worker: a batch each
+    # the two batches not read yet (the one read is released)
+    await async_poll_for(lambda: [ts.state for ts in s.tasks.values()] == ["memory"] * 2, timeout=10)
+    return where
+
+
 @pytest.mark.parametrize("how", ["imap", "async for"])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=60)
 async def test_a_batch_lost_after_it_finished_is_read_after_those_finished_meanwhile(c, s, a, b, w, how):
@@ -818,13 +831,7 @@ async def test_a_batch_lost_after_it_finished_is_read_after_those_finished_meanw
     else:  # (the client is asynchronous here)
         it = dask_octopus.imap(*args, client=c, cost=[1, 1, 1], name=name)
         assert await it.__anext__() == (0, 0)
-    for x in (1, 2):  # item 1's batch finishes first (the reader's queue holds it first)
-        await Event(f"{name}-{x}").set()
-        await async_poll_for(lambda x=x: sum(ts.state == "memory" for ts in s.tasks.values()) == x, timeout=10)
-    where = {m["item"]: m["worker"] for _, m in s.get_events("held-back")}
-    assert len(set(where.values())) == 3  # one item a worker: a batch each
-    # the two batches not read yet (the one read is released)
-    await async_poll_for(lambda: [ts.state for ts in s.tasks.values()] == ["memory"] * 2, timeout=10)
+    where = await items_1_then_2_finished(s, name)
     victim = next(wk for wk in (a, b, w) if wk.address == where[1])
     await victim.close()
     await async_poll_for(lambda: any(st.status == "lost" for st in c.futures.values()), timeout=10)
@@ -1141,12 +1148,7 @@ async def test_a_batch_lost_as_its_result_is_read_is_read_after_those_finished_m
     it = await in_thread(dask_octopus.imap, held_back, [0, 1, 2], client=c, cost=[1, 1, 1], name=name,
                          marker=marker)
     assert await in_thread(next, it) == (0, 0)
-    for x in (1, 2):  # item 1's batch finishes first (the reader's queue holds it first)
-        await Event(f"{name}-{x}").set()
-        await async_poll_for(lambda x=x: sum(ts.state == "memory" for ts in s.tasks.values()) == x, timeout=10)
-    where = {m["item"]: m["worker"] for _, m in s.get_events("held-back")}
-    assert len(set(where.values())) == 3  # one item a worker: a batch each
-    await async_poll_for(lambda: [ts.state for ts in s.tasks.values()] == ["memory"] * 2, timeout=10)
+    where = await items_1_then_2_finished(s, name)
     order = []
     rest = in_thread(lambda: order.extend(i for i, _ in it))
     await async_poll_for(lambda: os.path.exists(marker), timeout=10)  # the reader is into item 1's batch
