@@ -1019,8 +1019,9 @@ def _read(run: _Batches, future: Future, result: Any) -> Iterable[tuple[int, Any
     :class:`ItemError`, the items of one lost with workers too often with theirs
     (:meth:`_Batches.lost_for_good`); else raises the exception of a batch that failed, or whose result could not be
     sent (not picklable), releasing the batch (the error's traceback holds it: ``Future.result``'s frames)."""
+    killed = isinstance(result, KilledWorker) and future.status != "finished"  # (released, it reads "cancelled")
     release([future])  # read: the cluster need not hold it (nor wait for whatever else may still hold it)
-    if isinstance(result, KilledWorker) and future.status != "finished":
+    if killed:
         return list(zip(run.finish(future), [ItemError(result)]))
     if (lost := run.lost_for_good(future, result)) is not None:
         return lost
