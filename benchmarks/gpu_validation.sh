@@ -16,6 +16,7 @@
 #   a subset: STEPS="gpu-tests suite-images" bash benchmarks/gpu_validation.sh "$OUT"
 #   all over tcp: PROTOCOL=tcp bash benchmarks/gpu_validation.sh "$OUT"
 #   some stream-groups operations only: STREAM_OPS=chain-sum,frames (default: all six)
+#   some GPU tests only: GPU_TESTS_K='map or killed' (pytest's -k expression; default: all)
 #   the two-worker steps on other GPUs: DEVS=0,0 (two workers sharing GPU 0, where only one GPU is
 #   lent: an even cluster, not two GPUs' speed; default 0,1)
 #   not run by default: suite-matmul (matmul_iterate alone, with the co-tenant), suite-even-aa (the even
@@ -58,7 +59,7 @@ step() {  # step LIMIT NAME COMMAND...: run, log to $run/NAME.log, note the exit
 { date -u; nvidia-smi; python3 -c 'import sys, cupy, dask, distributed, dask_cuda; print(sys.version); print("cupy", cupy.__version__, "dask", dask.__version__, "distributed", distributed.__version__, "dask_cuda", dask_cuda.__version__)'; python3 -c 'import distributed_ucxx, ucxx; print("distributed_ucxx", distributed_ucxx.__version__, "ucxx", ucxx.__version__)'; echo "PROTOCOL=$protocol"; env | grep -E "^UCX(PY)?_" | sort; } > "$run/env.txt" 2>&1
 
 p=(--protocol "$protocol")
-step 420 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 tests/test_gpu.py
+step 420 gpu-tests python3 -m pytest -m gpu -v -s -p no:cacheprovider --timeout 90 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/test_gpu.py
 demo_p=("${p[@]}")  # with one GPU the demo balances CPU workers, which talk tcp only
 (( $(nvidia-smi -L | wc -l) < 2 )) && demo_p=(--protocol tcp)
 step 150 demo env COLUMNS=160 python3 -m dask_octopus demo "${demo_p[@]}" --out "$run/demo"
