@@ -935,7 +935,7 @@ class _Batches:
     def _forget(self, future: Future) -> list[int]:
         """The indices of the items of the batch task ``future``, read or replaced: it is released, its
         items' bookkeeping dropped."""
-        release([future])  # (an error's traceback, kept, would hold it: a failed batch's key stays on the scheduler)
+        release([future])  # (whatever else still holds it, an error's traceback say, Dask need not keep it)
         self._alone.discard(future.key)
         idx = self.where.pop(future.key)
         for i in idx:
@@ -1019,15 +1019,14 @@ def _read(run: _Batches, future: Future, result: Any) -> Iterable[tuple[int, Any
     :class:`ItemError`, the items of one lost with workers too often with theirs
     (:meth:`_Batches.lost_for_good`); else raises the exception of a batch that failed, or whose result could not be
     sent (not picklable), releasing the batch (the error's traceback holds it: ``Future.result``'s frames)."""
-    killed = isinstance(result, KilledWorker) and future.status != "finished"  # (released, it reads "cancelled")
-    release([future])  # read: the cluster need not hold it (nor wait for whatever else may still hold it)
-    if killed:
+    if isinstance(result, KilledWorker) and future.status != "finished":
         return list(zip(run.finish(future), [ItemError(result)]))
     if (lost := run.lost_for_good(future, result)) is not None:
         return lost
     if isinstance(result, Exception):
+        release([future])
         raise result
-    return zip(run.finish(future), result)
+    return zip(run.finish(future), result)  # (finish releases the batch)
 
 
 def _pending(done: as_completed) -> list[Future]:
