@@ -1421,7 +1421,7 @@ async def run_collecting(c, s, seconds=0.0):
 
 
 @pytest.mark.parametrize("collect_after, seconds, seen", [(5.0, 0.0, [False, False, False, True]),
-                                                          (0.3, 1.0, [False, True, True, True, True])])
+                                                          (0.3, 2.0, [False, True, True, True, True])])
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_a_fragment_runs_with_the_collector_paused_on_a_one_thread_worker(c, s, a, monkeypatch,
                                                                                  collect_after, seconds, seen):

@@ -31,6 +31,19 @@ def in_thread(func, *args, **kwargs):
     return asyncio.get_running_loop().run_in_executor(None, lambda: func(*args, **kwargs))
 
 
+def held_within(loop, s, named, below, timeout):
+    """Poll, from a thread, until the bytes in the scheduler's memory under keys for which ``named(key)``
+    holds are below ``below``, or ``timeout`` passed: the last count (read on the scheduler's event loop,
+    which changes its tasks meanwhile)."""
+    async def held():
+        return sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and named(str(ts.key)))
+
+    deadline = time.monotonic() + timeout
+    while (n := asyncio.run_coroutine_threadsafe(held(), loop).result()) >= below and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
 def item_keys(s):
     return [k for k in s.tasks if "octopus-item" in str(k)]
 
@@ -504,7 +517,7 @@ NO_DASK_STEALING = {"distributed.scheduler.work-stealing-interval": "1h"}
 async def test_a_worker_that_ran_out_of_work_steals_the_tail_of_a_slowed_worker(c, s, a, b):
     rec = await setup(c, s, [1.0, 1.0])  # equal weights: the plan gives each worker 20 items
     out = await in_thread(dask_octopus.map, slows_down_on, range(40), client=c, cost=[1] * 40, group=2, gather=True,
-                          slow=a.name, fast_s=0.002, slow_s=0.03)
+                          slow=a.name, fast_s=0.002, slow_s=0.1)  # (a's head runs long beside b's work)
     assert out == list(range(40))
     name, plan = plan_of(s)
     ran = {k[1]: w for k, w in rec.worker.items() if isinstance(k, tuple) and k[0] == name}
@@ -705,12 +718,12 @@ def total(x):
 async def test_imap_holds_no_scattered_input_of_a_batch_that_finished(c, s, a, b):
     await setup(c, s, [1.0, 1.0])
     items = [np.full(2**17, float(i)) for i in range(40)]  # 40 MiB: scattered to their planned workers
+    loop = asyncio.get_running_loop()
 
     def first_then_held():
         it = dask_octopus.imap(total, items, client=c, cost=list(range(1, 41)))
-        first = next(it)
-        time.sleep(1.0)  # every batch is done by now; the stream has read one
-        held = sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and "octopus-map" not in str(ts.key))
+        first = next(it)  # the stream has read one; the other batches finish, unread
+        held = held_within(loop, s, lambda key: "octopus-map" not in key, 2**20, timeout=10)
         return held, sorted([first, *it])
 
     held, got = await in_thread(first_then_held)
@@ -867,11 +880,12 @@ async def test_imap_holds_nothing_of_what_it_has_read(c, s, a, b, what):
     else:  # 1 MiB inputs, computed by the map
         func, items, name = first_of, [dask.delayed(make_mib)(-i) for i in range(40)], "make_mib"
 
+    loop = asyncio.get_running_loop()
+
     def read_39():
         it = dask_octopus.imap(func, items, client=c, cost=[40] + [1] * 39)  # item 0 alone in a task
         read = [next(it)[0] for _ in range(39)]
-        time.sleep(0.2)
-        held = sum(ts.nbytes for ts in s.tasks.values() if ts.state == "memory" and name in str(ts.key))
+        held = held_within(loop, s, lambda key: name in key, 2**20 + 2**10, timeout=5)
         return read, held, list(it)
 
     read, held, rest = await in_thread(read_39)

@@ -311,10 +311,11 @@ async def test_an_asynchronous_imap_warns_naming_the_line_that_called_it(c, s, a
     assert lines == [(__file__, line)]
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "1s"})
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config={**FAST, "octopus.calibration.wait": "3s"})
 async def test_each_worker_is_waited_for_from_when_it_joined(c, s, a):
     """Two workers that never report, the second joining 0.6 s after the first: a plan waits for each
-    until its own wait is over, and names each as that happens."""
+    until its own wait is over, and names each as that happens. (The wait is long beside a worker's
+    start, its calibration included, which ends before the plan is asked for.)"""
     await dask_octopus.register(c)
     delayed_reports(s, None)
     async with Worker(s.address, nthreads=1) as b:
@@ -1242,9 +1243,9 @@ async def test_a_worker_whose_calibration_hangs_holds_register_no_longer_than_th
 
     b.handlers["plugin-add"] = hanging
     start = time.monotonic()
-    with (dask.config.set({"octopus.calibration.wait": "1s"}),
+    with (dask.config.set({"octopus.calibration.wait": "3s"}),  # (long beside a's calibration, under load too)
           pytest.warns(UserWarning, match=rf"no calibration report from {b.address} within "
-                                          r"octopus\.calibration\.wait=1s: they get the mean weight") as caught):
+                                          r"octopus\.calibration\.wait=3s: they get the mean weight") as caught):
         await dask_octopus.register(c, calibration_seconds=0.05)
     named_here(caught, "no calibration report")
     assert time.monotonic() - start < 10
