@@ -1772,6 +1772,32 @@ async def test_a_cancelled_compute_stops_its_running_fragment(c, s, a):
     assert await c.compute(x[:4].sum()) == 6  # and the worker takes the next compute
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_fragment_cancelled_then_asked_for_again_as_it_runs_is_run_once_again(c, s, a):
+    """Cancelled and computed again before the fragment's next look at the worker's state: the worker
+    resumes the task, but the scheduler drops the result of the run begun before (a stale run); the run
+    stops within a step, as a cancelled one does, and runs again at once, instead of running its whole
+    share for nothing first (100 blocks then ran 200 times)."""
+    await setup(c, s, [1.0])
+    SLOW.clear()
+    GATE.clear()
+    x = await c.persist(da.arange(100.0, chunks=1))
+    y = x.map_blocks(slow_block, dtype=float).sum()
+    with dask_octopus.annotate():
+        future = c.compute(y)  # one fragment of 100 blocks, 1 s
+    await async_poll_for(lambda: len(SLOW) == 3, timeout=30)  # the third block waits for the gate
+    (key,) = [k for k in a.state.tasks if key_split(k) == FRAGMENT_PREFIX]
+    run_id = a.state.tasks[key].run_id
+    await future.cancel()
+    await async_poll_for(lambda: a.state.tasks[key].state == "cancelled", timeout=30)
+    with dask_octopus.annotate():
+        future = c.compute(y)
+    await async_poll_for(lambda: a.state.tasks[key].run_id != run_id, timeout=30)  # resumed, not run yet
+    GATE.set()
+    assert await future == 4950 + 100
+    assert len(SLOW) < 120  # 100 blocks, and the few the stale run ran before it stopped
+
+
 TRIES = []  # the parts still_failing was called for
 
 

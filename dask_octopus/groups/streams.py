@@ -709,6 +709,7 @@ class RunningTask:
         except (ValueError, KeyError):  # not in a worker, or not in the thread of a task
             self._worker, ts = None, None
         self._ts = ts
+        self._run_id = ts.run_id if ts is not None else None
         retries = (ts.annotations or {}).get("retries", 0) if ts is not None else 0
         self.retries = retries if isinstance(retries, int) and retries > 0 else 0
         self._next = time.perf_counter() + self.every
@@ -735,12 +736,14 @@ class RunningTask:
         """Raise ``distributed.Reschedule`` once the worker no longer wants the task's result (looked up
         every :attr:`every` seconds at most): as a cancelled small task would end, the fragment ends
         within one step instead of running its whole share for nothing. The worker then releases the
-        task, or, where the task was asked for again meanwhile, has the scheduler run it again."""
+        task, or, where the task was asked for again meanwhile, has the scheduler run it again: also where
+        it was cancelled and asked for again between two looks (the worker resumed it under a new run id,
+        and the scheduler would drop this run's result as stale, and run it again only then)."""
         if self._worker is None or time.perf_counter() < self._next:
             return
         self._next = time.perf_counter() + self.every
         ts = self._worker.state.tasks.get(self._key)
-        if ts is None or ts.state == "cancelled":
+        if ts is None or ts.state == "cancelled" or ts.run_id != self._run_id:
             raise Reschedule(f"task {self._key!r} was released while its fragment ran")
 
     def done_share(self, values: Sequence[Any], failed: type, partial: bool) -> None:
