@@ -1798,6 +1798,39 @@ async def test_a_fragment_cancelled_then_asked_for_again_as_it_runs_is_run_once_
     assert len(SLOW) < 120  # 100 blocks, and the few the stale run ran before it stopped
 
 
+DONE_AT = {}  # when work last ran for each name (the workers run in this process)
+
+
+def work(name, i):
+    time.sleep(0.005)
+    DONE_AT[name] = time.monotonic()
+    return i
+
+
+@pytest.mark.parametrize("scope", ["built", "computed"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_fragment_of_higher_priority_sent_with_another_runs_first(c, s, a, scope):
+    """Two fragments of one compute on a worker of one thread, one of them of higher ``priority``: the
+    worker starts whichever the scheduler sent first, and a fragment holds the thread for its whole
+    share (the high-priority work ended last in 3 to 5 computes of 6). As Dask's worker runs its ready
+    tasks by priority (plain Dask: the high-priority work always first), the fragment of lower priority
+    steps back before its first step. ``annotate`` around building the collections, or around the
+    compute; the two outputs asked for in either order."""
+    await setup(c, s, [1.0])
+    for r in range(8):
+        DONE_AT.clear()
+        with dask_octopus.annotate() if scope == "built" else contextlib.nullcontext():
+            low = [dask.delayed(work)("low", i) for i in range(20)]
+            with dask.annotate(priority=10):
+                high = [dask.delayed(work)("high", i) for i in range(20)]
+            pair = [dask.delayed(sum)(low), dask.delayed(sum)(high)]
+        with dask_octopus.annotate() if scope == "computed" else contextlib.nullcontext():
+            futures = c.compute(pair if r % 2 else pair[::-1])
+        assert await c.gather(futures) == [190, 190]
+        assert DONE_AT["high"] < DONE_AT["low"], r
+        assert any(key_split(k) == FRAGMENT_PREFIX for k in a.state.tasks), r  # (fragments ran)
+
+
 TRIES = []  # the parts still_failing was called for
 
 

@@ -14,6 +14,7 @@ function and input shapes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import copyreg
@@ -694,7 +695,8 @@ def _failed_as_value(func: Callable[..., Any], args: Sequence[Any], retries: int
 class RunningTask:
     """The Dask task that runs a fragment in this thread: the retries Dask grants it (its ``retries``
     annotation, as ``compute(retries=n)`` or ``dask.annotate(retries=n)`` set it; 0 outside a worker),
-    :meth:`check`, which stops the run once Dask released the task, and :meth:`done_share`."""
+    :meth:`first_in_line`, which steps back for ready tasks of higher priority, :meth:`check`, which
+    stops the run once Dask released the task, and :meth:`done_share`."""
 
     every = 0.05  #: seconds between two looks at the worker's state
     collect_after = 0.2  #: seconds of a run with the garbage collector paused at most (:meth:`collector_paused`)
@@ -731,6 +733,30 @@ class RunningTask:
             loop = self._worker.loop
             loop.add_callback(loop.call_later, self.collect_after, resume)  # (add_callback: from any thread)
             yield
+
+    def first_in_line(self) -> None:
+        """Raise ``distributed.Reschedule`` where a task of higher priority than this one waits, ready, on
+        the worker (called before the fragment's first step): sent together (one compute, or computes
+        submitted together), the worker started whichever the scheduler sent first, and a fragment holds
+        its thread for its whole share, where after one small task the worker would take its ready tasks
+        in priority order. Stepping back before its first step, the fragment loses no work; the scheduler
+        sends it again, and the worker runs it after the tasks of higher priority. Higher: of a higher
+        ``priority`` annotation, or of an older graph (the first two of Dask's three priorities); the
+        order within one graph (Dask's ``dask.order``, the third) does not make the parts of a worker's
+        fragment step back for each other."""
+        if self._ts is None or not len(self._worker.state.ready):  # (read from this thread: a length)
+            return
+        state = self._worker.state
+
+        async def first_ready() -> Any:  # (on the worker's event loop, which changes its queue)
+            return state.ready.peek().priority if state.ready else None
+
+        try:
+            ready = asyncio.run_coroutine_threadsafe(first_ready(), self._worker.loop.asyncio_loop).result(5)
+        except (TimeoutError, RuntimeError):  # (the worker closing: its loop stopped)
+            return
+        if ready is not None and self._ts.priority is not None and ready[:2] < self._ts.priority[:2]:
+            raise Reschedule(f"task {self._key!r} stepped back for a task of higher priority")
 
     def check(self) -> None:
         """Raise ``distributed.Reschedule`` once the worker no longer wants the task's result (looked up
@@ -849,12 +875,15 @@ def run_fragment(fragment: Fragment, *inputs: Any) -> tuple[Any, ...]:
     that of every step that reads it, is a :class:`StepFailed` holding its exception (with the
     step's key in its notes), which the tasks that read it from the fragment raise. A run whose task
     Dask releases meanwhile (a cancel, a restart) stops within a step or a retry of one
-    (:class:`RunningTask`; a replayed graph, one launch, runs to its end). On a GPU worker Python's
-    thread switch interval is shortened while it runs (:func:`launching`)."""
+    (:class:`RunningTask`; a replayed graph, one launch, runs to its end); one started where a task of
+    higher priority waits on the worker steps back before its first step
+    (:meth:`RunningTask.first_in_line`). On a GPU worker Python's thread switch interval is shortened
+    while it runs (:func:`launching`)."""
     if len(inputs) != len(fragment.inputs):
         raise ValueError(f"a fragment of {len(fragment.inputs)} inputs was given {len(inputs)}")
     values = dict(enumerate(inputs))
     task = RunningTask()
+    task.first_in_line()
     rt = runtime()
     rt.count(len(fragment.names))
     cp = _cupy()
