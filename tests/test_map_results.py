@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from distributed import Client, Event, KilledWorker, LocalCluster, Nanny, Worker, get_worker, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import async_poll_for, gen_cluster, inc
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, inc
 from test_balance import setup
 from test_map import fails_on_seven, plan_of, slow_identity
 
@@ -712,6 +712,45 @@ async def test_an_input_that_fails_while_the_map_waits_for_it_fails_only_its_ite
 def total(x):
     time.sleep(0.05)
     return float(x.sum())
+
+
+@pytest.mark.parametrize("how", ["map", "imap"])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_a_worker_planned_only_futures_beside_large_local_items_gets_no_scatter(c, s, a, b, how):
+    """Local items of SCATTER_BYTES or more in all are scattered to their workers; a worker whose items
+    are all futures has none to scatter (an empty scatter failed the call with distributed's bare
+    "not enough values to unpack")."""
+    await setup(c, s, [1.0, 1.0])
+    items = [np.ones(200_000), *await c.scatter([7.0, 8.0])]  # 1.6 MB here; the futures cost 1 each
+
+    def run():
+        if how == "map":
+            return dask_octopus.map(np.sum, items, client=c, gather=True)
+        return [x for _, x in sorted(dask_octopus.imap(np.sum, items, client=c))]
+
+    assert await in_thread(run) == [200000.0, 7.0, 8.0]
+    _, plan = plan_of(s)
+    assert len(set(plan.workers)) == 2  # the local item on one worker, the futures on the other
+
+
+class Unsized:
+    """An item whose size cannot be measured (a handle to something outside Python, say)."""
+
+    def __sizeof__(self):
+        raise RuntimeError("no size")
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_items_whose_size_cannot_be_measured_are_mapped_as_client_map_maps_them(c, s, a, b, gather):
+    """Their size is taken as distributed does where ``sizeof`` raises (``safe_sizeof``: 1 MB, and a
+    warning logged); the map raised the item's own error from ``__sizeof__``, cost given or not."""
+    await setup(c, s, [1.0, 1.0])
+    items = [Unsized(), Unsized()]
+    with captured_logger("distributed.sizeof") as log:
+        out = await in_thread(dask_octopus.map, type, items, client=c, cost=[1, 1], gather=gather)
+    assert (out if gather else await c.gather(out)) == [Unsized, Unsized]
+    assert "Sizeof calculation for object of type" in log.getvalue()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=60, config={"octopus.map.steal-fraction": 0})

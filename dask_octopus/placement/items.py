@@ -22,10 +22,10 @@ from typing import Any
 import cloudpickle
 import dask
 from dask.base import is_dask_collection, tokenize
-from dask.sizeof import sizeof
 from dask.utils import funcname, key_split, parse_timedelta
 from distributed import Client, Future, KilledWorker, as_completed
 from distributed.client import FutureCancelledError
+from distributed.sizeof import safe_sizeof
 
 from dask_octopus import config
 from dask_octopus._checks import check_flag
@@ -355,7 +355,8 @@ def _spread(idx: list[int], costs: list[float], threads: int) -> list[list[int]]
 
 
 def _item_bytes(client: Client, items: list[Any], wait: bool) -> list[float]:
-    """The bytes of each item: Dask's ``sizeof`` of a local item, the scheduler's figure for a future,
+    """The bytes of each item: Dask's ``sizeof`` of a local item (as distributed's ``safe_sizeof``: 1 MB,
+    with a warning, where it raises), the scheduler's figure for a future,
     the futures waited for first where ``wait`` (a batch task cannot start before all its items are
     computed anyway); 0 for a future that failed, was cancelled or, not waited for, is not computed yet."""
     futures = [it for it in items if isinstance(it, Future)]
@@ -363,7 +364,7 @@ def _item_bytes(client: Client, items: list[Any], wait: bool) -> list[float]:
         wait_for(client, futures)
     held = [f.key for f in futures if f.status == "finished"]  # (the scheduler knows no cancelled key)
     nbytes = client.nbytes(held, summary=False) if held else {}
-    return [max(0.0, nbytes.get(it.key, 0)) if isinstance(it, Future) else float(sizeof(it)) for it in items]
+    return [max(0.0, nbytes.get(it.key, 0)) if isinstance(it, Future) else float(safe_sizeof(it)) for it in items]
 
 
 def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batches: list[tuple[str, list[int]]],
@@ -380,8 +381,8 @@ def _scatter_to_plan(client: Client, items: list[Any], nbytes: list[float], batc
         return
     planned: dict[str, list[int]] = {}
     for worker, idx in batches:
-        if worker not in held:
-            planned.setdefault(worker, []).extend(i for i in idx if not isinstance(items[i], Future))
+        if worker not in held and (mine := [i for i in idx if not isinstance(items[i], Future)]):
+            planned.setdefault(worker, []).extend(mine)  # (a worker planned only futures: nothing to scatter)
     for worker, idx in planned.items():
         try:
             futures = client.scatter([items[i] for i in idx], workers=[worker], hash=False)
