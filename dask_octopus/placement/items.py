@@ -1019,13 +1019,14 @@ def _read(run: _Batches, future: Future, result: Any) -> Iterable[tuple[int, Any
     of one item that killed the workers that ran it (the item ran alone) with its ``KilledWorker`` as its
     :class:`ItemError`, the items of one lost with workers too often with theirs
     (:meth:`_Batches.lost_for_good`); else raises the exception of a batch that failed, or whose result could not be
-    sent (not picklable), releasing the batch (the error's traceback holds it: ``Future.result``'s frames)."""
+    sent (not picklable), releasing the batch as one read (:meth:`_Batches._forget`: the error's traceback
+    holds it, ``Future.result``'s frames)."""
     if isinstance(result, KilledWorker) and future.status != "finished":
         return list(zip(run.finish(future), [ItemError(result)]))
     if (lost := run.lost_for_good(future, result)) is not None:
         return lost
     if isinstance(result, Exception):
-        release([future])
+        run._forget(future)  # (released: the error's traceback holds the future)
         raise result
     return zip(run.finish(future), result)  # (finish releases the batch)
 
